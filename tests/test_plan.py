@@ -1,0 +1,145 @@
+"""ShardingPlan: the leaf rule, stages, optimizer-state coverage, overrides, metadata."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import flax.linen as nn
+from jax.sharding import PartitionSpec as P
+
+from zerojax import ConfigError, ShardingPlan, ZeroConfig, make_mesh
+
+S = jax.ShapeDtypeStruct
+PARAMS = {
+    "big": S((64, 256), jnp.float32),      # shard dim 1 (largest divisible)
+    "tall": S((250, 64), jnp.float32),     # 250 % 8 != 0 -> dim 1
+    "odd": S((250, 3), jnp.float32),       # nothing divides -> indivisible
+    "bias": S((64,), jnp.float32),         # under threshold -> replicated
+    "stack": S((4, 64, 64), jnp.float32),  # ties -> later dim
+}
+
+
+def plan_for(stage, params=PARAMS, tx=None, **kw):
+  cfg = ZeroConfig(stage=stage, param_persistence_threshold=128, **kw)
+  return ShardingPlan.create(cfg, make_mesh(cfg), params, tx=tx or optax.adam(1e-3))
+
+
+def specs(tree):
+  return jax.tree.map(lambda s: s.spec, tree)
+
+
+def test_leaf_rule():
+  plan = plan_for(3)
+  got = {lp.path: (lp.sharded, lp.reason) for lp in plan.leaves}
+  assert got["big"] == (P(None, "fsdp"), "sharded")
+  assert got["tall"] == (P(None, "fsdp"), "sharded")
+  assert got["odd"] == (P(None, None), "indivisible")
+  assert got["bias"] == (P(None), "threshold")
+  assert got["stack"] == (P(None, None, "fsdp"), "sharded")
+  assert plan.unsharded_bytes() == {"indivisible": 250 * 3 * 4, "threshold": 64 * 4}
+
+
+@pytest.mark.parametrize("stage, p, g, o", [
+    (0, False, False, False), (1, False, False, True), (2, False, True, True),
+    (3, True, True, True)])
+def test_stage_semantics(stage, p, g, o):
+  plan = plan_for(stage)
+  sharded = lambda tree: "fsdp" in tuple(tree["big"].spec)
+  assert sharded(plan.params) == p
+  assert sharded(plan.grads) == g
+  assert "fsdp" in tuple(plan.opt_state[0].mu["big"].spec) if o else \
+      "fsdp" not in tuple(plan.opt_state[0].mu["big"].spec)
+
+
+def test_bytes_per_device_follow_stage():
+  full = sum(np.prod(x.shape) * 4 for x in PARAMS.values())
+  b0, b3 = plan_for(0).bytes_per_device(), plan_for(3).bytes_per_device()
+  assert b0["params"] == full and b0["opt_state"] >= 2 * full
+  unsh = sum(plan_for(3).unsharded_bytes().values())
+  assert b3["params"] == (full - unsh) // 8 + unsh
+
+
+@pytest.mark.parametrize("name, tx", [
+    ("chain", optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))),
+    ("masked", optax.masked(optax.adam(1e-3), {k: k != "bias" for k in PARAMS})),
+    ("inject", optax.inject_hyperparams(optax.adamw)(learning_rate=1e-3)),
+    ("multisteps", optax.MultiSteps(optax.adam(1e-3), every_k_schedule=4)),
+])
+def test_any_optax_state_is_planned(name, tx):
+  plan = plan_for(1, tx=tx)
+  opt_shapes = jax.eval_shape(tx.init, PARAMS)
+  assert jax.tree.structure(plan.opt_state) == jax.tree.structure(opt_shapes)
+  for (path, shape, _, spec), x in zip(plan.opt_leaves, jax.tree.leaves(opt_shapes)):
+    assert shape == x.shape
+    if shape == (64, 256):  # mirrors 'big': sharded like it
+      assert spec == P(None, "fsdp"), path
+    if shape == ():  # counts, injected hyperparameters
+      assert spec == P(), path
+
+
+def test_user_rules_override():
+  plan = plan_for(3, rules=((r"^big$", ("fsdp", None)), (r"stack", ())))
+  got = {lp.path: lp.sharded for lp in plan.leaves}
+  assert got["big"] == P("fsdp", None)
+  assert got["stack"] == P(None, None, None) or "fsdp" in tuple(got["stack"])
+
+
+def test_bad_rule_is_explained():
+  with pytest.raises(ConfigError, match="axis 'model' is not a mesh axis"):
+    plan_for(3, rules=((r"big", (None, "model")),))
+  with pytest.raises(ConfigError, match="does not divide"):
+    plan_for(3, rules=((r"odd", ("fsdp", None)),))
+
+
+def test_linen_partitioning_metadata_tensor_axis():
+  class M(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      k = self.param("k", nn.with_partitioning(nn.initializers.ones, (None, "tensor")),
+                     (64, 256))
+      return x @ k
+  cfg = ZeroConfig(stage=3, mesh_shape=(4, 2), mesh_axes=("fsdp", "tensor"),
+                   param_persistence_threshold=0)
+  params = jax.eval_shape(M().init, jax.random.key(0), jnp.ones((2, 64)))["params"]
+  plan = ShardingPlan.create(cfg, make_mesh(cfg), params, tx=optax.adam(1e-3))
+  (lp,) = plan.leaves
+  assert lp.sharded == P("fsdp", "tensor") and lp.gathered == P(None, "tensor")
+  assert plan.opt_state[0].mu["k"].spec == P("fsdp", "tensor")
+
+
+def test_nnx_partitioning_metadata():
+  from flax import nnx
+  cfg = ZeroConfig(stage=3, mesh_shape=(4, 2), mesh_axes=("fsdp", "tensor"),
+                   param_persistence_threshold=0)
+  mesh = make_mesh(cfg)
+  with jax.set_mesh(mesh):
+    lin = nnx.eval_shape(lambda: nnx.Linear(
+        64, 128, rngs=nnx.Rngs(0),
+        kernel_init=nnx.with_partitioning(nnx.initializers.lecun_normal(), ("tensor", None))))
+  plan = ShardingPlan.create(cfg, mesh, nnx.state(lin, nnx.Param))
+  got = {lp.path: lp.sharded for lp in plan.leaves}
+  assert got["kernel"] == P("tensor", "fsdp")
+
+
+def test_table_has_totals():
+  t = plan_for(3).table()
+  for s in ("path", "bytes/device", "big", "P(None, 'fsdp')", "per device:",
+            "left replicated over fsdp", "indivisible"):
+    assert s in t
+
+
+def test_batch_sharding_and_error():
+  plan = plan_for(2)
+  b = plan.batch({"x": np.zeros((16, 4))})
+  assert b["x"].spec == P(("fsdp",))
+  with pytest.raises(ConfigError, match="does not divide by the data-parallel size 8"):
+    plan.batch({"x": np.zeros((12, 4))})
+
+
+def test_abstract_mesh_planning_without_devices():
+  from jax.sharding import AbstractMesh, AxisType
+  cfg = ZeroConfig(stage=3, param_persistence_threshold=0)
+  mesh = AbstractMesh((512,), ("fsdp",), axis_types=(AxisType.Auto,))
+  plan = ShardingPlan.create(cfg, mesh, {"w": S((4096, 4096), jnp.float32)}, optax.adam(1e-3))
+  assert plan.bytes_per_device()["params"] == 4096 * 4096 * 4 // 512

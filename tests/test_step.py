@@ -1,0 +1,131 @@
+"""The decorated step: parity with an unsharded run, compiled shardings, collectives."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import zerojax
+from zerojax.memory import collective_bytes
+from zerojax.models import GPTConfig, loss_fn, nnx_gpt
+from tests import helpers
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_parity_linen_scanned(stage, zero_runs, reference):
+  helpers.assert_parity(zero_runs[stage], reference)
+
+
+def test_parity_losses_decrease(reference):
+  assert reference.losses[-1] < reference.losses[0] - 0.05
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_parity_linen_unscanned(stage):
+  cfg = dataclasses.replace(helpers.TINY, scan=False)
+  helpers.assert_parity(helpers.zero_run(cfg, stage, steps=10),
+                        helpers.reference_run(cfg, steps=10))
+
+
+def test_parity_vocab_50257_stage3():
+  # 50257 is prime to 8: embedding and head shard on d_model, the head bias stays whole.
+  cfg = GPTConfig(vocab_size=50257, seq_len=16, num_layers=2, num_heads=2, d_model=32)
+  run = helpers.zero_run(cfg, 3, steps=10)
+  helpers.assert_parity(run, helpers.reference_run(cfg, steps=10))
+  reasons = {lp.path: lp.reason for lp in run.plan.leaves}
+  assert reasons["head/bias"] == "indivisible"
+  assert run.state.params["wte"]["embedding"].sharding.spec == jax.sharding.PartitionSpec(
+      None, "fsdp")
+
+
+# -- NNX ----------------------------------------------------------------------------------------
+
+NNX_CFG = dataclasses.replace(helpers.TINY, scan=False)
+
+
+def nnx_train_step(model, optimizer, batch):
+  def lf(m):
+    return loss_fn(m(batch["x"]), batch["y"])
+  loss, grads = nnx.value_and_grad(lf)(model)
+  optimizer.update(model, grads)
+  return {"loss": loss}
+
+
+@pytest.fixture(scope="module")
+def nnx_reference():
+  dev = jax.devices()[0]
+  with jax.default_device(dev):
+    model = nnx_gpt(NNX_CFG, nnx.Rngs(0))
+    opt = nnx.Optimizer(model, helpers.make_tx(), wrt=nnx.Param)
+    step = nnx.jit(nnx_train_step)
+    losses = [float(step(model, opt, jax.device_put(b, dev))["loss"])
+              for b in helpers.batches(NNX_CFG)]
+  return losses, jax.tree.map(np.asarray, nnx.state(model, nnx.Param))
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_parity_nnx(stage, nnx_reference):
+  zc = zerojax.ZeroConfig(stage=stage, param_persistence_threshold=helpers.THRESHOLD)
+  model, opt, plan = zerojax.create_nnx(lambda: nnx_gpt(NNX_CFG, nnx.Rngs(0)),
+                                        helpers.make_tx(), config=zc)
+  step = zerojax.zero_step(plan)(nnx_train_step)
+  losses = [float(step(model, opt, b)["loss"]) for b in helpers.batches(NNX_CFG)]
+  ref_losses, ref_params = nnx_reference
+  np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-5)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5),
+               jax.tree.map(np.asarray, nnx.state(model, nnx.Param)), ref_params)
+  kernel = model.blocks[0].fc.kernel[...]
+  assert ("fsdp" in tuple(kernel.sharding.spec)) == (stage == 3)
+  mu = opt.opt_state[0].mu["blocks"][0]["fc"]["kernel"][...]
+  assert ("fsdp" in tuple(mu.sharding.spec)) == (stage >= 1)
+
+
+# -- the compiled step's shardings and collectives ----------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def compiled(zero_runs):
+  b = helpers.batches(helpers.TINY, 1)[0]
+  return {s: r.step.lower(r.state, b).compile() for s, r in zero_runs.items()}
+
+
+def _fsdp_leaves(shardings_tree):
+  return {jax.tree_util.keystr(k) for k, s in jax.tree_util.tree_flatten_with_path(
+      shardings_tree)[0] if "fsdp" in jax.tree.leaves(tuple(s.spec))}
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_compiled_shardings_match_plan(stage, compiled, zero_runs):
+  c, run = compiled[stage], zero_runs[stage]
+  (state_in, batch_in), _ = c.input_shardings
+  state_out, _ = c.output_shardings
+  params_in = _fsdp_leaves(state_in.params)
+  opt_in = _fsdp_leaves(state_in.opt_state)
+  want_params = {lp.path for lp in run.plan.leaves if lp.is_sharded} if stage == 3 else set()
+  assert len(params_in) == len(want_params)
+  assert (len(opt_in) > 0) == (stage >= 1)
+  assert _fsdp_leaves(state_out.params) == params_in
+  assert _fsdp_leaves(state_out.opt_state) == opt_in
+  assert "fsdp" in jax.tree.leaves(tuple(batch_in["x"].spec))
+  # the arrays that come back are laid out as compiled
+  kernel = run.state.params["blocks"]["fc"]["kernel"]
+  assert ("fsdp" in tuple(kernel.sharding.spec)) == (stage == 3)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_hlo_collectives_per_stage(stage, compiled, zero_runs):
+  coll = collective_bytes(compiled[stage].as_text())
+  psi = sum(lp.nbytes for lp in zero_runs[stage].plan.leaves)
+  if stage == 0:  # gradients all-reduced, nothing gathered
+    assert coll["all-gather"] == 0 and coll["all-reduce"] >= 1.9 * psi
+  if stage in (1, 2):  # gradients reduce(-scattered), updated params all-gathered
+    assert 0.9 * psi <= coll["all-gather"] <= 1.1 * psi
+  if stage == 3:  # params gathered in forward and again in backward
+    assert coll["all-gather"] >= 1.5 * psi
+  if stage >= 1:
+    total = sum(coll.values())
+    assert total <= (3 if stage == 3 else 2) * psi * 1.15  # the paper's volume, +15%

@@ -1,0 +1,301 @@
+"""`ZeroConfig`: the one switch board of zerojax.
+
+Every other module reads this frozen dataclass; nothing else holds settings. It is validated
+at construction so a bad value fails before any device work, with a message that names the
+field, the value and what is allowed.
+
+DeepSpeed ``ds_config.json`` files map into the same dataclass (see `zerojax.deepspeed`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+STAGES = (0, 1, 2, 3)
+MESH_AXES = ("replica", "fsdp", "tensor")
+DTYPES = ("float32", "bfloat16", "float16")
+REMAT_POLICIES = ("none", "full", "dots", "offload")
+OFFLOAD_FALLBACKS = ("error", "warn")
+
+
+class ConfigError(ValueError):
+  """A `ZeroConfig` field holds a value zerojax does not allow."""
+
+
+def _fail(field: str, value: Any, allowed: str) -> None:
+  raise ConfigError(f"ZeroConfig.{field}={value!r} is invalid: {allowed}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ZeroConfig:
+  """Settings of a zerojax run.
+
+  Attributes:
+    stage: ZeRO stage. 0 = plain data parallel, 1 = shard optimizer state, 2 = also gradients,
+      3 = also parameters (gathered per layer just in time).
+    mesh_shape: device-mesh shape; one entry may be -1 to take the remaining devices.
+    mesh_axes: names of the mesh axes, a subset of ``('replica', 'fsdp', 'tensor')``. Stages
+      shard over ``fsdp``; ``replica`` is plain data parallelism across groups (HSDP);
+      ``tensor`` is placed by the model's Flax partitioning metadata.
+    param_persistence_threshold: leaves with fewer elements stay replicated (DeepSpeed's
+      ``stage3_param_persistence_threshold``); sharding a bias costs a collective and saves
+      nothing worth having.
+    param_dtype: dtype of the master parameters and optimizer state.
+    compute_dtype: dtype the model computes in (set on Flax modules as ``dtype``).
+    reduce_dtype: dtype of the gradient reduction; ``None`` keeps the gradient's dtype.
+    offload_optimizer: keep the optimizer state in ``pinned_host`` memory (stages 1-3).
+    offload_params: keep stage-3 parameters in ``pinned_host`` memory.
+    offload_fallback: what to do when the backend has no ``pinned_host``: ``'error'`` or
+      ``'warn'`` (warn and keep the state on device).
+    optimizer_on_host: run the optimizer update itself on the host (needs offload_optimizer).
+    remat: rematerialisation policy applied to the user's model: ``'none'``, ``'full'``
+      (nothing saveable), ``'dots'`` (dots saveable) or ``'offload'`` (named residuals go to
+      host memory, see ``remat_offload_names``).
+    remat_offload_names: ``checkpoint_name`` names offloaded by ``remat='offload'``.
+    max_live_layers: stage 3: how many gathered layers may be live at once; 1 gathers each
+      layer just before use, 2 lets the next layer's gather overlap the current layer.
+    train_batch_size: global batch per optimizer step.
+    micro_batch_per_device: batch per device per micro-step.
+    gradient_accumulation_steps: micro-steps per optimizer step.
+    gradient_clipping: clip gradients to this global norm (``None``: no clipping).
+    loss_scale: fp16 loss scaling: ``None`` off, ``0`` dynamic, ``> 0`` a static scale.
+    initial_scale_power: dynamic loss scaling starts at ``2**initial_scale_power``.
+    loss_scale_window: good steps before the scale doubles.
+    hysteresis: overflowing steps tolerated before the scale halves.
+    min_loss_scale: the scale never falls below this.
+    rules: user overrides ``((regex, partition_spec), ...)``; the first regex that matches a
+      leaf's path (``'params/layers/mlp/kernel'``) fixes its spec, e.g.
+      ``(("embed", (None, "fsdp")),)``.
+  """
+
+  stage: int = 3
+  mesh_shape: tuple[int, ...] = (-1,)
+  mesh_axes: tuple[str, ...] = ("fsdp",)
+  param_persistence_threshold: int = 4096
+  param_dtype: str = "float32"
+  compute_dtype: str = "float32"
+  reduce_dtype: str | None = None
+  offload_optimizer: bool = False
+  offload_params: bool = False
+  offload_fallback: str = "error"
+  optimizer_on_host: bool = False
+  remat: str = "none"
+  remat_offload_names: tuple[str, ...] = ()
+  max_live_layers: int = 1
+  train_batch_size: int | None = None
+  micro_batch_per_device: int | None = None
+  gradient_accumulation_steps: int | None = None
+  gradient_clipping: float | None = None
+  loss_scale: float | None = None
+  initial_scale_power: int = 16
+  loss_scale_window: int = 1000
+  hysteresis: int = 2
+  min_loss_scale: float = 1.0
+  rules: tuple[tuple[str, tuple[Any, ...]], ...] = ()
+
+  def __post_init__(self):
+    # Normalise sequences that arrive as lists from JSON/YAML so the dataclass stays hashable.
+    set_ = lambda k, v: object.__setattr__(self, k, v)
+    set_("mesh_shape", tuple(self.mesh_shape) if _is_seq(self.mesh_shape) else self.mesh_shape)
+    set_("mesh_axes", tuple(self.mesh_axes) if _is_seq(self.mesh_axes) else self.mesh_axes)
+    set_("remat_offload_names", tuple(self.remat_offload_names))
+    if _is_seq(self.rules):
+      set_("rules", tuple((r[0], tuple(r[1]) if _is_seq(r[1]) else r[1]) for r in self.rules))
+    self._validate()
+
+  # -- validation -------------------------------------------------------------------------
+
+  def _validate(self) -> None:
+    if not _is_int(self.stage) or self.stage not in STAGES:
+      _fail("stage", self.stage, "allowed stages are 0, 1, 2 and 3")
+    if not isinstance(self.mesh_axes, tuple) or not self.mesh_axes:
+      _fail("mesh_axes", self.mesh_axes, f"a non-empty list of names from {MESH_AXES}")
+    for a in self.mesh_axes:
+      if a not in MESH_AXES:
+        _fail("mesh_axes", self.mesh_axes, f"axis {a!r} is unknown; allowed axes are {MESH_AXES}")
+    if len(set(self.mesh_axes)) != len(self.mesh_axes):
+      _fail("mesh_axes", self.mesh_axes, "axis names must be unique")
+    if "fsdp" not in self.mesh_axes:
+      _fail("mesh_axes", self.mesh_axes, "must contain 'fsdp', the axis the stages shard over")
+    if not isinstance(self.mesh_shape, tuple) or len(self.mesh_shape) != len(self.mesh_axes):
+      _fail("mesh_shape", self.mesh_shape,
+            f"needs one size per axis of mesh_axes={self.mesh_axes}")
+    for s in self.mesh_shape:
+      if not _is_int(s) or (s < 1 and s != -1):
+        _fail("mesh_shape", self.mesh_shape, "sizes must be positive integers, or -1 (once) for "
+              "'all remaining devices'")
+    if sum(1 for s in self.mesh_shape if s == -1) > 1:
+      _fail("mesh_shape", self.mesh_shape, "at most one size may be -1")
+    _check_devices(self.mesh_shape)
+    if not _is_int(self.param_persistence_threshold) or self.param_persistence_threshold < 0:
+      _fail("param_persistence_threshold", self.param_persistence_threshold,
+            "a number of elements >= 0")
+    for f in ("param_dtype", "compute_dtype"):
+      if getattr(self, f) not in DTYPES:
+        _fail(f, getattr(self, f), f"allowed dtypes are {DTYPES}")
+    if self.reduce_dtype is not None and self.reduce_dtype not in DTYPES:
+      _fail("reduce_dtype", self.reduce_dtype, f"None or one of {DTYPES}")
+    if self.offload_fallback not in OFFLOAD_FALLBACKS:
+      _fail("offload_fallback", self.offload_fallback, f"one of {OFFLOAD_FALLBACKS}")
+    if self.offload_optimizer and self.stage == 0:
+      _fail("offload_optimizer", True, "needs stage >= 1: at stage 0 every device keeps a full "
+            "optimizer state, so offload would copy it to every host; use stage 1 or higher")
+    if self.offload_params and self.stage != 3:
+      _fail("offload_params", True, f"needs stage 3 (stage is {self.stage}): below stage 3 the "
+            "parameters are replicated and used whole by every layer on every device")
+    if self.optimizer_on_host and not self.offload_optimizer:
+      _fail("optimizer_on_host", True, "needs offload_optimizer=True")
+    if self.remat not in REMAT_POLICIES:
+      _fail("remat", self.remat, f"allowed policies are {REMAT_POLICIES}")
+    if self.remat == "offload" and not self.remat_offload_names:
+      _fail("remat_offload_names", self.remat_offload_names,
+            "remat='offload' needs the checkpoint_name names of the residuals to offload")
+    if not _is_int(self.max_live_layers) or self.max_live_layers < 1:
+      _fail("max_live_layers", self.max_live_layers, "an integer >= 1")
+    for f in ("train_batch_size", "micro_batch_per_device", "gradient_accumulation_steps"):
+      v = getattr(self, f)
+      if v is not None and (not _is_int(v) or v < 1):
+        _fail(f, v, "a positive integer or None")
+    if self.gradient_clipping is not None and not (
+        _is_num(self.gradient_clipping) and self.gradient_clipping > 0):
+      _fail("gradient_clipping", self.gradient_clipping, "a positive number or None")
+    if self.loss_scale is not None and not (_is_num(self.loss_scale) and self.loss_scale >= 0):
+      _fail("loss_scale", self.loss_scale, "None (off), 0 (dynamic) or a positive static scale")
+    if not _is_int(self.initial_scale_power) or not 0 <= self.initial_scale_power <= 64:
+      _fail("initial_scale_power", self.initial_scale_power, "an integer in [0, 64]")
+    for f in ("loss_scale_window", "hysteresis"):
+      if not _is_int(getattr(self, f)) or getattr(self, f) < 1:
+        _fail(f, getattr(self, f), "an integer >= 1")
+    if not _is_num(self.min_loss_scale) or self.min_loss_scale <= 0:
+      _fail("min_loss_scale", self.min_loss_scale, "a positive number")
+    for r in self.rules:
+      if not (isinstance(r, tuple) and len(r) == 2 and isinstance(r[0], str)):
+        _fail("rules", self.rules, "a list of (regex, partition_spec) pairs")
+
+  # -- derived values -----------------------------------------------------------------------
+
+  def resolved_mesh_shape(self, num_devices: int) -> tuple[int, ...]:
+    """The mesh shape with -1 replaced, checked against ``num_devices``."""
+    return _resolve_shape(self.mesh_shape, num_devices, self.mesh_axes)
+
+  def batch_sizes(self, data_parallel_size: int) -> tuple[int, int, int]:
+    """``(train_batch_size, micro_batch_per_device, gradient_accumulation_steps)``.
+
+    DeepSpeed's rule ``train = micro × accumulation × data_parallel``: any two given fix the
+    third; all three given must agree.
+    """
+    t, m, g = self.train_batch_size, self.micro_batch_per_device, self.gradient_accumulation_steps
+    dp = data_parallel_size
+    if t is None and m is None:
+      raise ConfigError("ZeroConfig needs train_batch_size or micro_batch_per_device to fix the "
+                        "batch size")
+    if g is None:
+      if t is not None and m is not None:
+        g, rem = divmod(t, m * dp)
+        if rem or g < 1:
+          _batch_fail(t, m, None, dp)
+      else:
+        g = 1
+    if t is None:
+      t = m * g * dp
+    if m is None:
+      m, rem = divmod(t, g * dp)
+      if rem or m < 1:
+        _batch_fail(t, None, g, dp)
+    if t != m * g * dp:
+      _batch_fail(t, m, g, dp)
+    return t, m, g
+
+  def replace(self, **changes: Any) -> "ZeroConfig":
+    return dataclasses.replace(self, **changes)
+
+  # -- I/O ------------------------------------------------------------------------------------
+
+  def to_dict(self) -> dict[str, Any]:
+    d = dataclasses.asdict(self)
+    d["mesh_shape"], d["mesh_axes"] = list(self.mesh_shape), list(self.mesh_axes)
+    d["remat_offload_names"] = list(self.remat_offload_names)
+    d["rules"] = [[r, list(s) if isinstance(s, tuple) else s] for r, s in self.rules]
+    return d
+
+  @classmethod
+  def from_dict(cls, d: Mapping[str, Any]) -> "ZeroConfig":
+    if "zero_optimization" in d:  # a DeepSpeed config
+      from zerojax.deepspeed import from_deepspeed
+      return from_deepspeed(d)
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - known)
+    if unknown:
+      raise ConfigError(f"ZeroConfig has no field {unknown[0]!r} (unknown keys: {unknown}); "
+                        f"allowed keys are {sorted(known)}")
+    return cls(**d)
+
+  @classmethod
+  def from_file(cls, path: str | os.PathLike) -> "ZeroConfig":
+    """Loads a ``.json``, ``.yaml`` or ``.yml`` file (zerojax or DeepSpeed format)."""
+    path = os.fspath(path)
+    if not os.path.exists(path):
+      raise FileNotFoundError(f"zerojax config file {path!r} does not exist")
+    with open(path) as f:
+      text = f.read()
+    if path.endswith((".yaml", ".yml")):
+      import yaml
+      d = yaml.safe_load(text)
+    elif path.endswith(".json"):
+      d = json.loads(text)
+    else:
+      raise ConfigError(f"config file {path!r}: unknown extension; use .json, .yaml or .yml")
+    if not isinstance(d, Mapping):
+      raise ConfigError(f"config file {path!r} must hold a mapping, got {type(d).__name__}")
+    return cls.from_dict(d)
+
+
+def _is_seq(x: Any) -> bool:
+  return isinstance(x, (list, tuple))
+
+
+def _is_int(x: Any) -> bool:
+  return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+def _is_num(x: Any) -> bool:
+  return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool)
+
+
+def _batch_fail(t, m, g, dp) -> None:
+  raise ConfigError(
+      f"inconsistent batch sizes: train_batch_size={t}, micro_batch_per_device={m}, "
+      f"gradient_accumulation_steps={g}, data-parallel size={dp}; the rule is "
+      "train_batch_size = micro_batch_per_device × gradient_accumulation_steps × data-parallel "
+      "size")
+
+
+def _resolve_shape(shape: Sequence[int], n: int, axes: Sequence[str]) -> tuple[int, ...]:
+  known = math.prod(s for s in shape if s != -1)
+  if -1 in shape:
+    if n % known:
+      _fail("mesh_shape", tuple(shape), f"the fixed sizes multiply to {known}, which does not "
+            f"divide the {n} available devices")
+    shape = tuple(n // known if s == -1 else s for s in shape)
+  if math.prod(shape) != n:
+    _fail("mesh_shape", tuple(shape), f"mesh {dict(zip(axes, shape))} needs "
+          f"{math.prod(shape)} devices but {n} are available; sizes must multiply to {n}")
+  return tuple(shape)
+
+
+def _check_devices(shape: tuple[int, ...]) -> None:
+  """Checks the mesh against the device count, if the backend is already up.
+
+  The backend is not initialised here: a config is often built before
+  ``jax.distributed.initialize``, which must come first. `make_mesh` checks again.
+  """
+  from jax._src import xla_bridge
+  if xla_bridge.backends_are_initialized():
+    import jax
+    _resolve_shape(shape, jax.device_count(), ("?",) * len(shape))

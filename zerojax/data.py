@@ -1,0 +1,73 @@
+"""Byte-level text data, fed per process.
+
+Each process reads only its own rows of every global batch and the global array is assembled
+with ``jax.make_array_from_process_local_data``, so the same loader runs with 1 process or N.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Iterator
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+
+VOCAB_SIZE = 256  # bytes
+
+
+def load_bytes(path: str | os.PathLike) -> np.ndarray:
+  """The file's bytes as int32 tokens."""
+  with open(path, "rb") as f:
+    data = np.frombuffer(f.read(), dtype=np.uint8)
+  if data.size < 2:
+    raise ValueError(f"corpus {os.fspath(path)!r} is empty")
+  return data.astype(np.int32)
+
+
+class TextBatches:
+  """Deterministic next-byte batches ``{'x': [B, T], 'y': [B, T]}``.
+
+  The position (``step``) is plain data, so a checkpoint can store it and resume exactly.
+
+  Args:
+    tokens: the corpus as int32 tokens.
+    global_batch: rows per step over all processes.
+    seq_len: tokens per row.
+    seed: shuffling seed; batch ``i`` depends only on ``(seed, i)``.
+    sharding: the batch sharding (from ``plan.batch``); with it, batches are global
+      ``jax.Array``s built from this process's rows only.
+  """
+
+  def __init__(self, tokens: np.ndarray, global_batch: int, seq_len: int, seed: int = 0,
+               sharding: NamedSharding | None = None, step: int = 0):
+    if tokens.size <= seq_len + 1:
+      raise ValueError(f"corpus has {tokens.size} tokens; seq_len={seq_len} needs more")
+    self.tokens, self.global_batch, self.seq_len = tokens, global_batch, seq_len
+    self.seed, self.sharding, self.step = seed, sharding, step
+
+  def global_rows(self, step: int) -> np.ndarray:
+    rng = np.random.default_rng([self.seed, step])
+    starts = rng.integers(0, self.tokens.size - self.seq_len - 1, self.global_batch)
+    return np.stack([self.tokens[s:s + self.seq_len + 1] for s in starts])
+
+  def local_rows(self, step: int) -> np.ndarray:
+    """The rows of the global batch that this process feeds (contiguous block)."""
+    n, i = jax.process_count(), jax.process_index()
+    if self.global_batch % n:
+      raise ValueError(f"global batch {self.global_batch} does not divide by the {n} processes")
+    per = self.global_batch // n
+    return self.global_rows(step)[i * per:(i + 1) * per]
+
+  def __iter__(self) -> Iterator[dict]:
+    return self
+
+  def __next__(self) -> dict:
+    rows = self.local_rows(self.step)
+    self.step += 1
+    batch = {"x": rows[:, :-1], "y": rows[:, 1:]}
+    if self.sharding is None:
+      return batch
+    shape = (self.global_batch, self.seq_len)
+    return {k: jax.make_array_from_process_local_data(self.sharding, v, shape)
+            for k, v in batch.items()}

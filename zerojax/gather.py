@@ -1,0 +1,147 @@
+"""Just-in-time parameter gathering and per-layer gradient reduce-scatter.
+
+Each parameter is wrapped in a `ZeroParam` box before the user's model runs. Flax unboxes a
+parameter exactly where a layer reads it (``self.param`` in linen), including inside ``nn.scan``
+bodies, where Flax slices the box per layer and calls `ZeroParam.remove_axis`. Unboxing applies
+`gather`, an identity with a custom VJP:
+
+* forward:  ``w`` at rest (sharded at stage 3) -> ``w`` gathered for compute (all-gather);
+* backward: the cotangent of that one use -> the gradient layout of the stage
+  (reduce-scatter at stages 2-3, all-reduce at 0-1), in ``reduce_dtype``.
+
+So at stages 2-3 a layer's gradient is reduce-scattered as soon as the backward pass produces it,
+inside the scan body, and the model's full gradient never exists on a device.
+
+At stage 3 the gathered value is named `GATHERED`. The step wraps the model in
+``jax.checkpoint`` with a policy that never saves that name, so the backward pass re-gathers each
+layer's weights instead of keeping the gathered copies alive between forward and backward.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+from flax.core import meta
+from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+GATHERED = "zerojax_gathered"
+
+# The primitives the stage-3 remat policy looks at. They are internal to JAX; the policy API
+# hands primitives to the policy, so there is no public name for them.
+from jax._src.ad_checkpoint import name_p as _name_p  # noqa: E402
+from jax._src.pjit import sharding_constraint_p as _sharding_constraint_p  # noqa: E402
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
+def zerojax_gather(w: jax.Array, at_rest: NamedSharding, compute: NamedSharding,
+                   grad: NamedSharding, reduce_dtype: Any) -> jax.Array:
+  """Identity that moves ``w`` from its at-rest to its compute layout; see module doc."""
+  w = jax.lax.with_sharding_constraint(w, at_rest)
+  return jax.lax.with_sharding_constraint(w, compute)
+
+
+gather = zerojax_gather
+
+
+def _gather_fwd(w, at_rest, compute, grad, reduce_dtype):
+  return zerojax_gather(w, at_rest, compute, grad, reduce_dtype), None
+
+
+def _gather_bwd(at_rest, compute, grad, reduce_dtype, _, ct):
+  dtype = ct.dtype
+  if reduce_dtype is not None:
+    ct = ct.astype(reduce_dtype)
+  ct = jax.lax.with_sharding_constraint(ct, grad)
+  return (ct.astype(dtype),)
+
+
+zerojax_gather.defvjp(_gather_fwd, _gather_bwd)
+
+
+class ZeroParam(struct.PyTreeNode, meta.AxisMetadata):
+  """A parameter with the layouts it has at rest, in compute and as a gradient."""
+
+  value: Any
+  mesh: Any = struct.field(pytree_node=False)
+  at_rest: tuple = struct.field(pytree_node=False)
+  compute: tuple = struct.field(pytree_node=False)
+  grad: tuple = struct.field(pytree_node=False)
+  reduce_dtype: Any = struct.field(pytree_node=False, default=None)
+  name_gathered: bool = struct.field(pytree_node=False, default=False)
+
+  def unbox(self) -> jax.Array:
+    v = self.value
+    if not isinstance(v, jax.Array) or not jnp.issubdtype(v.dtype, jnp.inexact):
+      return v
+    ns = lambda s: NamedSharding(self.mesh, P(*s))
+    out = gather(v, ns(self.at_rest), ns(self.compute), ns(self.grad), self.reduce_dtype)
+    return checkpoint_name(out, GATHERED) if self.name_gathered else out
+
+  def replace_boxed(self, val: Any) -> "ZeroParam":
+    return self.replace(value=val)
+
+  def add_axis(self, index: int, params: dict[Any, Any]) -> "ZeroParam":
+    ins = lambda s: s[:index] + (None,) + s[index:]
+    return self.replace(at_rest=ins(self.at_rest), compute=ins(self.compute), grad=ins(self.grad))
+
+  def remove_axis(self, index: int, params: dict[Any, Any]) -> "ZeroParam":
+    rm = lambda s: s[:index] + s[index + 1:]
+    return self.replace(at_rest=rm(self.at_rest), compute=rm(self.compute), grad=rm(self.grad))
+
+
+def box_params(params: Any, plan: Any) -> Any:
+  """Wraps every parameter leaf in a `ZeroParam` carrying the plan's layouts."""
+  cfg = plan.config
+  reduce_dtype = jnp.dtype(cfg.reduce_dtype) if cfg.reduce_dtype else None
+  spec = lambda s, nd: tuple(s) + (None,) * (nd - len(tuple(s)))
+
+  def one(x, at_rest, compute, grad):
+    nd = jnp.ndim(x)
+    return ZeroParam(x, plan.mesh, spec(at_rest.spec, nd), spec(compute.spec, nd),
+                     spec(grad.spec, nd), reduce_dtype, name_gathered=cfg.stage >= 3)
+
+  return jax.tree.map(one, params, plan.params, plan.params_gathered, plan.grads)
+
+
+def save_all_but_gathered(prim, *_, **params) -> bool:
+  """Remat policy: save every residual except gathered parameters.
+
+  A gathered weight is produced by `gather` (a ``custom_vjp_call``, or its sharding
+  constraints once differentiated) and named `GATHERED`; none of these outputs may be saved, or autodiff would keep the gathered copy from forward to
+  backward. Recomputing it re-gathers from the shard, which ZeRO-3 budgets for (3Ψ).
+  (``jax.checkpoint_policies.save_anything_except_these_names`` cannot express this: in
+  jax 0.10 it saves everything.)
+  """
+  if prim is _name_p:
+    return params.get("name") != GATHERED
+  if prim.name == "custom_vjp_call" and _only_resharding(params.get("call_jaxpr")):
+    return False  # `gather` itself, before differentiation has inlined it
+  return prim is not _sharding_constraint_p
+
+
+def _only_resharding(jaxpr: Any) -> bool:
+  eqns = getattr(getattr(jaxpr, "jaxpr", jaxpr), "eqns", None)
+  return bool(eqns) and all(e.primitive is _sharding_constraint_p for e in eqns)
+
+
+def remat_policy(config: Any):
+  """The ``jax.checkpoint`` policy for the model, or ``None`` when no remat is needed.
+
+  Stage 3 always needs one: without it, autodiff keeps every gathered weight as a residual.
+  """
+  cp = jax.checkpoint_policies
+  never_gathered = save_all_but_gathered
+  if config.remat == "full":
+    return cp.nothing_saveable
+  if config.remat == "dots":
+    return cp.dots_with_no_batch_dims_saveable
+  if config.remat == "offload":
+    return cp.save_and_offload_only_these_names(
+        names_which_can_be_saved=[], names_which_can_be_offloaded=list(config.remat_offload_names),
+        offload_src="device", offload_dst="pinned_host")
+  return never_gathered if config.stage >= 3 else None

@@ -1,0 +1,61 @@
+"""Device mesh from a `ZeroConfig`.
+
+Axis types are ``AxisType.Auto`` on purpose. zerojax annotates the *boundaries* of a step
+(inputs, outputs, and each parameter where a layer uses it) and lets GSPMD/Shardy propagate the
+rest, so that a user's step stays plain JAX. ``Explicit`` axes (the default of
+``jax.make_mesh`` since 0.7) would put shardings into every intermediate type and make ordinary
+user code such as ``x @ w`` with differently sharded operands an error.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh
+
+from zerojax.config import ZeroConfig
+
+
+def make_mesh(config: ZeroConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
+  """Builds the mesh over all devices (of every process) or over ``devices``.
+
+  With several processes and a ``replica`` axis whose size divides the process count, the
+  ``replica`` axis spans processes (slow network) and ``fsdp``/``tensor`` stay within a
+  process (fast links): this is hybrid sharding, ZeRO++ hpZ-style.
+  """
+  devices = list(jax.devices() if devices is None else devices)
+  shape = config.resolved_mesh_shape(len(devices))
+  axes = config.mesh_axes
+  types = (AxisType.Auto,) * len(axes)
+  nproc = len({d.process_index for d in devices})
+  if "replica" in axes and nproc > 1:
+    r = shape[axes.index("replica")]
+    if r % nproc == 0 or nproc % r == 0:
+      return _hybrid_mesh(shape, axes, devices, nproc, types)
+  if len(devices) == jax.device_count():
+    return jax.make_mesh(shape, axes, axis_types=types, devices=devices)
+  return Mesh(np.asarray(devices).reshape(shape), axes, axis_types=types)
+
+
+def _hybrid_mesh(shape, axes, devices, nproc, types) -> Mesh:
+  """Mesh whose ``replica`` axis runs across processes and the rest within each process."""
+  # Order devices process-major, so the replica axis (leading in MESH_AXES order) crosses
+  # process boundaries and the inner axes stay local.
+  order = sorted(devices, key=lambda d: (d.process_index, d.id))
+  ordered_axes = ["replica"] + [a for a in axes if a != "replica"]
+  ordered_shape = [shape[axes.index(a)] for a in ordered_axes]
+  arr = np.asarray(order).reshape(ordered_shape)
+  # Move axes back to the user's order.
+  arr = np.moveaxis(arr, list(range(len(axes))), [axes.index(a) for a in ordered_axes])
+  return Mesh(arr, axes, axis_types=types)
+
+
+def data_axes(mesh: Mesh) -> tuple[str, ...]:
+  """Mesh axes the batch is split over: every data-parallel axis (``replica``, ``fsdp``)."""
+  return tuple(a for a in ("replica", "fsdp") if a in mesh.axis_names)
+
+
+def axis_size(mesh: Mesh, name: str) -> int:
+  return mesh.shape[name] if name in mesh.axis_names else 1

@@ -1,0 +1,437 @@
+"""`ShardingPlan`: one `NamedSharding` for every leaf of params, grads, optimizer state and batch.
+
+The plan is derived from leaf shapes alone, so it needs no per-model rules:
+
+* the **leaf rule** shards the largest dimension that divides evenly by the ``fsdp`` axis size
+  (ties go to the later dimension, which keeps a scanned layer axis whole); a leaf with fewer
+  than ``param_persistence_threshold`` elements, or no divisible dimension, stays replicated
+  and the plan reports those bytes;
+* user **rules** (regex on the leaf path -> PartitionSpec) and Flax **partitioning metadata**
+  (``nn.Partitioned``, ``nnx.with_partitioning``) fix dimensions first; mesh axes named there
+  (e.g. ``tensor``) are kept and ``fsdp`` goes on a remaining dimension.
+
+Each parameter leaf gets two specs: ``sharded`` (with ``fsdp``) and ``gathered`` (``fsdp``
+removed: the layout a layer computes with). A stage picks per state kind:
+
+==========  ==========  ==========  ==========
+stage       params      grads       opt state
+==========  ==========  ==========  ==========
+0           gathered    gathered    gathered
+1           gathered    gathered    sharded
+2           gathered    sharded     sharded
+3           sharded     sharded     sharded
+==========  ==========  ==========  ==========
+
+Optimizer-state leaves that mirror a parameter (Adam's ``mu``/``nu``, ``MultiSteps``'
+accumulators, anything found by path suffix with the same shape) take that parameter's plan;
+other leaves (step counts, injected hyperparameters) go through the leaf rule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax.core import meta
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from zerojax.config import ConfigError, ZeroConfig
+from zerojax.mesh import axis_size, data_axes
+
+PyTree = Any
+HOST = "pinned_host"
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafPlan:
+  """The plan of one parameter leaf."""
+
+  path: str
+  shape: tuple[int, ...]
+  dtype: Any
+  sharded: P  # at-rest layout when this kind of state is sharded
+  gathered: P  # compute layout: fsdp removed, tensor axes kept
+  reason: str  # why the leaf is (not) sharded: sharded | threshold | indivisible | rule | ...
+
+  @property
+  def nbytes(self) -> int:
+    return math.prod(self.shape) * np.dtype(self.dtype).itemsize
+
+  @property
+  def is_sharded(self) -> bool:
+    return "fsdp" in _axes_of(self.sharded)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingPlan:
+  """Shardings of every piece of training state, for one config, mesh and model.
+
+  Attributes:
+    config: the `ZeroConfig`.
+    mesh: the device mesh.
+    params: `NamedSharding` tree of the parameters at rest.
+    params_gathered: `NamedSharding` tree of the parameters as a layer computes with them.
+    grads: `NamedSharding` tree of the gradients leaving the backward pass.
+    opt_state: `NamedSharding` tree of the optimizer state at rest.
+    leaves: one `LeafPlan` per parameter leaf, in tree order.
+    opt_leaves: ``(path, shape, dtype, spec)`` per optimizer-state leaf.
+  """
+
+  config: ZeroConfig
+  mesh: Mesh
+  params: PyTree
+  params_gathered: PyTree
+  grads: PyTree
+  opt_state: PyTree
+  leaves: tuple[LeafPlan, ...]
+  opt_leaves: tuple[tuple[str, tuple[int, ...], Any, P], ...]
+
+  # -- construction ---------------------------------------------------------------------------
+
+  @classmethod
+  def create(cls, config: ZeroConfig, mesh: Mesh, params: PyTree,
+             tx: Any = None, opt_state: PyTree = None) -> "ShardingPlan":
+    """Plans ``params`` (arrays, ShapeDtypeStructs, or Flax-boxed/NNX-Variable leaves).
+
+    Args:
+      config: the run's `ZeroConfig`.
+      mesh: a mesh with an ``fsdp`` axis (see `zerojax.make_mesh`).
+      params: the parameter tree; Flax partitioning metadata is read and stripped.
+      tx: an optax ``GradientTransformation``; its state shapes are found with ``eval_shape``.
+      opt_state: the optimizer state (or its shapes) if there is no ``tx``.
+    """
+    from zerojax import offload  # late import: offload reads plan types
+    if "fsdp" not in mesh.axis_names:
+      raise ConfigError(f"mesh axes {mesh.axis_names} have no 'fsdp' axis to shard over")
+    param_kind, opt_kind = offload.memory_kinds(config, mesh)
+    meta_specs = _metadata_specs(params, mesh)
+    params = _unbox(params)
+    paths, flat, treedef = _flatten(params)
+    leaves = tuple(
+        _plan_leaf(config, mesh, p, x, meta_specs.get(p)) for p, x in zip(paths, flat))
+
+    def tree(specs, kind=None):
+      return jax.tree.unflatten(treedef, [NamedSharding(mesh, s, memory_kind=kind)
+                                          for s in specs])
+
+    st = config.stage
+    sharded = [lp.sharded for lp in leaves]
+    gathered = [lp.gathered for lp in leaves]
+    params_sh = tree(sharded if st >= 3 else gathered, param_kind)
+    params_gathered = tree(gathered)
+    grads_sh = tree(sharded if st >= 2 else gathered)
+
+    if opt_state is None and tx is not None:
+      opt_state = jax.eval_shape(tx.init, jax.tree.map(_as_shape, params))
+    opt_sh, opt_leaves = (None, ())
+    if opt_state is not None:
+      opt_sh, opt_leaves = _plan_opt_state(config, mesh, opt_state, params, leaves, opt_kind)
+    return cls(config, mesh, params_sh, params_gathered, grads_sh, opt_sh, leaves, opt_leaves)
+
+  # -- shardings for other trees --------------------------------------------------------------
+
+  @property
+  def replicated(self) -> NamedSharding:
+    return NamedSharding(self.mesh, P())
+
+  @property
+  def data_axes(self) -> tuple[str, ...]:
+    return data_axes(self.mesh)
+
+  @property
+  def data_parallel_size(self) -> int:
+    return math.prod(axis_size(self.mesh, a) for a in self.data_axes)
+
+  def batch(self, batch: PyTree) -> PyTree:
+    """Shards the leading (batch) dimension of every leaf over all data-parallel axes."""
+    dp, spec = self.data_parallel_size, P(self.data_axes)
+
+    def one(path, x):
+      shape = np.shape(x) if not hasattr(x, "shape") else x.shape
+      if len(shape) == 0:
+        return self.replicated
+      if shape[0] % dp:
+        raise ConfigError(f"batch leaf {_path_str(path)!r} has leading dimension {shape[0]}, "
+                          f"which does not divide by the data-parallel size {dp} "
+                          f"(axes {self.data_axes}); use a multiple of {dp}")
+      return NamedSharding(self.mesh, spec)
+
+    return jax.tree_util.tree_map_with_path(one, batch)
+
+  def state(self, state: PyTree) -> PyTree:
+    """Shardings for a train state: ``.params`` and ``.opt_state`` from the plan, the rest
+    (step counter, RNG keys, loss scale, ...) replicated.
+
+    Works for ``flax.training.train_state.TrainState`` and any subclass or flax struct with
+    ``params``/``opt_state`` fields.
+    """
+    if not dataclasses.is_dataclass(state):
+      raise TypeError(f"zerojax expects a flax.struct dataclass train state (e.g. "
+                      f"flax.training.train_state.TrainState), got {type(state).__name__}")
+    changes = {}
+    for f in dataclasses.fields(state):
+      if not f.metadata.get("pytree_node", True):
+        continue
+      if f.name == "params":
+        changes[f.name] = self.params
+      elif f.name == "opt_state":
+        if self.opt_state is None:
+          raise ValueError("this ShardingPlan was created without an optimizer (tx)")
+        changes[f.name] = self.opt_state
+      else:
+        changes[f.name] = jax.tree.map(lambda _: self.replicated, getattr(state, f.name))
+    return state.replace(**changes)
+
+  # -- reporting ------------------------------------------------------------------------------
+
+  def bytes_per_device(self) -> dict[str, int]:
+    """Per-device bytes of params, grads and optimizer state, split device/host resident."""
+    out = {"params": 0, "grads": 0, "opt_state": 0, "params_host": 0, "opt_state_host": 0}
+    for lp, ps, gs in zip(self.leaves, jax.tree.leaves(self.params),
+                          jax.tree.leaves(self.grads)):
+      key = "params_host" if ps.memory_kind == HOST else "params"
+      out[key] += _shard_bytes(lp.shape, lp.dtype, ps.spec, self.mesh)
+      out["grads"] += _shard_bytes(lp.shape, lp.dtype, gs.spec, self.mesh)
+    if self.opt_state is not None:
+      for (_, shape, dtype, spec), s in zip(self.opt_leaves, jax.tree.leaves(self.opt_state)):
+        key = "opt_state_host" if s.memory_kind == HOST else "opt_state"
+        out[key] += _shard_bytes(shape, dtype, spec, self.mesh)
+    return out
+
+  def unsharded_bytes(self) -> dict[str, int]:
+    """Bytes of parameter leaves left replicated over ``fsdp``, by reason."""
+    out: dict[str, int] = {}
+    for lp in self.leaves:
+      if not lp.is_sharded:
+        out[lp.reason] = out.get(lp.reason, 0) + lp.nbytes
+    return out
+
+  def table(self) -> str:
+    """The plan as a readable text table with totals."""
+    rows = [("path", "shape", "dtype", "param spec", "opt spec", "bytes/device", "note")]
+    opt_by_param = _opt_specs_by_param(self)
+    for lp, ps in zip(self.leaves, jax.tree.leaves(self.params)):
+      host = " (host)" if ps.memory_kind == HOST else ""
+      rows.append((lp.path, str(lp.shape), np.dtype(lp.dtype).name, _spec_str(ps.spec) + host,
+                   _spec_str(opt_by_param.get(lp.path, P())),
+                   _fmt_bytes(_shard_bytes(lp.shape, lp.dtype, ps.spec, self.mesh)),
+                   lp.reason))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    line = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()
+    out = [f"zerojax plan: stage {self.config.stage}, mesh {dict(self.mesh.shape)}",
+           line(rows[0]), line(tuple("-" * w for w in widths))]
+    out += [line(r) for r in rows[1:]]
+    b = self.bytes_per_device()
+    total = sum(lp.nbytes for lp in self.leaves)
+    nparams = sum(math.prod(lp.shape) for lp in self.leaves)
+    out.append("")
+    out.append(f"parameters: {nparams:,} ({_fmt_bytes(total)} unsharded)")
+    out.append("per device: " + ", ".join(
+        f"{k} {_fmt_bytes(v)}" for k, v in b.items() if v or not k.endswith("_host")))
+    uns = self.unsharded_bytes()
+    if uns:
+      out.append("left replicated over fsdp: " + ", ".join(
+          f"{_fmt_bytes(v)} ({k})" for k, v in sorted(uns.items())))
+    return "\n".join(out)
+
+  def __str__(self) -> str:  # pragma: no cover - convenience
+    return self.table()
+
+
+# -- the leaf rule ----------------------------------------------------------------------------
+
+
+def _plan_leaf(config: ZeroConfig, mesh: Mesh, path: str, x: Any,
+               meta_spec: tuple | None) -> LeafPlan:
+  shape, dtype = tuple(x.shape), x.dtype
+  base, reason = None, None
+  for regex, spec in config.rules:
+    if re.search(regex, path):
+      base, reason = _check_spec(spec, shape, mesh, f"rule {regex!r}", path), "rule"
+      break
+  if base is None and meta_spec is not None:
+    base, reason = _check_spec(meta_spec, shape, mesh, "partitioning metadata", path), "metadata"
+  base = list(base) if base is not None else [None] * len(shape)
+  base += [None] * (len(shape) - len(base))
+  gathered = P(*[_drop_fsdp(a) for a in base])
+  if "fsdp" in _axes_of(P(*base)):  # user put fsdp somewhere: respect it
+    return LeafPlan(path, shape, dtype, P(*base), gathered, reason)
+  f = axis_size(mesh, "fsdp")
+  size = math.prod(shape)
+  if f == 1:
+    return LeafPlan(path, shape, dtype, gathered, gathered, reason or "fsdp=1")
+  if size < config.param_persistence_threshold:
+    return LeafPlan(path, shape, dtype, gathered, gathered, "threshold")
+  best = None
+  for d in range(len(shape)):
+    if base[d] is None and shape[d] % f == 0 and (best is None or shape[d] >= shape[best]):
+      best = d
+  if best is None:
+    return LeafPlan(path, shape, dtype, gathered, gathered, "indivisible")
+  spec = list(base)
+  spec[best] = "fsdp"
+  return LeafPlan(path, shape, dtype, P(*spec), gathered, reason or "sharded")
+
+
+def _plan_opt_state(config, mesh, opt_state, params, leaves, kind):
+  """Optimizer-state shardings: mirror a parameter's plan where the leaf mirrors a parameter."""
+  by_keys = {}
+  for (kp, _), lp in zip(jax.tree_util.tree_flatten_with_path(params)[0], leaves):
+    by_keys[_key_tuple(kp)] = lp
+  st = config.stage
+  flat, treedef = jax.tree_util.tree_flatten_with_path(opt_state)
+  specs, infos = [], []
+  for kp, x in flat:
+    shape, dtype = tuple(np.shape(x)), getattr(x, "dtype", np.dtype(type(x)))
+    keys = _key_tuple(kp)
+    lp = None
+    for i in range(len(keys)):
+      cand = by_keys.get(keys[i:])
+      if cand is not None and cand.shape == shape:
+        lp = cand
+        break
+    if lp is None:
+      lp = _plan_leaf(config, mesh, _path_str(kp), jax.ShapeDtypeStruct(shape, dtype), None)
+    spec = lp.sharded if st >= 1 else lp.gathered
+    specs.append(NamedSharding(mesh, spec, memory_kind=kind))
+    infos.append((_path_str(kp), shape, dtype, spec))
+  return jax.tree_util.tree_unflatten(treedef, specs), tuple(infos)
+
+
+# -- metadata ---------------------------------------------------------------------------------
+
+
+def _is_boxed(x: Any) -> bool:
+  if isinstance(x, meta.AxisMetadata):
+    return True
+  try:
+    from flax import nnx
+    return isinstance(x, nnx.Variable)
+  except ImportError:  # pragma: no cover
+    return False
+
+
+def _metadata_specs(tree: PyTree, mesh: Mesh) -> dict[str, tuple]:
+  """Per-dimension mesh axes from Flax boxes (linen ``Partitioned``, NNX ``out_sharding``).
+
+  Names that are not mesh axes (logical names without rules) count as unconstrained.
+  """
+  out = {}
+  flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_boxed)
+  for kp, x in flat:
+    names = None
+    if isinstance(x, meta.AxisMetadata):
+      names = getattr(x, "names", None)
+    elif _is_boxed(x):
+      names = x.get_metadata("out_sharding", None) if hasattr(x, "get_metadata") else None
+    if names is None:
+      continue
+    keep = lambda a: a if (a in mesh.axis_names) else (
+        tuple(b for b in a if b in mesh.axis_names) or None if isinstance(a, tuple) else None)
+    out[_path_str(kp)] = tuple(keep(a) for a in names)
+  return out
+
+
+def _unbox(tree: PyTree) -> PyTree:
+  tree = meta.unbox(tree)
+  try:
+    from flax import nnx
+    return jax.tree.map(lambda x: x.get_value() if isinstance(x, nnx.Variable) else x, tree,
+                        is_leaf=lambda x: isinstance(x, nnx.Variable))
+  except ImportError:  # pragma: no cover
+    return tree
+
+
+# -- helpers ----------------------------------------------------------------------------------
+
+
+def _flatten(tree):
+  flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
+  return [_path_str(kp) for kp, _ in flat], [x for _, x in flat], treedef
+
+
+def _key_tuple(kp) -> tuple:
+  return tuple(_key_name(k) for k in kp)
+
+
+def _key_name(k) -> str:
+  for attr in ("key", "name", "idx"):
+    if hasattr(k, attr):
+      return str(getattr(k, attr))
+  return str(k)
+
+
+def _path_str(kp) -> str:
+  return "/".join(_key_name(k) for k in kp)
+
+
+def _as_shape(x):
+  return jax.ShapeDtypeStruct(np.shape(x), x.dtype) if hasattr(x, "dtype") else x
+
+
+def _axes_of(spec: P) -> tuple[str, ...]:
+  out = []
+  for a in spec:
+    if a is None:
+      continue
+    out.extend(a if isinstance(a, tuple) else (a,))
+  return tuple(out)
+
+
+def _drop_fsdp(a):
+  if a == "fsdp":
+    return None
+  if isinstance(a, tuple):
+    rest = tuple(b for b in a if b != "fsdp")
+    return rest if len(rest) > 1 else (rest[0] if rest else None)
+  return a
+
+
+def _check_spec(spec, shape, mesh, origin, path) -> tuple:
+  spec = tuple(spec)
+  if len(spec) > len(shape):
+    raise ConfigError(f"{origin} gives {path!r} the spec {spec}, which has more entries than "
+                      f"the leaf's {len(shape)} dimensions (shape {shape})")
+  for d, a in enumerate(spec):
+    axes = a if isinstance(a, tuple) else ((a,) if a is not None else ())
+    for b in axes:
+      if b not in mesh.axis_names:
+        raise ConfigError(f"{origin} gives {path!r} the spec {spec}: axis {b!r} is not a mesh "
+                          f"axis; mesh axes are {mesh.axis_names}")
+    n = math.prod(mesh.shape[b] for b in axes)
+    if shape[d] % n:
+      raise ConfigError(f"{origin} gives {path!r} (shape {shape}) the spec {spec}: dimension "
+                        f"{d} of size {shape[d]} does not divide by {n}")
+  return spec
+
+
+def _shard_bytes(shape, dtype, spec: P, mesh: Mesh) -> int:
+  n = math.prod(shape) * np.dtype(dtype).itemsize
+  return n // math.prod(axis_size(mesh, a) for a in _axes_of(spec)) if n else 0
+
+
+def _spec_str(spec: P) -> str:
+  return "P(" + ", ".join(repr(a) if a is not None else "None" for a in spec) + ")"
+
+
+def _fmt_bytes(n: float) -> str:
+  for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+    if abs(n) < 1024 or unit == "TiB":
+      return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+    n /= 1024
+  raise AssertionError
+
+
+def _opt_specs_by_param(plan: ShardingPlan) -> dict[str, P]:
+  """First optimizer-state spec whose path ends with a parameter's path."""
+  out = {}
+  for path, shape, _, spec in plan.opt_leaves:
+    for lp in plan.leaves:
+      if lp.path not in out and path.endswith(lp.path) and shape == lp.shape:
+        out[lp.path] = spec
+  return out

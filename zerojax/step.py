@@ -1,0 +1,277 @@
+"""The train-step decorator and sharded state creation.
+
+``@zero_step(plan)`` turns a plain ``train_step(state, batch) -> (state, metrics)`` into a jitted
+step whose input/output shardings come from the plan, whose state buffers are donated, and whose
+batch is split over every data-parallel axis. Inside, ``state.apply_fn`` is wrapped so every
+parameter is gathered just in time and its gradient leaves the backward pass in the stage's
+layout (see `zerojax.gather`). The user's code is unchanged.
+
+For Flax NNX the same decorator takes ``train_step(model, optimizer, batch) -> metrics`` that
+updates ``model``/``optimizer`` in place, as under ``nnx.jit``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import warnings
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax.core import meta
+from flax.training import train_state as ts
+
+from zerojax.config import ZeroConfig
+from zerojax.gather import box_params, remat_policy
+from zerojax.mesh import make_mesh
+from zerojax.plan import ShardingPlan
+
+PyTree = Any
+
+
+def wrap_apply_fn(apply_fn: Callable, plan: ShardingPlan) -> Callable:
+  """``apply_fn`` with ZeRO gathering (and the stage's remat policy) around the model."""
+  policy = remat_policy(plan.config)
+  treedef = jax.tree.structure(plan.params)
+  warned = []
+
+  @functools.wraps(apply_fn)
+  def apply(variables, *args, **kwargs):
+    params = variables.get("params") if hasattr(variables, "get") else None
+    if params is None or jax.tree.structure(params) != treedef:
+      if not warned:
+        warned.append(True)
+        warnings.warn("zerojax: apply_fn was called with variables whose 'params' do not match "
+                      "the plan's tree; parameters are not gathered per layer for this call")
+      return apply_fn(variables, *args, **kwargs)
+
+    def run(params):
+      boxed = dict(variables)
+      boxed["params"] = box_params(params, plan)
+      return apply_fn(boxed, *args, **kwargs)
+
+    if policy is not None:
+      run = jax.checkpoint(run, policy=policy)
+    return run(params)
+
+  return apply
+
+
+class ZeroStep:
+  """A jitted ZeRO train step; create it with `zero_step`."""
+
+  def __init__(self, fn: Callable, plan: ShardingPlan, donate: bool = True):
+    functools.update_wrapper(self, fn)
+    self.fn, self.plan, self.donate = fn, plan, donate
+    self._jitted: dict[Any, Any] = {}
+
+  # -- linen / TrainState ---------------------------------------------------------------------
+
+  def _linen(self, state, batch):
+    plan = self.plan
+    key = (jax.tree.structure(state), _shapes_key(batch))
+    if key not in self._jitted:
+      orig = state.apply_fn
+
+      def step(state, batch):
+        state = state.replace(apply_fn=wrap_apply_fn(orig, plan))
+        new_state, metrics = self.fn(state, batch)
+        if not isinstance(new_state, type(state)):
+          raise TypeError(f"train_step must return (state, metrics); got {type(new_state)}")
+        return new_state.replace(apply_fn=orig), metrics
+
+      state_sh = plan.state(state)
+      self._jitted[key] = jax.jit(
+          step, in_shardings=(state_sh, plan.batch(batch)),
+          out_shardings=(state_sh, plan.replicated),
+          donate_argnums=(0,) if self.donate else ())
+    return self._jitted[key]
+
+  # -- NNX ------------------------------------------------------------------------------------
+
+  def _nnx(self, model, optimizer, batch):
+    from flax import nnx
+    graphdef, state = nnx.split((model, optimizer))
+    key = (graphdef, _shapes_key(batch))
+    if key not in self._jitted:
+      plan = self.plan
+      state_sh = nnx_state_shardings(plan, state)
+
+      def step(state, batch):
+        m, o = nnx.merge(graphdef, state)
+        metrics = self.fn(m, o, batch)
+        return nnx.state((m, o)), metrics
+
+      self._jitted[key] = jax.jit(
+          step, in_shardings=(state_sh, plan.batch(batch)),
+          out_shardings=(state_sh, plan.replicated),
+          donate_argnums=(0,) if self.donate else ())
+    return self._jitted[key], state
+
+  def __call__(self, *args):
+    if len(args) == 3:  # NNX: (model, optimizer, batch)
+      from flax import nnx
+      f, state = self._nnx(*args)
+      new_state, metrics = f(state, args[2])
+      nnx.update((args[0], args[1]), new_state)
+      return metrics
+    state, batch = args
+    return self._linen(state, batch)(state, batch)
+
+  def lower(self, *args):
+    """Lowers the step for ``args`` (arrays or ShapeDtypeStructs), e.g. to inspect memory."""
+    if len(args) == 3:
+      f, state = self._nnx(*args)
+      return f.lower(state, args[2])
+    state, batch = args
+    return self._linen(state, batch).lower(state, batch)
+
+
+def zero_step(plan: ShardingPlan, *, donate: bool = True) -> Callable[[Callable], ZeroStep]:
+  """Decorates a plain train step with the ZeRO stage of ``plan``.
+
+  Example::
+
+    @zerojax.zero_step(plan)
+    def train_step(state, batch):
+      def loss_fn(params):
+        logits = state.apply_fn({"params": params}, batch["x"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+      loss, grads = jax.value_and_grad(loss_fn)(state.params)
+      return state.apply_gradients(grads=grads), {"loss": loss}
+
+  Args:
+    plan: the `ShardingPlan`; its shardings become the step's in/out shardings.
+    donate: donate the state's buffers to the step (it is updated in place).
+  """
+  if not isinstance(plan, ShardingPlan):
+    raise TypeError(f"zero_step(plan) needs a zerojax.ShardingPlan, got {type(plan).__name__}")
+  return lambda fn: ZeroStep(fn, plan, donate)
+
+
+# -- state creation -----------------------------------------------------------------------------
+
+
+def create_train_state(model: Any, tx: Any, rng: jax.Array, *init_args: Any,
+                       config: ZeroConfig, mesh: jax.sharding.Mesh | None = None,
+                       state_cls: type = ts.TrainState, **init_kwargs: Any
+                       ) -> tuple[ts.TrainState, ShardingPlan]:
+  """Initialises a linen model's train state directly in its sharded layout.
+
+  The init function is jitted with the plan's output shardings, so each device only ever
+  computes and holds its own shards: the full parameters never exist on one device (the
+  equivalent of ``deepspeed.zero.Init``).
+
+  Returns:
+    ``(state, plan)``.
+  """
+  mesh = make_mesh(config) if mesh is None else mesh
+  pdtype = jnp.dtype(config.param_dtype)
+
+  def init_params(rng, *args):
+    variables = model.init(rng, *args, **init_kwargs)
+    return variables["params"]
+
+  boxed = jax.eval_shape(init_params, rng, *init_args)
+  plan = ShardingPlan.create(config, mesh, _cast_shapes(boxed, pdtype), tx)
+
+  def make_state(rng, *args):
+    params = _cast(meta.unbox(init_params(rng, *args)), pdtype)
+    return state_cls.create(apply_fn=model.apply, params=params, tx=tx)
+
+  abstract = jax.eval_shape(make_state, rng, *init_args)
+  state = jax.jit(make_state, out_shardings=plan.state(abstract))(rng, *init_args)
+  return state, plan
+
+
+def create_nnx(model_fn: Callable[[], Any], tx: Any, *, config: ZeroConfig,
+               mesh: jax.sharding.Mesh | None = None, wrt: Any = None):
+  """Builds an NNX ``(model, optimizer)`` directly in its sharded layout.
+
+  Args:
+    model_fn: a no-argument function returning the ``nnx.Module`` (it is traced, not run
+      eagerly, so the full parameters never materialise on one device).
+    tx: the optax transformation.
+
+  Returns:
+    ``(model, optimizer, plan)``.
+  """
+  from flax import nnx
+  mesh = make_mesh(config) if mesh is None else mesh
+  wrt = nnx.Param if wrt is None else wrt
+
+  def build():
+    model = model_fn()
+    return model, nnx.Optimizer(model, tx, wrt=wrt)
+
+  with jax.set_mesh(mesh):  # lets nnx.with_partitioning metadata resolve its mesh
+    abs_model, abs_opt = nnx.eval_shape(build)
+  params = nnx.state(abs_model, wrt)
+  plan = ShardingPlan.create(config, mesh, params, opt_state=_nnx_values(abs_opt.opt_state))
+  graphdef, abs_state = nnx.split((abs_model, abs_opt))
+  shardings = nnx_state_shardings(plan, abs_state)
+
+  @functools.partial(jax.jit, out_shardings=shardings)
+  def init():
+    return nnx.state(build())
+
+  with jax.set_mesh(mesh):
+    model, optimizer = nnx.merge(graphdef, init())
+  return model, optimizer, plan
+
+
+def nnx_state_shardings(plan: ShardingPlan, state: Any) -> Any:
+  """Shardings for ``nnx.state((model, optimizer))``: params and optimizer state from the
+  plan (matched by path), everything else (step counters, RNG state) replicated."""
+  from zerojax.plan import _key_tuple
+  flat, treedef = jax.tree_util.tree_flatten_with_path(state)
+  p_flat = jax.tree.leaves(plan.params)
+  o_flat = jax.tree.leaves(plan.opt_state) if plan.opt_state is not None else []
+  p_paths = [lp.path.split("/") for lp in plan.leaves]
+  o_paths = [o[0].split("/") for o in plan.opt_leaves]
+  out = []
+  for kp, x in flat:
+    keys = list(_key_tuple(kp))
+    sh = None
+    if keys[:1] == ["0"]:  # the model
+      sh = _match(keys[1:], p_paths, p_flat)
+    elif keys[:1] == ["1"] and "opt_state" in keys:
+      sh = _match(keys[keys.index("opt_state") + 1:], o_paths, o_flat)
+    out.append(sh if sh is not None else plan.replicated)
+  return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _match(keys, paths, shardings):
+  keys = [k for k in keys if k != "value"]
+  for p, s in zip(paths, shardings):
+    if [k for k in p if k != "value"] == keys:
+      return s
+  return None
+
+
+def _nnx_values(tree):
+  from flax import nnx
+  return jax.tree.map(lambda x: x.get_value() if isinstance(x, nnx.Variable) else x, tree,
+                      is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def _cast(tree, dtype):
+  return jax.tree.map(
+      lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+
+def _cast_shapes(tree, dtype):
+  def one(x):
+    if isinstance(x, meta.AxisMetadata):
+      return x.replace_boxed(one(x.unbox()))
+    if jnp.issubdtype(x.dtype, jnp.floating):
+      return jax.ShapeDtypeStruct(x.shape, dtype)
+    return x
+  return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, meta.AxisMetadata))
+
+
+def _shapes_key(tree):
+  leaves, treedef = jax.tree.flatten(tree)
+  return treedef, tuple((np.shape(x), str(getattr(x, "dtype", type(x)))) for x in leaves)
