@@ -24,7 +24,7 @@ from flax.core import meta
 from flax.training import train_state as ts
 
 from zerojax.config import ZeroConfig
-from zerojax.gather import box_params, remat_policy
+from zerojax.gather import box_params, remat_policy, remat_scan_bodies
 from zerojax.mesh import make_mesh
 from zerojax.plan import ShardingPlan
 
@@ -52,9 +52,13 @@ def wrap_apply_fn(apply_fn: Callable, plan: ShardingPlan) -> Callable:
       boxed["params"] = box_params(params, plan)
       return apply_fn(boxed, *args, **kwargs)
 
-    if policy is not None:
-      run = jax.checkpoint(run, policy=policy)
-    return run(params)
+    if policy is None:
+      return run(params)
+    # The policy must act inside every scanned layer: remat around a scan recomputes all of
+    # its residuals in one extra pass and stacks them, which would bring back every layer's
+    # gathered weights at once.
+    with remat_scan_bodies(policy):
+      return jax.checkpoint(run, policy=policy)(params)
 
   return apply
 
