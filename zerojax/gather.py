@@ -163,8 +163,13 @@ _scan_lock = threading.RLock()
 
 
 @contextlib.contextmanager
-def remat_scan_bodies(policy: Any) -> Iterator[None]:
+def remat_scan_bodies(policy: Any, live_layers: int = 1) -> Iterator[None]:
   """While tracing the model, wraps the body of every ``jax.lax.scan`` in ``jax.checkpoint``.
+
+  ``live_layers > 1`` also unrolls each scan by that factor (unless the user asked for more):
+  XLA then sees that many consecutive layers in one loop iteration and can gather layer i+1
+  while layer i computes (prefetch), with at most ``live_layers`` gathered layers alive. This
+  is the knob DeepSpeed calls ``stage3_max_live_parameters`` / ``stage3_prefetch_bucket_size``.
 
   ``nn.scan`` (Flax) and user code calling ``jax.lax.scan`` both resolve ``jax.lax.scan`` at call
   time, so each scanned layer gets the policy inside its own body: its gathered weights are
@@ -175,6 +180,10 @@ def remat_scan_bodies(policy: Any) -> Iterator[None]:
   orig = jax.lax.scan
 
   def scan(f, init, xs=None, length=None, **kwargs):
+    if live_layers > 1:
+      unroll = kwargs.get("unroll", 1)
+      if not isinstance(unroll, bool) and unroll < live_layers:
+        kwargs["unroll"] = live_layers
     return orig(jax.checkpoint(f, policy=policy, prevent_cse=False), init, xs, length, **kwargs)
 
   with _scan_lock:
