@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 import os
 from typing import Any, Mapping, Sequence
 
@@ -127,29 +128,72 @@ def leaf_checksum(x: jax.Array) -> tuple[jax.Array, jax.Array]:
   return jnp.sum(h1, dtype=jnp.uint32), jnp.sum(h2, dtype=jnp.uint32)
 
 
-def numpy_checksum(x: np.ndarray) -> tuple[int, int]:
-  """`leaf_checksum` of a host array, in numpy (same numbers)."""
-  x = np.asarray(x)
+def _np_words(x: np.ndarray) -> np.ndarray:
   if x.dtype == np.bool_:
-    v = x.astype(np.uint32)
-  elif x.dtype.itemsize == 4:
-    v = x.view(np.uint32)
-  elif x.dtype.itemsize == 2:
-    v = x.view(np.uint16).astype(np.uint32)
-  elif x.dtype.itemsize == 1:
-    v = x.view(np.uint8).astype(np.uint32)
-  elif x.dtype.itemsize == 8:
+    return x.astype(np.uint32)
+  size = x.dtype.itemsize
+  if size == 4:
+    return x.view(np.uint32)
+  if size == 2:
+    return x.view(np.uint16).astype(np.uint32)
+  if size == 1:
+    return x.view(np.uint8).astype(np.uint32)
+  if size == 8:
     y = np.ascontiguousarray(x).view(np.uint32).reshape(x.shape + (2,))
     a, b = y[..., 0], y[..., 1]
     with np.errstate(over="ignore"):
-      v = (a ^ b) ^ ((a + b) * np.uint32(_M3))
-  else:
-    raise TypeError(f"cannot checksum dtype {x.dtype}")
-  v = v.reshape(-1)
-  idx = np.arange(v.size, dtype=np.uint64).astype(np.uint32)
+      return (a ^ b) ^ ((a + b) * np.uint32(_M3))
+  raise TypeError(f"cannot checksum dtype {x.dtype}")
+
+
+def _np_partial_checksum(x: np.ndarray, start: Sequence[int], global_shape: Sequence[int]
+                         ) -> tuple[int, int]:
+  """The checksum terms of the block ``x`` that sits at ``start`` in a ``global_shape`` array
+  (sums modulo 2**32, so the blocks of an array add up to the array's checksum)."""
+  x = np.asarray(x)
+  v = _np_words(x)
+  if v.ndim == 0:
+    v = v.reshape(1)
+    start, global_shape = (0,), (1,)
+  strides = [1] * len(global_shape)
+  for d in range(len(global_shape) - 2, -1, -1):
+    strides[d] = strides[d + 1] * int(global_shape[d + 1])
+  inner = [(int(start[d]) + np.arange(v.shape[d], dtype=np.uint64)) * np.uint64(strides[d] % 2**64)
+           for d in range(1, v.ndim)]
+  inner_idx = sum((a.reshape((-1,) + (1,) * (v.ndim - 2 - i)) for i, a in enumerate(inner)),
+                  np.zeros((), np.uint64))
+  row_size = max(1, math.prod(v.shape[1:]))
+  rows = max(1, (1 << 18) // row_size)  # bounded temporaries
+  s1 = s2 = 0
   with np.errstate(over="ignore"):
-    h1, h2 = _mix(v, idx, np)
-    return int(np.sum(h1, dtype=np.uint32)), int(np.sum(h2, dtype=np.uint32))
+    for r0 in range(0, v.shape[0], rows):
+      part = v[r0:r0 + rows]
+      lead = (int(start[0]) + r0 + np.arange(part.shape[0], dtype=np.uint64)) * np.uint64(
+          strides[0] % 2**64)
+      idx = (lead.reshape((-1,) + (1,) * (v.ndim - 1)) + inner_idx).astype(np.uint32)
+      h1, h2 = _mix(part, idx, np)
+      s1 += int(np.sum(h1, dtype=np.uint32))
+      s2 += int(np.sum(h2, dtype=np.uint32))
+  return s1 % 2**32, s2 % 2**32
+
+
+def numpy_checksum(x: np.ndarray) -> tuple[int, int]:
+  """`leaf_checksum` of a host array, in numpy (same numbers)."""
+  x = np.asarray(x)
+  return _np_partial_checksum(x, (0,) * x.ndim, x.shape)
+
+
+def _shard_checksum(x: jax.Array) -> tuple[int, int]:
+  """`leaf_checksum` from this process's shards, on the host (no compilation): every distinct
+  shard is counted once (``replica_id == 0``) and the processes' sums are added."""
+  s1 = s2 = 0
+  for sh in x.addressable_shards:
+    if sh.replica_id != 0:
+      continue
+    start = [0 if i.start is None else i.start for i in sh.index] + [0] * (x.ndim - len(sh.index))
+    a, b = _np_partial_checksum(np.asarray(sh.data), start, x.shape)
+    s1, s2 = s1 + a, s2 + b
+  return s1 % 2**32, s2 % 2**32
 
 
 @functools.lru_cache(maxsize=64)
@@ -178,7 +222,18 @@ def _checksums(item: PyTree) -> dict[str, list[int]]:
   out: dict[str, list[int]] = {}
   dev = [(p, x) for p, x in flat if isinstance(x, jax.Array)]
   host = [(p, x) for p, x in flat if not isinstance(x, jax.Array)]
-  if dev:
+  on_cpu = all(d.platform == "cpu" for _, x in dev for d in x.sharding.device_set)
+  if dev and on_cpu:
+    # CPU "device" memory is host memory: hashing the shards in numpy costs no compilation.
+    sums = [_shard_checksum(x) for _, x in dev]
+    if jax.process_count() > 1:
+      from jax.experimental import multihost_utils
+      every = multihost_utils.process_allgather(np.asarray(sums, np.uint32))
+      sums = [[int(v) % 2**32 for v in row] for row in
+              np.asarray(every, np.uint64).sum(axis=0) % 2**32]
+    for (p, _), s in zip(dev, sums):
+      out[_path_str(p)] = [int(v) for v in s]
+  elif dev:
     sums = _checksum_fn(tuple(_device_memory(x) for _, x in dev))([x for _, x in dev])
     for (p, _), s in zip(dev, sums):
       out[_path_str(p)] = [int(v) for v in np.asarray(s.addressable_data(0))]
@@ -309,6 +364,7 @@ class Checkpointer:
     self.directory = os.path.abspath(os.fspath(directory))
     self.config = config
     self.read_only = read_only
+    self.save_interval_steps = save_interval_steps
     if read_only and not os.path.isdir(self.directory):
       raise CheckpointNotFoundError(
           f"checkpoint directory {self.directory!r} does not exist"
@@ -317,7 +373,7 @@ class Checkpointer:
     if keep_every is not None:
       policies.append(cm.EveryNSteps(interval_steps=keep_every))
     options = ocp.CheckpointManagerOptions(
-        save_interval_steps=save_interval_steps,
+        save_interval_steps=0 if read_only else 1,  # `save` decides (see save_interval_steps)
         preservation_policy=cm.AnyPreservationPolicy(policies),
         enable_async_checkpointing=async_save,
         create=not read_only,
@@ -335,8 +391,14 @@ class Checkpointer:
   # -- queries ----------------------------------------------------------------------------------
 
   def all_steps(self) -> list[int]:
-    """Steps of the complete (committed) checkpoints, ascending."""
-    self._mgr.reload()
+    """Steps of the checkpoints, ascending.
+
+    A read-only `Checkpointer` re-reads the directory and lists committed checkpoints only. A
+    writing one also lists the steps it is still saving (`wait` commits them); it never lists
+    a partial directory left by a killed save.
+    """
+    if self.read_only:
+      self._mgr.reload()
     return sorted(self._mgr.all_steps())
 
   def latest_step(self) -> int | None:
@@ -374,7 +436,7 @@ class Checkpointer:
     if step in self.all_steps():
       raise CheckpointError(f"checkpoint step {step} already exists in {self.directory!r}; "
                             "zerojax never overwrites a checkpoint (delete it first)")
-    if not force and not self._mgr.should_save(step):
+    if not force and step % self.save_interval_steps:
       return False
     item = _state_item(state)
     try:
@@ -419,6 +481,8 @@ class Checkpointer:
   def _resolve_step(self, step: int | None) -> int:
     if not os.path.isdir(self.directory):
       raise CheckpointNotFoundError(f"checkpoint directory {self.directory!r} does not exist")
+    if not self.read_only:
+      self.wait()  # a step being saved by this Checkpointer is restorable once committed
     steps = self.all_steps()
     if not steps:
       raise CheckpointNotFoundError(
@@ -497,23 +561,26 @@ class Checkpointer:
                        f"state ({len(t_flat)} leaves): was the plan made for this model and "
                        "optimizer?")
     stored = self.stored_leaves(step)
-    abstract = []
+    abstract, problems = [], []
     for (kp, x), sh in zip(t_flat, s_flat):
       path = _path_str(kp)
       shape, dtype = _shape_dtype(x)
       if path not in stored:
-        raise CheckpointError(f"checkpoint {where!r} does not match the target state: leaf "
-                              f"{path!r} (shape {shape}, {dtype.name}) is not in the checkpoint")
-      s_shape, s_dtype = stored[path]
-      if s_shape != shape or s_dtype != dtype:
-        raise CheckpointError(
-            f"checkpoint {where!r} does not match the target state: leaf {path!r} is stored as "
-            f"shape {s_shape} {s_dtype.name}, the target expects shape {shape} {dtype.name}")
+        problems.append(f"leaf {path!r} (shape {shape} {dtype.name}) is not in the checkpoint")
+      elif stored[path] != (shape, dtype):
+        s_shape, s_dtype = stored[path]
+        problems.append(f"leaf {path!r} is stored as shape {s_shape} {s_dtype.name}, the "
+                        f"target expects shape {shape} {dtype.name}")
       abstract.append(jax.ShapeDtypeStruct(shape, dtype, sharding=sh))
-    extra = sorted(set(stored) - {_path_str(kp) for kp, _ in t_flat})
-    if extra:
-      raise CheckpointError(f"checkpoint {where!r} does not match the target state: it holds "
-                            f"leaves the target has not, e.g. {extra[:3]} ({len(extra)} in all)")
+    names = {_path_str(kp) for kp, _ in t_flat}
+    problems += [f"leaf {p!r} (shape {stored[p][0]} {stored[p][1].name}) is in the checkpoint "
+                 "but not in the target" for p in sorted(set(stored) - names)]
+    if problems:
+      problems.sort(key=lambda m: not m.startswith("leaf 'params/"))  # parameters first
+      more = f"; and {len(problems) - 5} more" if len(problems) > 5 else ""
+      raise CheckpointError(f"checkpoint {where!r} does not match the target state "
+                            f"({len(problems)} leaves differ; nothing was loaded): "
+                            + "; ".join(problems[:5]) + more)
     abstract_item = jax.tree_util.tree_unflatten(t_def, abstract)
     ocp = self._ocp
     try:

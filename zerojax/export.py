@@ -119,7 +119,8 @@ def export(checkpoint_dir: str | os.PathLike, out_path: str | os.PathLike, *,
     if want is None or list(want) != got:
       raise CheckpointError(
           f"checkpoint {where!r} is corrupted: leaf 'params/{name}' read back with checksum "
-          f"{got[0]:08x}{got[1]:08x}, recorded {want}")
+          f"{got[0]:08x}{got[1]:08x}, but "
+          + (f"{want[0]:08x}{want[1]:08x}" if want else "none") + " was recorded when it was saved")
     return x.astype(odt, copy=False) if x.dtype != odt else x
 
   info = {"format": "zerojax-export", "checkpoint": where, "step": step, "dtype": dtype,
