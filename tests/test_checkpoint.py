@@ -174,16 +174,18 @@ def test_checkpoint_stage3_8dev_to_stage1_4dev_and_back(run, tmp_path):
 # -- the topology matrix: stages {0,1,2,3} x devices {1,2,4,8}, with pinned_host offload -----------
 
 # (source stage, devices, offload) -> (target stage, devices, offload). Every stage and every
-# device count appears as a source and as a target; offloaded optimizer state on both sides.
+# device count appears as a source and as a target, offloaded optimizer state on both sides.
+# (Sources replicated over many devices are few on purpose: orbax splits a replicated array
+# over its replicas to save it, which costs a small compile per slice on CPU.)
 MATRIX = [
     ((0, 1, False), (2, 2, False)),
     ((2, 2, False), (3, 4, False)),
     ((3, 4, False), (0, 8, False)),
-    ((1, 8, False), (2, 1, False)),
     ((3, 8, True), (1, 2, True)),
     ((1, 2, True), (3, 8, False)),
     ((2, 4, True), (0, 1, False)),
-    ((0, 8, False), (3, 1, True)),
+    ((0, 2, False), (3, 1, True)),
+    ((3, 1, False), (1, 8, False)),
 ]
 
 
