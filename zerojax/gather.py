@@ -70,6 +70,11 @@ def _gather_bwd(at_rest, compute, grad, reduce_dtype, _, ct):
 zerojax_gather.defvjp(_gather_fwd, _gather_bwd)
 
 
+def fetch(w: jax.Array, device: NamedSharding) -> jax.Array:
+  """Host -> device copy of an offloaded shard (its gradient goes back to host memory)."""
+  return jax.device_put(w, device)
+
+
 class ZeroParam(struct.PyTreeNode, meta.AxisMetadata):
   """A parameter with the layouts it has at rest, in compute and as a gradient."""
 
@@ -79,13 +84,15 @@ class ZeroParam(struct.PyTreeNode, meta.AxisMetadata):
   compute: tuple = struct.field(pytree_node=False)
   grad: tuple = struct.field(pytree_node=False)
   reduce_dtype: Any = struct.field(pytree_node=False, default=None)
-  name_gathered: bool = struct.field(pytree_node=False, default=False)
+  offloaded: bool = struct.field(pytree_node=False, default=False)
 
   def unbox(self) -> jax.Array:
     v = self.value
     if not isinstance(v, jax.Array) or not jnp.issubdtype(v.dtype, jnp.inexact):
       return v
     ns = lambda s: NamedSharding(self.mesh, P(*s))
+    if self.offloaded:  # this layer's shard comes from pinned_host just before use
+      v = fetch(v, NamedSharding(self.mesh, P(*self.at_rest), memory_kind="device"))
     out = gather(v, ns(self.at_rest), ns(self.compute), ns(self.grad), self.reduce_dtype)
     return checkpoint_name(out, GATHERED)
 
@@ -110,7 +117,8 @@ def box_params(params: Any, plan: Any) -> Any:
   def one(x, at_rest, compute, grad):
     nd = jnp.ndim(x)
     return ZeroParam(x, plan.mesh, spec(at_rest.spec, nd), spec(compute.spec, nd),
-                     spec(grad.spec, nd), reduce_dtype, name_gathered=cfg.stage >= 3)
+                     spec(grad.spec, nd), reduce_dtype,
+                     offloaded=at_rest.memory_kind == "pinned_host")
 
   return jax.tree.map(one, params, plan.params, plan.params_gathered, plan.grads)
 
@@ -128,6 +136,9 @@ def save_all_but_gathered(prim, *_, **params) -> bool:
     return params.get("name") != GATHERED
   if prim.name == "custom_vjp_call" and _only_resharding(params.get("call_jaxpr")):
     return False  # `gather` itself, before differentiation has inlined it
+  if prim.name == "device_put" or (prim.name == "custom_vjp_call" and _only_device_put(
+      params.get("call_jaxpr"))):
+    return False  # an offloaded layer's shard, brought to the device: fetch it again
   return prim is not _sharding_constraint_p
 
 
@@ -136,6 +147,11 @@ def _only_resharding(jaxpr: Any) -> bool:
   inner = getattr(jaxpr, "jaxpr", jaxpr)
   eqns = getattr(inner, "eqns", None)
   return eqns is not None and all(e.primitive is _sharding_constraint_p for e in eqns)
+
+
+def _only_device_put(jaxpr: Any) -> bool:
+  eqns = getattr(getattr(jaxpr, "jaxpr", jaxpr), "eqns", None)
+  return bool(eqns) and all(e.primitive.name == "device_put" for e in eqns)
 
 
 def remat_policy(config: Any):

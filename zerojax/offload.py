@@ -8,9 +8,11 @@ host where the output sharding says so.
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import jax
-from jax.sharding import AbstractMesh, Mesh
+import optax
+from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
 from zerojax.config import ConfigError, ZeroConfig
 
@@ -49,3 +51,65 @@ def memory_kinds(config: ZeroConfig, mesh: Mesh) -> tuple[str | None, str | None
       return None, None
     raise ConfigError(msg + "; set offload_fallback='warn' to fall back to device memory")
   return (HOST if config.offload_params else None, HOST if config.offload_optimizer else None)
+
+
+def on_device(shardings: Any) -> Any:
+  """The same shardings in device memory."""
+  return jax.tree.map(lambda s: s.with_memory_kind(DEVICE), shardings)
+
+
+def on_host(shardings: Any) -> Any:
+  """The same shardings in ``pinned_host`` memory."""
+  return jax.tree.map(lambda s: s.with_memory_kind(HOST), shardings)
+
+
+def _is_host(shardings: Any) -> bool:
+  return any(s.memory_kind == HOST for s in jax.tree.leaves(shardings))
+
+
+def wrap_tx(tx: optax.GradientTransformation, plan: Any) -> optax.GradientTransformation:
+  """``tx`` whose update moves offloaded state to where the update runs, and back.
+
+  * ``offload_optimizer``: the optimizer state comes from ``pinned_host`` to the device for the
+    update and the new state goes back to the host; or, with ``optimizer_on_host``, gradients
+    (and parameters) go to the host and the update itself runs there (``compute_on``).
+  * ``offload_params``: updates are returned in host memory, where the parameters they are
+    added to live; parameters used by the update (weight decay) are brought to the device.
+
+  Called inside the jitted step only; the state's own ``tx`` is left untouched.
+  """
+  cfg = plan.config
+  if not (cfg.offload_optimizer or cfg.offload_params):
+    return tx
+  opt_host = plan.opt_state is not None and _is_host(plan.opt_state)
+  params_host = _is_host(plan.params)
+  if not (opt_host or params_host):  # offload fell back to device memory
+    return tx
+  put = jax.device_put
+
+  def update(grads, state, params=None):
+    if cfg.optimizer_on_host and opt_host:
+      from jax.experimental.compute_on import compute_on
+      grads = put(grads, on_host(plan.grads))
+      if params is not None:
+        params = put(params, on_host(plan.params))
+      with compute_on("device_host"):
+        updates, new_state = jax.jit(tx.update)(grads, state, params)
+      updates = put(updates, plan.params if params_host else on_device(plan.grads))
+      return updates, new_state
+    if opt_host:
+      state = put(state, on_device(plan.opt_state))
+    if params_host:
+      # Gradients of host-resident parameters arrive typed as host memory (the transpose of
+      # the per-layer fetch); the update reads them, and the parameters, on the device.
+      grads = put(grads, on_device(plan.grads))
+      if params is not None:
+        params = put(params, on_device(plan.params))
+    updates, new_state = tx.update(grads, state, params)
+    if opt_host:
+      new_state = put(new_state, plan.opt_state)
+    if params_host:
+      updates = put(updates, plan.params)
+    return updates, new_state
+
+  return optax.GradientTransformation(tx.init, update)

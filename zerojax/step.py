@@ -23,6 +23,7 @@ import numpy as np
 from flax.core import meta
 from flax.training import train_state as ts
 
+from zerojax import offload
 from zerojax.config import ZeroConfig
 from zerojax.gather import box_params, remat_policy, remat_scan_bodies
 from zerojax.mesh import make_mesh
@@ -94,12 +95,17 @@ class ZeroStep:
     if key not in self._jitted:
       orig = state.apply_fn
 
+      orig_tx = getattr(state, "tx", None)
+
       def step(state, batch):
-        state = state.replace(apply_fn=wrap_apply_fn(orig, plan))
-        new_state, metrics = self.fn(state, batch)
+        changes = {"apply_fn": wrap_apply_fn(orig, plan)}
+        if orig_tx is not None:
+          changes["tx"] = offload.wrap_tx(orig_tx, plan)
+        new_state, metrics = self.fn(state.replace(**changes), batch)
         if not isinstance(new_state, type(state)):
           raise TypeError(f"train_step must return (state, metrics); got {type(new_state)}")
-        return new_state.replace(apply_fn=orig), metrics
+        restore = {"apply_fn": orig} if orig_tx is None else {"apply_fn": orig, "tx": orig_tx}
+        return new_state.replace(**restore), metrics
 
       state_sh = plan.state(state)
       self._jitted[key] = jax.jit(
