@@ -136,6 +136,7 @@ def main() -> None:
   args.runs = [r for r in args.runs.split(",") if r]
   info = zerojax.distributed.initialize()  # reads the launcher's environment
   assert info.num_processes == 2, info
+  assert zerojax.distributed.initialize() == info  # a second call is harmless
   {"train": train, "die": die}[args.mode](args)
 
 
