@@ -142,6 +142,8 @@ def initialize(coordinator_address: str | None = None,
 
   coord, nproc, pid, source = _resolve(coordinator_address, num_processes, process_id,
                                        cluster_detection_method)
+  if local_device_ids is None and source == "cluster":
+    local_device_ids = _detected_local_device_ids(cluster_detection_method)
   init_t = _timeout(initialization_timeout, ENV_INIT_TIMEOUT, DEFAULT_INIT_TIMEOUT)
   beat_t = _timeout(heartbeat_timeout, ENV_HEARTBEAT_TIMEOUT, DEFAULT_HEARTBEAT_TIMEOUT)
   down_t = _timeout(shutdown_timeout, ENV_SHUTDOWN_TIMEOUT, DEFAULT_SHUTDOWN_TIMEOUT)
@@ -254,6 +256,17 @@ def _resolve(coord, nproc, pid, method):
         f"zerojax.distributed.initialize: a coordinator ({coord!r}) is set but not the number "
         f"of processes; pass num_processes= or set {ENV_NUM_PROCESSES}")
   return coord, nproc, pid, source or "single"
+
+
+def _detected_local_device_ids(method):
+  """JAX's rule under a detected scheduler (SLURM, Open MPI): one device per process, the one
+  of its local rank; ``None`` (all devices) elsewhere or when ``JAX_LOCAL_DEVICE_IDS`` is set."""
+  if os.environ.get("JAX_LOCAL_DEVICE_IDS"):
+    return None
+  from jax._src import clusters
+  _, _, _, ids = clusters.ClusterEnv.auto_detect_unset_distributed_params(
+      "unused:0", 0, 0, None, method, 1)
+  return ids
 
 
 def _running_info(jdist) -> DistributedInfo:
