@@ -53,17 +53,40 @@ def launch(args: list[str], timeout: float) -> tuple[int, str, float]:
   return p.returncode, p.stdout, time.monotonic() - t0
 
 
-@pytest.fixture(scope="module")
-def mp_train(tmp_path_factory):
+@pytest.fixture(scope="session")
+def mp_started(tmp_path_factory):
+  """Starts the 2-process training runs in the background (session scope, so that pytest sets
+  it up before the in-process ``zero_runs`` reference, which then computes meanwhile)."""
   out = tmp_path_factory.mktemp("mp_train")
-  code, log, secs = launch(["-n", "2", "--devices-per-process", "4", "--heartbeat-timeout", "30",
-                            "--timeout", "600", "--", str(WORKER), "train", str(out),
-                            "--runs", ",".join(RUNS), "--save", "flat:3"], timeout=660)
-  assert code == 0, log[-6000:]
+  args = ["-n", "2", "--devices-per-process", "4", "--heartbeat-timeout", "30", "--timeout",
+          "600", "--", str(WORKER), "train", str(out), "--runs", ",".join(RUNS), "--save",
+          "flat:3"]
+  log = open(out / "launch.log", "w+")
+  p = subprocess.Popen([sys.executable, "-m", "zerojax.launch"] + args, env=_env(), cwd=ROOT,
+                       stdout=log, stderr=subprocess.STDOUT)
+  yield p, out, log, time.monotonic()
+  if p.poll() is None:
+    p.kill()
+    p.wait()
+  log.close()
+
+
+@pytest.fixture(scope="module")
+def mp_train(mp_started):
+  p, out, log, t0 = mp_started
+  try:
+    code = p.wait(timeout=660)
+  except subprocess.TimeoutExpired:
+    p.kill()
+    p.wait()
+    code = None
+  log.seek(0)
+  text = log.read()
+  assert code == 0, f"2-process training exited with {code}:\n{text[-6000:]}"
   with open(out / "result.json") as f:
     result = json.load(f)
-  print(f"\n2-process training runs took {secs:.1f}s")
-  return result, out, log
+  print(f"\n2-process training runs took {time.monotonic() - t0:.1f}s (from launch)")
+  return result, out, text
 
 
 def _npz_params(path):
@@ -77,7 +100,7 @@ def _flat(tree):
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_multiprocess_parity_with_one_process(stage, mp_train, zero_runs):
+def test_multiprocess_parity_with_one_process(stage, mp_started, zero_runs, mp_train):
   result, out, _ = mp_train
   assert result["process_count"] == 2 and result["device_count"] == 8
   assert result["local_device_count"] == 4
@@ -110,22 +133,28 @@ def test_multiprocess_each_process_feeds_its_own_rows(mp_train):
 
 
 def _restore_target(stage: int = 3):
-  """A fresh sharded state of this 1-process, 8-device run: the layout to restore into."""
+  """The abstract sharded train state of this 1-process, 8-device run (nothing allocated or
+  compiled): the layout to restore into, with its plan."""
   import jax.numpy as jnp
+  from flax.training import train_state
   from zerojax.models import GPT
   zc = zerojax.ZeroConfig(stage=stage, param_persistence_threshold=helpers.THRESHOLD)
-  x = jnp.asarray(helpers.batches(helpers.TINY, 1)[0]["x"])
-  return zerojax.create_train_state(GPT(helpers.TINY), helpers.make_tx(), jax.random.key(1), x,
-                                    config=zc)
+  model, tx = GPT(helpers.TINY), helpers.make_tx()
+  x = jax.ShapeDtypeStruct((helpers.BATCH, helpers.TINY.seq_len), jnp.int32)
+  params = jax.eval_shape(lambda: model.init(jax.random.key(1), x)["params"])
+  plan = zerojax.ShardingPlan.create(zc, zerojax.make_mesh(zc), params, tx)
+  abstract = jax.eval_shape(lambda: train_state.TrainState.create(
+      apply_fn=model.apply, params=jax.tree.map(jnp.zeros_like, params), tx=tx))
+  state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                       abstract, plan.state(abstract))
+  return state, plan
 
 
 def test_multiprocess_checkpoint_restores_in_one_process(mp_train, zero_runs):
   import orbax.checkpoint as ocp
   _, out, _ = mp_train
   state, plan = _restore_target()
-  tree = {"params": state.params, "opt_state": state.opt_state, "step": state.step}
-  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                          tree)
+  abstract = {"params": state.params, "opt_state": state.opt_state, "step": state.step}
   restored = ocp.StandardCheckpointer().restore(out / "orbax_ckpt", abstract)
   assert int(restored["step"]) == helpers.STEPS
   want = _flat(zero_runs[3].params)
@@ -134,12 +163,8 @@ def test_multiprocess_checkpoint_restores_in_one_process(mp_train, zero_runs):
     np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-5, err_msg=k)
   k = restored["params"]["blocks"]["fc"]["kernel"]
   assert k.sharding == plan.params["blocks"]["fc"]["kernel"]  # restored straight into the plan
-  # training continues from the restored state exactly like the uninterrupted run would
-  st = state.replace(step=restored["step"], params=restored["params"],
-                     opt_state=restored["opt_state"])
-  step = zerojax.zero_step(plan)(helpers.train_step)
-  _, m = step(st, helpers.batches(helpers.TINY, 1, seed=7)[0])
-  assert np.isfinite(float(m["loss"]))
+  mu = restored["opt_state"][0].mu["blocks"]["fc"]["kernel"]
+  assert mu.sharding == plan.opt_state[0].mu["blocks"]["fc"]["kernel"]
 
 
 def test_multiprocess_zerojax_checkpoint_restores_in_one_process(mp_train, zero_runs):
@@ -147,9 +172,7 @@ def test_multiprocess_zerojax_checkpoint_restores_in_one_process(mp_train, zero_
   result, out, _ = mp_train
   assert result.get("zerojax_checkpoint") == "saved", result.get("zerojax_checkpoint")
   state, plan = _restore_target()
-  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                          state)
-  restored = ckpt.Checkpointer(out / "zerojax_ckpt").restore(abstract, plan)
+  restored = ckpt.Checkpointer(out / "zerojax_ckpt").restore(state, plan)
   restored = restored[0] if isinstance(restored, tuple) else restored
   want, got = _flat(zero_runs[3].params), _flat(restored.params)
   for k in want:
