@@ -244,7 +244,7 @@ def test_multiprocess_unreachable_coordinator_is_a_clear_error():
   assert "AGAIN DistributedInfo(process_id=0, num_processes=1" in p.stdout, p.stdout
 
 
-def test_multiprocess_example_runs_under_the_launcher():
+def test_multiprocess_example_runs_under_the_launcher(capsys):
   code, log, secs = launch(["-n", "2", "--devices-per-process", "4", "--timeout", "300", "--",
                             str(EXAMPLE), "--steps", "3", "--mesh", "hybrid"], timeout=330)
   assert code == 0, log[-4000:]
@@ -253,7 +253,20 @@ def test_multiprocess_example_runs_under_the_launcher():
   assert len(finals) == 2, log[-3000:]
   a, b = (float(l.rsplit(" ", 1)[1]) for l in finals)
   assert a == b and np.isfinite(a)
-  print(f"\nexample under the launcher: {secs:.1f}s")
+  # The same script, unchanged, in this single process with 8 devices: the same loss.
+  sys.path.insert(0, str(EXAMPLE.parent))
+  try:
+    import multihost_train
+  finally:
+    sys.path.pop(0)
+  capsys.readouterr()
+  assert multihost_train.main(["--steps", "3", "--mesh", "hybrid"]) == 0
+  single = capsys.readouterr().out
+  assert "processes: 1 (single), devices: 8 (8 local)" in single, single
+  one = float(next(l for l in single.splitlines() if "final loss" in l).rsplit(" ", 1)[1])
+  np.testing.assert_allclose(one, a, rtol=1e-5)
+  print(f"\nexample under the launcher: {secs:.1f}s; final loss 2 processes {a:.6f}, "
+        f"1 process {one:.6f}")
 
 
 # -- resolution of the settings (no processes started) ------------------------------------------
