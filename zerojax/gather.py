@@ -19,8 +19,10 @@ layer's weights instead of keeping the gathered copies alive between forward and
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from typing import Any
+import threading
+from typing import Any, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +43,11 @@ from jax._src.pjit import sharding_constraint_p as _sharding_constraint_p  # noq
 def zerojax_gather(w: jax.Array, at_rest: NamedSharding, compute: NamedSharding,
                    grad: NamedSharding, reduce_dtype: Any) -> jax.Array:
   """Identity that moves ``w`` from its at-rest to its compute layout; see module doc."""
+  if at_rest == compute:
+    # Nothing to gather (stages 0-2). Returning ``w`` itself, not a constrained copy, lets a
+    # scan forward the layer's slice of the stacked parameter as its residual instead of
+    # saving a second, stacked copy of every weight.
+    return w
   w = jax.lax.with_sharding_constraint(w, at_rest)
   return jax.lax.with_sharding_constraint(w, compute)
 
@@ -80,7 +87,7 @@ class ZeroParam(struct.PyTreeNode, meta.AxisMetadata):
       return v
     ns = lambda s: NamedSharding(self.mesh, P(*s))
     out = gather(v, ns(self.at_rest), ns(self.compute), ns(self.grad), self.reduce_dtype)
-    return checkpoint_name(out, GATHERED) if self.name_gathered else out
+    return checkpoint_name(out, GATHERED)
 
   def replace_boxed(self, val: Any) -> "ZeroParam":
     return self.replace(value=val)
@@ -125,14 +132,19 @@ def save_all_but_gathered(prim, *_, **params) -> bool:
 
 
 def _only_resharding(jaxpr: Any) -> bool:
-  eqns = getattr(getattr(jaxpr, "jaxpr", jaxpr), "eqns", None)
-  return bool(eqns) and all(e.primitive is _sharding_constraint_p for e in eqns)
+  """Whether a ``custom_vjp_call``'s primal is `gather`: only resharding (or nothing)."""
+  inner = getattr(jaxpr, "jaxpr", jaxpr)
+  eqns = getattr(inner, "eqns", None)
+  return eqns is not None and all(e.primitive is _sharding_constraint_p for e in eqns)
 
 
 def remat_policy(config: Any):
   """The ``jax.checkpoint`` policy for the model, or ``None`` when no remat is needed.
 
-  Stage 3 always needs one: without it, autodiff keeps every gathered weight as a residual.
+  Every stage needs one. At stage 3, without it autodiff keeps every gathered weight as a
+  residual. At stages 0-2 the gather is an identity in forward, but autodiff would still save
+  its output, and inside a scan that is a stacked copy of every weight; recomputing the
+  identity in the backward pass is free and lets the scan use its own input slice.
   """
   cp = jax.checkpoint_policies
   never_gathered = save_all_but_gathered
@@ -144,4 +156,39 @@ def remat_policy(config: Any):
     return cp.save_and_offload_only_these_names(
         names_which_can_be_saved=[], names_which_can_be_offloaded=list(config.remat_offload_names),
         offload_src="device", offload_dst="pinned_host")
-  return never_gathered if config.stage >= 3 else None
+  return never_gathered
+
+
+_scan_lock = threading.RLock()
+
+
+@contextlib.contextmanager
+def remat_scan_bodies(policy: Any, live_layers: int = 1) -> Iterator[None]:
+  """While tracing the model, wraps the body of every ``jax.lax.scan`` in ``jax.checkpoint``.
+
+  ``live_layers > 1`` also unrolls each scan by that factor (unless the user asked for more):
+  XLA then sees that many consecutive layers in one loop iteration and can gather layer i+1
+  while layer i computes (prefetch), with at most ``live_layers`` gathered layers alive. This
+  is the knob DeepSpeed calls ``stage3_max_live_parameters`` / ``stage3_prefetch_bucket_size``.
+
+  ``nn.scan`` (Flax) and user code calling ``jax.lax.scan`` both resolve ``jax.lax.scan`` at call
+  time, so each scanned layer gets the policy inside its own body: its gathered weights are
+  recomputed in that layer's backward iteration and live one layer at a time. (Code that bound
+  ``scan`` at import time with ``from jax.lax import scan`` is not reached; it still gets the
+  policy around the whole model.)
+  """
+  orig = jax.lax.scan
+
+  def scan(f, init, xs=None, length=None, **kwargs):
+    if live_layers > 1:
+      unroll = kwargs.get("unroll", 1)
+      if not isinstance(unroll, bool) and unroll < live_layers:
+        kwargs["unroll"] = live_layers
+    return orig(jax.checkpoint(f, policy=policy, prevent_cse=False), init, xs, length, **kwargs)
+
+  with _scan_lock:
+    jax.lax.scan = scan
+    try:
+      yield
+    finally:
+      jax.lax.scan = orig

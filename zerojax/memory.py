@@ -215,13 +215,37 @@ def collective_bytes(hlo_text: str) -> dict[str, int]:
       if not m:
         continue
       kind = m.group(2)
+      if kind == "all-reduce":
+        for n, sliced in _all_reduce_parts(line, m.group(1), lines, comps):
+          # CPU lowering of reduce-scatter: all-reduce, then each device keeps its slice.
+          if sliced:
+            out["reduce-scatter"] += k * n
+          else:
+            out["all-reduce"] += k * 2 * n
+        continue
       n = _bytes_of(m.group(1))
       if kind == "reduce-scatter":
         n *= _group_size(line)
-      elif kind == "all-reduce" and _only_sliced(_name_of(line), lines, comps):
-        kind = "reduce-scatter"  # CPU lowering: all-reduce then each device keeps its slice
-      out[kind] += k * n * (2 if kind == "all-reduce" else 1)
+      out[kind] += k * n
   return out
+
+
+def _all_reduce_parts(line, shapes, lines, comps):
+  """``(bytes, only_sliced)`` per operand of a (possibly tuple-shaped, combined) all-reduce."""
+  name = _name_of(line)
+  parts = _SHAPE.findall(shapes)
+  sizes = [math.prod(int(d) for d in dims.split(",") if d) * _DTYPE_BYTES[dt]
+           for dt, dims in parts]
+  if len(sizes) <= 1:
+    return [(sum(sizes), _only_sliced(name, lines, comps))]
+  ref = re.compile(r"get-tuple-element\(%" + re.escape(name) + r"\), index=(\d+)")
+  gtes = {}
+  for l in lines:
+    g = ref.search(l)
+    if g:
+      gtes.setdefault(int(g.group(1)), []).append(_name_of(l))
+  return [(n, bool(gtes.get(i)) and all(_only_sliced(v, lines, comps) for v in gtes[i]))
+          for i, n in enumerate(sizes)]
 
 
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=")

@@ -24,7 +24,7 @@ from flax.core import meta
 from flax.training import train_state as ts
 
 from zerojax.config import ZeroConfig
-from zerojax.gather import box_params, remat_policy
+from zerojax.gather import box_params, remat_policy, remat_scan_bodies
 from zerojax.mesh import make_mesh
 from zerojax.plan import ShardingPlan
 
@@ -52,11 +52,30 @@ def wrap_apply_fn(apply_fn: Callable, plan: ShardingPlan) -> Callable:
       boxed["params"] = box_params(params, plan)
       return apply_fn(boxed, *args, **kwargs)
 
-    if policy is not None:
-      run = jax.checkpoint(run, policy=policy)
-    return run(params)
+    if policy is None:
+      return run(params)
+    # The policy must act inside every scanned layer: remat around a scan recomputes all of
+    # its residuals in one extra pass and stacks them, which would bring back every layer's
+    # gathered weights at once.
+    with remat_scan_bodies(policy, plan.config.max_live_layers):
+      return jax.checkpoint(run, policy=policy)(params)
 
   return apply
+
+
+def compiler_options(plan: ShardingPlan) -> dict[str, str] | None:
+  """XLA options the stage needs on this backend.
+
+  At stages 2-3 each layer's gradient must be reduce-scattered as soon as it exists. XLA's
+  CPU backend merges all gradient all-reduces of an unscanned model into one combined op,
+  which keeps every layer's full gradient alive until the end of the backward pass (GPU
+  backends bound this with ``--xla_gpu_*_combine_threshold_bytes``, DeepSpeed's
+  ``reduce_bucket_size``). There is no threshold on CPU, so the combiner is turned off.
+  """
+  platform = next(iter(plan.mesh.devices.flat)).platform
+  if plan.config.stage >= 2 and platform == "cpu":
+    return {"xla_disable_hlo_passes": "cpu-all-reduce-combiner"}
+  return None
 
 
 class ZeroStep:
@@ -86,7 +105,8 @@ class ZeroStep:
       self._jitted[key] = jax.jit(
           step, in_shardings=(state_sh, plan.batch(batch)),
           out_shardings=(state_sh, plan.replicated),
-          donate_argnums=(0,) if self.donate else ())
+          donate_argnums=(0,) if self.donate else (),
+          compiler_options=compiler_options(plan))
     return self._jitted[key]
 
   # -- NNX ------------------------------------------------------------------------------------
@@ -107,7 +127,8 @@ class ZeroStep:
       self._jitted[key] = jax.jit(
           step, in_shardings=(state_sh, plan.batch(batch)),
           out_shardings=(state_sh, plan.replicated),
-          donate_argnums=(0,) if self.donate else ())
+          donate_argnums=(0,) if self.donate else (),
+          compiler_options=compiler_options(plan))
     return self._jitted[key], state
 
   def __call__(self, *args):

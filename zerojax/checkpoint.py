@@ -1,0 +1,686 @@
+"""Sharded checkpoints on `orbax.checkpoint.CheckpointManager`.
+
+A checkpoint is one orbax step directory with two items:
+
+* ``state``: the train state's array fields (``step``, ``params``, ``opt_state``, and any other
+  pytree field of the state), saved as a sharded PyTree. Each process writes only the shards it
+  owns (orbax/tensorstore, OCDBT), so no device or host ever holds the whole model.
+* ``meta``: JSON with the zerojax config (`ZeroConfig.to_dict`), the user's data position and
+  RNG, and one **checksum per leaf**.
+
+Restoring reads target shardings from a (new) `ShardingPlan`: the same files restore at any
+stage, on any number of devices, into device or ``pinned_host`` memory. There is no conversion
+step. Before anything is loaded, the stored shape and dtype of every leaf are compared with the
+target; after loading, every leaf's checksum is recomputed and compared. The checksum is a sum
+of mixed 32-bit words modulo 2**32, which is exact and independent of the order of summation,
+so it is computed on the devices, in whatever sharding the arrays have, and gives the same
+number for the same values on any topology (and in numpy, for `zerojax.export`).
+
+Saves are asynchronous: `Checkpointer.save` returns once the device buffers have been copied
+to host, and the files are written in the background while training goes on (the train step
+may donate the state's buffers right away). `Checkpointer.wait` blocks until the write is
+committed. A step directory is committed by an atomic rename, so a save killed part-way
+leaves only a temporary directory that is never listed, restored or counted by retention, and
+older checkpoints are deleted only after a newer one is committed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import os
+from typing import Any, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax.training import train_state as ts
+from jax import lax
+from jax.sharding import NamedSharding
+
+from zerojax.config import ZeroConfig
+from zerojax.plan import ShardingPlan, _path_str
+
+PyTree = Any
+
+FORMAT = "zerojax-checkpoint"
+FORMAT_VERSION = 1
+STATE_ITEM = "state"
+META_ITEM = "meta"
+
+__all__ = [
+    "Checkpointer", "CheckpointError", "CheckpointNotFoundError", "Extras",
+    "abstract_train_state", "leaf_checksum", "numpy_checksum",
+]
+
+
+class CheckpointError(RuntimeError):
+  """A checkpoint is corrupted, truncated, or does not match the state it is restored into."""
+
+
+class CheckpointNotFoundError(FileNotFoundError):
+  """The checkpoint directory, or the requested step in it, does not exist."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Extras:
+  """What a checkpoint holds besides the train state.
+
+  Attributes:
+    step: the step the checkpoint was saved at.
+    rng: the RNG passed to `Checkpointer.save` (same kind: typed key or raw ``uint32`` key
+      data), or ``None``.
+    data: the data position passed to `Checkpointer.save` (JSON round trip), or ``None``.
+    config: the saving run's `ZeroConfig.to_dict()`, or ``None`` if none was given.
+  """
+
+  step: int
+  rng: Any = None
+  data: Any = None
+  config: dict | None = None
+
+
+# -- checksums ----------------------------------------------------------------------------------
+
+_M1, _M2, _M3, _M4 = 0x9E3779B1, 0x85EBCA77, 0xC2B2AE3D, 0x27D4EB2F
+
+
+def _words_jax(x: jax.Array) -> jax.Array:
+  """The value bits of every element as one ``uint32`` word (same shape as ``x``)."""
+  if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+    x = jax.random.key_data(x)
+  if x.dtype == jnp.bool_:
+    return x.astype(jnp.uint32)
+  size = np.dtype(x.dtype).itemsize
+  if size == 4:
+    return lax.bitcast_convert_type(x, jnp.uint32)
+  if size == 2:
+    return lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32)
+  if size == 1:
+    return lax.bitcast_convert_type(x, jnp.uint8).astype(jnp.uint32)
+  if size == 8:  # two words, combined symmetrically (word order does not matter)
+    y = lax.bitcast_convert_type(x, jnp.uint32)
+    a, b = y[..., 0], y[..., 1]
+    return (a ^ b) ^ ((a + b) * jnp.uint32(_M3))
+  raise TypeError(f"cannot checksum dtype {x.dtype}")
+
+
+def _mix(v, idx, xp):
+  u32 = xp.uint32
+  h1 = (v ^ (idx * u32(_M1))) * u32(_M2)
+  rot = (v << u32(16)) | (v >> u32(16))
+  h2 = (rot + u32(_M4)) * (idx * u32(2) + u32(1))
+  return h1, h2
+
+
+def leaf_checksum(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Two ``uint32`` checksums of a (possibly sharded) array; traceable, sharding-independent."""
+  v = _words_jax(x)
+  shape = v.shape
+  idx = jnp.zeros(shape, jnp.uint32)
+  stride = 1
+  for d in reversed(range(len(shape))):
+    idx = idx + lax.broadcasted_iota(jnp.uint32, shape, d) * jnp.uint32(stride % 2**32)
+    stride *= shape[d]
+  h1, h2 = _mix(v, idx, jnp)
+  return jnp.sum(h1, dtype=jnp.uint32), jnp.sum(h2, dtype=jnp.uint32)
+
+
+def _np_words(x: np.ndarray) -> np.ndarray:
+  if x.dtype == np.bool_:
+    return x.astype(np.uint32)
+  size = x.dtype.itemsize
+  if size == 4:
+    return x.view(np.uint32)
+  if size == 2:
+    return x.view(np.uint16).astype(np.uint32)
+  if size == 1:
+    return x.view(np.uint8).astype(np.uint32)
+  if size == 8:
+    y = np.ascontiguousarray(x).view(np.uint32).reshape(x.shape + (2,))
+    a, b = y[..., 0], y[..., 1]
+    with np.errstate(over="ignore"):
+      return (a ^ b) ^ ((a + b) * np.uint32(_M3))
+  raise TypeError(f"cannot checksum dtype {x.dtype}")
+
+
+def _np_partial_checksum(x: np.ndarray, start: Sequence[int], global_shape: Sequence[int]
+                         ) -> tuple[int, int]:
+  """The checksum terms of the block ``x`` that sits at ``start`` in a ``global_shape`` array
+  (sums modulo 2**32, so the blocks of an array add up to the array's checksum)."""
+  x = np.asarray(x)
+  v = _np_words(x)
+  if v.ndim == 0:
+    v = v.reshape(1)
+    start, global_shape = (0,), (1,)
+  strides = [1] * len(global_shape)
+  for d in range(len(global_shape) - 2, -1, -1):
+    strides[d] = strides[d + 1] * int(global_shape[d + 1])
+  inner = [(int(start[d]) + np.arange(v.shape[d], dtype=np.uint64)) * np.uint64(strides[d] % 2**64)
+           for d in range(1, v.ndim)]
+  inner_idx = sum((a.reshape((-1,) + (1,) * (v.ndim - 2 - i)) for i, a in enumerate(inner)),
+                  np.zeros((), np.uint64))
+  row_size = max(1, math.prod(v.shape[1:]))
+  rows = max(1, (1 << 18) // row_size)  # bounded temporaries
+  s1 = s2 = 0
+  with np.errstate(over="ignore"):
+    for r0 in range(0, v.shape[0], rows):
+      part = v[r0:r0 + rows]
+      lead = (int(start[0]) + r0 + np.arange(part.shape[0], dtype=np.uint64)) * np.uint64(
+          strides[0] % 2**64)
+      idx = (lead.reshape((-1,) + (1,) * (v.ndim - 1)) + inner_idx).astype(np.uint32)
+      h1, h2 = _mix(part, idx, np)
+      s1 += int(np.sum(h1, dtype=np.uint32))
+      s2 += int(np.sum(h2, dtype=np.uint32))
+  return s1 % 2**32, s2 % 2**32
+
+
+def numpy_checksum(x: np.ndarray) -> tuple[int, int]:
+  """`leaf_checksum` of a host array, in numpy (same numbers)."""
+  x = np.asarray(x)
+  return _np_partial_checksum(x, (0,) * x.ndim, x.shape)
+
+
+def _shard_checksum(x: jax.Array) -> tuple[int, int]:
+  """`leaf_checksum` from this process's shards, on the host (no compilation): every distinct
+  shard is counted once (``replica_id == 0``) and the processes' sums are added."""
+  s1 = s2 = 0
+  for sh in x.addressable_shards:
+    if sh.replica_id != 0:
+      continue
+    start = [0 if i.start is None else i.start for i in sh.index] + [0] * (x.ndim - len(sh.index))
+    a, b = _np_partial_checksum(np.asarray(sh.data), start, x.shape)
+    s1, s2 = s1 + a, s2 + b
+  return s1 % 2**32, s2 % 2**32
+
+
+@functools.lru_cache(maxsize=64)
+def _checksum_fn(to_device: tuple):
+  """Jitted checksums of a list of leaves; leaves in host memory are moved to device first
+  (``to_device`` holds their device-memory sharding, ``None`` for the others)."""
+  def f(leaves):
+    out = []
+    for x, s in zip(leaves, to_device):
+      out.append(jnp.stack(leaf_checksum(x if s is None else jax.device_put(x, s))))
+    return out
+  return jax.jit(f)
+
+
+def _device_memory(x: jax.Array):
+  s = x.sharding
+  kind = getattr(s, "memory_kind", None)
+  if kind is None or kind == "device" or not isinstance(s, NamedSharding):
+    return None
+  return s.with_memory_kind("device")
+
+
+def _checksums(item: PyTree) -> dict[str, list[int]]:
+  """``{leaf path: [h1, h2]}`` of every leaf, computed where the leaf lives."""
+  flat = jax.tree_util.tree_flatten_with_path(item)[0]
+  out: dict[str, list[int]] = {}
+  dev = [(p, x) for p, x in flat if isinstance(x, jax.Array)]
+  host = [(p, x) for p, x in flat if not isinstance(x, jax.Array)]
+  on_cpu = all(d.platform == "cpu" for _, x in dev for d in x.sharding.device_set)
+  if dev and on_cpu:
+    # CPU "device" memory is host memory: hashing the shards in numpy costs no compilation.
+    sums = [_shard_checksum(x) for _, x in dev]
+    if jax.process_count() > 1:
+      from jax.experimental import multihost_utils
+      every = multihost_utils.process_allgather(np.asarray(sums, np.uint32))
+      sums = [[int(v) % 2**32 for v in row] for row in
+              np.asarray(every, np.uint64).sum(axis=0) % 2**32]
+    for (p, _), s in zip(dev, sums):
+      out[_path_str(p)] = [int(v) for v in s]
+  elif dev:
+    sums = _checksum_fn(tuple(_device_memory(x) for _, x in dev))([x for _, x in dev])
+    for (p, _), s in zip(dev, sums):
+      out[_path_str(p)] = [int(v) for v in np.asarray(s.addressable_data(0))]
+  for p, x in host:
+    out[_path_str(p)] = list(numpy_checksum(np.asarray(x)))
+  return out
+
+
+# -- state <-> checkpoint item --------------------------------------------------------------------
+
+
+def _state_item(state: Any) -> dict[str, Any]:
+  """The pytree fields of a train state as a dict (what goes into the ``state`` item)."""
+  if dataclasses.is_dataclass(state) and not isinstance(state, type):
+    return {f.name: getattr(state, f.name) for f in dataclasses.fields(state)
+            if f.metadata.get("pytree_node", True)}
+  if isinstance(state, Mapping):
+    return dict(state)
+  raise TypeError(f"zerojax checkpoints need a flax.struct train state (e.g. "
+                  f"flax.training.train_state.TrainState) or a dict, got {type(state).__name__}")
+
+
+def _item_shardings(state: Any, plan: ShardingPlan) -> dict[str, Any]:
+  """Target shardings of the ``state`` item, all read from ``plan``."""
+  if dataclasses.is_dataclass(state):
+    return _state_item(plan.state(state))
+  out = {}
+  for k, v in dict(state).items():
+    if k == "params":
+      out[k] = plan.params
+    elif k == "opt_state":
+      out[k] = plan.opt_state
+    else:
+      out[k] = jax.tree.map(lambda _: plan.replicated, v)
+  return out
+
+
+def _shape_dtype(x: Any) -> tuple[tuple[int, ...], np.dtype]:
+  if hasattr(x, "shape") and hasattr(x, "dtype"):
+    return tuple(x.shape), np.dtype(x.dtype)
+  a = np.asarray(x)
+  return a.shape, a.dtype
+
+
+def _json_default(o: Any) -> Any:
+  if isinstance(o, np.integer):
+    return int(o)
+  if isinstance(o, np.floating):
+    return float(o)
+  if isinstance(o, np.bool_):
+    return bool(o)
+  if isinstance(o, (np.ndarray, jax.Array)) and np.ndim(o) <= 1 and np.size(o) <= 4096:
+    return np.asarray(o).tolist()
+  raise TypeError(f"value of type {type(o).__name__} is not JSON serialisable")
+
+
+def _rng_to_json(rng: Any) -> dict | None:
+  if rng is None:
+    return None
+  typed = jax.dtypes.issubdtype(getattr(rng, "dtype", np.float32), jax.dtypes.prng_key)
+  data = jax.random.key_data(rng) if typed else rng
+  if isinstance(data, jax.Array) and not data.is_fully_addressable:
+    data = data.addressable_data(0)
+  data = np.asarray(data)
+  if data.dtype != np.uint32:
+    raise TypeError(f"Checkpointer.save(rng=...) must be a JAX PRNG key (typed or uint32 key "
+                    f"data); got an array of dtype {data.dtype}")
+  impl = str(jax.random.key_impl(rng)) if typed else None
+  return {"typed": bool(typed), "impl": impl, "shape": list(data.shape),
+          "data": data.reshape(-1).tolist()}
+
+
+def _rng_from_json(d: dict | None) -> Any:
+  if d is None:
+    return None
+  data = np.asarray(d["data"], np.uint32).reshape(d["shape"])
+  if d["typed"]:
+    return jax.random.wrap_key_data(data, impl=d["impl"])
+  return jnp.asarray(data)
+
+
+# -- the checkpointer ---------------------------------------------------------------------------
+
+
+class Checkpointer:
+  """Saves and restores sharded zerojax train states in one directory.
+
+  Example::
+
+    ckpt = zerojax.checkpoint.Checkpointer("/ckpt", config=config, max_to_keep=3,
+                                           keep_every=1000)
+    for step in range(start, steps):
+      state, metrics = train_step(state, next(data))
+      ckpt.save(step + 1, state, rng=rng, data={"step": data.step})  # async
+    ckpt.close()  # waits for the last save
+
+    # later, on another topology/stage:
+    state, plan = zerojax.checkpoint.abstract_train_state(model, tx, rng, x, config=new_config)
+    state, extras = ckpt.restore(state, plan)
+
+  Args:
+    directory: the checkpoint root; one sub-directory per step.
+    config: the run's `ZeroConfig`, stored in every checkpoint.
+    max_to_keep: keep the last ``max_to_keep`` checkpoints (``None``: keep all).
+    keep_every: also keep every checkpoint whose step is a multiple of ``keep_every``.
+    save_interval_steps: `save` without ``force`` only saves steps that are multiples of it.
+    async_save: write in the background (`wait` blocks until written).
+    read_only: never write or delete (for evaluation jobs and export); the directory must
+      exist.
+  """
+
+  def __init__(self, directory: str | os.PathLike, *, config: ZeroConfig | None = None,
+               max_to_keep: int | None = 3, keep_every: int | None = None,
+               save_interval_steps: int = 1, async_save: bool = True,
+               read_only: bool = False):
+    import orbax.checkpoint as ocp
+    from orbax.checkpoint import checkpoint_managers as cm
+    self._ocp = ocp
+    for name, v in (("max_to_keep", max_to_keep), ("keep_every", keep_every)):
+      if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+        raise ValueError(f"Checkpointer({name}={v!r}) is invalid: a positive integer or None")
+    if not isinstance(save_interval_steps, int) or save_interval_steps < 1:
+      raise ValueError(f"Checkpointer(save_interval_steps={save_interval_steps!r}) is invalid: "
+                       "a positive integer")
+    if config is not None and not isinstance(config, ZeroConfig):
+      raise TypeError(f"Checkpointer(config=...) must be a ZeroConfig, got "
+                      f"{type(config).__name__}")
+    self.directory = os.path.abspath(os.fspath(directory))
+    self.config = config
+    self.read_only = read_only
+    self.save_interval_steps = save_interval_steps
+    if read_only and not os.path.isdir(self.directory):
+      raise CheckpointNotFoundError(
+          f"checkpoint directory {self.directory!r} does not exist"
+          + ("" if not os.path.exists(self.directory) else " (it is not a directory)"))
+    policies = [cm.LatestN(n=max_to_keep)]
+    if keep_every is not None:
+      policies.append(cm.EveryNSteps(interval_steps=keep_every))
+    options = ocp.CheckpointManagerOptions(
+        save_interval_steps=0 if read_only else 1,  # `save` decides (see save_interval_steps)
+        preservation_policy=cm.AnyPreservationPolicy(policies),
+        enable_async_checkpointing=async_save,
+        create=not read_only,
+        read_only=read_only,
+        cleanup_tmp_directories=not read_only,
+    )
+    registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+    registry.add(STATE_ITEM, ocp.args.StandardSave, ocp.handlers.StandardCheckpointHandler)
+    registry.add(STATE_ITEM, ocp.args.StandardRestore, ocp.handlers.StandardCheckpointHandler)
+    registry.add(META_ITEM, ocp.args.JsonSave, ocp.handlers.JsonCheckpointHandler)
+    registry.add(META_ITEM, ocp.args.JsonRestore, ocp.handlers.JsonCheckpointHandler)
+    self._mgr = ocp.CheckpointManager(self.directory, options=options,
+                                      handler_registry=registry)
+
+  # -- queries ----------------------------------------------------------------------------------
+
+  def all_steps(self) -> list[int]:
+    """Steps of the checkpoints, ascending.
+
+    A read-only `Checkpointer` re-reads the directory and lists committed checkpoints only. A
+    writing one also lists the steps it is still saving (`wait` commits them); it never lists
+    a partial directory left by a killed save.
+    """
+    if self.read_only:
+      self._mgr.reload()
+    return sorted(self._mgr.all_steps())
+
+  def latest_step(self) -> int | None:
+    """The newest complete checkpoint's step, or ``None``."""
+    steps = self.all_steps()
+    return steps[-1] if steps else None
+
+  def step_dir(self, step: int) -> str:
+    return os.path.join(self.directory, str(step))
+
+  # -- save -------------------------------------------------------------------------------------
+
+  def save(self, step: int, state: Any, *, rng: Any = None, data: Any = None,
+           force: bool = False) -> bool:
+    """Starts an asynchronous save of ``state`` as checkpoint ``step``.
+
+    Returns once the device buffers are copied to host; training may go on (and donate the
+    state) at once. Call `wait` (or `close`) to block until the files are committed.
+
+    Args:
+      step: the step number (a non-negative int); an existing step is never overwritten.
+      state: a train state (e.g. ``flax.training.train_state.TrainState``) or a dict.
+      rng: a JAX PRNG key to store (restored as the same kind of key).
+      data: the data position, any JSON-serialisable value (e.g. ``{"step": 1200}``).
+      force: save even if ``step`` is not a multiple of ``save_interval_steps``.
+
+    Returns:
+      whether a save was started.
+    """
+    if self.read_only:
+      raise CheckpointError(f"checkpoint directory {self.directory!r} was opened read-only")
+    if not isinstance(step, (int, np.integer)) or isinstance(step, bool) or step < 0:
+      raise ValueError(f"Checkpointer.save(step={step!r}) is invalid: a non-negative integer")
+    step = int(step)
+    if step in self.all_steps():
+      raise CheckpointError(f"checkpoint step {step} already exists in {self.directory!r}; "
+                            "zerojax never overwrites a checkpoint (delete it first)")
+    if not force and step % self.save_interval_steps:
+      return False
+    item = _state_item(state)
+    try:
+      data_json = json.loads(json.dumps(data, default=_json_default))
+    except (TypeError, ValueError) as e:
+      raise TypeError(f"Checkpointer.save(data=...) must be JSON-serialisable (numbers, "
+                      f"strings, lists, dicts): {e}") from None
+    meta = {
+        "format": FORMAT,
+        "version": FORMAT_VERSION,
+        "step": step,
+        "config": None if self.config is None else self.config.to_dict(),
+        "data": data_json,
+        "rng": _rng_to_json(rng),
+        "leaves": {_path_str(p): {"shape": list(_shape_dtype(x)[0]),
+                                  "dtype": _shape_dtype(x)[1].name}
+                   for p, x in jax.tree_util.tree_flatten_with_path(item)[0]},
+        "checksums": _checksums(item),
+    }
+    ocp = self._ocp
+    return self._mgr.save(step, args=ocp.args.Composite(
+        **{STATE_ITEM: ocp.args.StandardSave(item), META_ITEM: ocp.args.JsonSave(meta)}),
+        force=True)
+
+  def wait(self) -> None:
+    """Blocks until every started save is committed (and re-raises its error, if any)."""
+    self._mgr.wait_until_finished()
+    self._mgr.check_for_errors()
+
+  def close(self) -> None:
+    """Waits for pending saves and releases orbax's resources."""
+    self._mgr.close()
+
+  def __enter__(self) -> "Checkpointer":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+  # -- restore ----------------------------------------------------------------------------------
+
+  def _resolve_step(self, step: int | None) -> int:
+    if not os.path.isdir(self.directory):
+      raise CheckpointNotFoundError(f"checkpoint directory {self.directory!r} does not exist")
+    if not self.read_only:
+      self.wait()  # a step being saved by this Checkpointer is restorable once committed
+    steps = self.all_steps()
+    if not steps:
+      raise CheckpointNotFoundError(
+          f"checkpoint directory {self.directory!r} holds no complete checkpoint (entries: "
+          f"{sorted(os.listdir(self.directory))[:10]})")
+    if step is None:
+      return steps[-1]
+    if step not in steps:
+      raise CheckpointNotFoundError(f"checkpoint {self.directory!r} has no step {step}; "
+                                    f"complete steps are {steps}")
+    return int(step)
+
+  def read_meta(self, step: int | None = None) -> dict:
+    """The JSON ``meta`` item of a checkpoint (config, data, rng, leaf shapes and checksums)."""
+    step = self._resolve_step(step)
+    path = os.path.join(self.step_dir(step), META_ITEM)
+    try:
+      meta = self._mgr.restore(step, args=self._ocp.args.Composite(
+          **{META_ITEM: self._ocp.args.JsonRestore()}))[META_ITEM]
+    except Exception as e:
+      raise CheckpointError(f"checkpoint {self.step_dir(step)!r}: cannot read its zerojax "
+                            f"metadata {path!r}: {type(e).__name__}: {e}") from e
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+      raise CheckpointError(f"checkpoint {self.step_dir(step)!r} is not a zerojax checkpoint "
+                            f"(its meta item has format {getattr(meta, 'get', lambda k: None)('format')!r}, "
+                            f"expected {FORMAT!r})")
+    return meta
+
+  def stored_leaves(self, step: int | None = None) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """``{leaf path: (shape, dtype)}`` of the stored state, from orbax's metadata."""
+    step = self._resolve_step(step)
+    try:
+      md = self._mgr.metadata(step).item_metadata[STATE_ITEM]
+      tree = md.tree if hasattr(md, "tree") else md
+      flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    except Exception as e:
+      raise CheckpointError(f"checkpoint {self.step_dir(step)!r}: cannot read the array "
+                            f"metadata of item {STATE_ITEM!r}: {type(e).__name__}: {e}") from e
+    return {_path_str(p): (tuple(m.shape), np.dtype(m.dtype)) for p, m in flat}
+
+  def restore(self, state: Any, plan: ShardingPlan, step: int | None = None
+              ) -> tuple[Any, Extras]:
+    """Restores a checkpoint into the layout of ``plan``.
+
+    The checkpoint may come from any stage and any device count: every leaf is read straight
+    into the sharding (and memory kind) that ``plan`` gives it.
+
+    Args:
+      state: the target train state: a real one, or an abstract one (``ShapeDtypeStruct``
+        leaves, see `abstract_train_state`). Only its structure, shapes and dtypes are used;
+        non-array fields (``apply_fn``, ``tx``) are kept.
+      plan: the `ShardingPlan` of the run that restores (it fixes every target sharding).
+      step: the step to restore; ``None`` is the latest complete checkpoint.
+
+    Returns:
+      ``(state, extras)``.
+
+    Raises:
+      CheckpointNotFoundError: no such directory or step.
+      CheckpointError: the checkpoint does not match ``state`` (a leaf is missing, extra, or
+        has another shape or dtype), or it is corrupted or truncated (a leaf cannot be read
+        or its checksum differs). The message names the checkpoint, the leaf and the mismatch.
+    """
+    if not isinstance(plan, ShardingPlan):
+      raise TypeError(f"restore(state, plan): plan must be a zerojax.ShardingPlan, got "
+                      f"{type(plan).__name__}")
+    step = self._resolve_step(step)
+    where = self.step_dir(step)
+    meta = self.read_meta(step)
+    target_item = _state_item(state)
+    shardings = _item_shardings(state, plan)
+    t_flat, t_def = jax.tree_util.tree_flatten_with_path(target_item)
+    s_flat = jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, NamedSharding))
+    if len(s_flat) != len(t_flat):
+      raise ValueError(f"the plan's shardings ({len(s_flat)} leaves) do not match the target "
+                       f"state ({len(t_flat)} leaves): was the plan made for this model and "
+                       "optimizer?")
+    stored = self.stored_leaves(step)
+    abstract, problems = [], []
+    for (kp, x), sh in zip(t_flat, s_flat):
+      path = _path_str(kp)
+      shape, dtype = _shape_dtype(x)
+      if path not in stored:
+        problems.append(f"leaf {path!r} (shape {shape} {dtype.name}) is not in the checkpoint")
+      elif stored[path] != (shape, dtype):
+        s_shape, s_dtype = stored[path]
+        problems.append(f"leaf {path!r} is stored as shape {s_shape} {s_dtype.name}, the "
+                        f"target expects shape {shape} {dtype.name}")
+      abstract.append(jax.ShapeDtypeStruct(shape, dtype, sharding=sh))
+    names = {_path_str(kp) for kp, _ in t_flat}
+    problems += [f"leaf {p!r} (shape {stored[p][0]} {stored[p][1].name}) is in the checkpoint "
+                 "but not in the target" for p in sorted(set(stored) - names)]
+    if problems:
+      problems.sort(key=lambda m: not m.startswith("leaf 'params/"))  # parameters first
+      more = f"; and {len(problems) - 5} more" if len(problems) > 5 else ""
+      raise CheckpointError(f"checkpoint {where!r} does not match the target state "
+                            f"({len(problems)} leaves differ; nothing was loaded): "
+                            + "; ".join(problems[:5]) + more)
+    abstract_item = jax.tree_util.tree_unflatten(t_def, abstract)
+    ocp = self._ocp
+    try:
+      restored = self._mgr.restore(step, args=ocp.args.Composite(
+          **{STATE_ITEM: ocp.args.StandardRestore(abstract_item)}))[STATE_ITEM]
+    except Exception as e:
+      leaf = self._find_unreadable_leaf(step, [_path_str(kp) for kp, _ in t_flat])
+      raise CheckpointError(
+          f"checkpoint {where!r} cannot be read (corrupted or truncated?)"
+          + (f": leaf {leaf[0]!r} fails with {leaf[1]}" if leaf else "")
+          + f"; orbax says: {type(e).__name__}: {str(e)[:800]}") from e
+    _verify(where, meta, restored)
+    if dataclasses.is_dataclass(state):
+      new_state = state.replace(**restored)
+    else:
+      new_state = {**dict(state), **restored}
+    extras = Extras(step=int(meta["step"]), rng=_rng_from_json(meta.get("rng")),
+                    data=meta.get("data"), config=meta.get("config"))
+    return new_state, extras
+
+  def _find_unreadable_leaf(self, step: int, paths: Sequence[str]) -> tuple[str, str] | None:
+    """On a failed restore: read leaves one by one (to host) to name the first bad one."""
+    item_dir = os.path.join(self.step_dir(step), STATE_ITEM)
+    tree = self._mgr.metadata(step).item_metadata[STATE_ITEM]
+    tree = tree.tree if hasattr(tree, "tree") else tree
+    for kp, _ in jax.tree_util.tree_flatten_with_path(tree)[0]:
+      try:
+        read_leaf(item_dir, kp)
+      except Exception as e:  # noqa: BLE001 - we only report it
+        return _path_str(kp), f"{type(e).__name__}: {str(e)[:300]}"
+    return None
+
+
+def _verify(where: str, meta: dict, item: PyTree) -> None:
+  """Compares the restored leaves' checksums with the ones recorded at save time."""
+  want = meta.get("checksums")
+  if not want:
+    raise CheckpointError(f"checkpoint {where!r} has no leaf checksums in its meta item; "
+                          "it was not written by zerojax.checkpoint")
+  got = _checksums(item)
+  for path, g in got.items():
+    w = want.get(path)
+    if w is None:
+      raise CheckpointError(f"checkpoint {where!r}: leaf {path!r} has no recorded checksum")
+    if list(w) != list(g):
+      raise CheckpointError(
+          f"checkpoint {where!r} is corrupted: leaf {path!r} was read back with checksum "
+          f"{g[0]:08x}{g[1]:08x}, but {w[0]:08x}{w[1]:08x} was recorded when it was saved")
+
+
+# -- reading single leaves to host (export, diagnostics) ----------------------------------------
+
+
+def read_leaf(item_dir: str, keypath: Sequence[Any]) -> np.ndarray:
+  """Reads one stored leaf, whole, into host memory, with no devices or mesh involved."""
+  import orbax.checkpoint as ocp
+  item: Any = np.zeros(())
+  args: Any = ocp.RestoreArgs(restore_type=np.ndarray)
+  for k in reversed(list(keypath)):
+    name = getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))
+    item, args = {str(name): item}, {str(name): args}
+  with ocp.PyTreeCheckpointer() as ck:
+    out = ck.restore(item_dir, args=ocp.args.PyTreeRestore(
+        item=item, restore_args=args, partial_restore=True))
+  for k in keypath:
+    name = getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))
+    out = out[str(name)]
+  return np.asarray(out)
+
+
+# -- abstract targets -------------------------------------------------------------------------------
+
+
+def abstract_train_state(model: Any, tx: Any, rng: jax.Array, *init_args: Any,
+                         config: ZeroConfig, mesh: jax.sharding.Mesh | None = None,
+                         state_cls: type = ts.TrainState, **init_kwargs: Any
+                         ) -> tuple[Any, ShardingPlan]:
+  """The restore target of `zerojax.create_train_state`, without allocating anything.
+
+  Returns ``(abstract_state, plan)``: a train state of ``ShapeDtypeStruct`` leaves carrying
+  the plan's shardings, and the plan. Pass both to `Checkpointer.restore`.
+  """
+  from zerojax.mesh import make_mesh
+  from zerojax.step import _cast, _cast_shapes
+  from flax.core import meta as flax_meta
+  mesh = make_mesh(config) if mesh is None else mesh
+  pdtype = jnp.dtype(config.param_dtype)
+
+  def init_params(rng, *args):
+    return model.init(rng, *args, **init_kwargs)["params"]
+
+  boxed = jax.eval_shape(init_params, rng, *init_args)
+  plan = ShardingPlan.create(config, mesh, _cast_shapes(boxed, pdtype), tx)
+
+  def make_state(rng, *args):
+    params = _cast(flax_meta.unbox(init_params(rng, *args)), pdtype)
+    return state_cls.create(apply_fn=model.apply, params=params, tx=tx)
+
+  abstract = jax.eval_shape(make_state, rng, *init_args)
+  shardings = plan.state(abstract)
+  with_sh = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                         abstract, shardings)
+  return with_sh, plan

@@ -1,0 +1,222 @@
+"""Export a sharded checkpoint to plain, unsharded parameters (zerojax's ``zero_to_fp32``).
+
+The parameters are read from the checkpoint one leaf at a time into host memory, checked
+against the checksums recorded at save time, converted to the output dtype and streamed into
+the output file, so peak host memory stays near the size of the largest leaf (well under one
+model size) and no device, mesh or training device count is needed.
+
+Formats:
+
+* ``npz``: one ``.npy`` entry per parameter, named by its path (``blocks/fc/kernel``), plus a
+  ``__metadata__`` entry (JSON string). NumPy has no bfloat16, so bf16 arrays are stored as
+  their ``uint16`` bit patterns; `load_npz` returns them as ``ml_dtypes.bfloat16``.
+* ``safetensors``: the standard format (``F32``/``BF16``), readable by ``safetensors``' numpy,
+  torch and flax loaders; the same JSON metadata sits in the header's ``__metadata__``.
+
+Command line::
+
+  python -m zerojax.export CKPT_DIR OUT [--step N] [--dtype fp32|bf16] [--format npz|safetensors]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import struct
+import sys
+import zipfile
+from typing import Any, Sequence
+
+import numpy as np
+
+DTYPES = {"float32": "float32", "fp32": "float32", "f32": "float32",
+          "bfloat16": "bfloat16", "bf16": "bfloat16"}
+FORMATS = ("npz", "safetensors")
+_ST_DTYPES = {"float32": "F32", "bfloat16": "BF16"}
+METADATA_KEY = "__metadata__"
+
+__all__ = ["export", "main", "load_npz"]
+
+
+def _np_dtype(name: str) -> np.dtype:
+  if name == "bfloat16":
+    import ml_dtypes
+    return np.dtype(ml_dtypes.bfloat16)
+  return np.dtype(name)
+
+
+def export(checkpoint_dir: str | os.PathLike, out_path: str | os.PathLike, *,
+           step: int | None = None, dtype: str = "float32",
+           format: str | None = None) -> dict[str, Any]:  # noqa: A002 - public name
+  """Writes a checkpoint's parameters, unsharded, to ``out_path``.
+
+  Args:
+    checkpoint_dir: a `zerojax.checkpoint.Checkpointer` directory.
+    out_path: the output file (written to a temporary name, then renamed into place).
+    step: the step to export; ``None`` is the latest complete checkpoint.
+    dtype: ``'float32'`` (``'fp32'``) or ``'bfloat16'`` (``'bf16'``); floating-point leaves
+      are cast to it, integer leaves are kept.
+    format: ``'npz'`` or ``'safetensors'``; ``None`` picks ``safetensors`` for a
+      ``.safetensors`` path and ``npz`` otherwise.
+
+  Returns:
+    a summary: ``{'path', 'step', 'format', 'dtype', 'num_params', 'num_leaves', 'bytes'}``.
+
+  Raises:
+    CheckpointNotFoundError: no such directory or step.
+    CheckpointError: a leaf cannot be read or its checksum differs from the recorded one.
+    ValueError: an unknown ``dtype`` or ``format``.
+  """
+  from zerojax.checkpoint import (STATE_ITEM, CheckpointError, Checkpointer, numpy_checksum,
+                                  read_leaf)
+  from zerojax.plan import _path_str
+  import jax
+
+  out_path = os.fspath(out_path)
+  if dtype not in DTYPES:
+    raise ValueError(f"export(dtype={dtype!r}) is invalid: allowed are {sorted(DTYPES)}")
+  dtype = DTYPES[dtype]
+  if format is None:
+    format = "safetensors" if out_path.endswith(".safetensors") else "npz"  # noqa: A001
+  if format not in FORMATS:
+    raise ValueError(f"export(format={format!r}) is invalid: allowed are {FORMATS}")
+
+  ckpt = Checkpointer(checkpoint_dir, read_only=True)
+  try:
+    step = ckpt._resolve_step(step)
+    where = ckpt.step_dir(step)
+    meta = ckpt.read_meta(step)
+    md = ckpt._mgr.metadata(step).item_metadata[STATE_ITEM]
+    tree = md.tree if hasattr(md, "tree") else md
+  finally:
+    ckpt.close()
+  if not isinstance(tree, dict) or "params" not in tree:
+    raise CheckpointError(f"checkpoint {where!r} holds no 'params' in its state item "
+                          f"(it has {sorted(tree) if isinstance(tree, dict) else type(tree)})")
+  item_dir = os.path.join(where, STATE_ITEM)
+  leaves = []  # (name, keypath, stored shape, stored dtype, out dtype)
+  for kp, m in jax.tree_util.tree_flatten_with_path(tree["params"])[0]:
+    sdt = np.dtype(m.dtype)
+    odt = _np_dtype(dtype) if np.issubdtype(sdt, np.floating) or sdt.name == "bfloat16" else sdt
+    leaves.append((_path_str(kp), (jax.tree_util.DictKey("params"),) + tuple(kp),
+                   tuple(m.shape), sdt, odt))
+  checksums = meta.get("checksums") or {}
+
+  def load(name, kp, shape, sdt, odt) -> np.ndarray:
+    try:
+      x = read_leaf(item_dir, kp)
+    except Exception as e:
+      raise CheckpointError(f"checkpoint {where!r}: leaf 'params/{name}' cannot be read "
+                            f"(corrupted or truncated?): {type(e).__name__}: {str(e)[:500]}"
+                            ) from e
+    if x.shape != shape or x.dtype != sdt:
+      raise CheckpointError(f"checkpoint {where!r}: leaf 'params/{name}' was read as shape "
+                            f"{x.shape} {x.dtype}, its metadata says {shape} {sdt}")
+    want = checksums.get(f"params/{name}")
+    got = list(numpy_checksum(x))
+    if want is None or list(want) != got:
+      raise CheckpointError(
+          f"checkpoint {where!r} is corrupted: leaf 'params/{name}' read back with checksum "
+          f"{got[0]:08x}{got[1]:08x}, but "
+          + (f"{want[0]:08x}{want[1]:08x}" if want else "none") + " was recorded when it was saved")
+    return x.astype(odt, copy=False) if x.dtype != odt else x
+
+  info = {"format": "zerojax-export", "checkpoint": where, "step": step, "dtype": dtype,
+          "config": meta.get("config")}
+  tmp = out_path + ".tmp"
+  os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+  try:
+    if format == "npz":
+      _write_npz(tmp, leaves, load, info)
+    else:
+      _write_safetensors(tmp, leaves, load, info)
+    os.replace(tmp, out_path)
+  except BaseException:
+    if os.path.exists(tmp):
+      os.remove(tmp)
+    raise
+  return {"path": out_path, "step": step, "format": format, "dtype": dtype,
+          "num_params": sum(math.prod(s) for _, _, s, _, _ in leaves),
+          "num_leaves": len(leaves), "bytes": os.path.getsize(out_path)}
+
+
+def _write_npz(path, leaves, load, info) -> None:
+  with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as zf:
+    with zf.open(METADATA_KEY + ".npy", "w") as f:
+      np.lib.format.write_array(f, np.asarray(json.dumps(info)), allow_pickle=False)
+    for leaf in leaves:
+      x = load(*leaf)
+      if x.dtype.name == "bfloat16":
+        x = x.view(np.uint16)
+      with zf.open(leaf[0] + ".npy", "w", force_zip64=True) as f:
+        np.lib.format.write_array(f, np.ascontiguousarray(x), allow_pickle=False)
+      del x
+
+
+def _write_safetensors(path, leaves, load, info) -> None:
+  header: dict[str, Any] = {METADATA_KEY: {"zerojax": json.dumps(info)}}
+  offset = 0
+  for name, _, shape, _, odt in leaves:
+    n = math.prod(shape) * odt.itemsize
+    st = _ST_DTYPES.get(odt.name) or {"int32": "I32", "int64": "I64", "uint32": "U32",
+                                      "int8": "I8", "uint8": "U8", "bool": "BOOL",
+                                      "float16": "F16", "float64": "F64"}[odt.name]
+    header[name] = {"dtype": st, "shape": list(shape), "data_offsets": [offset, offset + n]}
+    offset += n
+  hb = json.dumps(header, separators=(",", ":")).encode()
+  hb += b" " * (-len(hb) % 8)  # align the data section to 8 bytes
+  with open(path, "wb") as f:
+    f.write(struct.pack("<Q", len(hb)))
+    f.write(hb)
+    for leaf in leaves:
+      x = load(*leaf)
+      f.write(np.ascontiguousarray(x).astype(x.dtype.newbyteorder("<"), copy=False).tobytes())
+      del x
+
+
+def load_npz(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], dict]:
+  """Reads an exported ``.npz``: ``({name: array}, metadata)``, with bf16 arrays restored."""
+  params, info = {}, {}
+  with np.load(os.fspath(path), allow_pickle=False) as z:
+    if METADATA_KEY in z.files:
+      info = json.loads(str(z[METADATA_KEY]))
+    for k in z.files:
+      if k != METADATA_KEY:
+        params[k] = z[k]
+  if info.get("dtype") == "bfloat16":
+    bf16 = _np_dtype("bfloat16")
+    params = {k: v.view(bf16) if v.dtype == np.uint16 else v for k, v in params.items()}
+  return params, info
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  """Command line: ``python -m zerojax.export CKPT_DIR OUT [--step N] [--dtype bf16]``."""
+  p = argparse.ArgumentParser(
+      prog="python -m zerojax.export",
+      description="Consolidate a sharded zerojax checkpoint into plain unsharded parameters "
+                  "(.npz or .safetensors), on any machine, with no training devices.")
+  p.add_argument("checkpoint_dir", help="the Checkpointer directory")
+  p.add_argument("out", help="output file (.npz or .safetensors)")
+  p.add_argument("--step", type=int, default=None, help="step to export (default: latest)")
+  p.add_argument("--dtype", default="float32", choices=sorted(DTYPES),
+                 help="dtype of floating-point parameters (default float32)")
+  p.add_argument("--format", default=None, choices=FORMATS,
+                 help="output format (default: from the file extension, else npz)")
+  args = p.parse_args(argv)
+  from zerojax.checkpoint import CheckpointError
+  try:
+    info = export(args.checkpoint_dir, args.out, step=args.step, dtype=args.dtype,
+                  format=args.format)
+  except (CheckpointError, FileNotFoundError, ValueError) as e:
+    print(f"zerojax export: error: {e}", file=sys.stderr)
+    return 1
+  print(f"exported step {info['step']}: {info['num_leaves']} leaves, {info['num_params']:,} "
+        f"parameters, {info['dtype']}, {info['format']} -> {info['path']} "
+        f"({info['bytes'] / 2**20:.2f} MiB)")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
