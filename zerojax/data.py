@@ -25,6 +25,22 @@ def load_bytes(path: str | os.PathLike) -> np.ndarray:
   return data.astype(np.int32)
 
 
+def process_rows(sharding: NamedSharding, global_batch: int) -> np.ndarray:
+  """Indices of the global batch rows that this process's devices hold under ``sharding``.
+
+  They are in the order ``jax.make_array_from_process_local_data`` expects its local data:
+  the distinct row blocks of this process's devices, by position. With one process, all rows.
+  A loader that reads only these rows feeds exactly its own slice of the global batch, however
+  the mesh orders devices across processes.
+  """
+  index_map = sharding.addressable_devices_indices_map((global_batch,))
+  blocks = set()
+  for idx in index_map.values():
+    sl = idx[0] if idx else slice(None)
+    blocks.add(tuple(range(global_batch))[sl])
+  return np.asarray([r for b in sorted(blocks, key=lambda b: b[:1]) for r in b], dtype=np.int64)
+
+
 class TextBatches:
   """Deterministic next-byte batches ``{'x': [B, T], 'y': [B, T]}``.
 
@@ -52,7 +68,13 @@ class TextBatches:
     return np.stack([self.tokens[s:s + self.seq_len + 1] for s in starts])
 
   def local_rows(self, step: int) -> np.ndarray:
-    """The rows of the global batch that this process feeds (contiguous block)."""
+    """The rows of the global batch that this process feeds.
+
+    With a sharding, exactly the rows its devices hold (see `process_rows`); without one, a
+    contiguous block of ``global_batch / process_count`` rows.
+    """
+    if self.sharding is not None:
+      return self.global_rows(step)[process_rows(self.sharding, self.global_batch)]
     n, i = jax.process_count(), jax.process_index()
     if self.global_batch % n:
       raise ValueError(f"global batch {self.global_batch} does not divide by the {n} processes")

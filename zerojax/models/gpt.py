@@ -28,6 +28,10 @@ class GPTConfig:
   remat: bool = False  # nn.remat around each block (the user's own remat)
   dtype: Any = jnp.float32  # compute dtype
   param_dtype: Any = jnp.float32
+  # Megatron-style tensor parallelism through Flax partitioning metadata: the qkv and fc
+  # kernels split their output dimension over the ``tensor`` mesh axis, proj and out their
+  # input dimension. Values are unchanged; only the metadata (read by zerojax's plan) differs.
+  tensor_parallel: bool = False
 
   @property
   def head_dim(self) -> int:
@@ -54,8 +58,16 @@ class Block(nn.Module):
   @nn.compact
   def __call__(self, x, _=None):
     cfg = self.cfg
-    dense = lambda n, name, bias=True: nn.Dense(n, use_bias=bias, dtype=cfg.dtype,
-                                                 param_dtype=cfg.param_dtype, name=name)
+    tp = {"qkv": (None, "tensor"), "fc": (None, "tensor"), "proj": ("tensor", None),
+          "out": ("tensor", None)}
+
+    def dense(n, name, bias=True):
+      init = nn.initializers.lecun_normal()
+      if cfg.tensor_parallel:
+        init = nn.with_partitioning(init, tp[name])
+      return nn.Dense(n, use_bias=bias, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
+                      kernel_init=init, name=name)
+
     B, T, D = x.shape
     h = nn.LayerNorm(dtype=cfg.dtype, param_dtype=cfg.param_dtype, name="ln1")(x)
     # No qkv bias: the key bias has an exactly-zero gradient (softmax is shift invariant), so
@@ -88,7 +100,8 @@ class GPT(nn.Module):
     block = nn.remat(Block) if cfg.remat else Block
     if cfg.scan:
       x, _ = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
-                     length=cfg.num_layers)(cfg, name="blocks")(x, None)
+                     length=cfg.num_layers,
+                     metadata_params={nn.PARTITION_NAME: None})(cfg, name="blocks")(x, None)
     else:
       for i in range(cfg.num_layers):
         x, _ = block(cfg, name=f"block_{i}")(x)

@@ -1,0 +1,144 @@
+"""One process of a multi-process test run (started by tests/test_multiprocess.py through
+``python -m zerojax.launch``). Not a test module itself.
+
+Modes:
+  train OUT [--runs flat:0,flat:1,hybrid:3] [--steps N] [--save RUN]
+      trains the tiny GPT of tests/helpers.py for each ``mesh:stage`` run (``flat``: one fsdp
+      axis over all 8 devices; ``hybrid``: ``('replica', 'fsdp') = (2, 4)``), feeding only this
+      process's rows of every global batch, and writes (process 0) ``OUT/result.json`` with
+      the losses and ``OUT/params_{run}.npz`` with the final parameters gathered from all
+      processes. The final state of run ``--save`` is checkpointed into ``OUT/``.
+  die
+      initialises, runs one collective, then process 1 exits abruptly; process 0 keeps
+      stepping and must be stopped by JAX's heartbeat.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import zerojax.distributed  # noqa: E402
+
+
+def train(args) -> None:
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from jax.experimental import multihost_utils
+
+  import zerojax
+  from tests import helpers
+  from zerojax.data import process_rows
+  from zerojax.models import GPT
+
+  cfg = helpers.TINY
+  data = helpers.batches(cfg, args.steps)
+  result = {"process_count": jax.process_count(), "device_count": jax.device_count(),
+            "local_device_count": jax.local_device_count(), "losses": {}, "mesh": {},
+            "rows": {}, "mesh_processes": {}}
+  for run in args.runs:
+    kind, stage = run.split(":")
+    stage = int(stage)
+    kw = ({} if kind == "flat" else
+          {"mesh_shape": (2, -1), "mesh_axes": ("replica", "fsdp")})
+    zc = zerojax.ZeroConfig(stage=stage, param_persistence_threshold=helpers.THRESHOLD, **kw)
+    model = GPT(cfg)
+    state, plan = zerojax.create_train_state(model, helpers.make_tx(), jax.random.key(0),
+                                             jnp.asarray(data[0]["x"]), config=zc)
+    step = zerojax.zero_step(plan)(helpers.train_step)
+    sharding = plan.batch({"x": data[0]["x"]})["x"]
+    rows = process_rows(sharding, helpers.BATCH)
+    losses = []
+    for b in data:
+      # Only this process's rows are handed to JAX; the global array is assembled from them.
+      local = {k: v[rows] for k, v in b.items()}
+      batch = {k: jax.make_array_from_process_local_data(sharding, v, b[k].shape)
+               for k, v in local.items()}
+      state, m = step(state, batch)
+      losses.append(float(m["loss"]))
+    result["losses"][run] = losses
+    result["mesh"][run] = {k: int(v) for k, v in plan.mesh.shape.items()}
+    result["mesh_processes"][run] = np.vectorize(lambda d: d.process_index)(
+        plan.mesh.devices).tolist()
+    result["rows"][run] = [int(r) for r in rows]
+    params = multihost_utils.process_allgather(state.params, tiled=True)
+    if jax.process_index() == 0:
+      flat = {jax.tree_util.keystr(k): np.asarray(v)
+              for k, v in jax.tree_util.tree_flatten_with_path(params)[0]}
+      np.savez(os.path.join(args.out, f"params_{run.replace(':', '_')}.npz"), **flat)
+    if run == args.save:
+      result["zerojax_checkpoint"] = save_checkpoint(args.out, state, plan)
+  if jax.process_index() == 0:
+    with open(os.path.join(args.out, "result.json"), "w") as f:
+      json.dump(result, f)
+  print(f"process {jax.process_index()}: done {json.dumps(result['losses'])}", flush=True)
+
+
+def save_checkpoint(out: str, state, plan) -> str:
+  """Saves the state from every process: always directly with orbax (so the restore test runs
+  either way), and with zerojax.checkpoint when it exists. Returns what happened to the latter.
+
+  Assumed zerojax.checkpoint API: ``Checkpointer(directory)``, ``.save(step, state)``,
+  ``.wait()``, ``.restore(abstract_state, plan, step=None)``.
+  """
+  import orbax.checkpoint as ocp
+  tree = {"params": state.params, "opt_state": state.opt_state, "step": state.step}
+  ckptr = ocp.StandardCheckpointer()
+  ckptr.save(os.path.join(out, "orbax_ckpt"), tree)
+  ckptr.wait_until_finished()
+  try:
+    from zerojax import checkpoint as zckpt
+  except ImportError:
+    return "missing"
+  try:
+    c = zckpt.Checkpointer(os.path.join(out, "zerojax_ckpt"))
+    c.save(int(state.step), state)
+    c.wait()
+  except Exception as e:  # noqa: BLE001 - reported by the test that needs it
+    return f"error: {type(e).__name__}: {e}"
+  return "saved"
+
+
+def die(args) -> None:
+  import jax
+  import numpy as np
+  from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+  mesh = jax.make_mesh((jax.device_count(),), ("fsdp",), axis_types=(AxisType.Auto,))
+  sh = NamedSharding(mesh, P("fsdp"))
+  x = jax.make_array_from_process_local_data(sh, np.ones(jax.local_device_count(), np.float32))
+  f = jax.jit(lambda x: x.sum())
+  print(f"process {jax.process_index()}: first sum {float(f(x))}", flush=True)
+  if jax.process_index() == 1:
+    print(f"DYING at {time.time():.3f}", flush=True)
+    os._exit(3)
+  t0 = time.time()
+  while time.time() - t0 < args.survive_for:
+    f(x).block_until_ready()
+    time.sleep(0.02)
+  print("SURVIVED: the death of process 1 went unnoticed", flush=True)
+
+
+def main() -> None:
+  p = argparse.ArgumentParser()
+  p.add_argument("mode", choices=["train", "die"])
+  p.add_argument("out", nargs="?")
+  p.add_argument("--runs", default="flat:0,flat:1,flat:2,flat:3")
+  p.add_argument("--steps", type=int, default=10)
+  p.add_argument("--save", default="")
+  p.add_argument("--survive-for", type=float, default=60.0)
+  args = p.parse_args()
+  args.runs = [r for r in args.runs.split(",") if r]
+  info = zerojax.distributed.initialize()  # reads the launcher's environment
+  assert info.num_processes == 2, info
+  assert zerojax.distributed.initialize() == info  # a second call is harmless
+  {"train": train, "die": die}[args.mode](args)
+
+
+if __name__ == "__main__":
+  main()
