@@ -37,6 +37,8 @@ def parse_args(argv=None):
   p.add_argument("--cpu-devices", type=int, default=8,
                  help="simulated CPU devices when no accelerator is present (default 8)")
   p.add_argument("--no-progress", action="store_true", help="no progress bar")
+  p.add_argument("--save-weights", action="store_true",
+                 help="write OUT_DIR/weights.npz at the end (input of examples/finetune.py)")
   return p.parse_args(argv)
 
 
@@ -58,7 +60,8 @@ def main(argv=None) -> int:
   opts = zt.TrainOptions(**{"model": "small", "steps": 20, "batch": 16, "lr": 3e-3,
                             "log_every": 5, **loaded.train, **explicit,
                             "corpus": args.corpus, "out_dir": args.out_dir,
-                            "cpu_devices": args.cpu_devices, "progress": not args.no_progress})
+                            "cpu_devices": args.cpu_devices, "progress": not args.no_progress,
+                            "save_weights": args.save_weights})
   result = zt.train(config, opts, xla_notes=[f"DeepSpeed {n}" for n in loaded.notes])
   return 0 if result.history else 1
 

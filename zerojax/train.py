@@ -68,6 +68,9 @@ class TrainOptions:
       checkpoint directory (consolidated with ``zerojax.export``).
     cpu_devices: simulated CPU devices when no accelerator is present (set before JAX starts).
     show_plan: print the sharding table and the per-device memory XLA measured.
+    save_weights: write the final parameters to ``out_dir/weights.npz`` (consolidated, float32
+      keys as in `flat_params`), e.g. for ``examples/finetune.py --init``. Sharded,
+      resumable checkpoints are `zerojax.checkpoint`'s job.
   """
 
   model: str = "small"
@@ -94,6 +97,7 @@ class TrainOptions:
   init_from: str | None = None
   cpu_devices: int = 8
   show_plan: bool = True
+  save_weights: bool = False
 
   def __post_init__(self):
     for f in ("steps", "batch", "log_every", "cpu_devices"):
@@ -682,6 +686,8 @@ def train(config: ZeroConfig, opts: TrainOptions | None = None, *,
   writer.close()
 
   files = {"metrics": writer.jsonl_path, "run": os.path.join(out_dir, "run.json")}
+  if opts.save_weights:
+    files["weights"] = save_weights(os.path.join(out_dir, "weights.npz"), state.params)
   if writer.tb is not None:
     files["tensorboard"] = writer.tb.path
   if opts.plot and is_main_process() and history:
