@@ -335,7 +335,7 @@ def map_deepspeed(d: Mapping[str, Any]) -> DeepSpeedMapping:
   for key in ("stage3_max_live_parameters", "max_live_parameters"):
     if key in z:
       v = z[key] if _auto(z[key]) else _num(f"zero_optimization.{key}", z[key])
-      note(f"zero_optimization.{key}", f"{v} is a parameter count; zerojax bounds gathered "
+      note(f"zero_optimization.{key}", f"{v if _auto(v) else format(v, 'g')} is a parameter count; zerojax bounds gathered "
            "weights in whole layers (max_live_layers), set by the prefetch bucket size")
   if "max_reuse_distance" in z:
     note("zero_optimization.max_reuse_distance", _ZERO_IGNORED["stage3_max_reuse_distance"])

@@ -76,6 +76,7 @@ class ZeroStep:
       orig = state.apply_fn
 
       def step(state, batch):
+        state = _to_device(state, state_sh)
         state = state.replace(apply_fn=wrap_apply_fn(orig, plan))
         new_state, metrics = self.fn(state, batch)
         if not isinstance(new_state, type(state)):
@@ -127,6 +128,16 @@ class ZeroStep:
       return f.lower(state, args[2])
     state, batch = args
     return self._linen(state, batch).lower(state, batch)
+
+
+def _to_device(tree, shardings):
+  """Brings host-offloaded (pinned_host) leaves into device memory inside the step; the step's
+  output shardings move them back."""
+  def one(x, s):
+    if getattr(s, "memory_kind", None) == "pinned_host":
+      return jax.device_put(x, s.with_memory_kind("device"))
+    return x
+  return jax.tree.map(one, tree, shardings)
 
 
 def zero_step(plan: ShardingPlan, *, donate: bool = True) -> Callable[[Callable], ZeroStep]:

@@ -569,6 +569,9 @@ def train(config: ZeroConfig, opts: TrainOptions | None = None, *,
   tx, sched = make_optimizer(opts, config, accum)
 
   corpus = opts.corpus or os.fspath(DEFAULT_CORPUS)
+  if not os.path.isfile(corpus):
+    raise ConfigError(f"TrainOptions.corpus={corpus!r} is not a file; pass corpus=PATH to a text "
+                      "file (the bundled corpus is examples/data/corpus.txt in the repository)")
   tokens = load_bytes(corpus)
   model = GPT(mcfg)
   sample = jnp.zeros((rows, mcfg.seq_len), jnp.int32)
