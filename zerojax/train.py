@@ -364,7 +364,8 @@ def plot_loss(records: Iterable[Mapping[str, Any]], png_path: str | os.PathLike,
   import matplotlib.pyplot as plt
   records = list(records)
   fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
-  ax.plot([r["step"] for r in records], [r["loss"] for r in records], lw=1.5)
+  ax.plot([r["step"] for r in records],
+          [r["loss"] if r["loss"] is not None else float("nan") for r in records], lw=1.5)
   ax.set_xlabel("step")
   ax.set_ylabel("loss")
   ax.set_title(title)
@@ -653,8 +654,9 @@ def train(config: ZeroConfig, opts: TrainOptions | None = None, *,
     n = len(pending)
     tps = tokens_per_step * n / max(now - t_last, 1e-9)
     for (step, _, scale_used), m in zip(pending, fetched):
-      rec = {"step": step, "loss": float(np.mean(m["loss"])),
-             "grad_norm": float(np.mean(m["grad_norm"])),
+      finite = lambda v: v if math.isfinite(v) else None  # JSON has no NaN/inf
+      rec = {"step": step, "loss": finite(float(np.mean(m["loss"]))),
+             "grad_norm": finite(float(np.mean(m["grad_norm"]))),
              "lr": float(sched(step - 1)), "tokens_per_sec": round(tps, 1),
              "elapsed_sec": round(now - t_start, 3)}
       if scaler is not None:
@@ -663,7 +665,8 @@ def train(config: ZeroConfig, opts: TrainOptions | None = None, *,
       writer.write(rec)
     writer.flush()
     if bar is not None:
-      bar.set_postfix(loss=f"{history[-1]['loss']:.4f}", tok_s=f"{tps:,.0f}", refresh=False)
+      bar.set_postfix(loss=f"{history[-1]['loss'] or float('nan'):.4f}", tok_s=f"{tps:,.0f}",
+                      refresh=False)
       bar.update(history[-1]["step"] - last_fetched)
     last_fetched = history[-1]["step"]
     t_last = now
@@ -699,7 +702,8 @@ def train(config: ZeroConfig, opts: TrainOptions | None = None, *,
                                   "devices")
   if history:
     first, last = history[0], history[-1]
-    log(f"done: {opts.steps} steps, loss {first['loss']:.4f} -> {last['loss']:.4f}, "
+    nan = float("nan")
+    log(f"done: {opts.steps} steps, loss {first['loss'] or nan:.4f} -> {last['loss'] or nan:.4f}, "
         f"{tokens_per_step * opts.steps / (time.perf_counter() - t_start):,.0f} tokens/s overall"
         + (f", {scaler.skipped} overflow step(s) skipped" if scaler and scaler.skipped else ""))
     log("wrote " + ", ".join(files.values()))
