@@ -467,12 +467,13 @@ def build_parser() -> argparse.ArgumentParser:
 
   t = sub.add_parser(
       "train", formatter_class=fmt, help="train the GPT example from a config plus overrides",
-      description="Train the byte-level GPT example with a zerojax or DeepSpeed config.\n\n"
-                  "Shows a progress bar (loss, tokens/s, ETA) and writes metrics.jsonl, "
-                  "TensorBoard event files, loss.png and run.json to out_dir. On multi-host runs "
-                  "only process 0 prints and writes. Without an accelerator it simulates "
-                  "cpu_devices (default 8) CPU devices.",
-      epilog=EPILOG_OVERRIDES + "\nexamples:\n  zerojax train configs/zero3.json steps=20 "
+      description=_wrap(
+          "Train the byte-level GPT example with a zerojax or DeepSpeed config.",
+          "Shows a progress bar (loss, tokens/s, ETA) and writes metrics.jsonl, TensorBoard "
+          "event files, loss.png and run.json to out_dir. On multi-host runs only process 0 "
+          "prints and writes. Without an accelerator it simulates cpu_devices (default 8) CPU "
+          "devices."),
+      epilog=EPILOG_OVERRIDES + "\n" + _train_options_help() + "\nexamples:\n  zerojax train configs/zero3.json steps=20 "
              "model=tiny\n  zerojax train configs/ds_zero3_offload.json lr=1e-3 "
              "out_dir=runs/offload")
   t.add_argument("config", nargs="?", help="zerojax (.json/.yaml) or DeepSpeed (.json) config; "
@@ -483,10 +484,10 @@ def build_parser() -> argparse.ArgumentParser:
 
   pl = sub.add_parser(
       "plan", formatter_class=fmt, help="print the sharding table for a model and config",
-      description="Print the sharding plan (path, shape, spec, bytes per device, why a leaf is "
-                  "or is not sharded) of a GPT preset under a config, for any device count. "
-                  "Nothing is trained and no devices are needed: the plan is made on an "
-                  "abstract mesh.",
+      description=_wrap(
+          "Print the sharding plan (path, shape, spec, bytes per device, why a leaf is or is "
+          "not sharded) of a GPT preset under a config, for any device count. Nothing is "
+          "trained and no devices are needed: the plan is made on an abstract mesh."),
       epilog=EPILOG_OVERRIDES + "\nexample:\n  zerojax plan configs/zero3.json --model gpt-89m "
              "--devices 64 param_persistence_threshold=0")
   pl.add_argument("config", nargs="?", help="zerojax or DeepSpeed config (default: stage 3)")
@@ -498,13 +499,14 @@ def build_parser() -> argparse.ArgumentParser:
 
   e = sub.add_parser(
       "estimate", formatter_class=fmt, help="model-state memory per device at each stage",
-      description="Model-state memory (parameters, gradients, optimizer state) per device at "
-                  "each ZeRO stage.\n\n"
-                  "--params N uses the ZeRO paper's assumptions (mixed-precision Adam: 2+2+K "
-                  "bytes per parameter, K=12); --params 7.5e9 --devices 64 reproduces the paper's "
-                  "Figure 1 (120 / 31.4 / 16.6 / 1.9 GB). --model PRESET plans a real model's "
-                  "leaves with their dtypes and optax.adamw state (zerojax.memory.estimate). "
-                  "GB = 1e9 bytes, as in the paper.",
+      description=_wrap(
+          "Model-state memory (parameters, gradients, optimizer state) per device at each ZeRO "
+          "stage.",
+          "--params N uses the ZeRO paper's assumptions (mixed-precision Adam: 2+2+K bytes per "
+          "parameter, K=12); --params 7.5e9 --devices 64 reproduces the paper's Figure 1 "
+          "(120 / 31.4 / 16.6 / 1.9 GB). --model PRESET plans a real model's leaves with their "
+          "dtypes and optax.adamw state (zerojax.memory.estimate). GB = 1e9 bytes, as in the "
+          "paper."),
       epilog="examples:\n  zerojax estimate --params 7.5e9 --devices 64\n"
              "  zerojax estimate --params 7.5B --devices 64 --fit 16GB\n"
              "  zerojax estimate --model gpt-89m --devices 8 --fit 500MB --plot mem.png\n"
@@ -531,9 +533,10 @@ def build_parser() -> argparse.ArgumentParser:
 
   c = sub.add_parser(
       "config", formatter_class=fmt, help="show what a (DeepSpeed) config maps to",
-      description="Print the resolved ZeroConfig and training options of a config file; for a "
-                  "DeepSpeed ds_config.json also the XLA flags its keys become and a one-line "
-                  "note per key.", epilog=EPILOG_OVERRIDES)
+      description=_wrap(
+          "Print the resolved ZeroConfig and training options of a config file; for a "
+          "DeepSpeed ds_config.json also the XLA flags its keys become and a one-line note per "
+          "key."), epilog=EPILOG_OVERRIDES)
   c.add_argument("config", help="zerojax or DeepSpeed config file")
   c.add_argument("overrides", nargs="*", metavar="key=value", help="overrides")
   c.set_defaults(func=cmd_config)
@@ -541,6 +544,20 @@ def build_parser() -> argparse.ArgumentParser:
   sub.add_parser("export", add_help=False, help="write consolidated weights from a checkpoint "
                  "(see `zerojax export --help`)")
   return p
+
+
+def _wrap(*paragraphs: str) -> str:
+  import textwrap
+  return "\n\n".join(textwrap.fill(p, 79) for p in paragraphs)
+
+
+def _train_options_help() -> str:
+  from zerojax.train import TrainOptions
+  parts = [f"{f.name}={f.default}" for f in dataclasses.fields(TrainOptions)
+           if f.name != "scheduler"]
+  import textwrap
+  return "training options and defaults:\n" + textwrap.fill(
+      " ".join(parts), 79, initial_indent="  ", subsequent_indent="  ") + "\n"
 
 
 def _version() -> str:
