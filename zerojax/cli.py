@@ -329,6 +329,8 @@ def cmd_train(args) -> int:
     opts.progress = False
   zt.setup_cpu_devices(opts.cpu_devices)
   notes = [f"DeepSpeed {n}" for n in loaded.notes]
+  if loaded.xla_flags:
+    notes.append(f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')}")
   result = zt.train(loaded.config, opts, xla_notes=notes)
   return 0 if result.history else 1
 
