@@ -1,0 +1,599 @@
+"""The ``zerojax`` command line: train, plan, estimate, config, export.
+
+Run ``zerojax COMMAND --help`` for each command. ``python -m zerojax.cli`` is the same program.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import re
+import sys
+from typing import Any, Mapping, Sequence
+
+from zerojax.config import ConfigError, ZeroConfig
+
+PROG = "zerojax"
+
+EPILOG_OVERRIDES = """\
+overrides are key=value pairs (values parsed as YAML: 2, 1e-3, true, [2,4], null):
+  * ZeroConfig fields, e.g. stage=2 mesh_shape=[2,4] mesh_axes=[replica,fsdp] remat=full
+  * training options, bare or as train.KEY, e.g. steps=100 lr=1e-3 model=tiny out_dir=runs/a
+"""
+
+
+# -- config loading ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class LoadedConfig:
+  """A config file resolved for a run.
+
+  Attributes:
+    config: the `ZeroConfig` (overrides applied).
+    train: `zerojax.train.TrainOptions` fields from the file (a ``train:`` section of a
+      zerojax file, or DeepSpeed's optimizer/scheduler/steps_per_print) and the overrides.
+    notes: what each DeepSpeed key became (empty for zerojax files).
+    xla_flags: XLA flags set for DeepSpeed keys.
+    deepspeed: whether the file was in DeepSpeed format.
+  """
+
+  config: ZeroConfig
+  train: dict[str, Any]
+  notes: list[str]
+  xla_flags: list[str]
+  deepspeed: bool = False
+
+
+def parse_value(text: str) -> Any:
+  """An override's value: int, float, or YAML (``[2,4]``, ``true``, ``null``, strings)."""
+  for conv in (int, float):
+    try:
+      return conv(text)
+    except ValueError:
+      pass
+  import yaml
+  try:
+    return yaml.safe_load(text)
+  except yaml.YAMLError:
+    return text
+
+
+def parse_overrides(pairs: Sequence[str]) -> tuple[dict[str, Any], dict[str, Any]]:
+  """Splits ``key=value`` pairs into (`ZeroConfig` fields, `TrainOptions` fields)."""
+  from zerojax.train import TrainOptions
+  zfields = {f.name for f in dataclasses.fields(ZeroConfig)}
+  tfields = set(TrainOptions.fields())
+  zc, tr = {}, {}
+  for pair in pairs:
+    if "=" not in pair:
+      raise ConfigError(f"override {pair!r} is not key=value (e.g. stage=2 or steps=100)")
+    key, _, text = pair.partition("=")
+    key = key.strip().lstrip("-").replace("-", "_")
+    value = parse_value(text)
+    if key.startswith("train."):
+      key = key[len("train."):]
+      if key not in tfields:
+        raise ConfigError(f"override {pair!r}: unknown training option {key!r}; allowed are "
+                          f"{sorted(tfields)}")
+      tr[key] = value
+    elif key in zfields:
+      zc[key] = value
+    elif key in tfields:
+      tr[key] = value
+    else:
+      raise ConfigError(f"override {pair!r}: unknown key {key!r}; allowed are ZeroConfig fields "
+                        f"{sorted(zfields)} and training options {sorted(tfields)}")
+  return zc, tr
+
+
+def load_config(path: str | os.PathLike | None, overrides: Sequence[str] = (), *,
+                apply_xla_flags: bool = True) -> LoadedConfig:
+  """Loads a zerojax or DeepSpeed config file (or defaults when ``path`` is None).
+
+  A zerojax file holds `ZeroConfig` fields and optionally a ``train:`` section of
+  `TrainOptions`; a file with ``zero_optimization`` is a DeepSpeed config. DeepSpeed keys that
+  map to XLA flags are added to ``XLA_FLAGS`` when ``apply_xla_flags`` (call before JAX starts).
+  """
+  from zerojax import deepspeed
+  from zerojax.train import TrainOptions, deepspeed_train_fields
+  d: dict[str, Any] = {}
+  if path is not None:
+    path = os.fspath(path)
+    if not os.path.exists(path):
+      raise ConfigError(f"config file {path!r} does not exist")
+    with open(path) as f:
+      text = f.read()
+    if path.endswith((".yaml", ".yml")):
+      import yaml
+      d = yaml.safe_load(text) or {}
+    elif path.endswith(".json"):
+      d = json.loads(text)
+    else:
+      raise ConfigError(f"config file {path!r}: unknown extension; use .json, .yaml or .yml")
+    if not isinstance(d, Mapping):
+      raise ConfigError(f"config file {path!r} must hold a mapping, got {type(d).__name__}")
+    d = dict(d)
+  zover, tover = parse_overrides(overrides)
+  notes, flags, train = [], [], {}
+  if deepspeed.is_deepspeed(d):
+    m = deepspeed.map_deepspeed(d)
+    config, notes, flags = m.config, list(m.notes), list(m.xla_flags)
+    train = deepspeed_train_fields(m.train)
+    if apply_xla_flags:
+      m.apply_xla_flags()
+  else:
+    train = dict(d.pop("train", None) or {})
+    unknown = sorted(set(train) - set(TrainOptions.fields()))
+    if unknown:
+      raise ConfigError(f"config file {path!r}: unknown training option {unknown[0]!r} in "
+                        f"'train'; allowed are {sorted(TrainOptions.fields())}")
+    config = ZeroConfig.from_dict(d)
+  if zover:
+    try:
+      config = config.replace(**zover)
+    except TypeError as e:
+      raise ConfigError(str(e)) from None
+  train.update(tover)
+  return LoadedConfig(config, train, notes, flags, bool(notes or flags) or
+                      deepspeed.is_deepspeed(d))
+
+
+# -- byte and count parsing -------------------------------------------------------------------
+
+_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
+          "t": 1e12, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_COUNTS = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
+
+
+def parse_bytes(text: str) -> float:
+  """``'16GB'`` -> 16e9, ``'80GiB'`` -> 80 * 2**30, ``'1.5e10'`` -> 1.5e10."""
+  m = re.fullmatch(r"\s*([0-9.]+(?:e[+-]?\d+)?)\s*([a-zA-Z]*)\s*", str(text))
+  if not m or m.group(2).lower() not in _UNITS:
+    raise argparse.ArgumentTypeError(
+        f"{text!r} is not a byte size; use e.g. 16GB, 80GiB, 512MiB or 1.6e10")
+  return float(m.group(1)) * _UNITS[m.group(2).lower()]
+
+
+def parse_count(text: str) -> float:
+  """``'7.5e9'``, ``'7.5B'``, ``'89M'`` -> a parameter count."""
+  m = re.fullmatch(r"\s*([0-9.]+(?:e[+-]?\d+)?)\s*([a-zA-Z]?)\s*", str(text))
+  if not m or m.group(2).lower() not in _COUNTS:
+    raise argparse.ArgumentTypeError(f"{text!r} is not a parameter count; use e.g. 7.5e9, "
+                                     "7.5B or 89M")
+  return float(m.group(1)) * _COUNTS[m.group(2).lower()]
+
+
+def fmt_bytes(n: float) -> str:
+  """Decimal units as in the ZeRO paper (GB = 1e9 bytes)."""
+  for unit, div in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+    if abs(n) >= div:
+      return f"{n / div:.1f} {unit}"
+  return f"{n:.0f} B"
+
+
+# -- estimate ---------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Option:
+  """One memory/communication option of `estimate_options`."""
+
+  name: str
+  stage: int
+  offload_optimizer: bool
+  offload_params: bool
+  params: float
+  grads: float
+  opt_state: float
+  host: float
+  comm: str  # communication volume per step, in the paper's units
+  comm_rank: int  # order by communication (lower is less)
+
+  @property
+  def device(self) -> float:
+    return self.params + self.grads + self.opt_state
+
+
+COMM = {0: "2Ψ all-reduce", 1: "2Ψ (reduce-scatter + all-gather)",
+        2: "2Ψ (reduce-scatter + all-gather)", 3: "3Ψ (2 all-gathers + reduce-scatter)"}
+SHARDS = {0: "nothing", 1: "optimizer state", 2: "+ gradients", 3: "+ parameters"}
+
+
+def paper_options(psi: float, n: int, k: int = 12) -> list[Option]:
+  """The ZeRO paper's per-device model-state bytes (fp16 params/grads, K bytes of optimizer
+  state per parameter), for stages 0-3 and stage 3 with offload."""
+  from zerojax.memory import paper_bytes
+  opts = []
+  for s in range(4):
+    total = paper_bytes(psi, s, n, k)
+    p = 2 * psi / (n if s >= 3 else 1)
+    g = 2 * psi / (n if s >= 2 else 1)
+    o = total - p - g
+    opts.append(Option(f"stage {s}", s, False, False, p, g, o, 0.0, COMM[s], s))
+  p, g, o = 2 * psi / n, 2 * psi / n, k * psi / n
+  opts.append(Option("stage 3 + offload_optimizer", 3, True, False, p, g, 0.0, o,
+                     COMM[3] + " + optimizer shard over PCIe", 4))
+  opts.append(Option("stage 3 + offload_optimizer + offload_params", 3, True, True, 0.0, g, 0.0,
+                     o + p, COMM[3] + " + optimizer and parameter shards over PCIe", 5))
+  return opts
+
+
+def model_options(params: Any, tx: Any, config: ZeroConfig, n: int) -> list[Option]:
+  """`paper_options` for a real parameter tree and optimizer (`zerojax.memory.estimate`)."""
+  from zerojax.memory import estimate
+  out = []
+  variants = [(f"stage {s}", s, False, False) for s in range(4)]
+  variants += [("stage 3 + offload_optimizer", 3, True, False),
+               ("stage 3 + offload_optimizer + offload_params", 3, True, True)]
+  for rank, (name, s, oo, op) in enumerate(variants):
+    cfg = config.replace(stage=s, offload_optimizer=oo, offload_params=op,
+                         optimizer_on_host=False)
+    e = estimate(params, tx, config=cfg, num_devices=n)
+    comm = COMM[s] + ("" if not oo else " + optimizer shard over PCIe" if not op else
+                      " + optimizer and parameter shards over PCIe")
+    out.append(Option(name, s, oo, op, e.params, e.grads, e.opt_state, e.host, comm, rank))
+  return out
+
+
+def recommend(options: Sequence[Option], budget: float) -> tuple[Option | None, list[str]]:
+  """The lowest-communication option whose device-resident model state fits ``budget``.
+
+  Order: stage 0 < 1 < 2 (2Ψ each; at equal communication the lower stage wins, it has fewer
+  collectives and no per-layer scheduling) < 3 (3Ψ) < 3 + offload_optimizer < + offload_params
+  (host transfers each step). Returns the option (None if nothing fits) and the reasoning.
+  """
+  why = []
+  for o in sorted(options, key=lambda o: o.comm_rank):
+    if o.device <= budget:
+      why.append(f"{o.name}: {fmt_bytes(o.device)} per device fits {fmt_bytes(budget)} "
+                 f"({fmt_bytes(budget - o.device)} left for activations and temporaries)")
+      return o, why
+    why.append(f"{o.name}: {fmt_bytes(o.device)} per device does not fit "
+               f"({fmt_bytes(o.device - budget)} over)")
+  return None, why
+
+
+def format_table(options: Sequence[Option], title: str) -> str:
+  rows = [("option", "shards", "params", "grads", "optimizer", "device total", "host",
+           "communication/step")]
+  for o in options:
+    shards = SHARDS[o.stage] if not (o.offload_optimizer or o.offload_params) else "offload"
+    rows.append((o.name, shards, fmt_bytes(o.params), fmt_bytes(o.grads), fmt_bytes(o.opt_state),
+                 fmt_bytes(o.device), fmt_bytes(o.host) if o.host else "-", o.comm))
+  widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+  right = {2, 3, 4, 5, 6}
+  line = lambda r: "  ".join(c.rjust(w) if i in right else c.ljust(w)
+                             for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+  return "\n".join([title, line(rows[0]), line(tuple("-" * w for w in widths))]
+                   + [line(r) for r in rows[1:]])
+
+
+def plot_options(options: Sequence[Option], path: str, title: str,
+                 budget: float | None = None) -> str:
+  """Stacked bars (params, grads, optimizer state) of device memory per option."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  names = [o.name.replace(" + ", "\n+ ") for o in options]
+  gb = lambda xs: [x / 1e9 for x in xs]
+  p, g, s = gb([o.params for o in options]), gb([o.grads for o in options]), \
+      gb([o.opt_state for o in options])
+  fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(options)), 4.2), dpi=120)
+  x = range(len(options))
+  ax.bar(x, p, label="parameters", color="#4477aa")
+  ax.bar(x, g, bottom=p, label="gradients", color="#66ccee")
+  ax.bar(x, s, bottom=[a + b for a, b in zip(p, g)], label="optimizer state", color="#ee6677")
+  for i, o in enumerate(options):
+    ax.text(i, o.device / 1e9, f"{o.device / 1e9:.1f} GB", ha="center", va="bottom", fontsize=8)
+  if budget is not None:
+    ax.axhline(budget / 1e9, color="k", ls="--", lw=1, label=f"budget {fmt_bytes(budget)}")
+  ax.set_xticks(list(x), names, fontsize=7)
+  ax.set_ylabel("model state per device (GB)")
+  ax.set_title(title, fontsize=9)
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path)
+  plt.close(fig)
+  return path
+
+
+def _model_shapes(preset: str, config: ZeroConfig):
+  import jax
+  import jax.numpy as jnp
+  from flax.core import meta
+  from zerojax.models import GPT, PRESETS
+  if preset not in PRESETS:
+    raise ConfigError(f"--model {preset!r} is unknown; presets are {sorted(PRESETS)}")
+  mcfg = dataclasses.replace(PRESETS[preset], dtype=jnp.dtype(config.compute_dtype))
+  model = GPT(mcfg)
+  tokens = jax.ShapeDtypeStruct((1, mcfg.seq_len), jnp.int32)
+  shapes = jax.eval_shape(lambda t: model.init(jax.random.key(0), t)["params"], tokens)
+  pdtype = jnp.dtype(config.param_dtype)
+  shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, pdtype)
+                        if jnp.issubdtype(x.dtype, jnp.floating) else x, meta.unbox(shapes))
+  return model, mcfg, shapes
+
+
+# -- commands ---------------------------------------------------------------------------------
+
+
+def cmd_train(args) -> int:
+  loaded = load_config(args.config, args.overrides)
+  from zerojax import train as zt
+  opts = zt.TrainOptions(**loaded.train)
+  if args.no_progress:
+    opts.progress = False
+  zt.setup_cpu_devices(opts.cpu_devices)
+  notes = [f"DeepSpeed {n}" for n in loaded.notes]
+  if loaded.xla_flags:
+    notes.append(f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')}")
+  result = zt.train(loaded.config, opts, xla_notes=notes)
+  return 0 if result.history else 1
+
+
+def cmd_plan(args) -> int:
+  loaded = load_config(args.config, args.overrides, apply_xla_flags=False)
+  from zerojax import train as zt
+  model_name = args.model or loaded.train.get("model", "small")
+  n = args.devices
+  zt.setup_cpu_devices(n)
+  import jax
+  import optax
+  from jax.sharding import AbstractMesh, AxisType
+  from zerojax.plan import ShardingPlan
+  config = loaded.config
+  shape = config.resolved_mesh_shape(n)
+  mesh = AbstractMesh(shape, config.mesh_axes, axis_types=(AxisType.Auto,) * len(shape))
+  _, mcfg, shapes = _model_shapes(model_name, config)
+  plan = ShardingPlan.create(config, mesh, shapes, tx=optax.adamw(1e-3))
+  print(f"model {model_name}: {mcfg.num_params():,} parameters, planned for {n} devices "
+        "(no devices are used)")
+  print(plan.table())
+  for note in loaded.notes:
+    print(f"DeepSpeed {note}")
+  return 0
+
+
+def cmd_estimate(args) -> int:
+  if (args.params is None) == (args.model is None):
+    raise ConfigError("estimate needs exactly one of --params N (the ZeRO paper's assumptions) "
+                      "or --model PRESET (real shapes and dtypes)")
+  n = args.devices
+  if args.params is not None:
+    psi = args.params
+    options = paper_options(psi, n, args.k)
+    title = (f"ZeRO model-state memory per device: Ψ = {psi:.3g} parameters, N = {n} devices, "
+             f"mixed-precision Adam (2Ψ fp16 params + 2Ψ fp16 grads + {args.k}Ψ optimizer "
+             "state; the paper's Figure 1)")
+  else:
+    loaded = load_config(args.config, args.overrides, apply_xla_flags=False)
+    config = loaded.config
+    import optax
+    _, mcfg, shapes = _model_shapes(args.model, config)
+    options = model_options(shapes, optax.adamw(1e-3), config, n)
+    psi = mcfg.num_params()
+    title = (f"model-state memory per device: {args.model} ({psi:,} parameters, "
+             f"param_dtype {config.param_dtype}, optax.adamw), {n} devices; leaves below "
+             f"{config.param_persistence_threshold} elements or not divisible by {n} stay "
+             "replicated")
+  shown = options if (args.fit is not None or args.offload) else options[:4]
+  if args.json:
+    out = {"devices": n, "params": psi,
+           "options": [{**dataclasses.asdict(o), "device": o.device} for o in shown]}
+    if args.fit is not None:
+      best, why = recommend(options, args.fit)
+      out["fit"] = {"budget": args.fit, "recommendation": best.name if best else None,
+                    "why": why}
+    print(json.dumps(out, indent=1))
+  else:
+    print(format_table(shown, title))
+    print("(model states only: activations, temporaries and framework overhead come on top)")
+  rc = 0
+  if args.fit is not None and not args.json:
+    best, why = recommend(options, args.fit)
+    print(f"\n--fit {fmt_bytes(args.fit)} per device, lowest communication first:")
+    for w in why:
+      print(f"  {w}")
+    if best is None:
+      full = options[-1]
+      need = math.ceil(n * full.device / args.fit) if args.fit > 0 else float("inf")
+      print(f"nothing fits: even {full.name} keeps {fmt_bytes(full.device)} per device; use more "
+            f"devices (about {need}) or a smaller model")
+      rc = 1
+    else:
+      flags = f"stage={best.stage}" + (" offload_optimizer=true" if best.offload_optimizer
+                                        else "") + (" offload_params=true"
+                                                    if best.offload_params else "")
+      print(f"recommendation: {best.name} (communication {best.comm}); zerojax overrides: "
+            f"{flags}")
+  elif args.fit is not None:
+    best, _ = recommend(options, args.fit)
+    rc = 0 if best else 1
+  if args.plot:
+    path = plot_options(shown, args.plot, title if len(title) < 100 else title[:title.index(",")
+                                                                               + 1] + f" N={n}",
+                        args.fit)
+    print(f"wrote {path}")
+  return rc
+
+
+def cmd_config(args) -> int:
+  loaded = load_config(args.config, args.overrides, apply_xla_flags=False)
+  print(json.dumps({"zerojax": loaded.config.to_dict(), "train": loaded.train}, indent=1,
+                   default=str))
+  if loaded.xla_flags:
+    print("XLA flags (added to XLA_FLAGS by `zerojax train`):")
+    for f in loaded.xla_flags:
+      print(f"  {f}")
+  if loaded.notes:
+    print("DeepSpeed keys:")
+    for n in loaded.notes:
+      print(f"  {n}")
+  return 0
+
+
+def cmd_export(argv: list[str]) -> int:
+  try:
+    from zerojax import export
+  except ImportError as e:
+    print(f"{PROG} export: zerojax.export is not available in this installation ({e})",
+          file=sys.stderr)
+    return 2
+  rc = export.main(argv)
+  return int(rc or 0)
+
+
+# -- parser -----------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+  fmt = argparse.RawDescriptionHelpFormatter
+  p = argparse.ArgumentParser(
+      prog=PROG, formatter_class=fmt,
+      description="zerojax: ZeRO stages 0-3 for JAX as sharding plans over a device mesh.",
+      epilog="examples:\n"
+             "  zerojax train configs/zero3.json steps=50 model=tiny\n"
+             "  zerojax train configs/ds_zero3_offload.json      # a DeepSpeed ds_config.json\n"
+             "  zerojax plan configs/zero2.json --model gpt-89m --devices 64\n"
+             "  zerojax estimate --params 7.5e9 --devices 64     # the ZeRO paper's Figure 1\n"
+             "  zerojax estimate --params 7.5e9 --devices 64 --fit 16GB --plot mem.png\n"
+             "  zerojax config configs/ds_zero2.json             # what a DeepSpeed config maps to\n"
+             "  zerojax export --help\n\n"
+             "run `zerojax COMMAND --help` for a command's options.")
+  p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+  sub = p.add_subparsers(dest="command", metavar="COMMAND")
+
+  t = sub.add_parser(
+      "train", formatter_class=fmt, help="train the GPT example from a config plus overrides",
+      description=_wrap(
+          "Train the byte-level GPT example with a zerojax or DeepSpeed config.",
+          "Shows a progress bar (loss, tokens/s, ETA) and writes metrics.jsonl, TensorBoard "
+          "event files, loss.png and run.json to out_dir. On multi-host runs only process 0 "
+          "prints and writes. Without an accelerator it simulates cpu_devices (default 8) CPU "
+          "devices."),
+      epilog=EPILOG_OVERRIDES + "\n" + _train_options_help() + "\nexamples:\n  zerojax train configs/zero3.json steps=20 "
+             "model=tiny\n  zerojax train configs/ds_zero3_offload.json lr=1e-3 "
+             "out_dir=runs/offload")
+  t.add_argument("config", nargs="?", help="zerojax (.json/.yaml) or DeepSpeed (.json) config; "
+                 "default: ZeroConfig() (stage 3)")
+  t.add_argument("overrides", nargs="*", metavar="key=value", help="config/option overrides")
+  t.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only)")
+  t.set_defaults(func=cmd_train)
+
+  pl = sub.add_parser(
+      "plan", formatter_class=fmt, help="print the sharding table for a model and config",
+      description=_wrap(
+          "Print the sharding plan (path, shape, spec, bytes per device, why a leaf is or is "
+          "not sharded) of a GPT preset under a config, for any device count. Nothing is "
+          "trained and no devices are needed: the plan is made on an abstract mesh."),
+      epilog=EPILOG_OVERRIDES + "\nexample:\n  zerojax plan configs/zero3.json --model gpt-89m "
+             "--devices 64 param_persistence_threshold=0")
+  pl.add_argument("config", nargs="?", help="zerojax or DeepSpeed config (default: stage 3)")
+  pl.add_argument("overrides", nargs="*", metavar="key=value", help="ZeroConfig overrides")
+  pl.add_argument("--model", default=None, help="GPT preset: tiny, small, gpt-89m (default: the "
+                  "config's train.model, else small)")
+  pl.add_argument("--devices", type=int, default=8, help="devices to plan for (default 8)")
+  pl.set_defaults(func=cmd_plan)
+
+  e = sub.add_parser(
+      "estimate", formatter_class=fmt, help="model-state memory per device at each stage",
+      description=_wrap(
+          "Model-state memory (parameters, gradients, optimizer state) per device at each ZeRO "
+          "stage.",
+          "--params N uses the ZeRO paper's assumptions (mixed-precision Adam: 2+2+K bytes per "
+          "parameter, K=12); --params 7.5e9 --devices 64 reproduces the paper's Figure 1 "
+          "(120 / 31.4 / 16.6 / 1.9 GB). --model PRESET plans a real model's leaves with their "
+          "dtypes and optax.adamw state (zerojax.memory.estimate). GB = 1e9 bytes, as in the "
+          "paper."),
+      epilog="examples:\n  zerojax estimate --params 7.5e9 --devices 64\n"
+             "  zerojax estimate --params 7.5B --devices 64 --fit 16GB\n"
+             "  zerojax estimate --model gpt-89m --devices 8 --fit 500MB --plot mem.png\n"
+             "  zerojax estimate --model gpt-89m --devices 8 configs/zero3_hsdp.yaml\n\n"
+             "--fit picks the lowest-communication option that fits the budget, in the order\n"
+             "stage 0 < 1 < 2 (2Ψ each) < 3 (3Ψ) < 3 + offload_optimizer < + offload_params.\n"
+             "It exits with status 1 when nothing fits.")
+  e.add_argument("config", nargs="?", help="config for --model (dtypes, mesh, threshold)")
+  e.add_argument("overrides", nargs="*", metavar="key=value", help="ZeroConfig overrides")
+  e.add_argument("--params", type=parse_count, default=None, metavar="N",
+                 help="parameter count, e.g. 7.5e9 or 7.5B (the paper's assumptions)")
+  e.add_argument("--model", default=None, help="GPT preset instead: tiny, small, gpt-89m")
+  e.add_argument("--devices", type=int, default=64, help="data-parallel devices (default 64)")
+  e.add_argument("--k", type=int, default=12,
+                 help="optimizer bytes per parameter for --params (default 12: fp32 Adam "
+                 "master weights, momentum, variance)")
+  e.add_argument("--fit", type=parse_bytes, default=None, metavar="BYTES",
+                 help="per-device budget, e.g. 16GB or 80GiB: recommend a stage (and offload)")
+  e.add_argument("--offload", action="store_true", help="also show the offload options")
+  e.add_argument("--plot", nargs="?", const="zerojax_estimate.png", default=None,
+                 metavar="PNG", help="draw the bars to PNG (default zerojax_estimate.png)")
+  e.add_argument("--json", action="store_true", help="machine-readable output")
+  e.set_defaults(func=cmd_estimate)
+
+  c = sub.add_parser(
+      "config", formatter_class=fmt, help="show what a (DeepSpeed) config maps to",
+      description=_wrap(
+          "Print the resolved ZeroConfig and training options of a config file; for a "
+          "DeepSpeed ds_config.json also the XLA flags its keys become and a one-line note per "
+          "key."), epilog=EPILOG_OVERRIDES)
+  c.add_argument("config", help="zerojax or DeepSpeed config file")
+  c.add_argument("overrides", nargs="*", metavar="key=value", help="overrides")
+  c.set_defaults(func=cmd_config)
+
+  sub.add_parser("export", add_help=False, help="write consolidated weights from a checkpoint "
+                 "(see `zerojax export --help`)")
+  return p
+
+
+def _wrap(*paragraphs: str) -> str:
+  import textwrap
+  return "\n\n".join(textwrap.fill(p, 79) for p in paragraphs)
+
+
+def _train_options_help() -> str:
+  from zerojax.train import TrainOptions
+  parts = [f"{f.name}={f.default}" for f in dataclasses.fields(TrainOptions)
+           if f.name != "scheduler"]
+  import textwrap
+  return "training options and defaults:\n" + textwrap.fill(
+      " ".join(parts), 79, initial_indent="  ", subsequent_indent="  ") + "\n"
+
+
+def _version() -> str:
+  from zerojax import __version__
+  return __version__
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  argv = list(sys.argv[1:] if argv is None else argv)
+  if argv and argv[0] == "export":  # its own parser lives in zerojax.export
+    return cmd_export(argv[1:])
+  parser = build_parser()
+  # key=value overrides may follow options (`train cfg.json --no-progress steps=5`): argparse
+  # leaves those as extras.
+  args, extra = parser.parse_known_args(argv)
+  bad = [x for x in extra if x.startswith("-") or "=" not in x or not hasattr(args, "overrides")]
+  if bad:
+    parser.error(f"unrecognized arguments: {' '.join(bad)}")
+  if extra:
+    args.overrides = list(args.overrides) + extra
+  if not getattr(args, "command", None):
+    parser.print_help()
+    return 2
+  cfg = getattr(args, "config", None)
+  if cfg and "=" in cfg and not os.path.exists(cfg):  # `zerojax train steps=5`: no config file
+    args.overrides.insert(0, cfg)
+    args.config = None
+  try:
+    return int(args.func(args) or 0)
+  except (ConfigError, KeyError, ValueError, FileNotFoundError) as e:
+    msg = e.args[0] if isinstance(e, KeyError) and e.args else e
+    print(f"{PROG} {args.command}: error: {msg}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,500 @@
+"""DeepSpeed ``ds_config.json`` -> `ZeroConfig`, XLA flags and notes.
+
+A DeepSpeed config maps onto zerojax in three ways:
+
+* **settings** with a zerojax equivalent become `ZeroConfig` fields (``zero_optimization.stage``,
+  offload, persistence threshold, batch sizes, clipping, ``bf16``/``fp16``, ...);
+* **keys whose job XLA does** become XLA flags: the bucket sizes become XLA's collective
+  combine thresholds on GPU and ``overlap_comm`` becomes the latency-hiding scheduler;
+  `DeepSpeedMapping.xla_flags` lists them and `DeepSpeedMapping.apply_xla_flags` adds them to
+  ``XLA_FLAGS`` (which must happen before JAX initialises its backend);
+* **keys with no XLA meaning** (``contiguous_gradients``, ...) are accepted, each with a
+  one-line note in `DeepSpeedMapping.notes`.
+
+An unknown key is an error that names it; an unsupported device (``nvme``) is an error that
+says what to use instead. ``"auto"`` values (as written by the Hugging Face Trainer
+integration) mean "not set".
+
+Training-loop settings DeepSpeed keeps in the same file (``optimizer``, ``scheduler``,
+``steps_per_print``, ``tensorboard``) are returned in `DeepSpeedMapping.train` for
+`zerojax.train`. A top-level ``"zerojax"`` mapping may hold `ZeroConfig` fields DeepSpeed has no
+key for (e.g. ``mesh_shape``, ``remat``); they are applied last.
+
+Example::
+
+  m = zerojax.deepspeed.map_deepspeed(json.load(open("ds_config.json")))
+  m.apply_xla_flags()        # before the first JAX computation
+  print(m.summary())
+  config = m.config          # a ZeroConfig; ZeroConfig.from_file("ds_config.json") is the same
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Mapping
+
+from zerojax.config import ConfigError, ZeroConfig
+
+# XLA flag names (GPU backend; accepted and ignored by the CPU backend).
+RS_COMBINE = "--xla_gpu_reduce_scatter_combine_threshold_bytes"
+AG_COMBINE = "--xla_gpu_all_gather_combine_threshold_bytes"
+AR_COMBINE = "--xla_gpu_all_reduce_combine_threshold_bytes"
+LHS = "--xla_gpu_enable_latency_hiding_scheduler"
+
+_DTYPE_NAMES = {"fp32": "float32", "float32": "float32", "fp16": "float16", "float16": "float16",
+                "half": "float16", "bf16": "bfloat16", "bfloat16": "bfloat16"}
+_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclasses.dataclass(frozen=True)
+class DeepSpeedMapping:
+  """The result of mapping a DeepSpeed config.
+
+  Attributes:
+    config: the `ZeroConfig`.
+    xla_flags: XLA flags that do the job of DeepSpeed keys, e.g.
+      ``('--xla_gpu_enable_latency_hiding_scheduler=true', ...)``.
+    notes: one line per key: what it became, or why it needs nothing.
+    train: training-loop settings (``optimizer``, ``scheduler``, ``log_every``,
+      ``tensorboard_dir``) for `zerojax.train`.
+  """
+
+  config: ZeroConfig
+  xla_flags: tuple[str, ...] = ()
+  notes: tuple[str, ...] = ()
+  train: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+  def apply_xla_flags(self, environ: "os._Environ | dict | None" = None) -> list[str]:
+    """Appends `xla_flags` to ``XLA_FLAGS`` (flags the user already set win).
+
+    Returns the flags actually added. Call it before JAX initialises its backend; afterwards
+    XLA has already read ``XLA_FLAGS`` and the flags have no effect (a warning says so).
+    """
+    env = os.environ if environ is None else environ
+    current = env.get("XLA_FLAGS", "")
+    present = {f.split("=")[0] for f in current.split()}
+    added = [f for f in self.xla_flags if f.split("=")[0] not in present]
+    if added:
+      env["XLA_FLAGS"] = (current + " " + " ".join(added)).strip()
+      if environ is None:
+        from jax._src import xla_bridge
+        if xla_bridge.backends_are_initialized():
+          import warnings
+          warnings.warn("zerojax: XLA_FLAGS changed after the JAX backend started; the DeepSpeed "
+                        f"flags {added} take effect in the next process only")
+    return added
+
+  def summary(self) -> str:
+    """Human-readable account of what was set."""
+    lines = [f"DeepSpeed config -> ZeroConfig(stage={self.config.stage}, ...)"]
+    if self.xla_flags:
+      lines.append("XLA flags set:")
+      lines += [f"  {f}" for f in self.xla_flags]
+    if self.notes:
+      lines.append("notes:")
+      lines += [f"  {n}" for n in self.notes]
+    return "\n".join(lines)
+
+
+def from_deepspeed(d: Mapping[str, Any]) -> ZeroConfig:
+  """The `ZeroConfig` of a DeepSpeed config dict (see `map_deepspeed` for flags and notes)."""
+  return map_deepspeed(d).config
+
+
+def load_deepspeed(path: str | os.PathLike) -> DeepSpeedMapping:
+  """`map_deepspeed` of a ``.json`` (or ``.yaml``) DeepSpeed config file."""
+  import json
+  path = os.fspath(path)
+  with open(path) as f:
+    if path.endswith((".yaml", ".yml")):
+      import yaml
+      d = yaml.safe_load(f)
+    else:
+      d = json.load(f)
+  return map_deepspeed(d)
+
+
+def is_deepspeed(d: Mapping[str, Any]) -> bool:
+  """Whether a config dict is in DeepSpeed format (it has ``zero_optimization``)."""
+  return isinstance(d, Mapping) and "zero_optimization" in d
+
+
+# -- the mapping ------------------------------------------------------------------------------
+
+_TOP_IGNORED = {
+    "wall_clock_breakdown": "timing breakdown is not collected; use jax.profiler for traces",
+    "zero_allow_untested_optimizer": "any optax optimizer is sharded by the plan; nothing to allow",
+    "zero_force_ds_cpu_optimizer": "offloaded optimizer state is updated by XLA; no DeepSpeed CPU "
+                                   "Adam is involved",
+    "prescale_gradients": "XLA's reduce computes the mean gradient; no prescaling is needed",
+    "gradient_predivide_factor": "XLA's reduce computes the mean gradient; no predivision is "
+                                 "needed",
+    "sparse_gradients": "JAX gradients are dense arrays",
+    "memory_breakdown": "use `zerojax estimate` and zerojax.memory.measure for memory numbers",
+    "dump_state": "use `zerojax plan` to print the sharding of every leaf",
+    "flops_profiler": "use jax.profiler for FLOP/time profiles",
+    "wandb": "metrics go to JSONL and TensorBoard event files in the run directory",
+    "csv_monitor": "metrics go to JSONL and TensorBoard event files in the run directory",
+    "comms_logger": "collective volumes per step: zerojax.memory.measure(compiled).collectives",
+    "activation_checkpointing": "activation checkpointing is ZeroConfig.remat ('full', 'dots', "
+                                "'offload'); set it under the \"zerojax\" key",
+    "seed": "the run seed is a training option (seed=...)",
+}
+
+_ZERO_IGNORED = {
+    "contiguous_gradients": "XLA allocates gradient buffers itself; there is no fragmentation to "
+                            "avoid",
+    "allgather_partitions": "stage 3 all-gathers each layer's shards with one XLA all-gather",
+    "reduce_scatter": "stages 2-3 reduce-scatter gradients per layer; stages 0-1 all-reduce",
+    "round_robin_gradients": "XLA places reduced gradient shards; no round-robin is needed",
+    "sub_group_size": "the optimizer update is one XLA computation over the local shards",
+    "elastic_checkpoint": "checkpoints are saved sharded and restore onto any mesh",
+    "load_from_fp32_weights": "master weights are kept in param_dtype and restored from it",
+    "ignore_unused_parameters": "unused parameters get zero gradients in JAX",
+    "stage3_max_reuse_distance": "whether a gathered weight is kept for backward is decided by "
+                                 "the stage-3 remat policy (re-gathered, never cached)",
+    "stage3_gather_16bit_weights_on_model_save": "use `zerojax export` for consolidated weights",
+    "stage3_gather_fp16_weights_on_model_save": "use `zerojax export` for consolidated weights",
+    "memory_efficient_linear": "XLA fuses linear layers itself",
+    "use_multi_rank_bucket_allreduce": "XLA combines collectives itself (see combine thresholds)",
+    "log_trace_cache_warnings": "no trace cache: the step is compiled once by XLA",
+}
+
+_OFFLOAD_KEYS = {"device", "pin_memory", "buffer_count", "fast_init", "pipeline",
+                 "pipeline_read", "pipeline_write", "nvme_path", "ratio", "buffer_size",
+                 "max_in_cpu"}
+_FP16_KEYS = {"enabled", "auto_cast", "loss_scale", "initial_scale_power", "loss_scale_window",
+              "hysteresis", "consecutive_hysteresis", "min_loss_scale", "fp16_master_weights_and_grads"}
+_BF16_KEYS = {"enabled", "immediate_grad_update", "check_grad_overflow",
+              "bf16_master_weights_and_grads", "bf16_optimizer_states"}
+_TOP_KEYS = ({"zero_optimization", "train_batch_size", "train_micro_batch_size_per_gpu",
+              "gradient_accumulation_steps", "gradient_clipping", "bf16", "bfloat16", "fp16",
+              "communication_data_type", "optimizer", "scheduler", "steps_per_print",
+              "tensorboard", "zerojax"} | set(_TOP_IGNORED))
+_ZERO_KEYS = ({"stage", "offload_optimizer", "offload_param", "cpu_offload", "cpu_offload_params",
+               "stage3_param_persistence_threshold", "stage3_max_live_parameters",
+               "stage3_prefetch_bucket_size", "prefetch_bucket_size", "reduce_bucket_size",
+               "allgather_bucket_size", "overlap_comm", "zero_hpz_partition_size",
+               "mics_shard_size", "zero_quantized_weights", "zero_quantized_gradients",
+               "zero_quantized_nontrainable_weights", "param_persistence_threshold",
+               "max_live_parameters", "max_reuse_distance"} | set(_ZERO_IGNORED))
+
+
+def _auto(v: Any) -> bool:
+  return isinstance(v, str) and v.strip().lower() == "auto"
+
+
+def _err(key: str, value: Any, allowed: str) -> ConfigError:
+  return ConfigError(f"DeepSpeed config key {key!r}={value!r} is invalid: {allowed}")
+
+
+def _unknown(section: str, keys: set, known: set) -> None:
+  unknown = sorted(set(keys) - known)
+  if unknown:
+    where = f"in {section!r} " if section else ""
+    raise ConfigError(f"unknown DeepSpeed config key {unknown[0]!r} {where}(unknown keys: "
+                      f"{unknown}); zerojax accepts {sorted(known)}")
+
+
+def _int(key: str, v: Any) -> int:
+  if isinstance(v, bool) or not isinstance(v, (int, float)) or int(v) != v:
+    raise _err(key, v, "an integer")
+  return int(v)
+
+
+def _num(key: str, v: Any) -> float:
+  if isinstance(v, bool) or not isinstance(v, (int, float)):
+    raise _err(key, v, "a number")
+  return v
+
+
+def _bool(key: str, v: Any) -> bool:
+  if not isinstance(v, bool):
+    raise _err(key, v, "true or false")
+  return v
+
+
+def map_deepspeed(d: Mapping[str, Any]) -> DeepSpeedMapping:
+  """Maps a DeepSpeed config dict to a `DeepSpeedMapping` (config, XLA flags, notes).
+
+  Raises:
+    ConfigError: for an unknown key (named), an unsupported value such as ``device: nvme``
+      (with what to use instead), or a value the resulting `ZeroConfig` rejects.
+  """
+  if not isinstance(d, Mapping):
+    raise ConfigError(f"a DeepSpeed config must be a mapping, got {type(d).__name__}")
+  _unknown("", set(d), _TOP_KEYS)
+  kw: dict[str, Any] = {}
+  flags: dict[str, str] = {}
+  notes: list[str] = []
+  train: dict[str, Any] = {}
+
+  def note(key, text):
+    notes.append(f"{key}: {text}")
+
+  # -- batch sizes, clipping ------------------------------------------------------------------
+  for ds_key, field in (("train_batch_size", "train_batch_size"),
+                        ("train_micro_batch_size_per_gpu", "micro_batch_per_device"),
+                        ("gradient_accumulation_steps", "gradient_accumulation_steps")):
+    if ds_key in d:
+      if _auto(d[ds_key]):
+        note(ds_key, "'auto': left unset (derived from the other batch sizes)")
+      else:
+        kw[field] = _int(ds_key, d[ds_key])
+  if "gradient_clipping" in d:
+    v = d["gradient_clipping"]
+    if _auto(v):
+      note("gradient_clipping", "'auto': no clipping")
+    elif _num("gradient_clipping", v) > 0:
+      kw["gradient_clipping"] = float(v)
+    elif v == 0:
+      note("gradient_clipping", "0 means no clipping")
+    else:
+      raise _err("gradient_clipping", v, "a number >= 0 (0 = no clipping)")
+
+  # -- precision ------------------------------------------------------------------------------
+  bf16 = d.get("bf16", d.get("bfloat16", {})) or {}
+  fp16 = d.get("fp16", {}) or {}
+  for name, sect, known in (("bf16", bf16, _BF16_KEYS), ("fp16", fp16, _FP16_KEYS)):
+    if not isinstance(sect, Mapping):
+      raise _err(name, sect, "a mapping such as {\"enabled\": true}")
+    _unknown(name, set(sect), known)
+  bf16_on = _enabled("bf16", bf16)
+  fp16_on = _enabled("fp16", fp16)
+  for name, sect in (("bf16", bf16), ("fp16", fp16)):
+    if _auto(sect.get("enabled")):
+      note(f"{name}.enabled", "'auto': off (float32); enable it explicitly to train in " + name)
+  if bf16_on and fp16_on:
+    raise ConfigError("DeepSpeed config enables both 'bf16' and 'fp16'; enable at most one")
+  if bf16_on:
+    kw["compute_dtype"] = "bfloat16"
+    note("bf16", "compute_dtype='bfloat16'; master weights and optimizer state stay float32 "
+         "(param_dtype)")
+    for k in sorted(set(bf16) - {"enabled"}):
+      note(f"bf16.{k}", "XLA keeps float32 master weights and gradients reduce in "
+           "reduce_dtype; nothing to set")
+  if fp16_on:
+    kw["compute_dtype"] = "float16"
+    ls = fp16.get("loss_scale", 0)
+    kw["loss_scale"] = 0.0 if _auto(ls) else float(_num("fp16.loss_scale", ls))
+    for ds_key, field in (("initial_scale_power", "initial_scale_power"),
+                          ("loss_scale_window", "loss_scale_window"),
+                          ("hysteresis", "hysteresis")):
+      if ds_key in fp16 and not _auto(fp16[ds_key]):
+        kw[field] = _int(f"fp16.{ds_key}", fp16[ds_key])
+    if "min_loss_scale" in fp16 and not _auto(fp16["min_loss_scale"]):
+      kw["min_loss_scale"] = float(_num("fp16.min_loss_scale", fp16["min_loss_scale"]))
+    note("fp16", "compute_dtype='float16' with " + (
+        "dynamic loss scaling" if kw["loss_scale"] == 0 else f"static loss scale {ls}"))
+    for k in sorted(set(fp16) & {"auto_cast", "consecutive_hysteresis",
+                                 "fp16_master_weights_and_grads"}):
+      note(f"fp16.{k}", "not needed: the model casts to compute_dtype and master weights stay "
+           "in param_dtype")
+  if "communication_data_type" in d and d["communication_data_type"] is not None:
+    v = d["communication_data_type"]
+    if not isinstance(v, str) or v.lower() not in _DTYPE_NAMES:
+      raise _err("communication_data_type", v, f"one of {sorted(_DTYPE_NAMES)}")
+    kw["reduce_dtype"] = _DTYPE_NAMES[v.lower()]
+    note("communication_data_type", f"reduce_dtype={kw['reduce_dtype']!r}")
+
+  # -- zero_optimization ----------------------------------------------------------------------
+  z = d.get("zero_optimization") or {}
+  if not isinstance(z, Mapping):
+    raise _err("zero_optimization", z, "a mapping")
+  _unknown("zero_optimization", set(z), _ZERO_KEYS)
+  stage = z.get("stage", 0)
+  if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
+    raise _err("zero_optimization.stage", stage, "0, 1, 2 or 3")
+  kw["stage"] = int(stage)
+
+  if _offload(z, "offload_optimizer", "zero_optimization.offload_optimizer", note):
+    kw["offload_optimizer"] = True
+  if _offload(z, "offload_param", "zero_optimization.offload_param", note):
+    kw["offload_params"] = True
+  if "cpu_offload" in z and _bool("zero_optimization.cpu_offload", z["cpu_offload"]):
+    kw["offload_optimizer"] = True
+    note("zero_optimization.cpu_offload", "legacy key: offload_optimizer=True")
+  if "cpu_offload_params" in z and _bool("zero_optimization.cpu_offload_params",
+                                         z["cpu_offload_params"]):
+    kw["offload_params"] = True
+    note("zero_optimization.cpu_offload_params", "legacy key: offload_params=True")
+
+  for key in ("stage3_param_persistence_threshold", "param_persistence_threshold"):
+    if key in z and not _auto(z[key]):
+      kw["param_persistence_threshold"] = _int(f"zero_optimization.{key}", z[key])
+      note(f"zero_optimization.{key}", f"param_persistence_threshold={kw['param_persistence_threshold']}"
+           " (leaves with fewer elements stay replicated)")
+  for key in ("stage3_prefetch_bucket_size", "prefetch_bucket_size"):
+    if key in z and not _auto(z[key]):
+      v = _num(f"zero_optimization.{key}", z[key])
+      kw["max_live_layers"] = 2 if v > 0 else 1
+      note(f"zero_optimization.{key}", f"{v:g} -> max_live_layers={kw['max_live_layers']} ("
+           + ("the next layer's gather may overlap the current layer)" if v > 0 else
+              "no prefetch: each layer is gathered just before use)"))
+  for key in ("stage3_max_live_parameters", "max_live_parameters"):
+    if key in z:
+      v = z[key] if _auto(z[key]) else _num(f"zero_optimization.{key}", z[key])
+      note(f"zero_optimization.{key}", f"{v if _auto(v) else format(v, 'g')} is a parameter count; zerojax bounds gathered "
+           "weights in whole layers (max_live_layers), set by the prefetch bucket size")
+  if "max_reuse_distance" in z:
+    note("zero_optimization.max_reuse_distance", _ZERO_IGNORED["stage3_max_reuse_distance"])
+
+  # Keys whose job XLA does: collective combining and overlap.
+  grad_dtype = kw.get("reduce_dtype") or "float32"
+  param_bytes = _BYTES["float32"]
+  for key, targets, nbytes, what in (
+      ("reduce_bucket_size", (RS_COMBINE, AR_COMBINE), _BYTES[grad_dtype],
+       f"{grad_dtype} gradients"),
+      ("allgather_bucket_size", (AG_COMBINE,), param_bytes, "float32 parameters")):
+    if key in z:
+      if _auto(z[key]):
+        note(f"zero_optimization.{key}", "'auto': XLA's default combine threshold")
+        continue
+      v = _num(f"zero_optimization.{key}", z[key])
+      if v <= 0:
+        raise _err(f"zero_optimization.{key}", v, "a positive number of elements")
+      b = int(v) * nbytes
+      for t in targets:
+        flags[t] = str(b)
+      note(f"zero_optimization.{key}", f"{int(v):,} elements x {nbytes} bytes ({what}) -> "
+           + ", ".join(f"{t}={b}" for t in targets))
+  if "overlap_comm" in z:
+    v = "true" if _bool("zero_optimization.overlap_comm", z["overlap_comm"]) else "false"
+    flags[LHS] = v
+    note("zero_optimization.overlap_comm", f"{LHS}={v} (XLA's latency-hiding scheduler "
+         "overlaps collectives with compute)")
+
+  # ZeRO++ hpZ / MiCS: shard within groups, replicate across groups = the replica x fsdp mesh.
+  for key in ("zero_hpz_partition_size", "mics_shard_size"):
+    if key in z and not _auto(z[key]):
+      v = _int(f"zero_optimization.{key}", z[key])
+      if v > 1 or (key == "mics_shard_size" and v > 0):
+        kw["mesh_shape"], kw["mesh_axes"] = (-1, v), ("replica", "fsdp")
+        note(f"zero_optimization.{key}", f"{v} -> mesh_shape=[-1, {v}], mesh_axes=['replica', "
+             "'fsdp'] (shard within groups, data parallel across them)")
+      else:
+        note(f"zero_optimization.{key}", f"{v}: no hierarchical partitioning")
+  for key in ("zero_quantized_weights", "zero_quantized_gradients",
+              "zero_quantized_nontrainable_weights"):
+    if key in z and _bool(f"zero_optimization.{key}", z[key]):
+      raise _err(f"zero_optimization.{key}", True, "zerojax does not quantize collectives; "
+                 "set it to false (or remove it) and use bf16 / communication_data_type to "
+                 "halve collective volume")
+  for key, why in _ZERO_IGNORED.items():
+    if key in z:
+      note(f"zero_optimization.{key}", why)
+
+  # -- training-loop settings -----------------------------------------------------------------
+  if "optimizer" in d:
+    train["optimizer"] = _optimizer(d["optimizer"])
+    note("optimizer", f"-> optax.{train['optimizer']['name']} (training loop)")
+  if "scheduler" in d:
+    train["scheduler"] = _scheduler(d["scheduler"])
+    note("scheduler", f"-> {train['scheduler']['name']} learning-rate schedule (training loop)")
+  if "steps_per_print" in d:
+    train["log_every"] = _int("steps_per_print", d["steps_per_print"])
+  if "tensorboard" in d:
+    tb = d["tensorboard"] or {}
+    _unknown("tensorboard", set(tb), {"enabled", "output_path", "job_name"})
+    train["tensorboard"] = bool(tb.get("enabled", False))
+    if tb.get("output_path"):
+      train["out_dir"] = os.path.join(tb["output_path"], tb.get("job_name", ""))
+    note("tensorboard", "event files are written to the run directory (out_dir)")
+  for key, why in _TOP_IGNORED.items():
+    if key in d:
+      note(key, why)
+
+  # -- zerojax extras -------------------------------------------------------------------------
+  extra = d.get("zerojax") or {}
+  if not isinstance(extra, Mapping):
+    raise _err("zerojax", extra, "a mapping of ZeroConfig fields")
+  known = {f.name for f in dataclasses.fields(ZeroConfig)}
+  _unknown("zerojax", set(extra), known)
+  kw.update(extra)
+
+  # Offload in DeepSpeed implies ZeRO; zerojax validates the combination.
+  try:
+    config = ZeroConfig(**kw)
+  except ConfigError as e:
+    raise ConfigError(f"DeepSpeed config maps to an invalid ZeroConfig: {e}") from None
+  return DeepSpeedMapping(config, tuple(f"{k}={v}" for k, v in flags.items()), tuple(notes),
+                          train)
+
+
+def _enabled(name: str, sect: Mapping) -> bool:
+  v = sect.get("enabled", False)
+  if _auto(v):
+    return False
+  return _bool(f"{name}.enabled", v)
+
+
+def _offload(z: Mapping, key: str, full: str, note) -> bool:
+  if key not in z or z[key] is None:
+    return False
+  sect = z[key]
+  if not isinstance(sect, Mapping):
+    raise _err(full, sect, "a mapping such as {\"device\": \"cpu\"}")
+  _unknown(full, set(sect), _OFFLOAD_KEYS)
+  device = str(sect.get("device", "none")).lower()
+  if device == "nvme":
+    raise _err(f"{full}.device", sect.get("device"),
+               "zerojax does not offload to NVMe; use \"device\": \"cpu\" (pinned host memory, "
+               "zerojax's offload target) or \"none\", and a larger stage or more devices if "
+               "host memory is short (see `zerojax estimate --fit`)")
+  if device not in ("cpu", "none"):
+    raise _err(f"{full}.device", sect.get("device"), "\"cpu\" or \"none\"")
+  if device == "none":
+    return False
+  what = "offload_optimizer" if key == "offload_optimizer" else "offload_params"
+  note(full, f"device cpu -> {what}=True (pinned_host memory)")
+  for k in sorted(set(sect) - {"device"}):
+    note(f"{full}.{k}", "XLA transfers between pinned host and device memory itself; "
+         "nothing to set")
+  return True
+
+
+_OPTIMIZERS = {"adam": "adam", "adamw": "adamw", "sgd": "sgd", "lamb": "lamb",
+               "adagrad": "adagrad", "fusedadam": "adam", "cpuadam": "adam",
+               "deepspeedcpuadam": "adam"}
+
+
+def _optimizer(o: Any) -> dict:
+  if not isinstance(o, Mapping) or "type" not in o:
+    raise _err("optimizer", o, "a mapping with \"type\" and \"params\"")
+  _unknown("optimizer", set(o), {"type", "params"})
+  t = str(o["type"]).lower()
+  if t not in _OPTIMIZERS:
+    raise _err("optimizer.type", o["type"], f"one of {sorted(set(_OPTIMIZERS))}")
+  params = dict(o.get("params", {}) or {})
+  name = _OPTIMIZERS[t]
+  if name == "adam" and params.get("adam_w_mode", True) and t in ("adam", "fusedadam") and \
+      params.get("weight_decay", 0):
+    name = "adamw"  # DeepSpeed's Adam with weight decay defaults to AdamW mode
+  params.pop("adam_w_mode", None)
+  params.pop("torch_adam", None)
+  out = {"name": name}
+  for k, v in params.items():
+    if k not in ("lr", "betas", "eps", "weight_decay", "momentum"):
+      raise _err(f"optimizer.params.{k}", v, "zerojax maps lr, betas, eps, weight_decay, momentum")
+    if _auto(v):
+      continue
+    out[k] = v
+  return out
+
+
+def _scheduler(s: Any) -> dict:
+  if not isinstance(s, Mapping) or "type" not in s:
+    raise _err("scheduler", s, "a mapping with \"type\" and \"params\"")
+  _unknown("scheduler", set(s), {"type", "params"})
+  t = s["type"]
+  allowed = {"WarmupLR": {"warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type"},
+             "WarmupDecayLR": {"warmup_min_lr", "warmup_max_lr", "warmup_num_steps",
+                               "total_num_steps", "warmup_type"},
+             "WarmupCosineLR": {"warmup_min_ratio", "cos_min_ratio", "warmup_num_steps",
+                                "total_num_steps", "warmup_type"}}
+  if t not in allowed:
+    raise _err("scheduler.type", t, f"one of {sorted(allowed)}")
+  params = dict(s.get("params", {}) or {})
+  _unknown(f"scheduler.params ({t})", set(params), allowed[t])
+  return {"name": t, **{k: v for k, v in params.items() if not _auto(v)}}
