@@ -41,6 +41,10 @@ def parse_args(argv=None):
   p.add_argument("--steps", type=int, default=3, help="timed steps per stage")
   p.add_argument("--stages", default="0,1,2,3")
   p.add_argument("--offload", action="store_true", help="add offload rows")
+  p.add_argument("--remat", default="full", choices=["none", "full", "dots"],
+                 help="activation checkpointing per layer at every stage (default: full, as "
+                      "ZeRO-3 runs use; 'none' keeps all activations, which then dominate "
+                      "stage-3 memory on a model this small)")
   p.add_argument("--devices", type=int, default=8)
   p.add_argument("--no-write", action="store_true", help="do not update BENCHMARKS.md/PNG")
   return p.parse_args(argv)
@@ -82,7 +86,7 @@ def main(argv=None) -> int:
                  (3, {"offload_optimizer": True, "offload_params": True})]
   rows = []
   for stage, extra in variants:
-    zc = zerojax.ZeroConfig(stage=stage, **extra)
+    zc = zerojax.ZeroConfig(stage=stage, remat=args.remat, **extra)
     est = estimate(abstract, tx, config=zc, num_devices=n)
     state, plan = zerojax.create_train_state(model, tx, jax.random.key(0), batch["x"], config=zc)
     step = zerojax.zero_step(plan)(train_step)
@@ -121,7 +125,8 @@ def main(argv=None) -> int:
              f"{jax.__version__}, {n} simulated {jax.devices()[0].platform} devices")
   model_desc = (f"GPT, {cfg.num_layers} scanned layers, d_model {cfg.d_model}, vocab "
                 f"{cfg.vocab_size}, {num_params / 1e6:.1f}M fp32 parameters "
-                f"(Ψ = {mib(psi_bytes)} MiB), AdamW, global batch {args.batch}×{cfg.seq_len}")
+                f"(Ψ = {mib(psi_bytes)} MiB), AdamW, global batch {args.batch}×{cfg.seq_len}, "
+                f"remat={args.remat}")
   print(f"\n{model_desc}\n{machine}\n\n{table}\n")
   for r in rows:
     print(f"stage {r['stage']}: collectives {', '.join(f'{k} {mib(v)} MiB' for k, v in r['coll_detail'].items() if v)}")

@@ -545,6 +545,8 @@ def build_parser() -> argparse.ArgumentParser:
 
   sub.add_parser("export", add_help=False, help="write consolidated weights from a checkpoint "
                  "(see `zerojax export --help`)")
+  sub.add_parser("launch", add_help=False, help="run a script as N local processes "
+                 "(multi-host on one machine; see `zerojax launch --help`)")
   return p
 
 
@@ -571,6 +573,9 @@ def main(argv: Sequence[str] | None = None) -> int:
   argv = list(sys.argv[1:] if argv is None else argv)
   if argv and argv[0] == "export":  # its own parser lives in zerojax.export
     return cmd_export(argv[1:])
+  if argv and argv[0] == "launch":  # its own parser lives in zerojax.launch
+    from zerojax import launch
+    return int(launch.main(argv[1:]) or 0)
   parser = build_parser()
   # key=value overrides may follow options (`train cfg.json --no-progress steps=5`): argparse
   # leaves those as extras.
