@@ -142,7 +142,7 @@ def _targets(rows, psi_bytes):
   by = {r["stage"]: r for r in rows}
   out = []
   for r in rows:
-    dev = abs(r["meas"] - r["est"]) / r["est"]
+    dev = abs(r["meas"] - r["est"]) / max(r["est"], 1)
     out.append(f"- persistent within 5% of estimate, stage {r['stage']}: {dev:.1%} "
                f"{'PASS' if dev <= 0.05 else 'FAIL'}")
   if "1" in by and "2" in by:

@@ -179,7 +179,8 @@ _scan_lock = threading.RLock()
 
 
 @contextlib.contextmanager
-def remat_scan_bodies(policy: Any, live_layers: int = 1) -> Iterator[None]:
+def remat_scan_bodies(policy: Any, live_layers: int = 1,
+                      seen: list | None = None) -> Iterator[None]:
   """While tracing the model, wraps the body of every ``jax.lax.scan`` in ``jax.checkpoint``.
 
   ``live_layers > 1`` also unrolls each scan by that factor (unless the user asked for more):
@@ -196,6 +197,8 @@ def remat_scan_bodies(policy: Any, live_layers: int = 1) -> Iterator[None]:
   orig = jax.lax.scan
 
   def scan(f, init, xs=None, length=None, **kwargs):
+    if seen is not None:
+      seen.append(True)
     if live_layers > 1:
       unroll = kwargs.get("unroll", 1)
       if not isinstance(unroll, bool) and unroll < live_layers:

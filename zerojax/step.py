@@ -25,7 +25,7 @@ from flax.training import train_state as ts
 
 from zerojax import offload
 from zerojax.config import ZeroConfig
-from zerojax.gather import box_params, remat_policy, remat_scan_bodies
+from zerojax.gather import box_params, remat_policy, remat_scan_bodies, save_all_but_gathered
 from zerojax.mesh import make_mesh
 from zerojax.plan import ShardingPlan
 
@@ -57,9 +57,16 @@ def wrap_apply_fn(apply_fn: Callable, plan: ShardingPlan) -> Callable:
       return run(params)
     # The policy must act inside every scanned layer: remat around a scan recomputes all of
     # its residuals in one extra pass and stacks them, which would bring back every layer's
-    # gathered weights at once.
-    with remat_scan_bodies(policy, plan.config.max_live_layers):
-      return jax.checkpoint(run, policy=policy)(params)
+    # gathered weights at once. Around the whole model, the user's policy applies only when
+    # the model has no scan: with scans, per-layer remat already happens in the bodies and a
+    # second, whole-model recomputation would only repeat the forward pass (and its gathers).
+    seen: list = []
+
+    def outer(*a, **k):
+      return (save_all_but_gathered if seen else policy)(*a, **k)
+
+    with remat_scan_bodies(policy, plan.config.max_live_layers, seen):
+      return jax.checkpoint(run, policy=outer)(params)
 
   return apply
 
