@@ -61,7 +61,21 @@ def data(n, mults=None):
 
 
 def _params0(model, x):
-  return model.init(jax.random.key(0), jnp.asarray(x))["params"]
+  # jitted: an eager init dispatches (and compiles) op by op, which costs more than the step.
+  return jax.jit(lambda k, x: model.init(k, x)["params"])(jax.random.key(0), jnp.asarray(x))
+
+
+def abstract_state_and_plan(zc, state_cls=None, tx=None):
+  """A plan and the *shapes* of a train state: enough to trace (and refuse) a step cheaply."""
+  model, tx = GPT(CFG), tx or sgd()
+  x = jnp.zeros((16, CFG.seq_len), jnp.int32)
+  shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), x)["params"])
+  plan = zerojax.ShardingPlan.create(zc, zerojax.make_mesh(zc), shapes, tx)
+  state_cls = state_cls or zerojax.ZeroTrainState
+  kw = {"config": zc} if issubclass(state_cls, zerojax.ZeroTrainState) else {}
+  state = jax.eval_shape(lambda: state_cls.create(
+      apply_fn=model.apply, params=jax.tree.map(jnp.zeros_like, shapes), tx=tx, **kw))
+  return state, plan
 
 
 @dataclasses.dataclass

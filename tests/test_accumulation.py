@@ -62,13 +62,19 @@ def _loop_shapes(hlo):
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_accumulation_memory_no_full_gradient_stage23(stage, compiled):
-  # The biggest sharded leaf: its full fp32 gradient f32[2,64,256] never sits in a loop at
-  # stages 2-3 (only its 1/8 shard does); at stages 0-1 the accumulator holds it whole.
+def test_accumulation_memory_accumulator_layout(stage, compiled):
+  # The biggest sharded leaf, blocks/fc/kernel (2, 64, 256). Per device, the accumulation
+  # loop carries at stages 0-1 the unreduced gradient of this device's rows, f32[1,2,64,256]
+  # (a leading data-parallel axis of 8, sharded); at stages 2-3 only the reduce-scattered
+  # 1/8 shard f32[2,64,32]: no full gradient in the loop.
   lp = max(ph.accumulation_run(stage).plan.leaves, key=lambda lp: lp.nbytes)
-  full = "f32[" + ",".join(map(str, lp.shape)) + "]"
+  shard = list(lp.shape)
+  shard[list(lp.sharded).index("fsdp")] //= 8
+  fmt = lambda s: "f32[" + ",".join(map(str, s)) + "]"
   loops = _loop_shapes(compiled[stage].as_text())
-  assert (full in loops) == (stage <= 1), (lp.path, full)
+  assert (fmt((1,) + lp.shape) in loops) == (stage <= 1), (lp.path, lp.shape)
+  if stage >= 2:
+    assert fmt(shard) in loops
 
 
 def test_accumulation_memory_analysis_stage2_saves_gradient(compiled):
@@ -84,8 +90,7 @@ def test_accumulation_plain_value_and_grad_is_refused():
   zc = zerojax.ZeroConfig(stage=2, micro_batch_per_device=1, gradient_accumulation_steps=2,
                           param_persistence_threshold=helpers.THRESHOLD)
   x = ph.data(1)[0]
-  state, plan = zerojax.create_train_state(ph.GPT(ph.CFG), ph.adamw(), jax.random.key(0),
-                                           x["x"], config=zc)
+  state, plan = ph.abstract_state_and_plan(zc)
   step = zerojax.zero_step(plan)(ph.plain_step)
   with pytest.raises(zerojax.ConfigError, match="zerojax.value_and_grad"):
     step.lower(state, x)

@@ -1,6 +1,8 @@
 """Batch sizes: train = micro x accumulation x data-parallel; any two infer the third;
 inconsistent values fail at start, naming all four numbers."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -41,28 +43,14 @@ def test_batch_inconsistent_names_all_four_numbers(given):
     assert f"{k}={v}" in msg, msg
 
 
-def _abstract_state_and_plan(zc):
-  model = ph.GPT(ph.CFG)
-  x = jnp.zeros((16, ph.CFG.seq_len), jnp.int32)
-  shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), x)["params"])
-  plan = zerojax.ShardingPlan.create(zc, zerojax.make_mesh(zc), shapes, ph.sgd())
-  state = jax.eval_shape(lambda: zerojax.ZeroTrainState.create(
-      apply_fn=model.apply, params=jax.tree.map(jnp.zeros_like, shapes), tx=ph.sgd(),
-      config=zc))
-  return state, plan
-
-
 def test_batch_inconsistent_fails_at_start():
   zc = ZeroConfig(stage=3, train_batch_size=64, micro_batch_per_device=2,
                   gradient_accumulation_steps=3)
   with pytest.raises(ConfigError, match="gradient_accumulation_steps=3"):
     zerojax.create_train_state(ph.GPT(ph.CFG), ph.sgd(), jax.random.key(0),
                                jnp.zeros((16, ph.CFG.seq_len), jnp.int32), config=zc)
-  _, plan = _abstract_state_and_plan(ZeroConfig(stage=3))
-  plan = zerojax.ShardingPlan.create(zc, plan.mesh, jax.tree.map(
-      lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype), jax.eval_shape(
-          lambda: ph.GPT(ph.CFG).init(jax.random.key(0), jnp.zeros((2, 32), jnp.int32))
-      )["params"]))
+  _, plan = ph.abstract_state_and_plan(ZeroConfig(stage=3))
+  plan = dataclasses.replace(plan, config=zc)  # a plan built without create_train_state
   with pytest.raises(ConfigError, match="train_batch_size=64"):
     zerojax.zero_step(plan)
 
@@ -70,7 +58,7 @@ def test_batch_inconsistent_fails_at_start():
 def test_batch_global_batch_must_equal_train_batch_size():
   zc = ZeroConfig(stage=2, train_batch_size=32, micro_batch_per_device=2,
                   param_persistence_threshold=helpers.THRESHOLD)
-  state, plan = _abstract_state_and_plan(zc)
+  state, plan = ph.abstract_state_and_plan(zc)
   step = zerojax.zero_step(plan)(ph.zero_train_step)
   b = ph.data(1)[0]  # 16 rows
   with pytest.raises(ConfigError) as e:
@@ -84,7 +72,7 @@ def test_batch_accumulation_steps_alone_split_the_fed_batch():
   zc = ZeroConfig(stage=2, gradient_accumulation_steps=4,
                   param_persistence_threshold=helpers.THRESHOLD)
   assert accumulation_steps(zc, 8) == 4
-  state, plan = _abstract_state_and_plan(zc)
+  state, plan = ph.abstract_state_and_plan(zc)
   step = zerojax.zero_step(plan)(ph.zero_train_step)
   b = ph.data(1)[0]  # 16 rows cannot split into 4 micro-batches over 8 devices
   with pytest.raises(ConfigError, match="gradient_accumulation_steps=4 micro-batches over "

@@ -89,7 +89,6 @@ def test_loss_scaling_learning_rate_metric():
 def test_loss_scaling_needs_zero_train_state():
   zc = zerojax.ZeroConfig(stage=3, loss_scale=0, param_persistence_threshold=helpers.THRESHOLD)
   x = ph.data(1)[0]
-  state, plan = zerojax.create_train_state(ph.GPT(ph.CFG), ph.sgd(), jax.random.key(0), x["x"],
-                                           config=zc, state_cls=train_state.TrainState)
+  state, plan = ph.abstract_state_and_plan(zc, state_cls=train_state.TrainState)
   with pytest.raises(zerojax.ConfigError, match="loss_scale=0 needs a zerojax.ZeroTrainState"):
     zerojax.zero_step(plan)(ph.zero_train_step).lower(state, x)

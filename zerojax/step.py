@@ -229,8 +229,8 @@ def _check_features_used(ctx: context.StepContext) -> None:
     raise ConfigError(
         f"gradient_accumulation_steps={ctx.accumulation_steps}, loss_scale={cfg.loss_scale!r}: "
         "the train step must compute its gradient with zerojax.value_and_grad(loss_fn)"
-        "(params, batch) (a drop-in for jax.value_and_grad); with jax.value_and_grad the "
-        "accumulation/loss scaling would silently not happen")
+        "(params, batch) (a drop-in for jax.value_and_grad; linen TrainState steps), else "
+        "the accumulation/loss scaling would silently not happen")
 
 
 def _tokens(batch: Any) -> int:

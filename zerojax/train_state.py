@@ -106,12 +106,13 @@ class ZeroTrainState(train_state.TrainState):
   def apply_gradients(self, *, grads, **kwargs) -> "ZeroTrainState":
     s = self.settings
     norm = optax.tree.norm(grads).astype(jnp.float32)
+    if s.scaling:  # on the gradient as computed: clipping could turn inf into 0
+      finite = jnp.all(jnp.asarray([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
     if s.gradient_clipping is not None:
       grads, _ = optax.clip_by_global_norm(s.gradient_clipping).update(grads, optax.EmptyState())
     new = super().apply_gradients(grads=grads, **kwargs)
     if not s.scaling:
       return new.replace(grad_norm=norm)
-    finite = jnp.all(jnp.asarray([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
     keep = lambda n, o: jnp.where(finite, n, o)
     scale, good, hyst = update_scale(self.loss_scale, self.good_steps, self.hysteresis_left,
                                      finite, s)
