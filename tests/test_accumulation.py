@@ -1,7 +1,6 @@
 """Gradient accumulation: equals one large-batch step; one reduction per step at stages 0-1;
 an accumulator that stays sharded at stages 2-3."""
 
-import re
 
 import jax
 import numpy as np

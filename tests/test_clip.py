@@ -2,7 +2,6 @@
 (every element counted once, DeepSpeed #7718) and the update equals optax's unsharded clip."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest

@@ -12,7 +12,7 @@ import pytest
 import zerojax
 from zerojax.memory import estimate
 from zerojax.models import GPT
-from tests import helpers, prec_helpers as ph
+from tests import prec_helpers as ph
 
 
 @pytest.fixture(scope="module")
@@ -97,3 +97,15 @@ def test_precision_memory_estimate_counts_param_dtype():
                   config=zerojax.ZeroConfig(stage=0, param_dtype="bfloat16"), **kw)
   assert fp32.params == 4 * n and fp32.grads == 4 * n and fp32.opt_state >= 8 * n
   assert bf16.params == 2 * n and bf16.grads == 2 * n and bf16.opt_state >= 4 * n
+
+
+def test_precision_reduce_dtype_with_accumulation_stage1():
+  # Stages 0-1 accumulate each device's unreduced gradient and reduce once, in reduce_dtype:
+  # the traced program sums the leading data-parallel axis (8) of bf16 gradients.
+  zc = zerojax.ZeroConfig(stage=1, micro_batch_per_device=1, gradient_accumulation_steps=2,
+                          reduce_dtype="bfloat16", param_persistence_threshold=64)
+  state, plan = ph.abstract_state_and_plan(zc)
+  mlir = zerojax.zero_step(plan)(ph.zero_train_step).lower(state, ph.data(1)[0]).as_text()
+  sums = re.findall(r"stablehlo.reduce\(%\S+ init: %\S+\) applies stablehlo.add across "
+                    r"dimensions = \[0\] : \(tensor<8x[0-9x]*bf16>", mlir)
+  assert len(sums) == len(plan.leaves), len(sums)
