@@ -86,12 +86,18 @@ def estimate(params: Any, tx: Any = None, *, config: ZeroConfig | None = None,
   Args:
     params: the parameter tree (arrays or ``jax.ShapeDtypeStruct``).
     tx: the optax transformation (its state shapes come from ``eval_shape``).
-    config: a `ZeroConfig` (defaults to one with ``stage``).
+    config: a `ZeroConfig` (defaults to one with ``stage``). When given, floating parameters
+      are counted in ``config.param_dtype`` (the dtype `create_train_state` stores them in),
+      and the optimizer state in whatever dtypes ``tx`` derives from those.
     stage: overrides ``config.stage``.
     num_devices: size of the ``fsdp`` axis to plan for (devices need not exist).
     opt_state: the optimizer state or its shapes, instead of ``tx``.
     mesh: a mesh to plan on instead of an abstract ``(num_devices,)`` fsdp mesh.
   """
+  if config is not None:
+    # `create_train_state` stores floating parameters in config.param_dtype: count that.
+    from zerojax.step import _cast_shapes
+    params = _cast_shapes(params, np.dtype(config.param_dtype))
   config = config or ZeroConfig(stage=stage if stage is not None else 3)
   if stage is not None and stage != config.stage:
     config = config.replace(stage=stage)

@@ -233,11 +233,25 @@ class ShardingPlan:
     out.append(f"parameters: {nparams:,} ({_fmt_bytes(total)} unsharded)")
     out.append("per device: " + ", ".join(
         f"{k} {_fmt_bytes(v)}" for k, v in b.items() if v or not k.endswith("_host")))
+    out.append(self.dtypes_line())
     uns = self.unsharded_bytes()
     if uns:
       out.append("left replicated over fsdp: " + ", ".join(
           f"{_fmt_bytes(v)} ({k})" for k, v in sorted(uns.items())))
     return "\n".join(out)
+
+  def dtypes_line(self) -> str:
+    """The dtypes of the run as they are: master parameters and gradients (the gradient of a
+    parameter has its dtype), compute (the Flax modules' ``dtype``, from the config), gradient
+    reduction and optimizer state, read from the planned leaves."""
+    name = lambda d: np.dtype(d).name
+    params = sorted({name(lp.dtype) for lp in self.leaves})
+    opt = sorted({name(d) for _, _, d, _ in self.opt_leaves
+                  if np.issubdtype(np.dtype(d), np.floating)})
+    cfg = self.config
+    return (f"dtypes: params {'/'.join(params)}, compute {cfg.compute_dtype}, gradients "
+            f"{'/'.join(params)}, reduced in {cfg.reduce_dtype or '/'.join(params)}, "
+            f"optimizer state {'/'.join(opt) or '-'}")
 
   def __str__(self) -> str:  # pragma: no cover - convenience
     return self.table()

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
+import time
 import warnings
 from typing import Any, Callable
 
@@ -23,11 +25,13 @@ import numpy as np
 from flax.core import meta
 from flax.training import train_state as ts
 
-from zerojax import offload
-from zerojax.config import ZeroConfig
+from zerojax import context, offload
+from zerojax.config import ConfigError, ZeroConfig
 from zerojax.gather import box_params, remat_policy, remat_scan_bodies, save_all_but_gathered
 from zerojax.mesh import make_mesh
 from zerojax.plan import ShardingPlan
+from zerojax.grad import accumulation_steps, check_batch
+from zerojax.train_state import ZeroTrainState
 
 PyTree = Any
 
@@ -93,6 +97,8 @@ class ZeroStep:
     functools.update_wrapper(self, fn)
     self.fn, self.plan, self.donate = fn, plan, donate
     self._jitted: dict[Any, Any] = {}
+    self._last_dispatch: float | None = None
+    self.last_step_time = math.nan  # see __call__
 
   # -- linen / TrainState ---------------------------------------------------------------------
 
@@ -101,6 +107,8 @@ class ZeroStep:
     key = (jax.tree.structure(state), _shapes_key(batch))
     if key not in self._jitted:
       orig = state.apply_fn
+      _check_state_features(plan, state)
+      check_batch(plan, batch)
 
       orig_tx = getattr(state, "tx", None)
 
@@ -108,9 +116,14 @@ class ZeroStep:
         changes = {"apply_fn": wrap_apply_fn(orig, plan)}
         if orig_tx is not None:
           changes["tx"] = offload.wrap_tx(orig_tx, plan)
-        new_state, metrics = self.fn(state.replace(**changes), batch)
+        state = state.replace(**changes)
+        with _step_context(plan, state) as ctx:
+          new_state, metrics = self.fn(state, batch)
+        _check_features_used(ctx)
         if not isinstance(new_state, type(state)):
           raise TypeError(f"train_step must return (state, metrics); got {type(new_state)}")
+        if isinstance(new_state, ZeroTrainState) and isinstance(metrics, dict):
+          metrics = {**new_state.step_metrics(), **metrics}
         restore = {"apply_fn": orig} if orig_tx is None else {"apply_fn": orig, "tx": orig_tx}
         return new_state.replace(**restore), metrics
 
@@ -132,9 +145,14 @@ class ZeroStep:
       plan = self.plan
       state_sh = nnx_state_shardings(plan, state)
 
+      _check_state_features(plan, None)
+      check_batch(plan, batch)
+
       def step(state, batch):
         m, o = nnx.merge(graphdef, state)
-        metrics = self.fn(m, o, batch)
+        with _step_context(plan, None) as ctx:
+          metrics = self.fn(m, o, batch)
+        _check_features_used(ctx)
         return nnx.state((m, o)), metrics
 
       self._jitted[key] = jax.jit(
@@ -145,14 +163,38 @@ class ZeroStep:
     return self._jitted[key], state
 
   def __call__(self, *args):
+    """Runs one step. Metrics gain host-side ``step_time`` and ``tokens_per_sec``.
+
+    Both come from dispatch times, not from device timers, so the hot path never waits for the
+    device: ``step_time`` is the wall time between the returns of the previous and of this
+    call. JAX dispatch is asynchronous, so this interval measures the device's step time once
+    the loop is device-bound (the steady state of any training loop that reads a metric or
+    feeds data); it is ``nan`` for the first call and for any call that compiled.
+    ``tokens_per_sec`` is the batch's tokens (rows × sequence length of the first batch leaf
+    with two or more dimensions, rows otherwise) divided by ``step_time``.
+    """
+    n = len(self._jitted)
     if len(args) == 3:  # NNX: (model, optimizer, batch)
       from flax import nnx
       f, state = self._nnx(*args)
       new_state, metrics = f(state, args[2])
       nnx.update((args[0], args[1]), new_state)
-      return metrics
+      return self._host_metrics(metrics, args[2], compiled=len(self._jitted) != n)
     state, batch = args
-    return self._linen(state, batch)(state, batch)
+    new_state, metrics = self._linen(state, batch)(state, batch)
+    return new_state, self._host_metrics(metrics, batch, compiled=len(self._jitted) != n)
+
+  def _host_metrics(self, metrics, batch, compiled):
+    now = time.perf_counter()
+    last, self._last_dispatch = self._last_dispatch, now
+    dt = math.nan if (compiled or last is None) else now - last
+    self.last_step_time = dt
+    if not isinstance(metrics, dict):
+      return metrics
+    metrics = dict(metrics)
+    metrics.setdefault("step_time", dt)
+    metrics.setdefault("tokens_per_sec", _tokens(batch) / dt if dt == dt and dt > 0 else math.nan)
+    return metrics
 
   def lower(self, *args):
     """Lowers the step for ``args`` (arrays or ShapeDtypeStructs), e.g. to inspect memory."""
@@ -182,7 +224,51 @@ def zero_step(plan: ShardingPlan, *, donate: bool = True) -> Callable[[Callable]
   """
   if not isinstance(plan, ShardingPlan):
     raise TypeError(f"zero_step(plan) needs a zerojax.ShardingPlan, got {type(plan).__name__}")
+  accumulation_steps(plan.config, plan.data_parallel_size)  # inconsistent batch sizes fail here
   return lambda fn: ZeroStep(fn, plan, donate)
+
+
+# -- what the traced step knows (issue 7: accumulation, loss scaling, metrics) ------------------
+
+
+def _step_context(plan: ShardingPlan, state: Any):
+  """The `zerojax.context` of one trace: plan, accumulation steps, the input's loss scale."""
+  scale = None
+  if isinstance(state, ZeroTrainState) and state.settings.scaling:
+    scale = state.loss_scale
+  return context.active(context.StepContext(
+      plan, accumulation_steps(plan.config, plan.data_parallel_size), scale))
+
+
+def _check_state_features(plan: ShardingPlan, state: Any) -> None:
+  """Clipping and loss scaling live in `ZeroTrainState`; refuse a state that would ignore them."""
+  cfg = plan.config
+  wanted = [f"{k}={getattr(cfg, k)!r}" for k in ("gradient_clipping", "loss_scale")
+            if getattr(cfg, k) is not None]
+  if wanted and not isinstance(state, ZeroTrainState):
+    kind = "an NNX step" if state is None else f"a {type(state).__name__}"
+    raise ConfigError(f"{', '.join(wanted)} needs a zerojax.ZeroTrainState (create it with "
+                      f"zerojax.create_train_state); {kind} would silently ignore it")
+
+
+def _check_features_used(ctx: context.StepContext) -> None:
+  if ctx.grad_calls:
+    return
+  cfg = ctx.plan.config
+  if ctx.accumulation_steps > 1 or ctx.loss_scale is not None:
+    raise ConfigError(
+        f"gradient_accumulation_steps={ctx.accumulation_steps}, loss_scale={cfg.loss_scale!r}: "
+        "the train step must compute its gradient with zerojax.value_and_grad(loss_fn)"
+        "(params, batch) (a drop-in for jax.value_and_grad; linen TrainState steps), else "
+        "the accumulation/loss scaling would silently not happen")
+
+
+def _tokens(batch: Any) -> int:
+  shapes = [np.shape(x) for x in jax.tree.leaves(batch) if np.ndim(x) >= 1]
+  for s in shapes:
+    if len(s) >= 2:
+      return s[0] * s[1]
+  return shapes[0][0] if shapes else 0
 
 
 # -- state creation -----------------------------------------------------------------------------
@@ -190,7 +276,7 @@ def zero_step(plan: ShardingPlan, *, donate: bool = True) -> Callable[[Callable]
 
 def create_train_state(model: Any, tx: Any, rng: jax.Array, *init_args: Any,
                        config: ZeroConfig, mesh: jax.sharding.Mesh | None = None,
-                       state_cls: type = ts.TrainState, **init_kwargs: Any
+                       state_cls: type = None, **init_kwargs: Any
                        ) -> tuple[ts.TrainState, ShardingPlan]:
   """Initialises a linen model's train state directly in its sharded layout.
 
@@ -198,11 +284,17 @@ def create_train_state(model: Any, tx: Any, rng: jax.Array, *init_args: Any,
   computes and holds its own shards: the full parameters never exist on one device (the
   equivalent of ``deepspeed.zero.Init``).
 
+  ``state_cls`` defaults to `zerojax.ZeroTrainState` (gradient clipping, loss scaling and step
+  metrics from ``config``); a `ZeroTrainState` subclass gets ``config=config`` at creation.
+  Inconsistent batch sizes in ``config`` fail here, before any device work.
+
   Returns:
     ``(state, plan)``.
   """
   mesh = make_mesh(config) if mesh is None else mesh
   pdtype = jnp.dtype(config.param_dtype)
+  state_cls = ZeroTrainState if state_cls is None else state_cls
+  extra = {"config": config} if issubclass(state_cls, ZeroTrainState) else {}
 
   def init_params(rng, *args):
     variables = model.init(rng, *args, **init_kwargs)
@@ -210,10 +302,11 @@ def create_train_state(model: Any, tx: Any, rng: jax.Array, *init_args: Any,
 
   boxed = jax.eval_shape(init_params, rng, *init_args)
   plan = ShardingPlan.create(config, mesh, _cast_shapes(boxed, pdtype), tx)
+  accumulation_steps(config, plan.data_parallel_size)  # inconsistent batch sizes fail here
 
   def make_state(rng, *args):
     params = _cast(meta.unbox(init_params(rng, *args)), pdtype)
-    return state_cls.create(apply_fn=model.apply, params=params, tx=tx)
+    return state_cls.create(apply_fn=model.apply, params=params, tx=tx, **extra)
 
   abstract = jax.eval_shape(make_state, rng, *init_args)
   state = jax.jit(make_state, out_shardings=plan.state(abstract))(rng, *init_args)

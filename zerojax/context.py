@@ -1,0 +1,51 @@
+"""The step being traced: how `zerojax.value_and_grad` finds the plan of its `zero_step`.
+
+`ZeroStep` sets a `StepContext` while it traces the user's train step. Code called from the
+step (`zerojax.value_and_grad`) reads it to learn the plan (stage, mesh, gradient layout,
+accumulation steps) and the traced loss scale of the step's input state; it also records that it
+was called, so the step can refuse a configuration that the user's code silently ignored (e.g.
+``gradient_accumulation_steps=4`` with a plain ``jax.value_and_grad``).
+
+Outside a traced zerojax step there is no context and ``current()`` returns ``None``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from typing import Any, Iterator
+
+_ACTIVE: contextvars.ContextVar["StepContext | None"] = contextvars.ContextVar(
+    "zerojax_step", default=None)
+
+
+@dataclasses.dataclass
+class StepContext:
+  """What the traced step knows.
+
+  Attributes:
+    plan: the step's `ShardingPlan`.
+    accumulation_steps: micro-batches per optimizer step (from the config's batch sizes).
+    loss_scale: the traced loss scale of the input state, or ``None`` without loss scaling.
+    grad_calls: how often `zerojax.value_and_grad` ran in this trace.
+  """
+
+  plan: Any
+  accumulation_steps: int = 1
+  loss_scale: Any = None
+  grad_calls: int = 0
+
+
+def current() -> StepContext | None:
+  """The context of the zerojax step being traced, or ``None``."""
+  return _ACTIVE.get()
+
+
+@contextlib.contextmanager
+def active(ctx: StepContext) -> Iterator[StepContext]:
+  token = _ACTIVE.set(ctx)
+  try:
+    yield ctx
+  finally:
+    _ACTIVE.reset(token)

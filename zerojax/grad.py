@@ -1,0 +1,219 @@
+"""`zerojax.value_and_grad`: gradient accumulation and loss scaling inside a plain train step.
+
+Use it where a Flax step calls ``jax.value_and_grad``::
+
+  loss, grads = zerojax.value_and_grad(loss_fn)(state.params, batch)
+
+Outside a zerojax step it *is* ``jax.value_and_grad``. Inside one (see `zerojax.context`) it
+
+* splits every argument after the parameters along its leading (batch) axis into
+  ``gradient_accumulation_steps`` micro-batches, runs them with ``jax.lax.scan`` and returns the
+  mean loss and the mean gradient, accumulated in float32: the same numbers as one large-batch
+  step (``fun`` must return a *mean* over the batch's rows, as DeepSpeed also assumes);
+* multiplies the loss by the state's loss scale (fp16 loss scaling) before differentiating, and
+  divides the gradient by it afterwards, in float32. The returned loss and gradient are
+  unscaled; non-finite values survive the division, so `ZeroTrainState.apply_gradients` sees an
+  overflow and skips the step.
+
+Each device keeps its own rows of every micro-batch: micro-batch ``i`` holds rows
+``i*m .. (i+1)*m - 1`` of every device's local block of ``m * accumulation`` rows, so splitting
+moves no data.
+
+Communication per optimizer step:
+
+* stages 2-3: each micro-batch's gradient is reduce-scattered inside its backward pass by the
+  per-layer gather boxes (`zerojax.gather`); the float32 accumulator is laid out as
+  ``plan.grads`` (sharded), so no device ever holds a full gradient.
+* stages 0-1: a reduction per micro-batch would multiply the all-reduce volume by the number of
+  micro-batches. Instead the micro-batch loss is ``jax.vmap``-ed over the data-parallel groups
+  (``spmd_axis_name`` = the data axes): each device computes the gradient of its own rows, the
+  accumulator has a leading data-parallel axis that is sharded over the data axes (one
+  gradient-sized buffer per device, as any stage 0-1 accumulator), and the only reduction is a
+  sum over that axis after the last micro-batch, in ``reduce_dtype``. The loss of each device's
+  rows is then averaged over devices, which equals the batch mean for a mean loss. A loss that
+  couples rows across devices (batch statistics) sees per-device batches at stages 0-1.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from zerojax import context
+from zerojax.config import ConfigError, ZeroConfig
+
+PyTree = Any
+F32 = jnp.float32
+
+
+def accumulation_steps(config: ZeroConfig, data_parallel_size: int) -> int:
+  """Micro-batches per optimizer step: from the batch rule when a batch size is given, else
+  ``gradient_accumulation_steps`` (default 1) with the micro-batch taken from the batch."""
+  if config.train_batch_size is None and config.micro_batch_per_device is None:
+    return config.gradient_accumulation_steps or 1
+  return config.batch_sizes(data_parallel_size)[2]
+
+
+def check_batch(plan: Any, batch: PyTree) -> None:
+  """Checks the global batch of a step against the config's batch sizes (at trace time)."""
+  cfg, dp = plan.config, plan.data_parallel_size
+  rows = [np.shape(x)[0] for x in jax.tree.leaves(batch) if np.ndim(x) >= 1]
+  if not rows:
+    return
+  b = rows[0]
+  if cfg.train_batch_size is not None or cfg.micro_batch_per_device is not None:
+    t, m, g = cfg.batch_sizes(dp)
+    if b != t:
+      raise ConfigError(
+          f"the step's batch has {b} rows but the config says train_batch_size={t} "
+          f"(micro_batch_per_device={m} × gradient_accumulation_steps={g} × data-parallel "
+          f"size={dp}); feed global batches of {t} rows")
+    return
+  g = cfg.gradient_accumulation_steps or 1
+  if b % (g * dp):
+    raise ConfigError(
+        f"the step's batch has {b} rows (train_batch_size={b}), which does not split into "
+        f"gradient_accumulation_steps={g} micro-batches over data-parallel size={dp} "
+        f"(micro_batch_per_device={b / (g * dp):g} is not an integer)")
+
+
+def value_and_grad(fun: Callable, argnums: int = 0, has_aux: bool = False, *,
+                   loss_scale: Any = None) -> Callable:
+  """Drop-in for ``jax.value_and_grad`` with ZeRO gradient accumulation and loss scaling.
+
+  Args:
+    fun: ``fun(params, *batch_args) -> loss`` (or ``(loss, aux)`` with ``has_aux``); the loss
+      must be a mean over the rows of ``batch_args``.
+    argnums: must be 0 (the parameters) when accumulating or scaling.
+    has_aux: as in ``jax.value_and_grad``. With accumulation, each floating ``aux`` leaf is
+      averaged over micro-batches (and over data-parallel groups at stages 0-1); other leaves
+      come from the last micro-batch. Use ``aux`` for per-batch metrics.
+    loss_scale: a loss scale to use instead of the step's (e.g. outside a zerojax step).
+
+  Returns:
+    ``f(params, *batch_args) -> (loss, grads)`` (``((loss, aux), grads)`` with ``has_aux``),
+    loss and grads unscaled.
+  """
+  plain = jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux)
+
+  def wrapped(params, *args):
+    ctx = context.current()
+    if ctx is not None:
+      ctx.grad_calls += 1
+    scale = loss_scale if loss_scale is not None else (ctx.loss_scale if ctx else None)
+    steps = ctx.accumulation_steps if ctx is not None else 1
+    if steps == 1 and scale is None:
+      return plain(params, *args)
+    if argnums != 0:
+      raise ValueError("zerojax.value_and_grad accumulates/scales the gradient of argument 0 "
+                       f"(the parameters); got argnums={argnums}")
+    scaled = _scaled(fun, has_aux, scale)
+    if steps == 1:
+      (_, (loss, aux)), grads = jax.value_and_grad(scaled, has_aux=True)(params, *args)
+      grads = jax.tree.map(lambda g: (g.astype(F32) / scale).astype(g.dtype), grads)
+    else:
+      loss, aux, grads = _accumulate(scaled, params, args, steps, ctx.plan, scale)
+    return ((loss, aux) if has_aux else loss), grads
+
+  return wrapped
+
+
+def _scaled(fun, has_aux, scale):
+  """``fun`` returning ``(loss * scale in f32, (loss, aux))``."""
+  def f(params, *args):
+    out = fun(params, *args)
+    loss, aux = out if has_aux else (out, None)
+    s = loss.astype(F32)
+    return (s * scale if scale is not None else s), (loss, aux)
+  return f
+
+
+def _accumulate(scaled, params, args, steps, plan, scale):
+  dp, axes, mesh = plan.data_parallel_size, plan.data_axes, plan.mesh
+  params_match = jax.tree.structure(params) == jax.tree.structure(plan.grads)
+  per_device = plan.config.stage <= 1 and params_match
+
+  def split(x):
+    x = jnp.asarray(x)
+    if x.ndim == 0:
+      return jnp.broadcast_to(x, (steps,) + ((dp,) if per_device else ()))
+    b = x.shape[0]
+    if b % (steps * dp):
+      raise ConfigError(f"a batch leaf has {b} rows, which does not split into "
+                        f"gradient_accumulation_steps={steps} micro-batches over data-parallel "
+                        f"size={dp}")
+    m = b // (steps * dp)
+    # Rows are laid out device-major (P(data) on dim 0); keep each device's rows local.
+    x = x.reshape((dp, steps, m) + x.shape[1:]).swapaxes(0, 1)  # [steps, dp, m, ...]
+    if per_device:
+      spec = P(None, axes)
+    else:
+      x = x.reshape((steps, dp * m) + x.shape[3:])
+      spec = P(None, axes)
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+  xs = jax.tree.map(split, args)
+  reduce_dtype = jnp.dtype(plan.config.reduce_dtype) if plan.config.reduce_dtype else None
+  vg = jax.value_and_grad(scaled, has_aux=True)
+
+  if per_device:
+    def lead(s, nd):  # the gradient layout with the data axes on a new leading dimension
+      spec = tuple(s.spec) + (None,) * (nd - len(tuple(s.spec)))
+      return NamedSharding(mesh, P(axes, *spec))
+
+    acc_sh = jax.tree.map(lambda s, p: lead(s, jnp.ndim(p)), plan.grads, params)
+    acc0 = jax.tree.map(lambda p, s: jax.lax.with_sharding_constraint(
+        jnp.zeros((dp,) + jnp.shape(p), F32), s), params, acc_sh)
+    grad_of_rows = jax.vmap(lambda p, *b: vg(p, *b), in_axes=(None,) + (0,) * len(args),
+                            spmd_axis_name=axes)
+
+    def body(acc, mb):
+      (_, (loss, aux)), g = grad_of_rows(params, *mb)
+      acc = jax.tree.map(lambda a, x, s: jax.lax.with_sharding_constraint(
+          a + x.astype(F32), s), acc, g, acc_sh)
+      return acc, (jnp.mean(loss.astype(F32)), _mean_aux(aux, 0))
+
+    acc, (losses, auxs) = jax.lax.scan(body, acc0, xs)
+
+    def reduce(a, p, s):
+      # The step's one gradient reduction: a sum over the sharded data-parallel axis.
+      a = a.astype(reduce_dtype) if reduce_dtype is not None else a
+      total = jax.lax.reduce(a, np.array(0, a.dtype), jax.lax.add, (0,))
+      total = jax.lax.with_sharding_constraint(total, s)
+      return _finish(total.astype(F32), steps * dp, scale, p.dtype)
+
+    grads = jax.tree.map(reduce, acc, params, plan.grads)
+  else:
+    constrain = (lambda t: jax.tree.map(jax.lax.with_sharding_constraint, t, plan.grads)) \
+        if params_match else (lambda t: t)
+    acc0 = constrain(jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), F32), params))
+
+    def body(acc, mb):
+      (_, (loss, aux)), g = vg(params, *mb)
+      acc = constrain(jax.tree.map(lambda a, x: a + x.astype(F32), acc, g))
+      return acc, (loss.astype(F32), aux)
+
+    acc, (losses, auxs) = jax.lax.scan(body, acc0, xs)
+    grads = jax.tree.map(lambda a, p: _finish(a, steps, scale, p.dtype), acc, params)
+  return jnp.mean(losses), _mean_aux(auxs, 0), grads
+
+
+def _finish(total, n, scale, dtype):
+  """Mean over ``n`` micro-gradients, unscaled, in the parameter's dtype."""
+  g = total / n
+  if scale is not None:
+    g = g / scale
+  return g.astype(dtype)
+
+
+def _mean_aux(aux, axis):
+  def one(x):
+    x = jnp.asarray(x)
+    if jnp.issubdtype(x.dtype, jnp.inexact):
+      return jnp.mean(x, axis=axis)
+    return jnp.take(x, -1, axis=axis)
+  return jax.tree.map(one, aux)

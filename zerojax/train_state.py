@@ -1,0 +1,158 @@
+"""`ZeroTrainState`: a Flax ``TrainState`` with gradient clipping, fp16 loss scaling and metrics.
+
+``apply_gradients(grads=...)`` takes the (unscaled) gradient that `zerojax.value_and_grad`
+returns and, in this order:
+
+1. computes the global L2 norm of the gradient (``optax.tree.norm``). Inside a zerojax step the
+   gradient is laid out as ``plan.grads`` (sharded at stages 2-3); XLA sums each device's partial
+   sum of squares, so the norm is the unsharded norm, with every element counted once;
+2. checks that every element is finite (only with loss scaling);
+3. clips by global norm with ``optax.clip_by_global_norm`` (the same function an unsharded optax
+   chain would use) when ``gradient_clipping`` is set;
+4. applies the optimizer (``TrainState.apply_gradients``);
+5. with loss scaling, keeps the old ``params`` and ``opt_state`` (a select: bit-identical) if the
+   gradient overflowed, counts the skipped step and updates the dynamic scale:
+   ``hysteresis`` consecutive overflows halve it (never below ``min_loss_scale``; after that each
+   further consecutive overflow halves it again), ``loss_scale_window`` consecutive good steps
+   double it, a good step resets the hysteresis. ``step`` counts every call, skipped or not
+   (as DeepSpeed's global step); the optimizer's own counters do not move on a skipped step.
+
+Everything is array arithmetic in the jitted step: no host synchronisation. `step_metrics`
+returns the step's grad norm, loss scale, skipped-step count, whether it overflowed and, when the
+optimizer is wrapped in ``optax.inject_hyperparams``, the learning rate it used; `zero_step`
+adds these to the step's metrics.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import struct
+from flax.training import train_state
+
+from zerojax.config import ZeroConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSettings:
+  """The config fields `ZeroTrainState` acts on (static: part of the compiled step)."""
+
+  loss_scale: float | None = None  # None off, 0 dynamic, > 0 static
+  loss_scale_window: int = 1000
+  hysteresis: int = 2
+  min_loss_scale: float = 1.0
+  gradient_clipping: float | None = None
+
+  @classmethod
+  def from_config(cls, config: ZeroConfig) -> "StepSettings":
+    return cls(config.loss_scale, config.loss_scale_window, config.hysteresis,
+               config.min_loss_scale, config.gradient_clipping)
+
+  @property
+  def scaling(self) -> bool:
+    return self.loss_scale is not None
+
+  @property
+  def dynamic(self) -> bool:
+    return self.loss_scale == 0
+
+
+class ZeroTrainState(train_state.TrainState):
+  """``TrainState`` plus loss-scaling state, clipping and per-step metrics.
+
+  Attributes (all replicated scalars):
+    loss_scale: the current loss scale (1.0 without loss scaling).
+    good_steps: consecutive non-overflowing steps since the scale last changed or overflowed.
+    hysteresis_left: overflows still tolerated before the scale halves.
+    skipped_steps: steps skipped because the gradient overflowed.
+    overflow: whether the last step overflowed (and was skipped).
+    grad_norm: global norm of the last step's gradient (unscaled, before clipping).
+    settings: the static `StepSettings`.
+  """
+
+  loss_scale: jax.Array = None
+  good_steps: jax.Array = None
+  hysteresis_left: jax.Array = None
+  skipped_steps: jax.Array = None
+  overflow: jax.Array = None
+  grad_norm: jax.Array = None
+  settings: StepSettings = struct.field(pytree_node=False, default=StepSettings())
+
+  @classmethod
+  def create(cls, *, apply_fn, params, tx, config: ZeroConfig | None = None,
+             settings: StepSettings | None = None, **kwargs) -> "ZeroTrainState":
+    """Like ``TrainState.create``; ``config`` (or ``settings``) sets clipping and scaling."""
+    if settings is None:
+      settings = StepSettings.from_config(config) if config is not None else StepSettings()
+    if not settings.scaling:
+      scale = 1.0
+    elif settings.dynamic:
+      scale = 2.0 ** (config.initial_scale_power if config is not None else 16)
+    else:
+      scale = float(settings.loss_scale)
+    return super().create(
+        apply_fn=apply_fn, params=params, tx=tx, settings=settings,
+        loss_scale=jnp.asarray(scale, jnp.float32),
+        good_steps=jnp.zeros((), jnp.int32),
+        hysteresis_left=jnp.asarray(settings.hysteresis, jnp.int32),
+        skipped_steps=jnp.zeros((), jnp.int32),
+        overflow=jnp.zeros((), bool),
+        grad_norm=jnp.zeros((), jnp.float32), **kwargs)
+
+  def apply_gradients(self, *, grads, **kwargs) -> "ZeroTrainState":
+    s = self.settings
+    norm = optax.tree.norm(grads).astype(jnp.float32)
+    if s.scaling:  # on the gradient as computed: clipping could turn inf into 0
+      finite = jnp.all(jnp.asarray([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
+    if s.gradient_clipping is not None:
+      grads, _ = optax.clip_by_global_norm(s.gradient_clipping).update(grads, optax.EmptyState())
+    new = super().apply_gradients(grads=grads, **kwargs)
+    if not s.scaling:
+      return new.replace(grad_norm=norm)
+    keep = lambda n, o: jnp.where(finite, n, o)
+    scale, good, hyst = update_scale(self.loss_scale, self.good_steps, self.hysteresis_left,
+                                     finite, s)
+    return new.replace(
+        params=jax.tree.map(keep, new.params, self.params),
+        opt_state=jax.tree.map(keep, new.opt_state, self.opt_state),
+        loss_scale=scale, good_steps=good, hysteresis_left=hyst,
+        skipped_steps=self.skipped_steps + jnp.where(finite, 0, 1).astype(jnp.int32),
+        overflow=jnp.logical_not(finite), grad_norm=norm)
+
+  def step_metrics(self) -> dict[str, jax.Array]:
+    """The last step's grad norm, loss scale, skipped-step count, overflow flag and learning
+    rate (if the optimizer exposes it through ``optax.inject_hyperparams``)."""
+    out = {"grad_norm": self.grad_norm, "loss_scale": self.loss_scale,
+           "skipped_steps": self.skipped_steps, "overflow": self.overflow}
+    lr = learning_rate(self.opt_state)
+    if lr is not None:
+      out["learning_rate"] = lr
+    return out
+
+
+def update_scale(scale, good_steps, hysteresis_left, finite, settings: StepSettings):
+  """The next ``(scale, good_steps, hysteresis_left)`` of (dynamic) loss scaling."""
+  if not settings.dynamic:
+    return scale, good_steps, hysteresis_left
+  overflow = jnp.logical_not(finite)
+  halve = overflow & (hysteresis_left <= 1)
+  grow = finite & (good_steps + 1 >= settings.loss_scale_window)
+  new_scale = jnp.where(halve, jnp.maximum(scale / 2, settings.min_loss_scale),
+                        jnp.where(grow, scale * 2, scale))
+  new_good = jnp.where(finite & ~grow, good_steps + 1, 0).astype(jnp.int32)
+  new_hyst = jnp.where(overflow, jnp.maximum(hysteresis_left - 1, 1),
+                       settings.hysteresis).astype(jnp.int32)
+  return new_scale.astype(jnp.float32), new_good, new_hyst
+
+
+def learning_rate(opt_state: Any) -> jax.Array | None:
+  """The ``learning_rate`` of the first ``optax.inject_hyperparams`` state in ``opt_state``."""
+  kinds = (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)
+  for x in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, kinds)):
+    if isinstance(x, kinds) and "learning_rate" in x.hyperparams:
+      return jnp.asarray(x.hyperparams["learning_rate"])
+  return None
