@@ -27,7 +27,7 @@ from flax.training import train_state as ts
 
 from zerojax import context, offload
 from zerojax.config import ConfigError, ZeroConfig
-from zerojax.gather import box_params, remat_policy, remat_scan_bodies, save_all_but_gathered
+from zerojax.gather import box_params, remat_policy, remat_scan_bodies
 from zerojax.mesh import make_mesh
 from zerojax.plan import ShardingPlan
 from zerojax.grad import accumulation_steps, check_batch
@@ -41,6 +41,7 @@ def wrap_apply_fn(apply_fn: Callable, plan: ShardingPlan) -> Callable:
   policy = remat_policy(plan.config)
   treedef = jax.tree.structure(plan.params)
   warned = []
+  has_scan: list[bool] = []  # decided on the first trace
 
   @functools.wraps(apply_fn)
   def apply(variables, *args, **kwargs):
@@ -61,16 +62,17 @@ def wrap_apply_fn(apply_fn: Callable, plan: ShardingPlan) -> Callable:
       return run(params)
     # The policy must act inside every scanned layer: remat around a scan recomputes all of
     # its residuals in one extra pass and stacks them, which would bring back every layer's
-    # gathered weights at once. Around the whole model, the user's policy applies only when
-    # the model has no scan: with scans, per-layer remat already happens in the bodies and a
-    # second, whole-model recomputation would only repeat the forward pass (and its gathers).
-    seen: list = []
-
-    def outer(*a, **k):
-      return (save_all_but_gathered if seen else policy)(*a, **k)
-
-    with remat_scan_bodies(policy, plan.config.max_live_layers, seen):
-      return jax.checkpoint(run, policy=outer)(params)
+    # gathered weights at once. A whole-model checkpoint on top would even override the
+    # per-layer policy (measured: its residuals are saved again), so it is used only for models
+    # without scans, where it is the only place the policy can act.
+    live = plan.config.max_live_layers
+    if not has_scan:
+      seen: list = []
+      with remat_scan_bodies(policy, live, seen):
+        jax.eval_shape(run, params)  # a trace only: does the model scan its layers?
+      has_scan.append(bool(seen))
+    with remat_scan_bodies(policy, live):
+      return run(params) if has_scan[0] else jax.checkpoint(run, policy=policy)(params)
 
   return apply
 
