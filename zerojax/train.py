@@ -13,10 +13,11 @@
 On multi-host runs only process 0 prints, shows the progress bar and writes files; every
 process runs the same loop. The progress bar (tqdm) shows loss, tokens/s and the ETA.
 
-The loop honours the config's batch sizes (``train = micro x accumulation x data parallel``,
-accumulation through ``optax.MultiSteps``), ``gradient_clipping`` and fp16 loss scaling
-(static, or dynamic with ``initial_scale_power``/``loss_scale_window``/``hysteresis``/
-``min_loss_scale``; a step whose gradients overflow is skipped).
+The loop honours the config's batch sizes (``train = micro x accumulation x data parallel``),
+``gradient_clipping`` and fp16 loss scaling through the step's own machinery
+(`zerojax.value_and_grad` splits each global batch into micro-batches with one gradient
+reduction per step; `zerojax.ZeroTrainState` clips, scales and skips overflowing steps on the
+device). Metrics are fetched from the device only every ``log_every`` steps.
 """
 
 from __future__ import annotations
@@ -418,7 +419,7 @@ def make_schedule(opts: TrainOptions, total_steps: int) -> Callable:
 
 
 def make_optimizer(opts: TrainOptions, config: ZeroConfig, accumulation: int = 1):
-  """``(tx, schedule)``: the optax optimizer with the config's clipping and accumulation."""
+  """``(tx, schedule)``: the optax optimizer and its learning-rate schedule."""
   import optax
   sched = make_schedule(opts, opts.steps)
   o = opts.optimizer
@@ -434,36 +435,10 @@ def make_optimizer(opts: TrainOptions, config: ZeroConfig, accumulation: int = 1
     base = optax.adagrad(sched, eps=opts.eps)
   else:
     base = optax.sgd(sched, momentum=opts.momentum)
-  if config.gradient_clipping:
-    base = optax.chain(optax.clip_by_global_norm(config.gradient_clipping), base)
-  if accumulation > 1:
-    base = optax.MultiSteps(base, every_k_schedule=accumulation)
+  # Clipping, loss scaling and accumulation happen in the step (`zerojax.ZeroTrainState`,
+  # `zerojax.value_and_grad`), so the optimizer is the plain update rule.
+  del accumulation
   return base, sched
-
-
-class LossScaler:
-  """fp16 loss scale: static (``loss_scale > 0``) or dynamic (``loss_scale == 0``)."""
-
-  def __init__(self, config: ZeroConfig):
-    self.dynamic = config.loss_scale == 0
-    self.scale = float(2 ** config.initial_scale_power if self.dynamic else config.loss_scale)
-    self.window, self.hysteresis = config.loss_scale_window, config.hysteresis
-    self.min_scale = config.min_loss_scale
-    self.good, self.bad = 0, 0
-    self.skipped = 0
-
-  def update(self, finite: bool) -> None:
-    if finite:
-      self.good += 1
-      if self.dynamic and self.good >= self.window:
-        self.scale, self.good, self.bad = self.scale * 2, 0, 0
-      return
-    self.skipped += 1
-    self.good = 0
-    if self.dynamic:
-      self.bad += 1
-      if self.bad >= self.hysteresis:
-        self.scale, self.bad = max(self.scale / 2, self.min_scale), 0
 
 
 # -- weights for fine-tuning ------------------------------------------------------------------
@@ -566,7 +541,7 @@ def train(config: ZeroConfig, opts: TrainOptions | None = None, *,
   if (config.train_batch_size, config.micro_batch_per_device) == (None, None):
     config = config.replace(train_batch_size=opts.batch)
   total, micro, accum = config.batch_sizes(dp)
-  rows = micro * dp  # rows per micro-step
+  rows = total  # rows per optimizer step; zerojax.value_and_grad splits them into micro-batches
   tx, sched = make_optimizer(opts, config, accum)
 
   corpus = opts.corpus or os.fspath(DEFAULT_CORPUS)
@@ -588,38 +563,18 @@ def train(config: ZeroConfig, opts: TrainOptions | None = None, *,
   for n in xla_notes:
     log(n)
 
-  scaler = LossScaler(config) if config.loss_scale is not None else None
-
   @zerojax.zero_step(plan)
   def train_step(state, batch):
-    scale = batch["scale"] if scaler is not None else None
-
-    def lf(params):
-      loss = loss_fn(state.apply_fn({"params": params}, batch["x"]), batch["y"])
-      return (loss * scale if scale is not None else loss), loss
-
-    (_, loss), grads = jax.value_and_grad(lf, has_aux=True)(state.params)
-    metrics = {"loss": loss}
-    if scale is not None:
-      grads = jax.tree.map(lambda g: g / scale, grads)
-      finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
-      new_state = state.apply_gradients(grads=grads)
-      new_state = jax.tree.map(lambda a, b: jnp.where(finite, a, b), new_state, state)
-      metrics["finite"] = finite
-    else:
-      new_state = state.apply_gradients(grads=grads)
-    metrics["grad_norm"] = jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32)))
-                                        for g in jax.tree.leaves(grads)))
-    return new_state, metrics
+    def lf(params, batch):
+      return loss_fn(state.apply_fn({"params": params}, batch["x"]), batch["y"])
+    loss, grads = zerojax.value_and_grad(lf)(state.params, batch)
+    return state.apply_gradients(grads=grads), {"loss": loss}
 
   batch_sh = plan.batch({"x": sample})["x"]
   batches = TextBatches(tokens, rows, mcfg.seq_len, seed=opts.seed, sharding=batch_sh)
 
   def next_batch():
-    b = next(batches)
-    if scaler is not None:
-      b["scale"] = jnp.float32(scaler.scale)
-    return b
+    return next(batches)
 
   if opts.show_plan:
     log(plan.table())
@@ -641,7 +596,7 @@ def train(config: ZeroConfig, opts: TrainOptions | None = None, *,
     bar = tqdm(total=opts.steps, desc="train", unit="step", dynamic_ncols=True, file=sys.stdout)
 
   history: list[dict] = []
-  pending: list[tuple[int, Any, float]] = []
+  pending: list[tuple[int, Any]] = []
   tokens_per_step = total * mcfg.seq_len
   t_start = t_last = time.perf_counter()
   last_fetched = 0
@@ -650,17 +605,18 @@ def train(config: ZeroConfig, opts: TrainOptions | None = None, *,
     nonlocal t_last, last_fetched
     if not pending:
       return
-    fetched = jax.device_get([m for _, m, _ in pending])
+    fetched = jax.device_get([m for _, m in pending])
     n = len(pending)
     tps = tokens_per_step * n / max(now - t_last, 1e-9)
-    for (step, _, scale_used), m in zip(pending, fetched):
+    for (step, _), m in zip(pending, fetched):
       finite = lambda v: v if math.isfinite(v) else None  # JSON has no NaN/inf
       rec = {"step": step, "loss": finite(float(np.mean(m["loss"]))),
              "grad_norm": finite(float(np.mean(m["grad_norm"]))),
              "lr": float(sched(step - 1)), "tokens_per_sec": round(tps, 1),
              "elapsed_sec": round(now - t_start, 3)}
-      if scaler is not None:
-        rec["loss_scale"] = scale_used
+      if config.loss_scale is not None:
+        rec["loss_scale"] = float(m["loss_scale"])
+        rec["skipped_steps"] = int(m["skipped_steps"])
       history.append(rec)
       writer.write(rec)
     writer.flush()
@@ -673,17 +629,8 @@ def train(config: ZeroConfig, opts: TrainOptions | None = None, *,
     pending.clear()
 
   for step in range(1, opts.steps + 1):
-    micro_metrics = []
-    scale_used = scaler.scale if scaler is not None else None
-    for _ in range(accum):
-      state, m = train_step(state, next_batch())
-      if scaler is not None:
-        ok = bool(m["finite"])
-        scaler.update(ok)
-      micro_metrics.append(m)
-    merged = micro_metrics[0] if accum == 1 else {
-        k: jnp.stack([mm[k] for mm in micro_metrics]) for k in ("loss", "grad_norm")}
-    pending.append((step, merged, scale_used))
+    state, m = train_step(state, next_batch())  # no host sync: metrics are fetched in drain()
+    pending.append((step, m))
     if step % opts.log_every == 0 or step == opts.steps or step == 1:
       drain(time.perf_counter())
   drain(time.perf_counter())
@@ -705,6 +652,7 @@ def train(config: ZeroConfig, opts: TrainOptions | None = None, *,
     nan = float("nan")
     log(f"done: {opts.steps} steps, loss {first['loss'] or nan:.4f} -> {last['loss'] or nan:.4f}, "
         f"{tokens_per_step * opts.steps / (time.perf_counter() - t_start):,.0f} tokens/s overall"
-        + (f", {scaler.skipped} overflow step(s) skipped" if scaler and scaler.skipped else ""))
+        + (f", {history[-1].get('skipped_steps', 0)} overflow step(s) skipped"
+           if history[-1].get("skipped_steps") else ""))
     log("wrote " + ", ".join(files.values()))
   return TrainResult(state, plan, history, out_dir, files)
