@@ -136,18 +136,12 @@ def _restore_target(stage: int = 3):
   """The abstract sharded train state of this 1-process, 8-device run (nothing allocated or
   compiled): the layout to restore into, with its plan."""
   import jax.numpy as jnp
-  from flax.training import train_state
+  from zerojax.checkpoint import abstract_train_state
   from zerojax.models import GPT
   zc = zerojax.ZeroConfig(stage=stage, param_persistence_threshold=helpers.THRESHOLD)
-  model, tx = GPT(helpers.TINY), helpers.make_tx()
   x = jax.ShapeDtypeStruct((helpers.BATCH, helpers.TINY.seq_len), jnp.int32)
-  params = jax.eval_shape(lambda: model.init(jax.random.key(1), x)["params"])
-  plan = zerojax.ShardingPlan.create(zc, zerojax.make_mesh(zc), params, tx)
-  abstract = jax.eval_shape(lambda: train_state.TrainState.create(
-      apply_fn=model.apply, params=jax.tree.map(jnp.zeros_like, params), tx=tx))
-  state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                       abstract, plan.state(abstract))
-  return state, plan
+  return abstract_train_state(GPT(helpers.TINY), helpers.make_tx(), jax.random.key(1), x,
+                              config=zc)
 
 
 def test_multiprocess_checkpoint_restores_in_one_process(mp_train, zero_runs):

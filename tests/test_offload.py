@@ -102,7 +102,7 @@ def test_offload_device_bytes_drop_by_offloaded_bytes(offload_runs, zero_runs):
 
 def test_offload_remat_policy_offloads_named_activations():
   run = helpers.zero_run(helpers.TINY, 2, steps=3, remat="offload",
-                         remat_offload_names=("block_out",))
+                         remat_offload_names=("mlp_hidden",))
   ref = helpers.reference_run(helpers.TINY, steps=3)
   np.testing.assert_allclose(run.losses, ref.losses, rtol=1e-5, atol=1e-5)
   batch = helpers.batches(helpers.TINY, 1)[0]

@@ -38,24 +38,6 @@ def test_event_file_round_trip(tmp_path):
     zt.read_events(tmp_path / "bad")
 
 
-def test_loss_scaler_dynamic():
-  s = zt.LossScaler(ZeroConfig(stage=1, loss_scale=0, initial_scale_power=4, loss_scale_window=2,
-                               hysteresis=2, min_loss_scale=4))
-  assert s.scale == 16
-  s.update(True), s.update(True)
-  assert s.scale == 32
-  s.update(False)
-  assert s.scale == 32  # hysteresis: one overflow tolerated
-  s.update(False)
-  assert s.scale == 16 and s.skipped == 2
-  for _ in range(6):
-    s.update(False)
-  assert s.scale == 4  # min_loss_scale
-  static = zt.LossScaler(ZeroConfig(stage=1, loss_scale=8))
-  static.update(False)
-  assert static.scale == 8
-
-
 def test_train_writes_metrics_events_plot_and_weights(tmp_path):
   config = ZeroConfig(stage=2, micro_batch_per_device=1, gradient_accumulation_steps=2,
                       gradient_clipping=1.0)

@@ -36,7 +36,6 @@ from typing import Any, Mapping, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax.training import train_state as ts
 from jax import lax
 from jax.sharding import NamedSharding
 
@@ -656,30 +655,16 @@ def read_leaf(item_dir: str, keypath: Sequence[Any]) -> np.ndarray:
 
 def abstract_train_state(model: Any, tx: Any, rng: jax.Array, *init_args: Any,
                          config: ZeroConfig, mesh: jax.sharding.Mesh | None = None,
-                         state_cls: type = ts.TrainState, **init_kwargs: Any
+                         state_cls: type | None = None, **init_kwargs: Any
                          ) -> tuple[Any, ShardingPlan]:
   """The restore target of `zerojax.create_train_state`, without allocating anything.
 
   Returns ``(abstract_state, plan)``: a train state of ``ShapeDtypeStruct`` leaves carrying
   the plan's shardings, and the plan. Pass both to `Checkpointer.restore`.
   """
-  from zerojax.mesh import make_mesh
-  from zerojax.step import _cast, _cast_shapes
-  from flax.core import meta as flax_meta
-  mesh = make_mesh(config) if mesh is None else mesh
-  pdtype = jnp.dtype(config.param_dtype)
-
-  def init_params(rng, *args):
-    return model.init(rng, *args, **init_kwargs)["params"]
-
-  boxed = jax.eval_shape(init_params, rng, *init_args)
-  plan = ShardingPlan.create(config, mesh, _cast_shapes(boxed, pdtype), tx)
-
-  def make_state(rng, *args):
-    params = _cast(flax_meta.unbox(init_params(rng, *args)), pdtype)
-    return state_cls.create(apply_fn=model.apply, params=params, tx=tx)
-
-  abstract = jax.eval_shape(make_state, rng, *init_args)
+  from zerojax.step import state_initializer
+  _, plan, abstract = state_initializer(model, tx, rng, *init_args, config=config, mesh=mesh,
+                                        state_cls=state_cls, **init_kwargs)
   shardings = plan.state(abstract)
   with_sh = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                          abstract, shardings)

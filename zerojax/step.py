@@ -293,6 +293,17 @@ def create_train_state(model: Any, tx: Any, rng: jax.Array, *init_args: Any,
   Returns:
     ``(state, plan)``.
   """
+  make_state, plan, abstract = state_initializer(model, tx, rng, *init_args, config=config,
+                                                 mesh=mesh, state_cls=state_cls, **init_kwargs)
+  state = jax.jit(make_state, out_shardings=plan.state(abstract))(rng, *init_args)
+  return state, plan
+
+
+def state_initializer(model: Any, tx: Any, rng: jax.Array, *init_args: Any,
+                      config: ZeroConfig, mesh: jax.sharding.Mesh | None = None,
+                      state_cls: type | None = None, **init_kwargs: Any):
+  """``(make_state, plan, abstract_state)``: the pieces `create_train_state` and a checkpoint
+  restore target (`zerojax.checkpoint.abstract_train_state`) share. Nothing is allocated."""
   mesh = make_mesh(config) if mesh is None else mesh
   pdtype = jnp.dtype(config.param_dtype)
   state_cls = ZeroTrainState if state_cls is None else state_cls
@@ -310,9 +321,7 @@ def create_train_state(model: Any, tx: Any, rng: jax.Array, *init_args: Any,
     params = _cast(meta.unbox(init_params(rng, *args)), pdtype)
     return state_cls.create(apply_fn=model.apply, params=params, tx=tx, **extra)
 
-  abstract = jax.eval_shape(make_state, rng, *init_args)
-  state = jax.jit(make_state, out_shardings=plan.state(abstract))(rng, *init_args)
-  return state, plan
+  return make_state, plan, jax.eval_shape(make_state, rng, *init_args)
 
 
 def create_nnx(model_fn: Callable[[], Any], tx: Any, *, config: ZeroConfig,

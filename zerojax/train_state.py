@@ -105,6 +105,7 @@ class ZeroTrainState(train_state.TrainState):
 
   def apply_gradients(self, *, grads, **kwargs) -> "ZeroTrainState":
     s = self.settings
+    grads = _grads_on_device(grads)
     norm = optax.tree.norm(grads).astype(jnp.float32)
     if s.scaling:  # on the gradient as computed: clipping could turn inf into 0
       finite = jnp.all(jnp.asarray([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
@@ -156,3 +157,13 @@ def learning_rate(opt_state: Any) -> jax.Array | None:
     if isinstance(x, kinds) and "learning_rate" in x.hyperparams:
       return jnp.asarray(x.hyperparams["learning_rate"])
   return None
+
+
+def _grads_on_device(grads):
+  """Gradients of host-offloaded parameters arrive typed as host memory; the norm, clipping and
+  update read them on the device (in the plan's gradient layout)."""
+  from zerojax import context, offload
+  ctx = context.current()
+  if ctx is None or not ctx.plan.config.offload_params:
+    return grads
+  return jax.device_put(grads, offload.on_device(ctx.plan.grads))
