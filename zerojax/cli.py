@@ -14,7 +14,7 @@ import re
 import sys
 from typing import Any, Mapping, Sequence
 
-from zerojax.config import ConfigError, ZeroConfig
+from zerojax.config import read_config_file, ConfigError, ZeroConfig
 
 PROG = "zerojax"
 
@@ -102,21 +102,10 @@ def load_config(path: str | os.PathLike | None, overrides: Sequence[str] = (), *
   from zerojax.train import TrainOptions, deepspeed_train_fields
   d: dict[str, Any] = {}
   if path is not None:
-    path = os.fspath(path)
-    if not os.path.exists(path):
-      raise ConfigError(f"config file {path!r} does not exist")
-    with open(path) as f:
-      text = f.read()
-    if path.endswith((".yaml", ".yml")):
-      import yaml
-      d = yaml.safe_load(text) or {}
-    elif path.endswith(".json"):
-      d = json.loads(text)
-    else:
-      raise ConfigError(f"config file {path!r}: unknown extension; use .json, .yaml or .yml")
-    if not isinstance(d, Mapping):
-      raise ConfigError(f"config file {path!r} must hold a mapping, got {type(d).__name__}")
-    d = dict(d)
+    try:
+      d = read_config_file(path)
+    except FileNotFoundError as e:  # the CLI reports config problems as ConfigError
+      raise ConfigError(str(e)) from None
   zover, tover = parse_overrides(overrides)
   notes, flags, train = [], [], {}
   if deepspeed.is_deepspeed(d):

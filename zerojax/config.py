@@ -239,21 +239,26 @@ class ZeroConfig:
   @classmethod
   def from_file(cls, path: str | os.PathLike) -> "ZeroConfig":
     """Loads a ``.json``, ``.yaml`` or ``.yml`` file (zerojax or DeepSpeed format)."""
-    path = os.fspath(path)
-    if not os.path.exists(path):
-      raise FileNotFoundError(f"zerojax config file {path!r} does not exist")
-    with open(path) as f:
-      text = f.read()
-    if path.endswith((".yaml", ".yml")):
-      import yaml
-      d = yaml.safe_load(text)
-    elif path.endswith(".json"):
-      d = json.loads(text)
-    else:
-      raise ConfigError(f"config file {path!r}: unknown extension; use .json, .yaml or .yml")
-    if not isinstance(d, Mapping):
-      raise ConfigError(f"config file {path!r} must hold a mapping, got {type(d).__name__}")
-    return cls.from_dict(d)
+    return cls.from_dict(read_config_file(path))
+
+
+def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
+  """The mapping in a ``.json``, ``.yaml`` or ``.yml`` config file."""
+  path = os.fspath(path)
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"zerojax config file {path!r} does not exist")
+  with open(path) as f:
+    text = f.read()
+  if path.endswith((".yaml", ".yml")):
+    import yaml
+    d = yaml.safe_load(text) or {}
+  elif path.endswith(".json"):
+    d = json.loads(text)
+  else:
+    raise ConfigError(f"config file {path!r}: unknown extension; use .json, .yaml or .yml")
+  if not isinstance(d, Mapping):
+    raise ConfigError(f"config file {path!r} must hold a mapping, got {type(d).__name__}")
+  return dict(d)
 
 
 def _is_seq(x: Any) -> bool:
