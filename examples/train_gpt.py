@@ -39,6 +39,10 @@ def parse_args(argv=None):
   p.add_argument("--no-progress", action="store_true", help="no progress bar")
   p.add_argument("--save-weights", action="store_true",
                  help="write OUT_DIR/weights.npz at the end (input of examples/finetune.py)")
+  p.add_argument("--checkpoint-dir", default=None,
+                 help="save sharded checkpoints there (at the end, and every "
+                      "--checkpoint-every steps); examples/finetune.py --init takes it")
+  p.add_argument("--checkpoint-every", type=int, default=0)
   return p.parse_args(argv)
 
 
@@ -61,7 +65,9 @@ def main(argv=None) -> int:
                             "log_every": 5, **loaded.train, **explicit,
                             "corpus": args.corpus, "out_dir": args.out_dir,
                             "cpu_devices": args.cpu_devices, "progress": not args.no_progress,
-                            "save_weights": args.save_weights})
+                            "save_weights": args.save_weights,
+                            "checkpoint_dir": args.checkpoint_dir,
+                            "checkpoint_every": args.checkpoint_every})
   result = zt.train(config, opts, xla_notes=[f"DeepSpeed {n}" for n in loaded.notes])
   return 0 if result.history else 1
 

@@ -186,3 +186,21 @@ def test_example_nnx(tmp_path):
           script=ROOT / "examples/nnx_train.py")
   assert r.returncode == 0, r.stderr[-3000:]
   assert "done: loss" in r.stdout and (tmp_path / "loss.png").exists()
+
+
+def test_example_train_checkpoint_then_finetune_and_export(tmp_path):
+  ck = tmp_path / "ckpt"
+  r = run("--preset", "tiny", "--steps", "2", "--out-dir", str(tmp_path / "pre"),
+          "--checkpoint-dir", str(ck), "--no-progress", script=ROOT / "examples/train_gpt.py")
+  assert r.returncode == 0, r.stderr[-3000:]
+  # Fine-tune from the sharded checkpoint at another stage.
+  r = run("--init", str(ck), "--preset", "tiny", "--stage", "1", "--steps", "2", "--out-dir",
+          str(tmp_path / "ft"), "--no-progress", script=ROOT / "examples/finetune.py")
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert len((tmp_path / "ft" / "metrics.jsonl").read_text().splitlines()) == 2
+  # And export it for inference through the console script's `export` command.
+  r = run("export", str(ck), str(tmp_path / "w.safetensors"), "--dtype", "bf16")
+  assert r.returncode == 0, r.stderr[-3000:]
+  from safetensors.numpy import load_file
+  w = load_file(str(tmp_path / "w.safetensors"))
+  assert any("wte" in k for k in w)

@@ -72,6 +72,10 @@ class TrainOptions:
     save_weights: write the final parameters to ``out_dir/weights.npz`` (consolidated, float32
       keys as in `flat_params`), e.g. for ``examples/finetune.py --init``. Sharded,
       resumable checkpoints are `zerojax.checkpoint`'s job.
+    checkpoint_dir: save sharded checkpoints there (`zerojax.checkpoint.Checkpointer`: async,
+      each process writes its own shards) every ``checkpoint_every`` steps and at the end,
+      with the data position; ``examples/finetune.py --init`` accepts the directory.
+    checkpoint_every: steps between checkpoints (0: only at the end).
   """
 
   model: str = "small"
@@ -99,12 +103,18 @@ class TrainOptions:
   cpu_devices: int = 8
   show_plan: bool = True
   save_weights: bool = False
+  checkpoint_dir: str | None = None
+  checkpoint_every: int = 0
 
   def __post_init__(self):
     for f in ("steps", "batch", "log_every", "cpu_devices"):
       v = getattr(self, f)
       if isinstance(v, bool) or not isinstance(v, int) or v < 1:
         raise ConfigError(f"TrainOptions.{f}={v!r} is invalid: a positive integer")
+    if isinstance(self.checkpoint_every, bool) or not isinstance(self.checkpoint_every, int) \
+        or self.checkpoint_every < 0:
+      raise ConfigError(f"TrainOptions.checkpoint_every={self.checkpoint_every!r} is invalid: "
+                        "an integer >= 0 (0: only at the end)")
     if self.decay not in ("constant", "cosine"):
       raise ConfigError(f"TrainOptions.decay={self.decay!r} is invalid: 'constant' or 'cosine'")
     if self.optimizer not in ("adamw", "adam", "sgd", "lamb", "adagrad"):
@@ -628,21 +638,33 @@ def train(config: ZeroConfig, opts: TrainOptions | None = None, *,
     t_last = now
     pending.clear()
 
+  ckpt = None
+  if opts.checkpoint_dir:
+    from zerojax.checkpoint import Checkpointer
+    ckpt = Checkpointer(opts.checkpoint_dir, config=config)
   for step in range(1, opts.steps + 1):
     state, m = train_step(state, next_batch())  # no host sync: metrics are fetched in drain()
     pending.append((step, m))
+    if ckpt is not None and (step == opts.steps or (
+        opts.checkpoint_every and step % opts.checkpoint_every == 0)):
+      ckpt.save(step, state, data={"batches_step": batches.step})  # async
     if step % opts.log_every == 0 or step == opts.steps or step == 1:
       drain(time.perf_counter())
   drain(time.perf_counter())
   if bar is not None:
     bar.close()
   writer.close()
+  if ckpt is not None:
+    ckpt.wait()
+    ckpt.close()
 
   files = {"metrics": writer.jsonl_path, "run": os.path.join(out_dir, "run.json")}
   if opts.save_weights:
     files["weights"] = save_weights(os.path.join(out_dir, "weights.npz"), state.params)
   if writer.tb is not None:
     files["tensorboard"] = writer.tb.path
+  if ckpt is not None:
+    files["checkpoint"] = opts.checkpoint_dir
   if opts.plot and is_main_process() and history:
     files["loss_png"] = plot_loss(history, os.path.join(out_dir, "loss.png"),
                                   f"{opts.model}, ZeRO-{config.stage}, {jax.device_count()} "
