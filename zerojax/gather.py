@@ -136,8 +136,7 @@ def save_all_but_gathered(prim, *_, **params) -> bool:
     return params.get("name") != GATHERED
   if prim.name == "custom_vjp_call" and _only_resharding(params.get("call_jaxpr")):
     return False  # `gather` itself, before differentiation has inlined it
-  if prim.name == "device_put" or (prim.name == "custom_vjp_call" and _only_device_put(
-      params.get("call_jaxpr"))):
+  if prim.name == "device_put":
     return False  # an offloaded layer's shard, brought to the device: fetch it again
   return prim is not _sharding_constraint_p
 
@@ -149,13 +148,8 @@ def _only_resharding(jaxpr: Any) -> bool:
   return eqns is not None and all(e.primitive is _sharding_constraint_p for e in eqns)
 
 
-def _only_device_put(jaxpr: Any) -> bool:
-  eqns = getattr(getattr(jaxpr, "jaxpr", jaxpr), "eqns", None)
-  return bool(eqns) and all(e.primitive.name == "device_put" for e in eqns)
-
-
 def remat_policy(config: Any):
-  """The ``jax.checkpoint`` policy for the model, or ``None`` when no remat is needed.
+  """The ``jax.checkpoint`` policy for the model (from ``config.remat``).
 
   Every stage needs one. At stage 3, without it autodiff keeps every gathered weight as a
   residual. At stages 0-2 the gather is an identity in forward, but autodiff would still save

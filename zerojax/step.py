@@ -58,8 +58,6 @@ def wrap_apply_fn(apply_fn: Callable, plan: ShardingPlan) -> Callable:
       boxed["params"] = box_params(params, plan)
       return apply_fn(boxed, *args, **kwargs)
 
-    if policy is None:
-      return run(params)
     # The policy must act inside every scanned layer: remat around a scan recomputes all of
     # its residuals in one extra pass and stacks them, which would bring back every layer's
     # gathered weights at once. A whole-model checkpoint on top would even override the
@@ -278,7 +276,7 @@ def _tokens(batch: Any) -> int:
 
 def create_train_state(model: Any, tx: Any, rng: jax.Array, *init_args: Any,
                        config: ZeroConfig, mesh: jax.sharding.Mesh | None = None,
-                       state_cls: type = None, **init_kwargs: Any
+                       state_cls: type | None = None, **init_kwargs: Any
                        ) -> tuple[ts.TrainState, ShardingPlan]:
   """Initialises a linen model's train state directly in its sharded layout.
 
