@@ -99,3 +99,15 @@ def test_memory_estimate_abstract_1024_devices():
   est = estimate(params, optax.adam(1e-3), stage=3, num_devices=1024)
   assert est.params == 8192 * 8192 * 4 // 1024
   assert est.opt_state == 2 * 8192 * 8192 * 4 // 1024 + 4  # mu, nu sharded; count replicated
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: paper_bytes(1e9, 5, 8), "stage=5 is invalid"),
+    (lambda: paper_bytes(1e9, 3, 0), "num_devices=0 is invalid"),
+    (lambda: paper_bytes(-1, 3, 8), "num_params=-1 is invalid"),
+    (lambda: estimate({"w": jax.ShapeDtypeStruct((8, 8), jnp.float32)}, optax.adam(1e-3),
+                      stage=3, num_devices=-2), "num_devices=-2 is invalid"),
+])
+def test_memory_api_rejects_bad_arguments(call, match):
+  with pytest.raises(ValueError, match=match):
+    call()

@@ -44,11 +44,23 @@ PAPER_K = 12
 
 def paper_bytes(num_params: float, stage: int, num_devices: int, k: int = PAPER_K) -> float:
   """Bytes of model state per device from the ZeRO paper (mixed-precision Adam)."""
+  _check_args(stage=stage, num_devices=num_devices)
+  if not num_params >= 0:
+    raise ValueError(f"num_params={num_params!r} is invalid: a number of parameters >= 0")
   psi, n = float(num_params), num_devices
   return {0: (2 + 2 + k) * psi,
           1: 2 * psi + 2 * psi + k * psi / n,
           2: 2 * psi + (2 + k) * psi / n,
           3: (2 + 2 + k) * psi / n}[stage]
+
+
+def _check_args(stage: Any = None, num_devices: Any = None) -> None:
+  if stage is not None and (isinstance(stage, bool) or stage not in (0, 1, 2, 3)):
+    raise ValueError(f"stage={stage!r} is invalid: allowed stages are 0, 1, 2 and 3")
+  if num_devices is not None and (isinstance(num_devices, bool) or
+                                  not isinstance(num_devices, (int, np.integer)) or
+                                  num_devices < 1):
+    raise ValueError(f"num_devices={num_devices!r} is invalid: a positive integer")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +110,7 @@ def estimate(params: Any, tx: Any = None, *, config: ZeroConfig | None = None,
     # `create_train_state` stores floating parameters in config.param_dtype: count that.
     from zerojax.step import _cast_shapes
     params = _cast_shapes(params, np.dtype(config.param_dtype))
+  _check_args(stage=stage, num_devices=num_devices)
   config = config or ZeroConfig(stage=stage if stage is not None else 3)
   if stage is not None and stage != config.stage:
     config = config.replace(stage=stage)
