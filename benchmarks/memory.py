@@ -72,9 +72,9 @@ def main(argv=None) -> int:
   batch_bytes = sum(v.nbytes for v in batch.values()) // n
 
   def train_step(state, batch):
-    def lf(params):
+    def lf(params, batch):
       return loss_fn(state.apply_fn({"params": params}, batch["x"]), batch["y"])
-    loss, grads = jax.value_and_grad(lf)(state.params)
+    loss, grads = zerojax.value_and_grad(lf)(state.params, batch)
     return state.apply_gradients(grads=grads), {"loss": loss}
 
   abstract = jax.eval_shape(model.init, jax.random.key(0), batch["x"])["params"]

@@ -15,6 +15,13 @@ Outside a zerojax step it *is* ``jax.value_and_grad``. Inside one (see `zerojax.
   unscaled; non-finite values survive the division, so `ZeroTrainState.apply_gradients` sees an
   overflow and skips the step.
 
+At stage 1 the gradient is formed as the ZeRO paper's and DeepSpeed's stage 1 form it, even
+without accumulation: each device's *local* gradient (full size) is built through the backward
+pass and reduced once, after it, straight into the optimizer's shards
+(`ShardingPlan.grads_reduced`: one reduce-scatter of Ψ, then Ψ of all-gather for the updated
+parameters: the paper's 2Ψ). This needs the batch as an argument of ``fun``; a loss that closes
+over its batch is differentiated by ``jax.value_and_grad`` and XLA picks where to reduce.
+
 Each device keeps its own rows of every micro-batch: micro-batch ``i`` holds rows
 ``i*m .. (i+1)*m - 1`` of every device's local block of ``m * accumulation`` rows, so splitting
 moves no data.
@@ -106,13 +113,15 @@ def value_and_grad(fun: Callable, argnums: int = 0, has_aux: bool = False, *,
       ctx.grad_calls += 1
     scale = loss_scale if loss_scale is not None else (ctx.loss_scale if ctx else None)
     steps = ctx.accumulation_steps if ctx is not None else 1
-    if steps == 1 and scale is None:
+    # Stage 1 reduces once, after the backward pass; that needs the rows to split per device.
+    local = ctx is not None and ctx.plan.config.stage == 1 and bool(args)
+    if steps == 1 and scale is None and not local:
       return plain(params, *args)
     if argnums != 0:
       raise ValueError("zerojax.value_and_grad accumulates/scales the gradient of argument 0 "
                        f"(the parameters); got argnums={argnums}")
     scaled = _scaled(fun, has_aux, scale)
-    if steps == 1:
+    if steps == 1 and not local:
       (_, (loss, aux)), grads = jax.value_and_grad(scaled, has_aux=True)(params, *args)
       grads = jax.tree.map(lambda g: (g.astype(F32) / scale).astype(g.dtype), grads)
     else:
@@ -166,8 +175,6 @@ def _accumulate(scaled, params, args, steps, plan, scale):
       return NamedSharding(mesh, P(axes, *spec))
 
     acc_sh = jax.tree.map(lambda s, p: lead(s, jnp.ndim(p)), plan.grads, params)
-    acc0 = jax.tree.map(lambda p, s: jax.lax.with_sharding_constraint(
-        jnp.zeros((dp,) + jnp.shape(p), F32), s), params, acc_sh)
     grad_of_rows = jax.vmap(lambda p, *b: vg(p, *b), in_axes=(None,) + (0,) * len(args),
                             spmd_axis_name=axes)
 
@@ -177,7 +184,16 @@ def _accumulate(scaled, params, args, steps, plan, scale):
           a + x.astype(F32), s), acc, g, acc_sh)
       return acc, (jnp.mean(loss.astype(F32)), _mean_aux(aux, 0))
 
-    acc, (losses, auxs) = jax.lax.scan(body, acc0, xs)
+    if steps == 1:  # no accumulator: reduce the local gradient itself (one buffer, not two)
+      (_, (loss, aux)), g = grad_of_rows(params, *jax.tree.map(lambda x: x[0], xs))
+      acc = jax.tree.map(lambda x, s: jax.lax.with_sharding_constraint(x.astype(F32), s),
+                         g, acc_sh)
+      losses, auxs = jnp.mean(loss.astype(F32))[None], _mean_aux(aux, 0)
+      auxs = jax.tree.map(lambda x: jnp.asarray(x)[None], auxs)
+    else:
+      acc0 = jax.tree.map(lambda p, s: jax.lax.with_sharding_constraint(
+          jnp.zeros((dp,) + jnp.shape(p), F32), s), params, acc_sh)
+      acc, (losses, auxs) = jax.lax.scan(body, acc0, xs)
 
     def reduce(a, p, s):
       # The step's one gradient reduction: a sum over the sharded data-parallel axis.
@@ -186,7 +202,7 @@ def _accumulate(scaled, params, args, steps, plan, scale):
       total = jax.lax.with_sharding_constraint(total, s)
       return _finish(total.astype(F32), steps * dp, scale, p.dtype)
 
-    grads = jax.tree.map(reduce, acc, params, plan.grads)
+    grads = jax.tree.map(reduce, acc, params, plan.grads_reduced)
   else:
     constrain = (lambda t: jax.tree.map(jax.lax.with_sharding_constraint, t, plan.grads)) \
         if params_match else (lambda t: t)

@@ -17,10 +17,15 @@ removed: the layout a layer computes with). A stage picks per state kind:
 stage       params      grads       opt state
 ==========  ==========  ==========  ==========
 0           gathered    gathered    gathered
-1           gathered    gathered    sharded
+1           gathered    local (1)   sharded
 2           gathered    sharded     sharded
 3           sharded     sharded     sharded
 ==========  ==========  ==========  ==========
+
+(1) At stage 1 each device holds its *local* (unreduced) gradient, full size (``gathered``),
+through the backward pass, as the paper's and DeepSpeed's stage 1 do; `zerojax.value_and_grad` reduces it once per
+optimizer step, straight into the optimizer's shards (`ShardingPlan.grads_reduced`: a
+reduce-scatter). Stage 2 reduce-scatters each layer's gradient during the backward pass instead.
 
 Optimizer-state leaves that mirror a parameter (Adam's ``mu``/``nu``, ``MultiSteps``'
 accumulators, anything found by path suffix with the same shape) take that parameter's plan;
@@ -186,6 +191,17 @@ class ShardingPlan:
       else:
         changes[f.name] = jax.tree.map(lambda _: self.replicated, getattr(state, f.name))
     return state.replace(**changes)
+
+  @property
+  def grads_reduced(self) -> PyTree:
+    """Where a step's gradient reduction lands: the optimizer's (sharded) layout at stages
+    1-3, ``grads`` at stage 0. Stage 1 holds each device's local gradient (``grads``) through
+    the backward pass and reduce-scatters it here once per optimizer step."""
+    if self.config.stage == 0:
+      return self.grads
+    treedef = jax.tree.structure(self.grads)
+    return jax.tree.unflatten(treedef, [NamedSharding(self.mesh, lp.sharded)
+                                        for lp in self.leaves])
 
   # -- reporting ------------------------------------------------------------------------------
 

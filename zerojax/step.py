@@ -82,10 +82,13 @@ def compiler_options(plan: ShardingPlan) -> dict[str, str] | None:
   CPU backend merges all gradient all-reduces of an unscanned model into one combined op,
   which keeps every layer's full gradient alive until the end of the backward pass (GPU
   backends bound this with ``--xla_gpu_*_combine_threshold_bytes``, DeepSpeed's
-  ``reduce_bucket_size``). There is no threshold on CPU, so the combiner is turned off.
+  ``reduce_bucket_size``). There is no threshold on CPU, so the combiner is turned off. At
+  stage 1 it would merge the once-per-step reduction of every leaf into one op whose output
+  (full size: XLA:CPU lowers reduce-scatter as all-reduce) coexists with the local gradient,
+  which measured 2G of temporaries instead of G.
   """
   platform = next(iter(plan.mesh.devices.flat)).platform
-  if plan.config.stage >= 2 and platform == "cpu":
+  if plan.config.stage >= 1 and platform == "cpu":
     return {"xla_disable_hlo_passes": "cpu-all-reduce-combiner"}
   return None
 
