@@ -45,7 +45,7 @@ def scanned():
 @pytest.fixture(scope="module")
 def unscanned():
   cfg = dataclasses.replace(MEM, scan=False)
-  return {s: _compile(cfg, s) for s in (0, 2)}
+  return {s: _compile(cfg, s) for s in (0, 2, 3)}
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +105,17 @@ def test_memory_stage3_backward_regathers(scanned):
 def test_memory_max_live_layers_bounds_prefetch(scanned):
   m1, _ = scanned[3]
   m2, _ = _compile(MEM, 3, max_live_layers=2)
-  assert m1.temp < m2.temp <= m1.temp + 2 * LAYER_BYTES
+  # Prefetching the next layer costs memory, bounded by two gathered layers over stage 2.
+  assert m1.temp < m2.temp <= scanned[2][0].temp + 2 * LAYER_BYTES
+
+
+def test_memory_stage3_unscanned_gathers_one_layer_at_a_time(unscanned):
+  # Without a scan nothing but data dependencies orders the gathers (`regather_layers`):
+  # XLA:CPU would otherwise issue every layer's gather up front (measured: 56.7 MiB here).
+  (m2, g), (m3, _) = unscanned[2], unscanned[3]
+  assert m3.temp <= m2.temp + 2 * LAYER_BYTES
+  assert m3.collectives["all-gather"] >= 1.9 * g  # re-gathered in backward, not kept
+  assert m3.collectives["reduce-scatter"] >= 0.95 * g
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])

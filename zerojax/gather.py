@@ -15,17 +15,31 @@ inside the scan body, and the model's full gradient never exists on a device.
 At stage 3 the gathered value is named `GATHERED`. The step wraps the model in
 ``jax.checkpoint`` with a policy that never saves that name, so the backward pass re-gathers each
 layer's weights instead of keeping the gathered copies alive between forward and backward.
+
+Which layers are live at once is then up to XLA's scheduler, and a gather depends only on the
+shard at rest, so nothing stops the scheduler from issuing every gather at the start of the
+forward (and every re-gather at the start of the backward) pass. XLA:CPU does exactly that for
+unscanned models; ``optimization_barrier`` does not survive its pipeline. So at stage 3 (with
+``max_live_layers=1``) every linen module that owns parameters directly runs through
+`regather_layers`: a ``custom_vjp`` whose forward gathers the module's weights after its input
+exists and whose backward re-gathers them after the output's cotangent exists, both by *data*
+dependency (the shard plus zero times a scalar of that input or cotangent), which no scheduler
+can reorder. Each gathered weight then lives only while its own layer computes.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import threading
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from flax import errors as flax_errors
+from flax import linen as nn
 from flax import struct
 from flax.core import meta
 from jax.ad_checkpoint import checkpoint_name
@@ -75,6 +89,41 @@ def fetch(w: jax.Array, device: NamedSharding) -> jax.Array:
   return jax.device_put(w, device)
 
 
+# The scalar a layer's gathers must wait for (see `regather_layers`); None outside one.
+_AFTER: contextvars.ContextVar[Any] = contextvars.ContextVar("zerojax_after", default=None)
+# Set while a layer runs inside `regather_layers`, so its own module call is not wrapped again.
+_IN_LAYER: contextvars.ContextVar[bool] = contextvars.ContextVar("zerojax_in_layer", default=False)
+
+
+@contextlib.contextmanager
+def _setting(var: contextvars.ContextVar, value: Any) -> Iterator[None]:
+  token = var.set(value)
+  try:
+    yield
+  finally:
+    var.reset(token)
+
+
+def after(w: jax.Array, token: jax.Array | None) -> jax.Array:
+  """``w``, computed only once ``token`` is: ``w + 0 * token`` (same value, exactly).
+
+  A data dependency is the one ordering XLA must respect; ``token`` is a finite scalar (see
+  `_token_of`), so the sum is ``w`` bit for bit except that ``-0.0`` becomes ``+0.0``.
+  """
+  if token is None:
+    return w
+  return w + (token * 0).astype(w.dtype)
+
+
+def _token_of(tree: Any) -> jax.Array | None:
+  """A finite float32 scalar that exists only once the first float array in ``tree`` does."""
+  for x in jax.tree.leaves(tree):
+    if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jnp.inexact):
+      t = jnp.sum(x.astype(jnp.float32))
+      return jax.lax.stop_gradient(jnp.where(jnp.isfinite(t), t, 0.0))
+  return None
+
+
 class ZeroParam(struct.PyTreeNode, meta.AxisMetadata):
   """A parameter with the layouts it has at rest, in compute and as a gradient."""
 
@@ -93,6 +142,8 @@ class ZeroParam(struct.PyTreeNode, meta.AxisMetadata):
     ns = lambda s: NamedSharding(self.mesh, P(*s))
     if self.offloaded:  # this layer's shard comes from pinned_host just before use
       v = fetch(v, NamedSharding(self.mesh, P(*self.at_rest), memory_kind="device"))
+    if self.at_rest != self.compute:
+      v = after(v, _AFTER.get())
     out = gather(v, ns(self.at_rest), ns(self.compute), ns(self.grad), self.reduce_dtype)
     return checkpoint_name(out, GATHERED)
 
@@ -106,6 +157,70 @@ class ZeroParam(struct.PyTreeNode, meta.AxisMetadata):
   def remove_axis(self, index: int, params: dict[Any, Any]) -> "ZeroParam":
     rm = lambda s: s[:index] + s[index + 1:]
     return self.replace(at_rest=rm(self.at_rest), compute=rm(self.compute), grad=rm(self.grad))
+
+
+def regather_layers(next_fun: Callable, args: tuple, kwargs: dict,
+                    context: nn.module.InterceptorContext) -> Any:
+  """Flax method interceptor: each module that owns stage-3 parameters computes as one layer.
+
+  Use as ``with nn.intercept_methods(regather_layers): model.apply(...)`` with `ZeroParam`-boxed
+  parameters (the step does this). A module qualifies when every variable it owns directly is
+  a `ZeroParam` gathered for compute (``params`` only, no submodules with parameters, no other
+  collections, not mutable); others run unchanged and their children are looked at in turn.
+  A qualifying call becomes a ``custom_vjp`` over the module's shards and array arguments:
+
+  * forward: gather the shards after the first float argument exists, run the module;
+    residuals are the shards and the arguments, never the gathered weights;
+  * backward: gather again after the output cotangent exists, and differentiate the module
+    (its gradient is reduce-scattered by `gather`'s own backward).
+
+  So at most the weights of the layer that is computing are gathered, in both passes, for any
+  schedule. The module's forward is recomputed in the backward pass, but XLA drops what the
+  backward does not read (a ``Dense`` only re-gathers its kernel).
+  """
+  module, method = context.module, context.method_name
+  if (_IN_LAYER.get() or method == "setup" or (method.startswith("_") and method != "__call__")
+      or module.scope is None or module.scope.mutable):
+    return next_fun(*args, **kwargs)
+  variables = module.variables
+  params = variables.get("params", {})
+  if (set(variables) != {"params"} or not params or not all(
+      isinstance(b, ZeroParam) and b.at_rest != b.compute for b in params.values())):
+    return next_fun(*args, **kwargs)
+
+  names, boxes = list(params), list(params.values())
+  leaves, treedef = jax.tree.flatten((args, kwargs))
+  is_array = [isinstance(x, (jax.Array, np.ndarray)) for x in leaves]
+  unbound = module.clone(parent=None)
+
+  def run(shards, arrays, token):
+    it = iter(arrays)
+    a, kw = jax.tree.unflatten(treedef, [next(it) if isa else x for x, isa in
+                                         zip(leaves, is_array)])
+    boxed = {n: b.replace(value=v) for n, b, v in zip(names, boxes, shards)}
+    with _setting(_IN_LAYER, True), _setting(_AFTER, token):
+      return unbound.apply({"params": boxed}, *a, method=method, **kw)
+
+  @jax.custom_vjp
+  def layer(shards, arrays):
+    return run(shards, arrays, _token_of(arrays))
+
+  def layer_fwd(shards, arrays):
+    return run(shards, arrays, _token_of(arrays)), (shards, arrays)
+
+  def layer_bwd(res, ct):
+    shards, arrays = res
+    token = _token_of(ct)
+    _, vjp = jax.vjp(lambda s, a: run(s, a, token), shards, arrays)
+    return vjp(ct)
+
+  layer.defvjp(layer_fwd, layer_bwd)
+  arrays = [x for x, isa in zip(leaves, is_array) if isa]
+  try:
+    return layer([b.value for b in boxes], arrays)
+  except (flax_errors.InvalidRngError, flax_errors.ScopeCollectionNotFound):
+    # The module draws random numbers or writes a collection: run it as it is.
+    return next_fun(*args, **kwargs)
 
 
 def box_params(params: Any, plan: Any) -> Any:

@@ -12,6 +12,7 @@ updates ``model``/``optimizer`` in place, as under ``nnx.jit``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -22,12 +23,13 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import linen as nn
 from flax.core import meta
 from flax.training import train_state as ts
 
 from zerojax import context, offload
 from zerojax.config import ConfigError, ZeroConfig
-from zerojax.gather import box_params, remat_policy, remat_scan_bodies
+from zerojax.gather import box_params, regather_layers, remat_policy, remat_scan_bodies
 from zerojax.mesh import make_mesh
 from zerojax.plan import ShardingPlan
 from zerojax.grad import accumulation_steps, check_batch
@@ -69,7 +71,11 @@ def wrap_apply_fn(apply_fn: Callable, plan: ShardingPlan) -> Callable:
       with remat_scan_bodies(policy, live, seen):
         jax.eval_shape(run, params)  # a trace only: does the model scan its layers?
       has_scan.append(bool(seen))
-    with remat_scan_bodies(policy, live):
+    # Stage 3: each layer gathers after its input and re-gathers after its output's cotangent
+    # (`regather_layers`), unless max_live_layers > 1 asks scans to prefetch instead.
+    layers = (nn.intercept_methods(regather_layers) if plan.config.stage == 3 and live == 1
+              else contextlib.nullcontext())
+    with remat_scan_bodies(policy, live), layers:
       return run(params) if has_scan[0] else jax.checkpoint(run, policy=policy)(params)
 
   return apply
