@@ -144,8 +144,9 @@ def _targets(rows, psi_bytes):
   for r in rows:
     diff = abs(r["meas"] - r["est"])
     ok = diff <= 0.05 * r["est"] or diff <= 1024  # fully offloaded: a few scalars stay on device
+    rel = f"{diff / r['est']:.1%} " if r["est"] else "estimate 0 on device, "
     out.append(f"- persistent within 5% of estimate, stage {r['stage']}: "
-               f"{diff / max(r['est'], 1):.1%} ({diff:,} bytes) {'PASS' if ok else 'FAIL'}")
+               f"{rel}({diff:,} bytes: the train state's scalars) {'PASS' if ok else 'FAIL'}")
   g = psi_bytes
   for ref in ("1", "0"):
     if ref in by and "2" in by:

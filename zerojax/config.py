@@ -58,8 +58,9 @@ class ZeroConfig:
       (nothing saveable), ``'dots'`` (dots saveable) or ``'offload'`` (named residuals go to
       host memory, see ``remat_offload_names``).
     remat_offload_names: ``checkpoint_name`` names offloaded by ``remat='offload'``.
-    max_live_layers: stage 3: how many gathered layers may be live at once; 1 gathers each
-      layer just before use, 2 lets the next layer's gather overlap the current layer.
+    max_live_layers: stage 3, scanned layers: how many gathered layers may be live at once;
+      1 gathers each layer just before use, 2 lets the next layer's gather overlap the current
+      layer. Unscanned linen layers always gather just before use (see `zerojax.gather`).
     train_batch_size: global batch per optimizer step.
     micro_batch_per_device: batch per device per micro-step.
     gradient_accumulation_steps: micro-steps per optimizer step.

@@ -19,8 +19,9 @@ layer's weights instead of keeping the gathered copies alive between forward and
 Which layers are live at once is then up to XLA's scheduler, and a gather depends only on the
 shard at rest, so nothing stops the scheduler from issuing every gather at the start of the
 forward (and every re-gather at the start of the backward) pass. XLA:CPU does exactly that for
-unscanned models; ``optimization_barrier`` does not survive its pipeline. So at stage 3 (with
-``max_live_layers=1``) every linen module that owns parameters directly runs through
+unscanned models; ``optimization_barrier`` does not survive its pipeline. So at stage 3, in
+models without scans (a scan's loop already runs one layer at a time), every linen module that
+owns parameters directly runs through
 `regather_layers`: a ``custom_vjp`` whose forward gathers the module's weights after its input
 exists and whose backward re-gathers them after the output's cotangent exists, both by *data*
 dependency (the shard plus zero times a scalar of that input or cotangent), which no scheduler
