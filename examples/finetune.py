@@ -58,11 +58,9 @@ def main(argv=None) -> int:
   if not os.path.exists(args.init):
     print(f"finetune: --init {args.init!r} does not exist", file=sys.stderr)
     return 2
-  loaded = load_config(args.config)
+  loaded = load_config(args.config, [] if args.stage is None else [f"stage={args.stage}"])
   zt.setup_cpu_devices(args.cpu_devices)
   config = loaded.config
-  if args.stage is not None:
-    config = config.replace(stage=args.stage)
   opts = zt.TrainOptions(**{
       **loaded.train, "model": args.preset or _preset_of(args.init) or "small",
       "steps": args.steps, "batch": args.batch, "lr": args.lr,

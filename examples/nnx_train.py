@@ -39,7 +39,7 @@ def main(argv=None) -> int:
   args = parse_args(argv)
   from zerojax import train as zt
   from zerojax.cli import load_config
-  loaded = load_config(args.config)
+  loaded = load_config(args.config, [] if args.stage is None else [f"stage={args.stage}"])
   zt.setup_cpu_devices(args.cpu_devices)
   import jax
   import jax.numpy as jnp
@@ -50,8 +50,6 @@ def main(argv=None) -> int:
   from zerojax.models import PRESETS, loss_fn, nnx_gpt
 
   config = loaded.config
-  if args.stage is not None:
-    config = config.replace(stage=args.stage)
   mcfg = dataclasses.replace(PRESETS[args.preset], vocab_size=VOCAB_SIZE,
                              dtype=jnp.dtype(config.compute_dtype))
   tx = optax.adamw(args.lr, b1=0.9, b2=0.95, weight_decay=0.1)

@@ -52,11 +52,9 @@ def main(argv=None) -> int:
   from zerojax.cli import load_config
 
   # Loads zerojax or DeepSpeed configs; DeepSpeed's XLA flags are set before JAX starts.
-  loaded = load_config(args.config)
+  loaded = load_config(args.config, [] if args.stage is None else [f"stage={args.stage}"])
   zt.setup_cpu_devices(args.cpu_devices)
   config = loaded.config
-  if args.stage is not None:
-    config = config.replace(stage=args.stage)
   # The config file's training options (DeepSpeed optimizer/scheduler, a YAML `train:`
   # section) apply unless given on the command line.
   explicit = {k: v for k, v in (("model", args.preset), ("steps", args.steps),

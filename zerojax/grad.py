@@ -178,19 +178,23 @@ def _accumulate(scaled, params, args, steps, plan, scale):
     grad_of_rows = jax.vmap(lambda p, *b: vg(p, *b), in_axes=(None,) + (0,) * len(args),
                             spmd_axis_name=axes)
 
-    def body(acc, mb):
+    def local(mb):
+      """Each device's float32 gradient of its own rows of ``mb``, its loss and aux."""
       (_, (loss, aux)), g = grad_of_rows(params, *mb)
-      acc = jax.tree.map(lambda a, x, s: jax.lax.with_sharding_constraint(
-          a + x.astype(F32), s), acc, g, acc_sh)
-      return acc, (jnp.mean(loss.astype(F32)), _mean_aux(aux, 0))
+      g = jax.tree.map(lambda x, s: jax.lax.with_sharding_constraint(x.astype(F32), s),
+                       g, acc_sh)
+      return g, (jnp.mean(loss.astype(F32)), _mean_aux(aux, 0))
 
     if steps == 1:  # no accumulator: reduce the local gradient itself (one buffer, not two)
-      (_, (loss, aux)), g = grad_of_rows(params, *jax.tree.map(lambda x: x[0], xs))
-      acc = jax.tree.map(lambda x, s: jax.lax.with_sharding_constraint(x.astype(F32), s),
-                         g, acc_sh)
-      losses, auxs = jnp.mean(loss.astype(F32))[None], _mean_aux(aux, 0)
-      auxs = jax.tree.map(lambda x: jnp.asarray(x)[None], auxs)
+      acc, outs = local(jax.tree.map(lambda x: x[0], xs))
+      losses, auxs = jax.tree.map(lambda x: jnp.asarray(x)[None], outs)
     else:
+      def body(acc, mb):
+        g, outs = local(mb)
+        acc = jax.tree.map(lambda a, x, s: jax.lax.with_sharding_constraint(a + x, s),
+                           acc, g, acc_sh)
+        return acc, outs
+
       acc0 = jax.tree.map(lambda p, s: jax.lax.with_sharding_constraint(
           jnp.zeros((dp,) + jnp.shape(p), F32), s), params, acc_sh)
       acc, (losses, auxs) = jax.lax.scan(body, acc0, xs)

@@ -194,10 +194,10 @@ class ShardingPlan:
 
   @property
   def grads_reduced(self) -> PyTree:
-    """Where a step's gradient reduction lands: the optimizer's (sharded) layout at stages
-    1-3, ``grads`` at stage 0. Stage 1 holds each device's local gradient (``grads``) through
-    the backward pass and reduce-scatters it here once per optimizer step."""
-    if self.config.stage == 0:
+    """Where a step's gradient reduction lands: ``grads``, except at stage 1, which holds each
+    device's local gradient (``grads``: full size) through the backward pass and
+    reduce-scatters it once per optimizer step into the optimizer's sharded layout."""
+    if self.config.stage != 1:
       return self.grads
     treedef = jax.tree.structure(self.grads)
     return jax.tree.unflatten(treedef, [NamedSharding(self.mesh, lp.sharded)
