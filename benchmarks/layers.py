@@ -23,6 +23,8 @@ def main(argv=None) -> int:
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--devices", type=int, default=8)
   args = p.parse_args(argv)
+  if args.devices < 1:
+    p.error(f"--devices={args.devices} is invalid: needs an integer >= 1")
   import jax
   jax.config.update("jax_num_cpu_devices", args.devices)
   import jax.numpy as jnp

@@ -47,7 +47,11 @@ def parse_args(argv=None):
                       "stage-3 memory on a model this small)")
   p.add_argument("--devices", type=int, default=8)
   p.add_argument("--no-write", action="store_true", help="do not update BENCHMARKS.md/PNG")
-  return p.parse_args(argv)
+  args = p.parse_args(argv)
+  for name in ("layers", "d_model", "vocab", "seq", "batch", "steps", "devices"):
+    if getattr(args, name) < 1:
+      p.error(f"--{name.replace('_', '-')}={getattr(args, name)} is invalid: needs an integer >= 1")
+  return args
 
 
 def main(argv=None) -> int:
@@ -144,7 +148,7 @@ def _targets(rows, psi_bytes):
   for r in rows:
     diff = abs(r["meas"] - r["est"])
     ok = diff <= 0.05 * r["est"] or diff <= 1024  # fully offloaded: a few scalars stay on device
-    rel = f"{diff / r['est']:.1%} " if r["est"] else "estimate 0 on device, "
+    rel = f"{diff / r['est']:.1%} " if r["est"] else "estimate 0 on device "
     out.append(f"- persistent within 5% of estimate, stage {r['stage']}: "
                f"{rel}({diff:,} bytes: the train state's scalars) {'PASS' if ok else 'FAIL'}")
   g = psi_bytes

@@ -17,6 +17,11 @@ def test_after_is_exact_identity():
     np.testing.assert_array_equal(np.asarray(gather.after(w, token)), np.asarray(w))
 
 
+def test_after_rejects_a_non_scalar_token():
+  with pytest.raises(ValueError, match=r"token must be a scalar, got shape \(3,\)"):
+    gather.after(jnp.zeros(3), jnp.ones(3))
+
+
 def test_token_is_finite_even_for_non_finite_input():
   t = gather._token_of({"x": jnp.asarray([jnp.inf, 1.0])})
   assert np.isfinite(np.asarray(t))

@@ -113,6 +113,8 @@ def after(w: jax.Array, token: jax.Array | None) -> jax.Array:
   """
   if token is None:
     return w
+  if jnp.ndim(token) != 0:  # a non-scalar would broadcast into w and change its shape
+    raise ValueError(f"after: token must be a scalar, got shape {jnp.shape(token)}")
   return w + (token * 0).astype(w.dtype)
 
 
