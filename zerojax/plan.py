@@ -23,9 +23,10 @@ stage       params      grads       opt state
 ==========  ==========  ==========  ==========
 
 (1) At stage 1 each device holds its *local* (unreduced) gradient, full size (``gathered``),
-through the backward pass, as the paper's and DeepSpeed's stage 1 do; `zerojax.value_and_grad` reduces it once per
-optimizer step, straight into the optimizer's shards (`ShardingPlan.grads_reduced`: a
-reduce-scatter). Stage 2 reduce-scatters each layer's gradient during the backward pass instead.
+through the backward pass, as the paper's and DeepSpeed's stage 1 do; `zerojax.value_and_grad`
+reduces it once per optimizer step, straight into the optimizer's shards
+(`ShardingPlan.grads_reduced`: a reduce-scatter). Stage 2 reduce-scatters each layer's gradient
+during the backward pass instead.
 
 Optimizer-state leaves that mirror a parameter (Adam's ``mu``/``nu``, ``MultiSteps``'
 accumulators, anything found by path suffix with the same shape) take that parameter's plan;
