@@ -20,7 +20,8 @@ import numpy as np
 STAGES = (0, 1, 2, 3)
 MESH_AXES = ("replica", "fsdp", "tensor")
 DTYPES = ("float32", "bfloat16", "float16")
-REMAT_POLICIES = ("none", "full", "dots", "offload")
+REMAT_POLICIES = ("auto", "none", "full", "dots", "offload")
+GATHER_MODES = ("auto", "explicit")
 OFFLOAD_FALLBACKS = ("error", "warn")
 
 
@@ -54,10 +55,20 @@ class ZeroConfig:
     offload_fallback: what to do when the backend has no ``pinned_host``: ``'error'`` or
       ``'warn'`` (warn and keep the state on device).
     optimizer_on_host: run the optimizer update itself on the host (needs offload_optimizer).
-    remat: rematerialisation policy applied to the user's model: ``'none'``, ``'full'``
-      (nothing saveable), ``'dots'`` (dots saveable) or ``'offload'`` (named residuals go to
-      host memory, see ``remat_offload_names``).
+    remat: rematerialisation of the user's scanned layers: ``'auto'`` (default: a scanned
+      layer the model does not rematerialise itself gets ``nothing_saveable``, so no layer's
+      gathered weights outlive it; ``nn.remat`` layers are left as written), ``'none'`` (as
+      written), ``'full'`` (nothing saveable), ``'dots'`` (dots saveable) or ``'offload'``
+      (named residuals go to host memory, see ``remat_offload_names``).
     remat_offload_names: ``checkpoint_name`` names offloaded by ``remat='offload'``.
+    gather: how a sharded parameter reaches the layer that reads it. ``'auto'`` (default): the
+      plan's shardings on the step's inputs, outputs and gradients, and XLA's partitioner
+      (GSPMD) inserts the gathers and reduce-scatters where the model uses each weight, as
+      hand-written JAX FSDP does; nothing inside the model is touched, so any model works
+      (linen, NNX, plain pytrees, however it is called). ``'explicit'``: zerojax gathers each
+      parameter where a linen layer reads it (``state.apply_fn``) and reduce-scatters its
+      gradient there, which ``offload_params`` (per-layer fetch from host) and
+      ``reduce_dtype`` (the dtype of that reduction) need and so switch on.
     max_live_layers: stage 3, scanned layers: how many gathered layers may be live at once;
       1 gathers each layer just before use, 2 lets the next layer's gather overlap the current
       layer. Unscanned linen layers always gather just before use (see `zerojax.gather`).
@@ -86,8 +97,9 @@ class ZeroConfig:
   offload_params: bool = False
   offload_fallback: str = "error"
   optimizer_on_host: bool = False
-  remat: str = "none"
+  remat: str = "auto"
   remat_offload_names: tuple[str, ...] = ()
+  gather: str = "auto"
   max_live_layers: int = 1
   train_batch_size: int | None = None
   micro_batch_per_device: int | None = None
@@ -154,6 +166,8 @@ class ZeroConfig:
       _fail("optimizer_on_host", True, "needs offload_optimizer=True")
     if self.remat not in REMAT_POLICIES:
       _fail("remat", self.remat, f"allowed policies are {REMAT_POLICIES}")
+    if self.gather not in GATHER_MODES:
+      _fail("gather", self.gather, f"allowed modes are {GATHER_MODES}")
     if self.remat == "offload" and not self.remat_offload_names:
       _fail("remat_offload_names", self.remat_offload_names,
             "remat='offload' needs the checkpoint_name names of the residuals to offload")

@@ -29,12 +29,16 @@ class StepContext:
     accumulation_steps: micro-batches per optimizer step (from the config's batch sizes).
     loss_scale: the traced loss scale of the input state, or ``None`` without loss scaling.
     grad_calls: how often `zerojax.value_and_grad` ran in this trace.
+    apply_calls: how often the model ran through the state's ``apply_fn`` in this trace.
+    linen: whether the step takes a state with an ``apply_fn`` (not an NNX step).
   """
 
   plan: Any
   accumulation_steps: int = 1
   loss_scale: Any = None
   grad_calls: int = 0
+  apply_calls: int = 0
+  linen: bool = True
 
 
 def current() -> StepContext | None:

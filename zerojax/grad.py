@@ -51,6 +51,8 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zerojax import context
+from zerojax._compat import ORIGINAL_SCAN
+from zerojax.gather import after
 from zerojax.config import ConfigError, ZeroConfig
 
 PyTree = Any
@@ -108,6 +110,8 @@ def value_and_grad(fun: Callable, argnums: int = 0, has_aux: bool = False, *,
   plain = jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux)
 
   def wrapped(params, *args):
+    if _is_nnx(params):
+      return _nnx_value_and_grad(fun, argnums, has_aux, loss_scale)(params, *args)
     ctx = context.current()
     if ctx is not None:
       ctx.grad_calls += 1
@@ -131,6 +135,50 @@ def value_and_grad(fun: Callable, argnums: int = 0, has_aux: bool = False, *,
   return wrapped
 
 
+def _is_nnx(x: Any) -> bool:
+  try:
+    from flax import nnx
+  except ImportError:  # pragma: no cover
+    return False
+  return isinstance(x, nnx.Module)
+
+
+def _nnx_value_and_grad(fun, argnums, has_aux, loss_scale):
+  """`value_and_grad` of ``fun(model, *batch)`` for a Flax NNX model: the gradient of its
+  ``nnx.Param`` state (an ``nnx.State``, as ``nnx.value_and_grad`` returns it), through the
+  same accumulation, loss scaling and stage-1 local-gradient paths as a linen step. Other
+  state the model writes (RNG counters, batch statistics) is written back to ``model``."""
+  from flax import nnx
+  if argnums != 0:
+    raise ValueError("zerojax.value_and_grad differentiates argument 0 (the NNX model); got "
+                     f"argnums={argnums}")
+
+  def run(model, *args):
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def f(params, *args):
+      m = nnx.merge(graphdef, params, rest)
+      out = fun(m, *args)
+      loss, aux = out if has_aux else (out, None)
+      return loss, (aux, nnx.state(m, nnx.Not(nnx.Param)))
+
+    (loss, (aux, new_rest)), grads = value_and_grad(f, has_aux=True, loss_scale=loss_scale)(
+        params, *args)
+    nnx.update(model, new_rest)
+    return ((loss, aux) if has_aux else loss), grads
+
+  return run
+
+
+def _like(params, shardings):
+  """The plan's ``shardings`` in the structure of ``params`` (an NNX ``State`` or a linen dict
+  alike), or ``None`` when ``params`` is not the plan's parameter tree."""
+  leaves, specs = jax.tree.leaves(params), jax.tree.leaves(shardings)
+  if len(leaves) != len(specs) or any(len(s.spec) > jnp.ndim(x) for x, s in zip(leaves, specs)):
+    return None
+  return jax.tree.unflatten(jax.tree.structure(params), specs)
+
+
 def _scaled(fun, has_aux, scale):
   """``fun`` returning ``(loss * scale in f32, (loss, aux))``."""
   def f(params, *args):
@@ -143,7 +191,8 @@ def _scaled(fun, has_aux, scale):
 
 def _accumulate(scaled, params, args, steps, plan, scale):
   dp, axes, mesh = plan.data_parallel_size, plan.data_axes, plan.mesh
-  params_match = jax.tree.structure(params) == jax.tree.structure(plan.grads)
+  grads_sh, reduced_sh = _like(params, plan.grads), _like(params, plan.grads_reduced)
+  params_match = grads_sh is not None
   per_device = plan.config.stage <= 1 and params_match
 
   def split(x):
@@ -174,7 +223,7 @@ def _accumulate(scaled, params, args, steps, plan, scale):
       spec = tuple(s.spec) + (None,) * (nd - len(tuple(s.spec)))
       return NamedSharding(mesh, P(axes, *spec))
 
-    acc_sh = jax.tree.map(lambda s, p: lead(s, jnp.ndim(p)), plan.grads, params)
+    acc_sh = jax.tree.map(lambda s, p: lead(s, jnp.ndim(p)), grads_sh, params)
     grad_of_rows = jax.vmap(lambda p, *b: vg(p, *b), in_axes=(None,) + (0,) * len(args),
                             spmd_axis_name=axes)
 
@@ -188,6 +237,12 @@ def _accumulate(scaled, params, args, steps, plan, scale):
     if steps == 1:  # no accumulator: reduce the local gradient itself (one buffer, not two)
       acc, outs = local(jax.tree.map(lambda x: x[0], xs))
       losses, auxs = jax.tree.map(lambda x: jnp.asarray(x)[None], outs)
+      # Stage 1 reduces once the backward pass is over, as the paper's P_os: every leaf's
+      # reduction waits for a scalar of the whole local gradient. Without it XLA reduces each
+      # leaf as soon as it exists in models without scans, and stage 1 quietly becomes a
+      # stage 2 with a replicated gradient layout (measured: 52 MiB instead of >= G).
+      token = _token_of_all(acc)
+      acc = jax.tree.map(lambda a: after(a, token), acc)
     else:
       def body(acc, mb):
         g, outs = local(mb)
@@ -197,7 +252,7 @@ def _accumulate(scaled, params, args, steps, plan, scale):
 
       acc0 = jax.tree.map(lambda p, s: jax.lax.with_sharding_constraint(
           jnp.zeros((dp,) + jnp.shape(p), F32), s), params, acc_sh)
-      acc, (losses, auxs) = jax.lax.scan(body, acc0, xs)
+      acc, (losses, auxs) = ORIGINAL_SCAN(body, acc0, xs)
 
     def reduce(a, p, s):
       # The step's one gradient reduction: a sum over the sharded data-parallel axis.
@@ -206,9 +261,9 @@ def _accumulate(scaled, params, args, steps, plan, scale):
       total = jax.lax.with_sharding_constraint(total, s)
       return _finish(total.astype(F32), steps * dp, scale, p.dtype)
 
-    grads = jax.tree.map(reduce, acc, params, plan.grads_reduced)
+    grads = jax.tree.map(reduce, acc, params, reduced_sh)
   else:
-    constrain = (lambda t: jax.tree.map(jax.lax.with_sharding_constraint, t, plan.grads)) \
+    constrain = (lambda t: jax.tree.map(jax.lax.with_sharding_constraint, t, grads_sh)) \
         if params_match else (lambda t: t)
     acc0 = constrain(jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), F32), params))
 
@@ -217,9 +272,19 @@ def _accumulate(scaled, params, args, steps, plan, scale):
       acc = constrain(jax.tree.map(lambda a, x: a + x.astype(F32), acc, g))
       return acc, (loss.astype(F32), aux)
 
-    acc, (losses, auxs) = jax.lax.scan(body, acc0, xs)
+    acc, (losses, auxs) = ORIGINAL_SCAN(body, acc0, xs)
     grads = jax.tree.map(lambda a, p: _finish(a, steps, scale, p.dtype), acc, params)
   return jnp.mean(losses), _mean_aux(auxs, 0), grads
+
+
+def _token_of_all(tree):
+  """A finite float32 scalar that exists only once every float leaf of ``tree`` does."""
+  parts = [jnp.sum(x.astype(F32)) for x in jax.tree.leaves(tree)
+           if jnp.issubdtype(x.dtype, jnp.inexact)]
+  if not parts:
+    return None
+  t = jnp.sum(jnp.stack(parts))
+  return jax.lax.stop_gradient(jnp.where(jnp.isfinite(t), t, 0.0))
 
 
 def _finish(total, n, scale, dtype):

@@ -7,6 +7,7 @@ host where the output sharding says so.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Any
 
@@ -63,11 +64,24 @@ def on_host(shardings: Any) -> Any:
   return jax.tree.map(lambda s: s.with_memory_kind(HOST), shardings)
 
 
+def _constrain_like(tree: Any, shardings: Any) -> Any:
+  """``tree`` constrained leaf by leaf to ``shardings`` where it is the plan's parameter tree
+  (same number of leaves, same shapes; an NNX ``State`` or a plain dict alike), else as is."""
+  leaves, treedef = jax.tree.flatten(tree)
+  specs = jax.tree.leaves(shardings)
+  if len(leaves) != len(specs) or not all(
+      hasattr(x, "shape") and len(s.spec) <= len(x.shape) for x, s in zip(leaves, specs)):
+    return tree
+  return jax.tree.unflatten(treedef, [jax.lax.with_sharding_constraint(x, s)
+                                      for x, s in zip(leaves, specs)])
+
+
 def _is_host(shardings: Any) -> bool:
   return any(s.memory_kind == HOST for s in jax.tree.leaves(shardings))
 
 
-def wrap_tx(tx: optax.GradientTransformation, plan: Any) -> optax.GradientTransformation:
+def wrap_tx(tx: optax.GradientTransformation, plan: Any,
+            clip: float | None = None) -> optax.GradientTransformation:
   """``tx`` whose update moves offloaded state to where the update runs, and back.
 
   * ``offload_optimizer``: the optimizer state comes from ``pinned_host`` to the device for the
@@ -76,18 +90,37 @@ def wrap_tx(tx: optax.GradientTransformation, plan: Any) -> optax.GradientTransf
   * ``offload_params``: updates are returned in host memory, where the parameters they are
     added to live; parameters used by the update (weight decay) are brought to the device.
 
+  Whatever the offload, the gradients the update receives are first laid out as the plan's
+  reduced gradients (`ShardingPlan.grads_reduced`): the partitioner then reduce-scatters each
+  layer's gradient where the backward pass produces it (stages 2-3) instead of choosing a
+  layout of its own, for any model and however the gradient was computed.
+
+  ``clip`` clips the gradient to that global norm first (``optax.clip_by_global_norm``, which
+  keeps no state, so the optimizer state is the one ``tx`` made): an NNX step's
+  ``gradient_clipping``; linen states clip in `ZeroTrainState.apply_gradients`.
+
   Called inside the jitted step only; the state's own ``tx`` is left untouched.
   """
   cfg = plan.config
-  if not (cfg.offload_optimizer or cfg.offload_params):
-    return tx
+
+  def constrain(grads):
+    grads = _constrain_like(grads, plan.grads_reduced)
+    if clip is not None:
+      grads, _ = optax.clip_by_global_norm(clip).update(grads, optax.EmptyState())
+    return grads
+
   opt_host = plan.opt_state is not None and _is_host(plan.opt_state)
   params_host = _is_host(plan.params)
-  if not (opt_host or params_host):  # offload fell back to device memory
-    return tx
+  if not (cfg.offload_optimizer or cfg.offload_params) or not (opt_host or params_host):
+    # No offload (or it fell back to device memory): only the gradient layout.
+    return optax.GradientTransformationExtraArgs(
+        tx.init, lambda grads, state, params=None, **kw: tx.update(
+            constrain(grads), state, params, **kw))
   put = jax.device_put
 
   def update(grads, state, params=None):
+    if not params_host:
+      grads = constrain(grads)
     if cfg.optimizer_on_host and opt_host:
       from jax.experimental.compute_on import compute_on
       grads = put(grads, on_host(plan.grads))

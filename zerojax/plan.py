@@ -194,6 +194,16 @@ class ShardingPlan:
     return state.replace(**changes)
 
   @property
+  def gathers_per_use(self) -> bool:
+    """Whether the step gathers each parameter where a layer reads it (`zerojax.gather` boxes)
+    instead of leaving the gathers to XLA's partitioner: ``config.gather='explicit'``, or a
+    feature that acts at each use: parameters resting in host memory (fetched per layer) or a
+    ``reduce_dtype`` (the dtype of each layer's gradient reduction)."""
+    c = self.config
+    return (c.gather == "explicit" or c.reduce_dtype is not None
+            or any(s.memory_kind == HOST for s in jax.tree.leaves(self.params)))
+
+  @property
   def grads_reduced(self) -> PyTree:
     """Where a step's gradient reduction lands: ``grads``, except at stage 1, which holds each
     device's local gradient (``grads``: full size) through the backward pass and

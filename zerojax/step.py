@@ -29,7 +29,8 @@ from flax.training import train_state as ts
 
 from zerojax import context, offload
 from zerojax.config import ConfigError, ZeroConfig
-from zerojax.gather import box_params, regather_layers, remat_policy, remat_scan_bodies
+from zerojax.gather import (box_params, count_scans, regather_layers, remat_policy,
+                            scan_remat, scanned_layers)
 from zerojax.mesh import make_mesh
 from zerojax.plan import ShardingPlan
 from zerojax.grad import accumulation_steps, check_batch
@@ -39,8 +40,17 @@ PyTree = Any
 
 
 def wrap_apply_fn(apply_fn: Callable, plan: ShardingPlan) -> Callable:
-  """``apply_fn`` with ZeRO gathering (and the stage's remat policy) around the model."""
-  policy = remat_policy(plan.config)
+  """``apply_fn`` as the step's formulation needs it (see `ZeroConfig.gather`).
+
+  With XLA's partitioner doing the gathers (the default) the model runs as written, unless an
+  explicit ``remat`` policy must wrap a model without scans. With per-use gathering
+  (`ShardingPlan.gathers_per_use`) every parameter is boxed so that a layer gathers it where it
+  reads it, and a remat policy keeps gathered weights from being saved for the backward pass.
+  """
+  per_use = plan.gathers_per_use
+  policy = remat_policy(plan.config, per_use)
+  if policy is None:
+    return apply_fn
   treedef = jax.tree.structure(plan.params)
   warned = []
   has_scan: list[bool] = []  # decided on the first trace
@@ -54,31 +64,29 @@ def wrap_apply_fn(apply_fn: Callable, plan: ShardingPlan) -> Callable:
         warnings.warn("zerojax: apply_fn was called with variables whose 'params' do not match "
                       "the plan's tree; parameters are not gathered per layer for this call")
       return apply_fn(variables, *args, **kwargs)
+    ctx = context.current()
+    if ctx is not None:
+      ctx.apply_calls += 1
 
     def run(params):
       boxed = dict(variables)
-      boxed["params"] = box_params(params, plan)
+      boxed["params"] = box_params(params, plan) if per_use else params
       return apply_fn(boxed, *args, **kwargs)
 
-    # The policy must act inside every scanned layer: remat around a scan recomputes all of
-    # its residuals in one extra pass and stacks them, which would bring back every layer's
-    # gathered weights at once. A whole-model checkpoint on top would even override the
-    # per-layer policy (measured: its residuals are saved again), so it is used only for models
-    # without scans, where it is the only place the policy can act.
-    live = plan.config.max_live_layers
+    # Scanned layers get the policy inside each layer (the step's scan hook); a whole-model
+    # checkpoint on top would override it (measured: its residuals are saved again), so it is
+    # used only for models without scans, where it is the only place the policy can act.
     if not has_scan:
-      seen: list = []
-      with remat_scan_bodies(policy, live, seen):
+      with count_scans() as seen:
         jax.eval_shape(run, params)  # a trace only: does the model scan its layers?
       has_scan.append(bool(seen))
-    # Stage 3 without scans: nothing orders the layers' gathers but data dependencies, so each
-    # layer gathers after its input and re-gathers after its output's cotangent
-    # (`regather_layers`). A scan's loop already runs one layer at a time; there the extra
-    # custom_vjp would only add a gather per layer under a recomputing remat policy (measured:
-    # all-gather 2.5Ψ instead of 1.86Ψ with remat='full').
+    # Stage 3 without scans, per-use: nothing orders the layers' gathers but data
+    # dependencies, so each layer gathers after its input and re-gathers after its output's
+    # cotangent (`regather_layers`). A scan's loop already runs one layer at a time.
     layers = (nn.intercept_methods(regather_layers)
-              if plan.config.stage == 3 and not has_scan[0] else contextlib.nullcontext())
-    with remat_scan_bodies(policy, live), layers:
+              if per_use and plan.config.stage == 3 and not has_scan[0]
+              else contextlib.nullcontext())
+    with layers:
       return run(params) if has_scan[0] else jax.checkpoint(run, policy=policy)(params)
 
   return apply
@@ -112,25 +120,25 @@ class ZeroStep:
     self._last_dispatch: float | None = None
     self.last_step_time = math.nan  # see __call__
 
-  # -- linen / TrainState ---------------------------------------------------------------------
+  # -- linen / TrainState (or any flax.struct state with params/opt_state) ---------------------
 
-  def _linen(self, state, batch):
+  def _linen(self, state, batch, rest):
     plan = self.plan
-    key = (jax.tree.structure(state), _shapes_key(batch))
+    key = ("state", jax.tree.structure(state), _shapes_key(batch), _shapes_key(rest))
     if key not in self._jitted:
       orig = state.apply_fn
       _check_state_features(plan, state)
       check_batch(plan, batch)
-
       orig_tx = getattr(state, "tx", None)
 
-      def step(state, batch):
+      def step(state, batch, *rest):
         changes = {"apply_fn": wrap_apply_fn(orig, plan)}
         if orig_tx is not None:
           changes["tx"] = offload.wrap_tx(orig_tx, plan)
         state = state.replace(**changes)
-        with _step_context(plan, state) as ctx:
-          new_state, metrics = self.fn(state, batch)
+        with _step_context(plan, state) as ctx, scanned_layers(
+            scan_remat(plan.config, plan.gathers_per_use)):
+          new_state, metrics = self.fn(state, batch, *rest)
         _check_features_used(ctx)
         if not isinstance(new_state, type(state)):
           raise TypeError(f"train_step must return (state, metrics); got {type(new_state)}")
@@ -141,7 +149,7 @@ class ZeroStep:
 
       state_sh = plan.state(state)
       self._jitted[key] = jax.jit(
-          step, in_shardings=(state_sh, plan.batch(batch)),
+          step, in_shardings=(state_sh, plan.batch(batch), *_replicated(plan, rest)),
           out_shardings=(state_sh, plan.replicated),
           donate_argnums=(0,) if self.donate else (),
           compiler_options=compiler_options(plan))
@@ -149,30 +157,52 @@ class ZeroStep:
 
   # -- NNX ------------------------------------------------------------------------------------
 
-  def _nnx(self, model, optimizer, batch):
+  def _nnx(self, model, optimizer, batch, rest):
     from flax import nnx
     graphdef, state = nnx.split((model, optimizer))
-    key = (graphdef, _shapes_key(batch))
+    key = ("nnx", graphdef, _shapes_key(batch), _shapes_key(rest))
     if key not in self._jitted:
       plan = self.plan
       state_sh = nnx_state_shardings(plan, state)
-
-      _check_state_features(plan, None)
+      if plan.config.loss_scale is not None:
+        raise ConfigError(
+            f"loss_scale={plan.config.loss_scale!r}: fp16 loss scaling keeps its scale in a "
+            "zerojax.ZeroTrainState, which an NNX step does not have; train NNX in bfloat16 "
+            "(compute_dtype='bfloat16', no loss scaling) or use a linen model")
       check_batch(plan, batch)
+      if plan.gathers_per_use:
+        raise ConfigError(
+            f"{_per_use_reason(plan)} needs per-use gathering, which zerojax does through a "
+            "linen model's state.apply_fn; an NNX step cannot honour it. Use a linen model, or "
+            "drop the setting")
 
-      def step(state, batch):
+      def step(state, batch, *rest):
         m, o = nnx.merge(graphdef, state)
-        with _step_context(plan, None) as ctx:
-          metrics = self.fn(m, o, batch)
+        o.tx = offload.wrap_tx(o.tx, plan, clip=plan.config.gradient_clipping)
+        with _step_context(plan, None) as ctx, scanned_layers(scan_remat(plan.config, False)):
+          metrics = self.fn(m, o, batch, *rest)
         _check_features_used(ctx)
         return nnx.state((m, o)), metrics
 
       self._jitted[key] = jax.jit(
-          step, in_shardings=(state_sh, plan.batch(batch)),
+          step, in_shardings=(state_sh, plan.batch(batch), *_replicated(plan, rest)),
           out_shardings=(state_sh, plan.replicated),
           donate_argnums=(0,) if self.donate else (),
           compiler_options=compiler_options(plan))
     return self._jitted[key], state
+
+  def _dispatch(self, args):
+    """``(kind, leading, batch, rest)`` by the type of the first argument: an ``nnx.Module``
+    starts ``(model, optimizer, batch, *rest)``; anything else ``(state, batch, *rest)``."""
+    if args and _is_nnx(args[0]):
+      if len(args) < 3:
+        raise TypeError("an NNX zerojax step is called as step(model, optimizer, batch, ...); "
+                        f"got {len(args)} arguments")
+      return "nnx", args[:2], args[2], tuple(args[3:])
+    if len(args) < 2:
+      raise TypeError("a zerojax step is called as step(state, batch, ...) (or, for Flax NNX, "
+                      f"step(model, optimizer, batch, ...)); got {len(args)} argument(s)")
+    return "state", args[:1], args[1], tuple(args[2:])
 
   def __call__(self, *args):
     """Runs one step. Metrics gain host-side ``step_time`` and ``tokens_per_sec``.
@@ -184,16 +214,19 @@ class ZeroStep:
     feeds data); it is ``nan`` for the first call and for any call that compiled.
     ``tokens_per_sec`` is the batch's tokens (rows × sequence length of the first batch leaf
     with two or more dimensions, rows otherwise) divided by ``step_time``.
+
+    Arguments after the batch (an RNG key, a step number) are passed through replicated.
     """
     n = len(self._jitted)
-    if len(args) == 3:  # NNX: (model, optimizer, batch)
+    kind, lead, batch, rest = self._dispatch(args)
+    if kind == "nnx":
       from flax import nnx
-      f, state = self._nnx(*args)
-      new_state, metrics = f(state, args[2])
-      nnx.update((args[0], args[1]), new_state)
-      return self._host_metrics(metrics, args[2], compiled=len(self._jitted) != n)
-    state, batch = args
-    new_state, metrics = self._linen(state, batch)(state, batch)
+      f, state = self._nnx(*lead, batch, rest)
+      new_state, metrics = f(state, batch, *rest)
+      nnx.update(tuple(lead), new_state)
+      return self._host_metrics(metrics, batch, compiled=len(self._jitted) != n)
+    (state,) = lead
+    new_state, metrics = self._linen(state, batch, rest)(state, batch, *rest)
     return new_state, self._host_metrics(metrics, batch, compiled=len(self._jitted) != n)
 
   def _host_metrics(self, metrics, batch, compiled):
@@ -210,11 +243,11 @@ class ZeroStep:
 
   def lower(self, *args):
     """Lowers the step for ``args`` (arrays or ShapeDtypeStructs), e.g. to inspect memory."""
-    if len(args) == 3:
-      f, state = self._nnx(*args)
-      return f.lower(state, args[2])
-    state, batch = args
-    return self._linen(state, batch).lower(state, batch)
+    kind, lead, batch, rest = self._dispatch(args)
+    if kind == "nnx":
+      f, state = self._nnx(*lead, batch, rest)
+      return f.lower(state, batch, *rest)
+    return self._linen(lead[0], batch, rest).lower(lead[0], batch, *rest)
 
 
 def zero_step(plan: ShardingPlan, *, donate: bool = True) -> Callable[[Callable], ZeroStep]:
@@ -249,7 +282,8 @@ def _step_context(plan: ShardingPlan, state: Any):
   if isinstance(state, ZeroTrainState) and state.settings.scaling:
     scale = state.loss_scale
   return context.active(context.StepContext(
-      plan, accumulation_steps(plan.config, plan.data_parallel_size), scale))
+      plan, accumulation_steps(plan.config, plan.data_parallel_size), scale,
+      linen=state is not None))
 
 
 def _check_state_features(plan: ShardingPlan, state: Any) -> None:
@@ -263,7 +297,37 @@ def _check_state_features(plan: ShardingPlan, state: Any) -> None:
                       f"zerojax.create_train_state); {kind} would silently ignore it")
 
 
+def _is_nnx(x: Any) -> bool:
+  try:
+    from flax import nnx
+  except ImportError:  # pragma: no cover
+    return False
+  return isinstance(x, nnx.Module)
+
+
+def _replicated(plan: ShardingPlan, tree: Any) -> Any:
+  return jax.tree.map(lambda _: plan.replicated, tree)
+
+
+def _per_use_reason(plan: ShardingPlan) -> str:
+  cfg = plan.config
+  if cfg.gather == "explicit":
+    return "gather='explicit'"
+  if cfg.reduce_dtype is not None:
+    return f"reduce_dtype={cfg.reduce_dtype!r}"
+  return "offload_params=True"
+
+
 def _check_features_used(ctx: context.StepContext) -> None:
+  plan = ctx.plan
+  if plan.gathers_per_use and ctx.apply_calls == 0 and ctx.linen:
+    # The model never ran through state.apply_fn, so nothing gathered per use: host-resident
+    # parameters would reach XLA in host memory, a reduce_dtype would silently not apply.
+    raise ConfigError(
+        f"{_per_use_reason(plan)} acts where the model reads its parameters, which zerojax "
+        "sees only when the model is called through state.apply_fn({'params': params}, ...) "
+        "inside the step; this step never called it. Call the model as "
+        "state.apply_fn(...), or drop the setting")
   if ctx.grad_calls:
     return
   cfg = ctx.plan.config

@@ -1,0 +1,70 @@
+"""Every use of JAX internals, in one place, each with a fallback or a clear error at import.
+
+zerojax's correctness depends on recognising a few primitives in jaxprs (the stage-3 remat policy
+and the scan-body analysis). JAX has no public names for them, so they are looked up here and
+checked once at import: if a JAX release renames them, zerojax fails loudly instead of silently
+keeping gathered weights alive.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import jax
+
+__all__ = ["ORIGINAL_SCAN", "REMAT_PRIMITIVE_NAMES", "name_p", "sharding_constraint_p",
+           "jaxpr_has_primitive", "subjaxprs"]
+
+# ``jax.lax.scan`` as JAX defines it, captured before zerojax installs its per-thread dispatcher
+# (`zerojax.gather.scan_remat`); zerojax's own loops call this one directly.
+ORIGINAL_SCAN = jax.lax.scan
+
+try:  # The primitives the stage-3 remat policy looks at (the policy API hands it primitives).
+  from jax._src.ad_checkpoint import name_p
+  from jax._src.pjit import sharding_constraint_p
+except ImportError as e:  # pragma: no cover - depends on the installed JAX
+  raise ImportError(
+      f"zerojax {__name__}: this JAX ({jax.__version__}) moved the internal primitives zerojax's "
+      "stage-3 remat policy must recognise (name_p, sharding_constraint_p); install the JAX "
+      "version pinned in zerojax's pyproject.toml") from e
+
+# The primitive `jax.checkpoint` binds has been called "checkpoint", "remat" and "remat2".
+REMAT_PRIMITIVE_NAMES = frozenset({"checkpoint", "remat", "remat2"})
+
+
+def subjaxprs(params: dict[str, Any]) -> Iterator[Any]:
+  """The jaxprs an equation's parameters hold (scan/while/cond/pjit/remat/custom_vjp bodies)."""
+  for v in params.values():
+    for x in (v if isinstance(v, (tuple, list)) else (v,)):
+      inner = getattr(x, "jaxpr", x)  # ClosedJaxpr -> Jaxpr
+      if hasattr(inner, "eqns"):
+        yield inner
+
+
+def jaxpr_has_primitive(jaxpr: Any, names: frozenset[str]) -> bool:
+  """Whether ``jaxpr`` (or any jaxpr nested in it) binds a primitive named in ``names``."""
+  jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name in names:
+      return True
+    if any(jaxpr_has_primitive(j, names) for j in subjaxprs(eqn.params)):
+      return True
+  return False
+
+
+def _self_check() -> None:
+  """The checks that keep the remat machinery honest on the installed JAX."""
+  body = jax.checkpoint(lambda x: jax.numpy.sin(x))
+  if not jaxpr_has_primitive(jax.make_jaxpr(body)(1.0), REMAT_PRIMITIVE_NAMES):
+    raise ImportError(f"zerojax: jax.checkpoint on JAX {jax.__version__} binds none of "
+                      f"{sorted(REMAT_PRIMITIVE_NAMES)}; zerojax cannot tell rematerialised "
+                      "layers apart. Install the JAX version pinned in zerojax's pyproject.toml")
+  from jax.ad_checkpoint import checkpoint_name
+  named = jax.make_jaxpr(lambda x: checkpoint_name(x, "zerojax_probe"))(1.0)
+  if not any(e.primitive is name_p for e in named.jaxpr.eqns):
+    raise ImportError(f"zerojax: checkpoint_name on JAX {jax.__version__} no longer binds the "
+                      "primitive zerojax's stage-3 remat policy looks for; gathered weights "
+                      "would silently be kept. Install the JAX version pinned in pyproject.toml")
+
+
+_self_check()
