@@ -216,6 +216,7 @@ class Runner:
   compiled: Any
   step: Callable[[], float]
   params: Callable[[], Any]  # the current parameters as a numpy tree
+  plan: Any = None  # zerojax's ShardingPlan (None for the baseline)
 
 
 def zero_runner(pattern: str, size: Size, stage: int, mesh=None, **config_kw) -> Runner:
@@ -240,13 +241,13 @@ def zero_runner(pattern: str, size: Size, stage: int, mesh=None, **config_kw) ->
       optimizer.update(model, grads)
       return {"loss": loss}
 
-    step = zerojax.zero_step(plan)(train_step)
-    args = [model, opt]
+    compiled = zerojax.zero_step(plan)(train_step).lower(model, opt, data[0]).compile()
     params = lambda: jax.tree.map(np.asarray, nnx.state(model, nnx.Param))
 
     def run(batch):
-      return float(step(*args, batch)["loss"])
-    compiled = step.lower(model, opt, data[0]).compile()
+      new, metrics = compiled(nnx.split((model, opt))[1], batch)
+      nnx.update((model, opt), new)
+      return float(metrics["loss"])
   else:
     if pattern == "g":
       from zerojax.plan import ShardingPlan
@@ -273,18 +274,14 @@ def zero_runner(pattern: str, size: Size, stage: int, mesh=None, **config_kw) ->
       loss, grads = zerojax.value_and_grad(lf)(state.params, batch)
       return state.apply_gradients(grads=grads), {"loss": loss}
 
-    step = zerojax.zero_step(plan)(train_step)
+    compiled = zerojax.zero_step(plan)(train_step).lower(state, data[0]).compile()
     box = [state]
     params = lambda: jax.tree.map(np.asarray, box[0].params)
 
     def run(batch):
-      box[0], m = step(box[0], batch)
-      return float(m["loss"])
-    compiled = step.lower(state, data[0]).compile()
-  runner = Runner(compiled, None, params)
-  runner.step = run
-  runner.plan = plan
-  return runner
+      box[0], metrics = compiled(box[0], batch)
+      return float(metrics["loss"])
+  return Runner(compiled, run, params, plan)
 
 
 def _fsdp_spec(shape, n):
@@ -338,8 +335,8 @@ def baseline_runner(pattern: str, size: Size, devices=None) -> Runner:
 
     f = jax.jit(step, in_shardings=(state_sh, batch_sh),
                 out_shardings=(state_sh, NamedSharding(mesh, P())), donate_argnums=(0,))
-    params = lambda: jax.tree.map(np.asarray, nnx.merge(graphdef, live[0])[0] and
-                                  nnx.state(nnx.merge(graphdef, live[0])[0], nnx.Param))
+    params = lambda: jax.tree.map(np.asarray, nnx.state(nnx.merge(graphdef, live[0])[0],
+                                                        nnx.Param))
   else:
     if pattern == "g":
       p0 = _pytree_init(size, jax.random.key(0))

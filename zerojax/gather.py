@@ -354,8 +354,6 @@ def remat_policy(config: Any, per_use: bool):
 
 _SCAN: contextvars.ContextVar[ScanRemat | None] = contextvars.ContextVar(
     "zerojax_scan_remat", default=None)
-_SEEN: contextvars.ContextVar[list | None] = contextvars.ContextVar(
-    "zerojax_scans_seen", default=None)
 _install_lock = threading.Lock()
 
 
@@ -372,9 +370,7 @@ def _body_rematerialises(f: Callable, init: Any, xs: Any) -> bool:
 
 
 def _dispatch_scan(f, init, xs=None, length=None, **kwargs):
-  rs, seen = _SCAN.get(), _SEEN.get()
-  if seen is not None:
-    seen.append(True)
+  rs = _SCAN.get()
   if rs is None:
     return ORIGINAL_SCAN(f, init, xs, length, **kwargs)
   if rs.live_layers > 1:
@@ -399,12 +395,3 @@ def scanned_layers(rs: ScanRemat | None) -> Iterator[None]:
   _install_dispatcher()
   with _setting(_SCAN, rs):
     yield
-
-
-@contextlib.contextmanager
-def count_scans() -> Iterator[list]:
-  """Counts the scans traced inside the block (one entry per ``jax.lax.scan`` call)."""
-  _install_dispatcher()
-  seen: list = []
-  with _setting(_SEEN, seen):
-    yield seen

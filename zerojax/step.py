@@ -29,8 +29,9 @@ from flax.training import train_state as ts
 
 from zerojax import context, offload
 from zerojax.config import ConfigError, ZeroConfig
-from zerojax.gather import (box_params, count_scans, regather_layers, remat_policy,
-                            scan_remat, scanned_layers)
+from zerojax._compat import REMAT_PRIMITIVE_NAMES, jaxpr_has_primitive
+from zerojax.gather import (box_params, regather_layers, remat_policy, scan_remat,
+                            scanned_layers)
 from zerojax.mesh import make_mesh
 from zerojax.plan import ShardingPlan
 from zerojax.grad import accumulation_steps, check_batch
@@ -42,18 +43,19 @@ PyTree = Any
 def wrap_apply_fn(apply_fn: Callable, plan: ShardingPlan) -> Callable:
   """``apply_fn`` as the step's formulation needs it (see `ZeroConfig.gather`).
 
-  With XLA's partitioner doing the gathers (the default) the model runs as written, unless an
-  explicit ``remat`` policy must wrap a model without scans. With per-use gathering
-  (`ShardingPlan.gathers_per_use`) every parameter is boxed so that a layer gathers it where it
-  reads it, and a remat policy keeps gathered weights from being saved for the backward pass.
+  The model is traced once to see how it was written. Scanned layers, or layers the user
+  rematerialises, run as written: the loop (or the remat) already bounds what each layer
+  keeps, and XLA's partitioner places the gathers as in hand-written FSDP (the step's scan
+  hook rematerialises scanned layers the user did not). An unscanned model with no remat at
+  stage 3 would keep every layer's gathered weights for the backward pass (temp growing with
+  depth, measured), so there, as with ``gather='explicit'`` or a per-use feature
+  (`ShardingPlan.gathers_per_use`), every parameter is boxed: each layer gathers its weights
+  where it reads them and re-gathers them in the backward pass (`regather_layers`).
   """
-  per_use = plan.gathers_per_use
-  policy = remat_policy(plan.config, per_use)
-  if policy is None:
-    return apply_fn
+  cfg = plan.config
   treedef = jax.tree.structure(plan.params)
   warned = []
-  has_scan: list[bool] = []  # decided on the first trace
+  decided: list[tuple[bool, bool]] = []  # (per use, has scan), from the first trace
 
   @functools.wraps(apply_fn)
   def apply(variables, *args, **kwargs):
@@ -68,26 +70,32 @@ def wrap_apply_fn(apply_fn: Callable, plan: ShardingPlan) -> Callable:
     if ctx is not None:
       ctx.apply_calls += 1
 
-    def run(params):
+    def run(params, per_use):
       boxed = dict(variables)
       boxed["params"] = box_params(params, plan) if per_use else params
       return apply_fn(boxed, *args, **kwargs)
 
-    # Scanned layers get the policy inside each layer (the step's scan hook); a whole-model
-    # checkpoint on top would override it (measured: its residuals are saved again), so it is
-    # used only for models without scans, where it is the only place the policy can act.
-    if not has_scan:
-      with count_scans() as seen:
-        jax.eval_shape(run, params)  # a trace only: does the model scan its layers?
-      has_scan.append(bool(seen))
-    # Stage 3 without scans, per-use: nothing orders the layers' gathers but data
-    # dependencies, so each layer gathers after its input and re-gathers after its output's
-    # cotangent (`regather_layers`). A scan's loop already runs one layer at a time.
-    layers = (nn.intercept_methods(regather_layers)
-              if per_use and plan.config.stage == 3 and not has_scan[0]
+    if not decided:
+      jaxpr = jax.make_jaxpr(lambda p: run(p, False))(params)
+      has_scan = jaxpr_has_primitive(jaxpr, frozenset({"scan"}))
+      remats = jaxpr_has_primitive(jaxpr, REMAT_PRIMITIVE_NAMES)
+      per_use = plan.gathers_per_use or (
+          cfg.gather == "auto" and cfg.stage == 3 and cfg.remat == "auto" and not has_scan
+          and not remats and any(lp.is_sharded for lp in plan.leaves))
+      decided.append((per_use, has_scan))
+    per_use, has_scan = decided[0]
+    policy = remat_policy(cfg, per_use)
+    if has_scan or policy is None:
+      # Scanned layers get their policy inside each layer (the step's scan hook); a
+      # whole-model checkpoint on top would override it (measured: its residuals are saved
+      # again), so it is only for models without scans.
+      return run(params, per_use)
+    # Stage 3, per use, no scans: nothing orders the layers' gathers but data dependencies, so
+    # each layer gathers after its input and re-gathers after its output's cotangent.
+    layers = (nn.intercept_methods(regather_layers) if per_use and cfg.stage == 3
               else contextlib.nullcontext())
     with layers:
-      return run(params) if has_scan[0] else jax.checkpoint(run, policy=policy)(params)
+      return jax.checkpoint(lambda p: run(p, per_use), policy=policy)(params)
 
   return apply
 
