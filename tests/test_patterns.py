@@ -171,3 +171,64 @@ def test_tied_head_through_variables_with_explicit_gathering():
     state, m = zstep(state, b)
     losses.append(float(m["loss"]))
   np.testing.assert_allclose(losses, ref, rtol=TOL, atol=TOL)
+
+
+# -- NNX is first-class: accumulation, clipping, offload, loss scaling --------------------------
+
+
+def _nnx_run(stage, steps=2, **kw):
+  from flax import nnx
+  cfg = zerojax.ZeroConfig(stage=stage, **kw)
+  model, opt, plan = zerojax.create_nnx(lambda: pt._nnx_model(SIZE, "e", nnx.Rngs(0)),
+                                        pt.make_tx(), config=cfg)
+
+  @zerojax.zero_step(plan)
+  def step(model, optimizer, batch):
+    loss, grads = zerojax.value_and_grad(
+        lambda m, b: pt.loss_of("e", m(b["x"]), b["y"]))(model, batch)
+    optimizer.update(model, grads)
+    return {"loss": loss}
+
+  losses = [float(step(model, opt, b)["loss"]) for b in pt.batches(SIZE, "e", steps)]
+  return losses, model, opt, plan
+
+
+def _nnx_reference(tx, steps=2):
+  from flax import nnx
+  model = pt._nnx_model(SIZE, "e", nnx.Rngs(0))
+  opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+  @nnx.jit
+  def step(model, opt, b):
+    loss, g = nnx.value_and_grad(lambda m: pt.loss_of("e", m(b["x"]), b["y"]))(model)
+    opt.update(model, g)
+    return loss
+  return [float(step(model, opt, b)) for b in pt.batches(SIZE, "e", steps)], model
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_nnx_accumulation_and_clipping_match_one_device(stage):
+  from flax import nnx
+  losses, model, _, _ = _nnx_run(stage, gradient_accumulation_steps=2, gradient_clipping=0.05)
+  ref, ref_model = _nnx_reference(optax.chain(optax.clip_by_global_norm(0.05), pt.make_tx()))
+  np.testing.assert_allclose(losses, ref, rtol=TOL, atol=TOL)
+  for a, b in zip(jax.tree.leaves(nnx.state(model, nnx.Param)),
+                  jax.tree.leaves(nnx.state(ref_model, nnx.Param))):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=TOL, atol=TOL)
+
+
+@pytest.mark.parametrize("what", ["offload_optimizer", "offload_params"])
+def test_nnx_offload_rests_on_host_and_matches(what):
+  from flax import nnx
+  losses, model, opt, _ = _nnx_run(3, **{what: True})
+  ref, _ = _nnx_reference(pt.make_tx())
+  np.testing.assert_allclose(losses, ref, rtol=TOL, atol=TOL)
+  rest = nnx.state(opt, nnx.OptState) if what == "offload_optimizer" else nnx.state(model,
+                                                                                     nnx.Param)
+  kinds = {x.sharding.memory_kind for x in jax.tree.leaves(rest) if np.ndim(x) > 0}
+  assert kinds == {"pinned_host"}
+
+
+def test_nnx_loss_scaling_is_refused_with_a_reason():
+  with pytest.raises(zerojax.ConfigError, match="loss_scale=0.*NNX"):
+    _nnx_run(3, loss_scale=0)

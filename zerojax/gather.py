@@ -1,31 +1,25 @@
-"""Just-in-time parameter gathering and per-layer gradient reduce-scatter.
+"""How a sharded parameter reaches the layer that reads it, and its gradient leaves.
 
-Each parameter is wrapped in a `ZeroParam` box before the user's model runs. Flax unboxes a
-parameter exactly where a layer reads it (``self.param`` in linen), including inside ``nn.scan``
-bodies, where Flax slices the box per layer and calls `ZeroParam.remove_axis`. Unboxing applies
-`gather`, an identity with a custom VJP:
+Two formulations, chosen per model by `zerojax.step.wrap_apply_fn` (see `ZeroConfig.gather`):
 
-* forward:  ``w`` at rest (sharded at stage 3) -> ``w`` gathered for compute (all-gather);
-* backward: the cotangent of that one use -> the gradient layout of the stage
-  (reduce-scatter at stages 2-3, all-reduce at 0-1), in ``reduce_dtype``.
-
-So at stages 2-3 a layer's gradient is reduce-scattered as soon as the backward pass produces it,
-inside the scan body, and the model's full gradient never exists on a device.
-
-At stage 3 the gathered value is named `GATHERED`. The step wraps the model in
-``jax.checkpoint`` with a policy that never saves that name, so the backward pass re-gathers each
-layer's weights instead of keeping the gathered copies alive between forward and backward.
-
-Which layers are live at once is then up to XLA's scheduler, and a gather depends only on the
-shard at rest, so nothing stops the scheduler from issuing every gather at the start of the
-forward (and every re-gather at the start of the backward) pass. XLA:CPU does exactly that for
-unscanned models; ``optimization_barrier`` does not survive its pipeline. So at stage 3, in
-models without scans (a scan's loop already runs one layer at a time), every linen module that
-owns parameters directly runs through
-`regather_layers`: a ``custom_vjp`` whose forward gathers the module's weights after its input
-exists and whose backward re-gathers them after the output's cotangent exists, both by *data*
-dependency (the shard plus zero times a scalar of that input or cotangent), which no scheduler
-can reorder. Each gathered weight then lives only while its own layer computes.
+* **The compiler's** (default for scanned layers, layers the user rematerialises, NNX and plain
+  pytrees). The step's inputs, outputs and gradients carry the plan's shardings and XLA's
+  partitioner (GSPMD) inserts the gathers and reduce-scatters where each weight is used, exactly
+  as hand-written JAX FSDP does; nothing inside the model is touched, so it holds for any model
+  however it is written or called. Inside a scan the loop runs one layer at a time; a scanned
+  layer the user did not rematerialise is wrapped in ``jax.checkpoint`` (`ScanRemat`, through a
+  per-thread ``jax.lax.scan`` dispatcher) so no layer keeps what was gathered for it.
+* **Per use** (linen ``apply_fn``): each parameter is wrapped in a `ZeroParam` box that Flax
+  unboxes exactly where a layer reads it, applying `gather`, an identity with a custom VJP:
+  forward, at-rest layout -> compute layout (all-gather at stage 3); backward, the cotangent
+  of that one use -> the stage's gradient layout (reduce-scatter), in ``reduce_dtype``. At stage
+  3 the gathered value is named `GATHERED` and never saved for the backward pass. Models
+  without scans also run each parameter-owning module through `regather_layers`, a
+  ``custom_vjp`` that gathers after the module's input exists and re-gathers after its output's
+  cotangent exists (data dependencies no scheduler can reorder), so only the computing layer's
+  weights are gathered in either pass. This is what an unscanned model without remat needs
+  (otherwise every layer's gathered weights live until the backward pass), and what
+  ``offload_params`` (per-layer fetch from host) and ``reduce_dtype`` act through.
 """
 
 from __future__ import annotations

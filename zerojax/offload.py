@@ -76,12 +76,21 @@ def _constrain_like(tree: Any, shardings: Any) -> Any:
                                       for x, s in zip(leaves, specs)])
 
 
-def _is_host(shardings: Any) -> bool:
+def put_like(tree: Any, shardings: Any) -> Any:
+  """``jax.device_put`` of ``tree`` onto the plan's ``shardings``, matched leaf by leaf (an NNX
+  ``State`` against the plan's tree of the same leaves)."""
+  leaves, treedef = jax.tree.flatten(tree)
+  return jax.tree.unflatten(treedef, [jax.device_put(x, s) for x, s in
+                                      zip(leaves, jax.tree.leaves(shardings), strict=True)])
+
+
+def is_host(shardings: Any) -> bool:
+  """Whether any of ``shardings`` rests in host memory."""
   return any(s.memory_kind == HOST for s in jax.tree.leaves(shardings))
 
 
-def wrap_tx(tx: optax.GradientTransformation, plan: Any,
-            clip: float | None = None) -> optax.GradientTransformation:
+def wrap_tx(tx: optax.GradientTransformation, plan: Any, clip: float | None = None,
+            params_fetched: bool = False) -> optax.GradientTransformation:
   """``tx`` whose update moves offloaded state to where the update runs, and back.
 
   * ``offload_optimizer``: the optimizer state comes from ``pinned_host`` to the device for the
@@ -94,6 +103,9 @@ def wrap_tx(tx: optax.GradientTransformation, plan: Any,
   reduced gradients (`ShardingPlan.grads_reduced`): the partitioner then reduce-scatters each
   layer's gradient where the backward pass produces it (stages 2-3) instead of choosing a
   layout of its own, for any model and however the gradient was computed.
+
+  ``params_fetched``: host-resident parameters were already brought to the device for the
+  whole step (NNX), so updates stay on the device.
 
   ``clip`` clips the gradient to that global norm first (``optax.clip_by_global_norm``, which
   keeps no state, so the optimizer state is the one ``tx`` made): an NNX step's
@@ -109,8 +121,8 @@ def wrap_tx(tx: optax.GradientTransformation, plan: Any,
       grads, _ = optax.clip_by_global_norm(clip).update(grads, optax.EmptyState())
     return grads
 
-  opt_host = plan.opt_state is not None and _is_host(plan.opt_state)
-  params_host = _is_host(plan.params)
+  opt_host = plan.opt_state is not None and is_host(plan.opt_state)
+  params_host = is_host(plan.params) and not params_fetched
   if not (cfg.offload_optimizer or cfg.offload_params) or not (opt_host or params_host):
     # No offload (or it fell back to device memory): only the gradient layout.
     return optax.GradientTransformationExtraArgs(

@@ -178,15 +178,21 @@ class ZeroStep:
             "zerojax.ZeroTrainState, which an NNX step does not have; train NNX in bfloat16 "
             "(compute_dtype='bfloat16', no loss scaling) or use a linen model")
       check_batch(plan, batch)
-      if plan.gathers_per_use:
+      cfg = plan.config
+      if cfg.gather == "explicit" or cfg.reduce_dtype is not None:
         raise ConfigError(
             f"{_per_use_reason(plan)} needs per-use gathering, which zerojax does through a "
             "linen model's state.apply_fn; an NNX step cannot honour it. Use a linen model, or "
             "drop the setting")
+      # Host-resident NNX parameters come to the device (as the plan shards them) when the
+      # step starts and go back when it ends; a linen model fetches each layer's just in time.
+      params_host = offload.is_host(plan.params)
 
       def step(state, batch, *rest):
         m, o = nnx.merge(graphdef, state)
-        o.tx = offload.wrap_tx(o.tx, plan, clip=plan.config.gradient_clipping)
+        if params_host:
+          nnx.update(m, offload.put_like(nnx.state(m, nnx.Param), offload.on_device(plan.params)))
+        o.tx = offload.wrap_tx(o.tx, plan, clip=cfg.gradient_clipping, params_fetched=params_host)
         with _step_context(plan, None) as ctx, scanned_layers(scan_remat(plan.config, False)):
           metrics = self.fn(m, o, batch, *rest)
         _check_features_used(ctx)
