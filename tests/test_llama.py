@@ -1,0 +1,228 @@
+"""Hugging Face Llama checkpoints in and out: the NNX Llama against transformers' PyTorch
+``LlamaForCausalLM``, sharded safetensors loading on every stage and mesh, named errors,
+existing parameters in `create_nnx`/`create_train_state`, frozen parameters, export."""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import zerojax  # noqa: E402
+from zerojax import weights  # noqa: E402
+from zerojax.models import llama  # noqa: E402
+
+HF = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+          rms_norm_eps=1e-5, rope_theta=500.0)
+
+
+def hf_model(tie=False, seed=0):
+  torch.manual_seed(seed)
+  m = transformers.LlamaForCausalLM(transformers.LlamaConfig(**HF, tie_word_embeddings=tie))
+  with torch.no_grad():
+    for p in m.parameters():
+      p.normal_(0.0, 0.1)
+  return m.float().eval()
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+  """A tiny random Llama saved sharded (several files + model.safetensors.index.json)."""
+  d = tmp_path_factory.mktemp("hf_llama")
+  m = hf_model()
+  m.save_pretrained(d, max_shard_size="60KB")
+  assert os.path.exists(d / weights.INDEX_FILE) and len(list(d.glob("*.safetensors"))) > 2
+  tokens = np.random.RandomState(0).randint(0, HF["vocab_size"], (2, 16))
+  with torch.no_grad():
+    logits = m(torch.tensor(tokens)).logits.numpy()
+  sd = {k: v.numpy().copy() for k, v in m.state_dict().items()}
+  return d, tokens, logits, sd
+
+
+def abstract_llama(cfg):
+  return nnx.eval_shape(lambda: llama.Llama(cfg, nnx.Rngs(0)))
+
+
+def plan_for(cfg, config, devices=None):
+  mesh = zerojax.make_mesh(config, devices)
+  return zerojax.ShardingPlan.create(config, mesh, nnx.state(abstract_llama(cfg), nnx.Param))
+
+
+def logits_of(cfg, tree, tokens):
+  graphdef, _ = nnx.split(abstract_llama(cfg))
+  return np.asarray(jax.jit(lambda s, t: nnx.merge(graphdef, s)(t))(tree, tokens))
+
+
+def test_logits_match_transformers(hf_dir):
+  d, tokens, ref, _ = hf_dir
+  cfg = llama.from_hf_config(d)
+  plan = plan_for(cfg, zerojax.ZeroConfig(stage=3))
+  tree = weights.load_safetensors(d, plan, llama.hf_mapping(cfg))
+  np.testing.assert_allclose(logits_of(cfg, tree, tokens), ref, atol=1e-4, rtol=0)
+
+
+def test_tied_embeddings_match_transformers(tmp_path):
+  m = hf_model(tie=True, seed=1)
+  m.save_pretrained(tmp_path)
+  cfg = llama.from_hf_config(tmp_path)
+  assert cfg.tie_word_embeddings
+  plan = plan_for(cfg, zerojax.ZeroConfig(stage=3))
+  # transformers v5 writes the tied head once (under the embedding's name).
+  tree = weights.load_safetensors(tmp_path, plan, llama.hf_mapping(cfg),
+                                  allow_extra=[r"^lm_head\.weight$"])
+  tokens = np.arange(32).reshape(2, 16) % HF["vocab_size"]
+  with torch.no_grad():
+    ref = m(torch.tensor(tokens)).logits.numpy()
+  np.testing.assert_allclose(logits_of(cfg, tree, tokens), ref, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("stage,mesh_shape,axes,ndev", [
+    (0, (8,), ("fsdp",), 8), (1, (8,), ("fsdp",), 8), (2, (8,), ("fsdp",), 8),
+    (3, (8,), ("fsdp",), 8), (3, (2, 4), ("replica", "fsdp"), 8), (3, (-1,), ("fsdp",), 1)])
+def test_load_sharded_checkpoint_every_stage_and_mesh(hf_dir, stage, mesh_shape, axes, ndev):
+  d, _, _, sd = hf_dir
+  cfg = llama.from_hf_config(d)
+  config = zerojax.ZeroConfig(stage=stage, mesh_shape=mesh_shape, mesh_axes=axes)
+  plan = plan_for(cfg, config, jax.devices()[:ndev])
+  mapping = llama.hf_mapping(cfg)
+  tree = weights.load_safetensors(d, plan, mapping)
+  for lp, x, sh in zip(plan.leaves, jax.tree.leaves(tree), jax.tree.leaves(plan.params)):
+    assert x.sharding == sh, lp.path
+    tm = mapping[lp.path]
+    parts = [sd[n] for n in tm.names(lp.shape)]
+    parts = [p.T if tm.transpose else p for p in parts]
+    want = np.stack(parts) if tm.stacked else parts[0]
+    np.testing.assert_array_equal(np.asarray(x), want, err_msg=lp.path)
+    if stage == 3 and lp.is_sharded:  # each device holds only its shard
+      n = dict(plan.mesh.shape)["fsdp"]
+      assert {s.data.size for s in x.addressable_shards} == {x.size // n}
+
+
+# -- named errors ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def stage3(hf_dir):
+  cfg = llama.from_hf_config(hf_dir[0])
+  return cfg, plan_for(cfg, zerojax.ZeroConfig(stage=3))
+
+
+def _write(path, tensors):
+  from safetensors.numpy import save_file
+  save_file(tensors, str(path))
+  return path
+
+
+def test_mismatched_shape_names_leaf_shapes_and_file(hf_dir, stage3, tmp_path):
+  cfg, plan = stage3
+  sd = dict(hf_dir[3])
+  sd["model.layers.1.mlp.up_proj.weight"] = np.zeros((97, 64), np.float32)
+  f = _write(tmp_path / "bad.safetensors", sd)
+  with pytest.raises(weights.WeightsError) as e:
+    weights.load_safetensors(f, plan, llama.hf_mapping(cfg))
+  msg = str(e.value)
+  assert "'layers/mlp/up_proj/kernel'" in msg and "(97, 64)" in msg and "(96, 64)" in msg
+  assert "model.layers.1.mlp.up_proj.weight" in msg and str(f) in msg
+
+
+def test_missing_tensor_is_named(hf_dir, stage3, tmp_path):
+  cfg, plan = stage3
+  sd = dict(hf_dir[3])
+  del sd["model.layers.0.self_attn.k_proj.weight"]
+  f = _write(tmp_path / "missing.safetensors", sd)
+  with pytest.raises(weights.WeightsError, match=r"tensor 'model\.layers\.0\.self_attn\.k_proj"
+                     r"\.weight' \(for leaf 'layers/self_attn/k_proj/kernel'.*missing"):
+    weights.load_safetensors(f, plan, llama.hf_mapping(cfg))
+
+
+def test_extra_tensor_is_named_unless_allowed(hf_dir, stage3, tmp_path):
+  cfg, plan = stage3
+  sd = dict(hf_dir[3])
+  sd["model.layers.0.self_attn.rotary_emb.inv_freq"] = np.zeros((8,), np.float32)
+  f = _write(tmp_path / "extra.safetensors", sd)
+  with pytest.raises(weights.WeightsError, match=r"not used by any leaf.*rotary_emb\.inv_freq"):
+    weights.load_safetensors(f, plan, llama.hf_mapping(cfg))
+  tree = weights.load_safetensors(f, plan, llama.hf_mapping(cfg), allow_extra=[r"inv_freq$"])
+  assert len(jax.tree.leaves(tree)) == len(plan.leaves)
+
+
+def test_dtype_mismatch_named_and_cast_on_request(hf_dir, stage3, tmp_path):
+  import ml_dtypes
+  cfg, plan = stage3
+  sd = {k: v.astype(ml_dtypes.bfloat16) for k, v in hf_dir[3].items()}
+  f = _write(tmp_path / "bf16.safetensors", sd)
+  with pytest.raises(weights.WeightsError, match=r"has dtype bfloat16, the leaf is float32 \(pass cast=True"):
+    weights.load_safetensors(f, plan, llama.hf_mapping(cfg))
+  tree = weights.load_safetensors(f, plan, llama.hf_mapping(cfg), cast=True)
+  x = np.asarray(tree["norm"]["scale"])
+  np.testing.assert_array_equal(x, sd["model.norm.weight"].astype(np.float32))
+
+
+def test_place_mismatched_tree_names_leaf_and_shapes(stage3):
+  cfg, plan = stage3
+  tree = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype),
+                      nnx.to_pure_dict(nnx.state(abstract_llama(cfg), nnx.Param)))
+  tree["norm"]["scale"] = np.zeros((65,), np.float32)
+  with pytest.raises(weights.WeightsError, match=r"'norm/scale' has shape \(65,\), the model "
+                     r"needs \(64,\)"):
+    weights.place(tree, plan)
+
+
+# -- existing parameters into the plan ------------------------------------------------------------
+
+
+def test_create_nnx_from_checkpoint_trains(hf_dir):
+  d, tokens, ref, _ = hf_dir
+  cfg = llama.from_hf_config(d)
+  src = weights.safetensors_source(d, llama.hf_mapping(cfg))
+  model, opt, plan = zerojax.create_nnx(lambda: llama.Llama(cfg, nnx.Rngs(0)),
+                                        optax.adam(1e-2), config=zerojax.ZeroConfig(stage=3),
+                                        params=src)
+  np.testing.assert_allclose(np.asarray(jax.jit(lambda m, t: m(t))(model, tokens)), ref,
+                             atol=1e-4, rtol=0)
+  k = model.layers.mlp.up_proj.kernel[...]
+  assert k.sharding.spec == jax.tree.leaves(plan.params)[
+      [lp.path for lp in plan.leaves].index("layers/mlp/up_proj/kernel")].spec
+  mu = opt.opt_state[0].mu.layers.mlp.up_proj.kernel[...]
+  assert mu.sharding.spec == k.sharding.spec and not np.asarray(mu).any()
+
+  @zerojax.zero_step(plan)
+  def step(model, opt, batch):
+    def lf(m):
+      return zerojax.models.loss_fn(m(batch["x"]), batch["y"])
+    loss, grads = nnx.value_and_grad(lf)(model)
+    opt.update(model, grads)
+    return {"loss": loss}
+
+  batch = {"x": jnp.asarray(np.tile(tokens[:, :-1], (4, 1))),
+           "y": jnp.asarray(np.tile(tokens[:, 1:], (4, 1)))}
+  losses = [float(step(model, opt, batch)["loss"]) for _ in range(3)]
+  assert losses[-1] < losses[0]
+
+
+def test_create_train_state_from_numpy_params():
+  from zerojax.models import GPT, GPTConfig
+  mcfg = GPTConfig(num_layers=2, d_model=32, num_heads=2, seq_len=16)
+  model, sample = GPT(mcfg), jnp.zeros((8, 16), jnp.int32)
+  shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), sample)["params"])
+  rs = np.random.RandomState(0)
+  given = jax.tree.map(lambda s: rs.standard_normal(s.shape).astype(np.float32), shapes)
+  state, plan = zerojax.create_train_state(model, optax.adam(1e-3), jax.random.key(1), sample,
+                                           config=zerojax.ZeroConfig(stage=3), params=given)
+  for a, b, sh in zip(jax.tree.leaves(state.params), jax.tree.leaves(given),
+                      jax.tree.leaves(plan.params)):
+    np.testing.assert_array_equal(np.asarray(a), b)
+    assert a.sharding == sh
+  bad = jax.tree.map(lambda x: x, given)
+  bad["head"]["kernel"] = np.zeros((3, 3), np.float32)
+  with pytest.raises(weights.WeightsError, match=r"'head/kernel' has shape \(3, 3\)"):
+    zerojax.create_train_state(model, optax.adam(1e-3), jax.random.key(1), sample,
+                               config=zerojax.ZeroConfig(stage=3), params=bad)
