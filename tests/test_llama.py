@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import zerojax  # noqa: E402
-from zerojax import weights  # noqa: E402
+from zerojax import memory, weights  # noqa: E402
 from zerojax.models import llama  # noqa: E402
 
 HF = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -226,3 +226,65 @@ def test_create_train_state_from_numpy_params():
   with pytest.raises(weights.WeightsError, match=r"'head/kernel' has shape \(3, 3\)"):
     zerojax.create_train_state(model, optax.adam(1e-3), jax.random.key(1), sample,
                                config=zerojax.ZeroConfig(stage=3), params=bad)
+
+
+# -- frozen parameters (LoRA) ---------------------------------------------------------------------
+
+
+def test_frozen_leaves_cost_only_their_shard(hf_dir):
+  """LoRA at stage 3: the frozen base weights are sharded like the rest, and the compiled step
+  holds exactly their shards: no gradient buffers (temp) and no optimizer state for them."""
+  d = hf_dir[0]
+  base = llama.from_hf_config(d)
+  cfg = llama.from_hf_config(d, lora_rank=4)
+  batch = {"x": jnp.zeros((8, 16), jnp.int32), "y": jnp.zeros((8, 16), jnp.int32)}
+  out = {}
+  for name, wrt in (("lora", nnx.LoRAParam), ("full", nnx.Param)):
+    src = weights.safetensors_source(d, llama.hf_mapping(base), skip="lora_")
+    model, opt, plan = zerojax.create_nnx(lambda: llama.Llama(cfg, nnx.Rngs(0)),
+                                          optax.adam(1e-3), config=zerojax.ZeroConfig(stage=3),
+                                          wrt=wrt, params=src)
+
+    @zerojax.zero_step(plan)
+    def step(model, opt, batch, wrt=wrt):
+      def lf(m):
+        return zerojax.models.loss_fn(m(batch["x"]), batch["y"])
+      loss, grads = nnx.value_and_grad(lf, argnums=nnx.DiffState(0, wrt))(model)
+      opt.update(model, grads)
+      return {"loss": loss}
+
+    ma = step.lower(model, opt, batch).compile().memory_analysis()
+    out[name] = (plan, ma, model)
+  plan, ma, model = out["lora"]
+  frozen = [lp for lp in plan.leaves if not lp.trainable]
+  assert frozen and all("lora_" not in lp.path for lp in frozen)
+  assert all("lora_" in lp.path for lp in plan.leaves if lp.trainable)
+  k = model.layers.mlp.up_proj.kernel[...]  # frozen, and still sharded at stage 3
+  assert "fsdp" in str(k.sharding.spec) and k.addressable_shards[0].data.size == k.size // 8
+  assert "frozen" in plan.table() and "sharded, frozen" in plan.table()
+  b = plan.bytes_per_device()
+  frozen_shards = sum(lp.nbytes // (8 if lp.is_sharded else 1) for lp in frozen)
+  batch_bytes = 2 * 8 * 16 * 4 // 8
+  # Arguments: every parameter shard, the adapters' Adam state, the batch shard and the two
+  # step counters (optimizer step, Adam count): nothing else.
+  assert ma.argument_size_in_bytes == b["params"] + b["opt_state"] + batch_bytes + 4
+  lora_only = b["params"] - frozen_shards
+  assert b["grads"] == lora_only and b["opt_state"] == 2 * lora_only + 4
+  full_plan, full_ma, _ = out["full"]
+  fb = full_plan.bytes_per_device()
+  assert full_ma.argument_size_in_bytes - ma.argument_size_in_bytes == \
+      fb["opt_state"] - b["opt_state"]
+  # Full fine-tuning needs at least the frozen leaves' gradient shards more temporaries.
+  assert full_ma.temp_size_in_bytes - ma.temp_size_in_bytes >= frozen_shards
+  est = memory.estimate(nnx.state(abstract_llama(cfg), nnx.Param),
+                                opt_state=jax.eval_shape(lambda: opt_shapes(cfg)),
+                                config=zerojax.ZeroConfig(stage=3), num_devices=8,
+                                trainable=lambda p: "lora_" in p)
+  assert est.grads == b["grads"] and est.params == b["params"]
+  assert set(est.frozen) == {lp.path for lp in frozen}
+
+
+def opt_shapes(cfg):
+  model = llama.Llama(cfg, nnx.Rngs(0))
+  opt = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.LoRAParam)
+  return nnx.to_pure_dict(nnx.state(opt))["opt_state"]

@@ -161,6 +161,7 @@ class ZeroStep:
       check_batch(plan, batch)
 
       def step(state, batch):
+        state = _nnx_fetch(state, state_sh)
         m, o = nnx.merge(graphdef, state)
         with _step_context(plan, None) as ctx:
           metrics = self.fn(m, o, batch)
@@ -462,6 +463,18 @@ def existing_params(params: Any, plan: ShardingPlan) -> tuple[list[jax.Array], t
   leaves = jax.tree.leaves(place(params, plan))
   given = tuple(not isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
   return [x for x, g in zip(leaves, given) if g], given
+
+
+def _nnx_fetch(state: Any, shardings: Any) -> Any:
+  """Offloaded (``pinned_host``) leaves of an NNX step's state, moved to the device.
+
+  An NNX step has no per-layer fetch (linen's `zerojax.gather.fetch`): offloaded parameters
+  and optimizer state are on the device for the step's duration only, and go back to host
+  memory through the step's output shardings.
+  """
+  from zerojax.plan import HOST
+  return jax.tree.map(lambda x, s: jax.device_put(x, s.with_memory_kind("device"))
+                      if s.memory_kind == HOST else x, state, shardings)
 
 
 def _merge_given(init_leaves: list, arrays: list, given: tuple[bool, ...]) -> list:

@@ -104,12 +104,13 @@ class Proj(nnx.Module):
     init = nnx.initializers.normal(0.02)
     self.kernel = nnx.Param(init(rngs.params(), (din, dout), cfg.param_dtype))
     self.dtype = cfg.dtype
-    self.lora_a = self.lora_b = None
+    self.lora_a = self.lora_b = nnx.data(None)
     if lora:
       r = cfg.lora_rank
-      self.lora_a = nnx.LoRAParam(
-          nnx.initializers.he_uniform()(rngs.params(), (din, r), cfg.param_dtype))
-      self.lora_b = nnx.LoRAParam(jnp.zeros((r, dout), cfg.param_dtype))
+      self.lora_a = nnx.data(nnx.LoRAParam(
+          nnx.initializers.he_uniform()(rngs.params(), (din, r), cfg.param_dtype)))
+      # B starts at zero, so the adapted model starts as the base model.
+      self.lora_b = nnx.data(nnx.LoRAParam(jnp.zeros((r, dout), cfg.param_dtype)))
       self.lora_scale = cfg.lora_alpha / r
 
   def __call__(self, x):
