@@ -76,6 +76,12 @@ def make_random_llama(model_dir: str, seed: int = 0) -> None:
   model.save_pretrained(model_dir, max_shard_size="200KB")
 
 
+def make_optimizer(lr: float, steps: int):
+  """AdamW with a short warmup and cosine decay over the run."""
+  return optax.adamw(optax.warmup_cosine_decay_schedule(0.0, lr, 2, max(steps, 3)),
+                     b1=0.9, b2=0.95, weight_decay=0.0)
+
+
 def checkpoint_item(model, optimizer) -> dict:
   """What a checkpoint holds: every parameter (trained or frozen), the optimizer state (laid
   out as the plan's ``opt_state``) and the optimizer's step."""
@@ -104,7 +110,6 @@ def main(argv=None) -> int:
   zt.setup_cpu_devices(args.cpu_devices)
   import jax
   import jax.numpy as jnp
-  import optax
   from flax import nnx
   import zerojax
   from zerojax import weights
@@ -125,8 +130,7 @@ def main(argv=None) -> int:
   offload = not args.no_offload and args.stage == 3
   config = zerojax.ZeroConfig(stage=args.stage, offload_optimizer=offload,
                               offload_params=offload)
-  tx = optax.adamw(optax.warmup_cosine_decay_schedule(0.0, args.lr, 2, max(args.steps, 3)),
-                   b1=0.9, b2=0.95, weight_decay=0.0)
+  tx = make_optimizer(args.lr, args.steps)
   wrt = nnx.LoRAParam if args.lora else nnx.Param
   make = lambda: llama.Llama(cfg, nnx.Rngs(0))
 
@@ -171,15 +175,19 @@ def main(argv=None) -> int:
   sample = jnp.zeros((args.batch, args.seq_len), jnp.int32)
   batches = TextBatches(load_bytes(args.corpus), args.batch, args.seq_len,
                         sharding=plan.batch({"x": sample})["x"], step=start)
-  writer = zt.MetricsWriter(out)
   stop = min(args.steps, args.stop_after or args.steps)
+  # Appended, so a resumed run continues the record of the run it resumes.
+  log = open(out / "metrics.jsonl", "a") if zt.is_main_process() else None
   for step in range(start + 1, stop + 1):
     loss = float(train_step(model, optimizer, next(batches))["loss"])
-    writer.write({"step": step, "loss": loss})
+    if log is not None:
+      log.write(json.dumps({"step": step, "loss": loss}) + "\n")
+      log.flush()
     zt.log(f"step {step}: loss {loss:.4f}")
     if step % args.save_every == 0 or step == stop:
       ckpt.save(step, checkpoint_item(model, optimizer), data={"position": step}, force=True)
-  writer.close()
+  if log is not None:
+    log.close()
   ckpt.wait()
   if stop < args.steps:
     zt.log(f"stopped at step {stop}; run again to resume")
