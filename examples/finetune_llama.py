@@ -78,6 +78,7 @@ def make_random_llama(model_dir: str, seed: int = 0) -> None:
 
 def make_optimizer(lr: float, steps: int):
   """AdamW with a short warmup and cosine decay over the run."""
+  import optax
   return optax.adamw(optax.warmup_cosine_decay_schedule(0.0, lr, 2, max(steps, 3)),
                      b1=0.9, b2=0.95, weight_decay=0.0)
 
