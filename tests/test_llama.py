@@ -369,3 +369,33 @@ def test_example_lora_exports_merged_adapters(example_runs):
   theirs = _hf_logits(lora / "hf", tokens)
   np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
   assert np.abs(_hf_logits(lora / "base", tokens) - theirs).max() > 1e-3
+
+
+def test_given_params_compile_no_init(monkeypatch):
+  """With every parameter given, the jitted creation has no random init left (XLA removed
+  the model's dead init): its compiled HLO has no RNG, unlike a fresh init's."""
+  cfg = llama.LlamaConfig()
+  texts = []
+  real_jit = jax.jit
+
+  def spy(f=None, **kw):
+    if f is None:
+      return lambda g: spy(g, **kw)
+    j = real_jit(f, **kw)
+
+    def call(*a):
+      texts.append(j.lower(*a).compile().as_text())
+      return j(*a)
+    return call
+
+  given = jax.tree.map(lambda s: np.ones(s.shape, s.dtype),
+                       nnx.to_pure_dict(nnx.state(abstract_llama(cfg), nnx.Param)))
+  monkeypatch.setattr(jax, "jit", spy)
+  rng_ops = lambda t: sum(t.count(k) for k in ("rng-bit-generator", "threefry", "random"))
+  model, _, _ = zerojax.create_nnx(lambda: llama.Llama(cfg, nnx.Rngs(0)), optax.adam(1e-3),
+                                   config=zerojax.ZeroConfig(stage=3), params=given)
+  assert len(texts) == 1 and rng_ops(texts[0]) == 0
+  np.testing.assert_array_equal(np.asarray(model.layers.mlp.up_proj.kernel[...]), 1.0)
+  zerojax.create_nnx(lambda: llama.Llama(cfg, nnx.Rngs(0)), optax.adam(1e-3),
+                     config=zerojax.ZeroConfig(stage=3))
+  assert len(texts) == 2 and rng_ops(texts[1]) > 0
