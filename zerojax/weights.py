@@ -380,7 +380,7 @@ def place(params: Any, plan: Any) -> Any:
       dtype (the message names the leaf and both shapes).
   """
   if hasattr(params, "load") and callable(params.load):
-    return params.load(plan)
+    params = params.load(plan)  # checked below like any tree (its arrays are already placed)
   from zerojax.plan import _path_str, _unbox
   params = _unbox(params)
   flat, _ = jax.tree_util.tree_flatten_with_path(params)
