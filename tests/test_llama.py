@@ -2,6 +2,7 @@
 ``LlamaForCausalLM``, sharded safetensors loading on every stage and mesh, named errors,
 existing parameters in `create_nnx`/`create_train_state`, frozen parameters, export."""
 
+import dataclasses
 import json
 import os
 
@@ -24,9 +25,10 @@ HF = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layer
           rms_norm_eps=1e-5, rope_theta=500.0)
 
 
-def hf_model(tie=False, seed=0):
+def hf_model(tie=False, seed=0, **kw):
   torch.manual_seed(seed)
-  m = transformers.LlamaForCausalLM(transformers.LlamaConfig(**HF, tie_word_embeddings=tie))
+  m = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**HF, **kw},
+                                                             tie_word_embeddings=tie))
   with torch.no_grad():
     for p in m.parameters():
       p.normal_(0.0, 0.1)
@@ -82,6 +84,28 @@ def test_tied_embeddings_match_transformers(tmp_path):
   with torch.no_grad():
     ref = m(torch.tensor(tokens)).logits.numpy()
   np.testing.assert_allclose(logits_of(cfg, tree, tokens), ref, atol=1e-4, rtol=0)
+
+
+def test_llama3_rope_scaling_matches_transformers(tmp_path):
+  rope = {"rope_type": "llama3", "rope_theta": 500.0, "factor": 8.0, "low_freq_factor": 1.0,
+          "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+  m = hf_model(seed=2, rope_parameters=rope)
+  m.save_pretrained(tmp_path)
+  cfg = llama.from_hf_config(tmp_path)
+  assert cfg.rope_llama3 == (8.0, 1.0, 4.0, 64)
+  # The three bands of the scaling all occur at this size (wavelengths vs 64/4 and 64/1).
+  inv = np.asarray(llama._inv_freq(dataclasses.replace(cfg, rope_llama3=None)))
+  wl = 2 * np.pi / inv
+  assert (wl < 16).any() and ((wl > 16) & (wl < 64)).any() and (wl > 64).any()
+  plan = plan_for(cfg, zerojax.ZeroConfig(stage=3))
+  tree = weights.load_safetensors(tmp_path, plan, llama.hf_mapping(cfg))
+  tokens = np.arange(48).reshape(2, 24) % HF["vocab_size"]
+  with torch.no_grad():
+    ref = m(torch.tensor(tokens)).logits.numpy()
+  np.testing.assert_allclose(logits_of(cfg, tree, tokens), ref, atol=1e-4, rtol=0)
+  plain = dataclasses.replace(cfg, rope_llama3=None)  # the scaling matters at this length
+  assert np.abs(logits_of(plain, tree, tokens) - ref).max() > 1e-3
+  assert llama.hf_config(cfg)["rope_parameters"] == {**rope, "factor": 8.0}
 
 
 @pytest.mark.parametrize("stage,mesh_shape,axes,ndev", [

@@ -45,6 +45,9 @@ class LlamaConfig:
   head_dim: int | None = None  # default hidden_size // num_attention_heads
   rms_norm_eps: float = 1e-6
   rope_theta: float = 10000.0
+  # Llama 3.1 rope scaling ("rope_type": "llama3"): (factor, low_freq_factor, high_freq_factor,
+  # original_max_position_embeddings); None is the default rotary embedding.
+  rope_llama3: tuple[float, float, float, int] | None = None
   max_position_embeddings: int = 2048
   tie_word_embeddings: bool = False
   dtype: Any = jnp.float32  # compute dtype
@@ -182,9 +185,23 @@ def _rope(x, cos, sin):
   return (x * cos + rot * sin).astype(x.dtype)
 
 
-def _rope_tables(cfg: LlamaConfig, T: int):
+def _inv_freq(cfg: LlamaConfig) -> jnp.ndarray:
   hd = cfg.hd
   inv = 1.0 / (cfg.rope_theta ** (jnp.arange(0, hd, 2, dtype=jnp.float32) / hd))
+  if cfg.rope_llama3 is None:
+    return inv
+  # Llama 3.1: long wavelengths are slowed down by `factor`, short ones kept, and the band
+  # between interpolates smoothly.
+  factor, low, high, old_len = cfg.rope_llama3
+  wavelen = 2 * jnp.pi / inv
+  scaled = jnp.where(wavelen > old_len / low, inv / factor, inv)
+  smooth = (old_len / wavelen - low) / (high - low)
+  mid = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+  return jnp.where(mid, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
+
+
+def _rope_tables(cfg: LlamaConfig, T: int):
+  inv = _inv_freq(cfg)
   freqs = jnp.arange(T, dtype=jnp.float32)[:, None] * inv[None]
   emb = jnp.concatenate([freqs, freqs], axis=-1)  # (T, hd)
   cos, sin = jnp.cos(emb)[None, :, None], jnp.sin(emb)[None, :, None]
@@ -271,9 +288,17 @@ def from_hf_config(config: dict | str | os.PathLike, **overrides: Any) -> LlamaC
     raise ValueError(f"config model_type={arch!r}: zerojax.models.llama reads 'llama' configs")
   rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
   rope_type = rope.get("rope_type", rope.get("type", "default"))
-  if rope_type != "default":
+  llama3 = None
+  if rope_type == "llama3":
+    try:
+      llama3 = (float(rope["factor"]), float(rope["low_freq_factor"]),
+                float(rope["high_freq_factor"]), int(rope["original_max_position_embeddings"]))
+    except KeyError as e:
+      raise ValueError(f"config rope parameters {rope} lack {e} (needed by rope_type "
+                       "'llama3')") from None
+  elif rope_type != "default":
     raise ValueError(f"config rope type {rope_type!r} is not supported: zerojax's Llama "
-                     "implements the default rotary embedding only")
+                     "implements the default and 'llama3' rotary embeddings")
   theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
   for f in ("attention_bias", "mlp_bias"):
     if config.get(f):
@@ -287,11 +312,20 @@ def from_hf_config(config: dict | str | os.PathLike, **overrides: Any) -> LlamaC
       num_attention_heads=config["num_attention_heads"],
       num_key_value_heads=config.get("num_key_value_heads") or config["num_attention_heads"],
       head_dim=config.get("head_dim"), rms_norm_eps=config.get("rms_norm_eps", 1e-6),
-      rope_theta=float(theta),
+      rope_theta=float(theta), rope_llama3=llama3,
       max_position_embeddings=config.get("max_position_embeddings", 2048),
       tie_word_embeddings=bool(config.get("tie_word_embeddings", False)))
   kw.update(overrides)
   return LlamaConfig(**kw)
+
+
+def _rope_parameters(cfg: LlamaConfig) -> dict:
+  if cfg.rope_llama3 is None:
+    return {"rope_type": "default", "rope_theta": cfg.rope_theta}
+  factor, low, high, old_len = cfg.rope_llama3
+  return {"rope_type": "llama3", "rope_theta": cfg.rope_theta, "factor": factor,
+          "low_freq_factor": low, "high_freq_factor": high,
+          "original_max_position_embeddings": old_len}
 
 
 def hf_config(cfg: LlamaConfig, torch_dtype: str = "float32") -> dict:
@@ -303,6 +337,7 @@ def hf_config(cfg: LlamaConfig, torch_dtype: str = "float32") -> dict:
       "num_attention_heads": cfg.num_attention_heads,
       "num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.hd,
       "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta,
+      "rope_parameters": _rope_parameters(cfg),
       "max_position_embeddings": cfg.max_position_embeddings,
       "tie_word_embeddings": cfg.tie_word_embeddings, "hidden_act": "silu",
       "attention_bias": False, "mlp_bias": False, "torch_dtype": torch_dtype,
