@@ -89,7 +89,12 @@ def test_tied_embeddings_match_transformers(tmp_path):
 def test_llama3_rope_scaling_matches_transformers(tmp_path):
   rope = {"rope_type": "llama3", "rope_theta": 500.0, "factor": 8.0, "low_freq_factor": 1.0,
           "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+  # (rope_theta 500 and head_dim 16 put wavelengths 6.3 ... 1445 into all three bands)
   m = hf_model(seed=2, rope_parameters=rope)
+  with torch.no_grad():  # sharper attention, so positions (and their encoding) matter more
+    for layer in m.model.layers:
+      layer.self_attn.q_proj.weight.mul_(4.0)
+      layer.self_attn.k_proj.weight.mul_(4.0)
   m.save_pretrained(tmp_path)
   cfg = llama.from_hf_config(tmp_path)
   assert cfg.rope_llama3 == (8.0, 1.0, 4.0, 64)
@@ -99,7 +104,7 @@ def test_llama3_rope_scaling_matches_transformers(tmp_path):
   assert (wl < 16).any() and ((wl > 16) & (wl < 64)).any() and (wl > 64).any()
   plan = plan_for(cfg, zerojax.ZeroConfig(stage=3))
   tree = weights.load_safetensors(tmp_path, plan, llama.hf_mapping(cfg))
-  tokens = np.arange(48).reshape(2, 24) % HF["vocab_size"]
+  tokens = np.random.RandomState(3).randint(0, HF["vocab_size"], (2, 64))
   with torch.no_grad():
     ref = m(torch.tensor(tokens)).logits.numpy()
   np.testing.assert_allclose(logits_of(cfg, tree, tokens), ref, atol=1e-4, rtol=0)
