@@ -428,3 +428,33 @@ def test_given_params_compile_no_init(monkeypatch):
   zerojax.create_nnx(lambda: llama.Llama(cfg, nnx.Rngs(0)), optax.adam(1e-3),
                      config=zerojax.ZeroConfig(stage=3))
   assert len(texts) == 2 and rng_ops(texts[1]) > 0
+
+
+def test_cli_export_hf(example_runs, tmp_path, capsys):
+  from safetensors.numpy import load_file
+  from zerojax import cli
+  _, resumed, _, lora = example_runs
+  out = tmp_path / "hf"
+  assert cli.main(["export", str(resumed / "ckpt"), str(out), "--hf-config",
+                   str(resumed / "base")]) == 0
+  ours, theirs = load_file(out / "model.safetensors"), load_file(resumed / "hf" /
+                                                                  "model.safetensors")
+  assert sorted(ours) == sorted(theirs) and "model.layers.1.mlp.down_proj.weight" in ours
+  for k in ours:
+    np.testing.assert_array_equal(ours[k], theirs[k])
+  # A LoRA checkpoint cannot be exported without the alpha its adapters were trained with.
+  assert cli.main(["export", str(lora / "ckpt"), str(tmp_path / "x"), "--hf-config",
+                   str(lora / "base")]) == 1
+  assert "LoRA adapters" in capsys.readouterr().err
+
+
+def test_bf16_compute_and_params(hf_dir):
+  d, tokens, ref, _ = hf_dir
+  cfg = llama.from_hf_config(d, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+  plan = plan_for(cfg, zerojax.ZeroConfig(stage=3))
+  assert {np.dtype(lp.dtype).name for lp in plan.leaves} == {"bfloat16"}
+  tree = weights.load_safetensors(d, plan, llama.hf_mapping(cfg), cast=True)
+  got = logits_of(cfg, tree, tokens)
+  assert got.dtype == np.float32
+  np.testing.assert_allclose(got, ref, atol=0.1, rtol=0)  # bf16 rounding, same model
+  assert np.corrcoef(got.ravel(), ref.ravel())[0, 1] > 0.99
