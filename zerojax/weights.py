@@ -15,8 +15,8 @@ name stacks per-layer tensors (``model.layers.{i}.mlp.up_proj.weight``) on the l
 ``(in, out)``). Without a mapping a leaf's tensor is named by its path (``blocks/fc/kernel``,
 as `zerojax.export` writes).
 
-`save_hf` writes a tree back under the mapping's names (layers unstacked, transposed back),
-one tensor at a time.
+`save_hf` writes leaves back under the mapping's names (layers unstacked, transposed back),
+one leaf in memory at a time.
 
 Errors are named: `WeightsError` says which leaf, which tensor, which file, and both shapes
 (or dtypes) for a mismatch; a tensor the mapping needs that is missing, and a checkpoint
