@@ -13,9 +13,16 @@ Formats:
 * ``safetensors``: the standard format (``F32``/``BF16``), readable by ``safetensors``' numpy,
   torch and flax loaders; the same JSON metadata sits in the header's ``__metadata__``.
 
+* ``hf``: a Hugging Face model directory for the shipped Llama (`zerojax.models.llama`):
+  ``model.safetensors`` under Hugging Face's names (layers unstacked, linear weights
+  transposed back to PyTorch's ``(out, in)``, LoRA adapters merged into their kernels) and
+  ``config.json``, which ``transformers``' ``LlamaForCausalLM.from_pretrained`` loads. It needs
+  the model's Hugging Face config (``--hf-config``: the base checkpoint's ``config.json``).
+
 Command line::
 
   python -m zerojax.export CKPT_DIR OUT [--step N] [--dtype fp32|bf16] [--format npz|safetensors]
+  python -m zerojax.export CKPT_DIR OUT_DIR --hf-config BASE/config.json [--lora-alpha 16]
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ import numpy as np
 
 DTYPES = {"float32": "float32", "fp32": "float32", "f32": "float32",
           "bfloat16": "bfloat16", "bf16": "bfloat16"}
-FORMATS = ("npz", "safetensors")
+FORMATS = ("npz", "safetensors", "hf")
 _ST_DTYPES = {"float32": "F32", "bfloat16": "BF16"}
 METADATA_KEY = "__metadata__"
 
@@ -49,7 +56,8 @@ def _np_dtype(name: str) -> np.dtype:
 
 def export(checkpoint_dir: str | os.PathLike, out_path: str | os.PathLike, *,
            step: int | None = None, dtype: str = "float32",
-           format: str | None = None) -> dict[str, Any]:  # noqa: A002 - public name
+           format: str | None = None, hf_config: Any = None,
+           lora_alpha: float | None = None) -> dict[str, Any]:  # noqa: A002 - public name
   """Writes a checkpoint's parameters, unsharded, to ``out_path``.
 
   Args:
@@ -58,8 +66,12 @@ def export(checkpoint_dir: str | os.PathLike, out_path: str | os.PathLike, *,
     step: the step to export; ``None`` is the latest complete checkpoint.
     dtype: ``'float32'`` (``'fp32'``) or ``'bfloat16'`` (``'bf16'``); floating-point leaves
       are cast to it, integer leaves are kept.
-    format: ``'npz'`` or ``'safetensors'``; ``None`` picks ``safetensors`` for a
-      ``.safetensors`` path and ``npz`` otherwise.
+    format: ``'npz'``, ``'safetensors'`` or ``'hf'``; ``None`` picks ``hf`` when
+      ``hf_config`` is given, ``safetensors`` for a ``.safetensors`` path and ``npz`` otherwise.
+    hf_config: for ``'hf'``: the Llama's Hugging Face config (dict, ``config.json`` or its
+      directory); ``out_path`` is then the output directory.
+    lora_alpha: for ``'hf'`` with LoRA adapters in the checkpoint: the adapters' alpha
+      (merged as ``kernel + lora_a @ lora_b * alpha / rank``); required when adapters exist.
 
   Returns:
     a summary: ``{'path', 'step', 'format', 'dtype', 'num_params', 'num_leaves', 'bytes'}``.
@@ -79,9 +91,14 @@ def export(checkpoint_dir: str | os.PathLike, out_path: str | os.PathLike, *,
     raise ValueError(f"export(dtype={dtype!r}) is invalid: allowed are {sorted(DTYPES)}")
   dtype = DTYPES[dtype]
   if format is None:
-    format = "safetensors" if out_path.endswith(".safetensors") else "npz"  # noqa: A001
+    format = ("hf" if hf_config is not None else  # noqa: A001
+              "safetensors" if out_path.endswith(".safetensors") else "npz")
   if format not in FORMATS:
     raise ValueError(f"export(format={format!r}) is invalid: allowed are {FORMATS}")
+  if (format == "hf") != (hf_config is not None):
+    raise ValueError(f"export(format={format!r}, hf_config={hf_config!r}) is invalid: the "
+                     "'hf' format needs hf_config (the model's Hugging Face config.json), and "
+                     "hf_config is only used by the 'hf' format")
 
   ckpt = Checkpointer(checkpoint_dir, read_only=True)
   try:
@@ -125,6 +142,10 @@ def export(checkpoint_dir: str | os.PathLike, out_path: str | os.PathLike, *,
 
   info = {"format": "zerojax-export", "checkpoint": where, "step": step, "dtype": dtype,
           "config": meta.get("config")}
+  if format == "hf":
+    out = _write_hf(out_path, leaves, load, info, hf_config, lora_alpha, dtype)
+    return {"path": out_path, "step": step, "format": format, "dtype": dtype,
+            "num_params": out["num_params"], "num_leaves": len(leaves), "bytes": out["bytes"]}
   tmp = out_path + ".tmp"
   os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
   try:
@@ -176,6 +197,40 @@ def _write_safetensors(path, leaves, load, info) -> None:
       del x
 
 
+def _write_hf(out_dir, leaves, load, info, hf_config, lora_alpha, dtype) -> dict:
+  """Hugging Face Llama directory: merged, renamed, transposed tensors and ``config.json``."""
+  from zerojax.models import llama
+  from zerojax import weights
+  cfg = llama.from_hf_config(hf_config)
+  by_path = {leaf[0]: leaf for leaf in leaves}
+  adapters = sorted({p.rsplit("/", 1)[0] for p in by_path if p.endswith("/lora_a")})
+  if adapters and lora_alpha is None:
+    raise ValueError(f"the checkpoint has LoRA adapters ({adapters[:3]}...): pass lora_alpha "
+                     "(--lora-alpha) to merge them into their kernels")
+  out = []
+  for name, kp, shape, sdt, odt in leaves:
+    if "/lora_" in name:
+      continue
+    base = name.rsplit("/", 1)[0]
+    if name.endswith("/kernel") and base in adapters:
+      a, b = by_path[base + "/lora_a"], by_path[base + "/lora_b"]
+
+      def merged(leaf=(name, kp, shape, sdt, odt), a=a, b=b):
+        w = load(*leaf[:4], np.dtype(np.float32))
+        la, lb = load(*a[:4], np.dtype(np.float32)), load(*b[:4], np.dtype(np.float32))
+        w += np.matmul(la, lb) * (lora_alpha / la.shape[-1])
+        return w.astype(leaf[4], copy=False)
+      out.append((name, merged, shape, odt))
+    else:
+      out.append((name, lambda leaf=(name, kp, shape, sdt, odt): load(*leaf), shape, odt))
+  os.makedirs(out_dir, exist_ok=True)
+  res = weights.save_hf(out, os.path.join(out_dir, "model.safetensors"), llama.hf_mapping(cfg),
+                        metadata={"zerojax": json.dumps(info)})
+  with open(os.path.join(out_dir, "config.json"), "w") as f:
+    json.dump(llama.hf_config(cfg, torch_dtype=dtype), f, indent=2)
+  return {"num_params": sum(math.prod(s) for _, _, s, _ in out), "bytes": res["bytes"]}
+
+
 def load_npz(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], dict]:
   """Reads an exported ``.npz``: ``({name: array}, metadata)``, with bf16 arrays restored."""
   params, info = {}, {}
@@ -203,12 +258,18 @@ def main(argv: Sequence[str] | None = None) -> int:
   p.add_argument("--dtype", default="float32", choices=sorted(DTYPES),
                  help="dtype of floating-point parameters (default float32)")
   p.add_argument("--format", default=None, choices=FORMATS,
-                 help="output format (default: from the file extension, else npz)")
+                 help="output format (default: hf with --hf-config, else from the file "
+                      "extension, else npz)")
+  p.add_argument("--hf-config", default=None,
+                 help="write a Hugging Face Llama directory (model.safetensors + config.json) "
+                      "for this config.json (or the base model's directory)")
+  p.add_argument("--lora-alpha", type=float, default=None,
+                 help="LoRA alpha, to merge adapters into their kernels (with --hf-config)")
   args = p.parse_args(argv)
   from zerojax.checkpoint import CheckpointError
   try:
     info = export(args.checkpoint_dir, args.out, step=args.step, dtype=args.dtype,
-                  format=args.format)
+                  format=args.format, hf_config=args.hf_config, lora_alpha=args.lora_alpha)
   except (CheckpointError, FileNotFoundError, ValueError) as e:
     print(f"zerojax export: error: {e}", file=sys.stderr)
     return 1

@@ -74,6 +74,7 @@ class Estimate:
   opt_state: int
   params_host: int = 0
   opt_state_host: int = 0
+  frozen: tuple[str, ...] = ()  # paths of frozen leaves (no gradient, no optimizer state)
 
   @property
   def persistent(self) -> int:
@@ -92,7 +93,8 @@ class Estimate:
 
 def estimate(params: Any, tx: Any = None, *, config: ZeroConfig | None = None,
              stage: int | None = None, num_devices: int | None = None,
-             opt_state: Any = None, mesh: Any = None) -> Estimate:
+             opt_state: Any = None, mesh: Any = None,
+             trainable: Any = None) -> Estimate:
   """Per-device bytes of params, grads and optimizer state for one stage.
 
   Args:
@@ -105,6 +107,8 @@ def estimate(params: Any, tx: Any = None, *, config: ZeroConfig | None = None,
     num_devices: size of the ``fsdp`` axis to plan for (devices need not exist).
     opt_state: the optimizer state or its shapes, instead of ``tx``.
     mesh: a mesh to plan on instead of an abstract ``(num_devices,)`` fsdp mesh.
+    trainable: ``path -> bool``: frozen leaves count no gradient (give ``tx``/``opt_state``
+      for the trained leaves only, e.g. ``optax.masked``); `Estimate.frozen` lists them.
   """
   if config is not None:
     # `create_train_state` stores floating parameters in config.param_dtype: count that.
@@ -125,10 +129,12 @@ def estimate(params: Any, tx: Any = None, *, config: ZeroConfig | None = None,
     shape = config.replace(mesh_shape=shape).resolved_mesh_shape(n) if -1 in shape else shape
     mesh = AbstractMesh(tuple(shape), config.mesh_axes,
                         axis_types=(AxisType.Auto,) * len(shape))
-  plan = ShardingPlan.create(config, mesh, params, tx=tx, opt_state=opt_state)
+  plan = ShardingPlan.create(config, mesh, params, tx=tx, opt_state=opt_state,
+                             trainable=trainable)
   b = plan.bytes_per_device()
   return Estimate(config.stage, math.prod(mesh.shape.values()), b["params"], b["grads"],
-                  b["opt_state"], b["params_host"], b["opt_state_host"])
+                  b["opt_state"], b["params_host"], b["opt_state_host"],
+                  tuple(lp.path for lp in plan.leaves if not lp.trainable))
 
 
 # -- measurement ------------------------------------------------------------------------------

@@ -63,6 +63,7 @@ class LeafPlan:
   sharded: P  # at-rest layout when this kind of state is sharded
   gathered: P  # compute layout: fsdp removed, tensor axes kept
   reason: str  # why the leaf is (not) sharded: sharded | threshold | indivisible | rule | ...
+  trainable: bool = True  # False: frozen (no gradient, no optimizer state), still sharded
 
   @property
   def nbytes(self) -> int:
@@ -101,7 +102,8 @@ class ShardingPlan:
 
   @classmethod
   def create(cls, config: ZeroConfig, mesh: Mesh, params: PyTree,
-             tx: Any = None, opt_state: PyTree = None) -> "ShardingPlan":
+             tx: Any = None, opt_state: PyTree = None,
+             trainable: Callable[[str], bool] | None = None) -> "ShardingPlan":
     """Plans ``params`` (arrays, ShapeDtypeStructs, or Flax-boxed/NNX-Variable leaves).
 
     Args:
@@ -110,6 +112,8 @@ class ShardingPlan:
       params: the parameter tree; Flax partitioning metadata is read and stripped.
       tx: an optax ``GradientTransformation``; its state shapes are found with ``eval_shape``.
       opt_state: the optimizer state (or its shapes) if there is no ``tx``.
+      trainable: ``path -> bool``; leaves it rejects are frozen (`LeafPlan.trainable`): laid
+        out as the stage says, but counted with no gradient (the table marks them).
     """
     from zerojax import offload  # late import: offload reads plan types
     if "fsdp" not in mesh.axis_names:
@@ -120,6 +124,9 @@ class ShardingPlan:
     paths, flat, treedef = _flatten(params)
     leaves = tuple(
         _plan_leaf(config, mesh, p, x, meta_specs.get(p)) for p, x in zip(paths, flat))
+    if trainable is not None:
+      leaves = tuple(lp if trainable(lp.path) else dataclasses.replace(lp, trainable=False)
+                     for lp in leaves)
 
     def tree(specs, kind=None):
       return jax.tree.unflatten(treedef, [NamedSharding(mesh, s, memory_kind=kind)
@@ -223,7 +230,8 @@ class ShardingPlan:
                           jax.tree.leaves(self.grads)):
       key = "params_host" if ps.memory_kind == HOST else "params"
       out[key] += _shard_bytes(lp.shape, lp.dtype, ps.spec, self.mesh)
-      out["grads"] += _shard_bytes(lp.shape, lp.dtype, gs.spec, self.mesh)
+      if lp.trainable:  # a frozen leaf has no gradient
+        out["grads"] += _shard_bytes(lp.shape, lp.dtype, gs.spec, self.mesh)
     if self.opt_state is not None:
       for (_, shape, dtype, spec), s in zip(self.opt_leaves, jax.tree.leaves(self.opt_state)):
         key = "opt_state_host" if s.memory_kind == HOST else "opt_state"
@@ -247,7 +255,7 @@ class ShardingPlan:
       rows.append((lp.path, str(lp.shape), np.dtype(lp.dtype).name, _spec_str(ps.spec) + host,
                    _spec_str(opt_by_param.get(lp.path, P())),
                    _fmt_bytes(_shard_bytes(lp.shape, lp.dtype, ps.spec, self.mesh)),
-                   lp.reason))
+                   lp.reason + ("" if lp.trainable else ", frozen")))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     line = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()
     out = [f"zerojax plan: stage {self.config.stage}, mesh {dict(self.mesh.shape)}",
@@ -261,6 +269,11 @@ class ShardingPlan:
     out.append("per device: " + ", ".join(
         f"{k} {_fmt_bytes(v)}" for k, v in b.items() if v or not k.endswith("_host")))
     out.append(self.dtypes_line())
+    frozen = [lp for lp in self.leaves if not lp.trainable]
+    if frozen:
+      out.append(f"frozen: {len(frozen)} of {len(self.leaves)} leaves, "
+                 f"{sum(math.prod(lp.shape) for lp in frozen):,} parameters (no gradient, no "
+                 "optimizer state; stored as the stage says)")
     uns = self.unsharded_bytes()
     if uns:
       out.append("left replicated over fsdp: " + ", ".join(

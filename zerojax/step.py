@@ -366,7 +366,7 @@ def _tokens(batch: Any) -> int:
 
 def create_train_state(model: Any, tx: Any, rng: jax.Array, *init_args: Any,
                        config: ZeroConfig, mesh: jax.sharding.Mesh | None = None,
-                       state_cls: type | None = None, **init_kwargs: Any
+                       state_cls: type | None = None, params: Any = None, **init_kwargs: Any
                        ) -> tuple[ts.TrainState, ShardingPlan]:
   """Initialises a linen model's train state directly in its sharded layout.
 
@@ -378,11 +378,16 @@ def create_train_state(model: Any, tx: Any, rng: jax.Array, *init_args: Any,
   metrics from ``config``); a `ZeroTrainState` subclass gets ``config=config`` at creation.
   Inconsistent batch sizes in ``config`` fail here, before any device work.
 
+  ``params`` starts from existing parameters instead of the model's init: see
+  `existing_params`.
+
   Returns:
     ``(state, plan)``.
   """
   make_state, plan, abstract = state_initializer(model, tx, rng, *init_args, config=config,
                                                  mesh=mesh, state_cls=state_cls, **init_kwargs)
+  if params is not None:
+    return _state_from_params(make_state, plan, abstract, params, rng, init_args), plan
   state = jax.jit(make_state, out_shardings=plan.state(abstract))(rng, *init_args)
   return state, plan
 
@@ -413,13 +418,18 @@ def state_initializer(model: Any, tx: Any, rng: jax.Array, *init_args: Any,
 
 
 def create_nnx(model_fn: Callable[[], Any], tx: Any, *, config: ZeroConfig,
-               mesh: jax.sharding.Mesh | None = None, wrt: Any = None):
+               mesh: jax.sharding.Mesh | None = None, wrt: Any = None, params: Any = None):
   """Builds an NNX ``(model, optimizer)`` directly in its sharded layout.
 
   Args:
     model_fn: a no-argument function returning the ``nnx.Module`` (it is traced, not run
       eagerly, so the full parameters never materialise on one device).
     tx: the optax transformation.
+    wrt: the NNX filter of the trained parameters (``nnx.Param`` by default; e.g.
+      ``nnx.LoRAParam`` trains adapters only). The other ``nnx.Param`` leaves are frozen: they
+      are planned and sharded like the rest, but get no optimizer state (and no gradient when
+      the step differentiates with the same filter); ``plan.table()`` marks them.
+    params: existing parameters instead of the model's init: see `existing_params`.
 
   Returns:
     ``(model, optimizer, plan)``.
@@ -434,10 +444,16 @@ def create_nnx(model_fn: Callable[[], Any], tx: Any, *, config: ZeroConfig,
 
   with jax.set_mesh(mesh):  # lets nnx.with_partitioning metadata resolve its mesh
     abs_model, abs_opt = nnx.eval_shape(build)
-  params = nnx.state(abs_model, wrt)
-  plan = ShardingPlan.create(config, mesh, params, opt_state=_nnx_values(abs_opt.opt_state))
+  planned, trainable = _nnx_planned(nnx, abs_model, wrt)
+  plan = ShardingPlan.create(config, mesh, planned, opt_state=_nnx_values(abs_opt.opt_state),
+                             trainable=trainable)
   graphdef, abs_state = nnx.split((abs_model, abs_opt))
   shardings = nnx_state_shardings(plan, abs_state)
+  if params is not None:
+    with jax.set_mesh(mesh):
+      model, optimizer = nnx.merge(graphdef, _nnx_from_params(
+          nnx, model_fn, tx, wrt, plan, shardings, params))
+    return model, optimizer, plan
 
   @functools.partial(jax.jit, out_shardings=shardings)
   def init():
@@ -501,3 +517,71 @@ def _cast_shapes(tree, dtype):
 def _shapes_key(tree):
   leaves, treedef = jax.tree.flatten(tree)
   return treedef, tuple((np.shape(x), str(getattr(x, "dtype", type(x)))) for x in leaves)
+
+
+# -- existing parameters (issue 13) -------------------------------------------------------------
+
+
+def existing_params(params: Any, plan: ShardingPlan) -> tuple[list[jax.Array], tuple[bool, ...]]:
+  """``params=`` of `create_train_state` / `create_nnx`, placed into ``plan.params``' layout.
+
+  ``params`` is a pytree of numpy or jax arrays shaped like the model's parameters, or a lazy
+  source with ``load(plan)`` (e.g. `zerojax.weights.safetensors_source`); each leaf goes
+  straight into its shards (`zerojax.weights.place`). ``jax.ShapeDtypeStruct`` leaves mark
+  parameters to take from the model's init (e.g. new LoRA adapters). The optimizer state is
+  initialised from the given parameters, in its sharded layout, inside one jitted function
+  whose random init of the given leaves is dead code that XLA removes (the model is only
+  traced: ``eval_shape`` gives the structure). Given jax arrays are donated to the new state.
+
+  Returns:
+    ``(arrays, given)``: the placed arrays, and per plan leaf whether it was given.
+  """
+  from zerojax.weights import place
+  leaves = jax.tree.leaves(place(params, plan))
+  given = tuple(not isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
+  return [x for x, g in zip(leaves, given) if g], given
+
+
+def _merge_given(init_leaves: list, arrays: list, given: tuple[bool, ...]) -> list:
+  if len(init_leaves) != len(given):
+    raise ValueError(f"the model has {len(init_leaves)} parameter leaves, the plan "
+                     f"{len(given)}: was the plan made for this model?")
+  it = iter(arrays)
+  return [next(it) if g else x for x, g in zip(init_leaves, given)]
+
+
+def _state_from_params(make_state, plan, abstract, params, rng, init_args):
+  arrays, given = existing_params(params, plan)
+
+  def make(arrays, rng, *args):
+    state = make_state(rng, *args)
+    leaves, treedef = jax.tree.flatten(state.params)
+    new = jax.tree.unflatten(treedef, _merge_given(leaves, arrays, given))
+    return state.replace(params=new, opt_state=state.tx.init(new))
+
+  return jax.jit(make, out_shardings=plan.state(abstract), donate_argnums=0)(
+      arrays, rng, *init_args)
+
+
+def _nnx_planned(nnx, abs_model, wrt):
+  """Every parameter (trained or frozen) is planned; ``trainable`` marks the ``wrt`` ones."""
+  from zerojax.plan import _path_str
+  planned = nnx.state(abs_model, nnx.Any(nnx.Param, wrt))
+  trained = {_path_str(kp) for kp, _ in jax.tree_util.tree_flatten_with_path(
+      _nnx_values(nnx.state(abs_model, wrt)))[0]}
+  return planned, lambda path: path in trained
+
+
+def _nnx_from_params(nnx, model_fn, tx, wrt, plan, shardings, params):
+  arrays, given = existing_params(params, plan)
+
+  @functools.partial(jax.jit, out_shardings=shardings, donate_argnums=0)
+  def init(arrays):
+    model = model_fn()
+    state = nnx.state(model, nnx.Any(nnx.Param, wrt))
+    leaves, treedef = jax.tree.flatten(_nnx_values(state))
+    values = jax.tree.unflatten(treedef, _merge_given(leaves, arrays, given))
+    nnx.update(model, values)
+    return nnx.state((model, nnx.Optimizer(model, tx, wrt=wrt)))
+
+  return init(arrays)

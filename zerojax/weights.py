@@ -1,0 +1,480 @@
+"""Existing weights in and out: Hugging Face safetensors read straight into a plan's shards.
+
+`load_safetensors` reads single-file and sharded (``model.safetensors.index.json``) checkpoints.
+Every leaf is built with `jax.make_array_from_callback` on the plan's sharding (device or
+``pinned_host`` memory): the callback runs once per addressable device and reads only that
+device's slice with safetensors' ``safe_open(...).get_slice(...)``, so a process reads only the
+bytes its own devices hold and no device or process ever holds a full copy of a sharded leaf.
+Each file is opened (memory-mapped) for one tensor at a time, so mapped pages never add up to
+more than one tensor.
+
+A **mapping** ``{leaf path: TensorMap}`` names the tensor behind each leaf. ``"{i}"`` in a
+name stacks per-layer tensors (``model.layers.{i}.mlp.up_proj.weight``) on the leaf's leading
+(scanned layer) axis: a device's shard is assembled from the slices of the layers it covers.
+``transpose=True`` reverses the tensor's axes (PyTorch ``Linear`` stores ``(out, in)``, Flax
+``(in, out)``). Without a mapping a leaf's tensor is named by its path (``blocks/fc/kernel``,
+as `zerojax.export` writes).
+
+`save_hf` writes leaves back under the mapping's names (layers unstacked, transposed back),
+one leaf in memory at a time.
+
+Errors are named: `WeightsError` says which leaf, which tensor, which file, and both shapes
+(or dtypes) for a mismatch; a tensor the mapping needs that is missing, and a checkpoint
+tensor nothing uses (unless ``allow_extra``), are errors too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+import struct
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import jax
+import numpy as np
+
+__all__ = ["TensorMap", "WeightsError", "SafetensorsSource", "load_safetensors",
+           "safetensors_source", "place", "save_hf", "checkpoint_index"]
+
+INDEX_FILE = "model.safetensors.index.json"
+_ST_TO_NP = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+             "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
+             "BOOL": "bool", "U16": "uint16", "U32": "uint32", "U64": "uint64"}
+_NP_TO_ST = {v: k for k, v in _ST_TO_NP.items()}
+
+
+class WeightsError(ValueError):
+  """Weights do not match the parameters they are loaded into (names the leaf and tensor)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorMap:
+  """Where one parameter leaf lives in a checkpoint.
+
+  Attributes:
+    name: the tensor name; with ``"{i}"`` the leaf is stacked over layers on its first axis
+      and ``name.format(i=layer)`` names layer ``i``'s tensor.
+    transpose: the stored tensor has the leaf's (per-layer) axes reversed (PyTorch linear
+      ``(out, in)`` vs Flax ``(in, out)``).
+  """
+
+  name: str
+  transpose: bool = False
+
+  @property
+  def stacked(self) -> bool:
+    return "{i}" in self.name
+
+  def names(self, leaf_shape: Sequence[int]) -> list[str]:
+    return [self.name.format(i=i) for i in range(leaf_shape[0])] if self.stacked else [self.name]
+
+  def tensor_shape(self, leaf_shape: Sequence[int]) -> tuple[int, ...]:
+    """The stored shape of one tensor behind a leaf of ``leaf_shape``."""
+    s = tuple(leaf_shape[1:]) if self.stacked else tuple(leaf_shape)
+    return s[::-1] if self.transpose else s
+
+
+def _np_dtype(name: str) -> np.dtype:
+  if name == "bfloat16":
+    import ml_dtypes
+    return np.dtype(ml_dtypes.bfloat16)
+  return np.dtype(name)
+
+
+# -- the checkpoint's tensors ---------------------------------------------------------------------
+
+
+def _read_header(path: str) -> dict[str, dict]:
+  """The safetensors header of ``path``: ``{name: {"dtype", "shape", ...}}`` (no data read)."""
+  try:
+    with open(path, "rb") as f:
+      (n,) = struct.unpack("<Q", f.read(8))
+      header = json.loads(f.read(n))
+  except (OSError, struct.error, ValueError) as e:
+    raise WeightsError(f"{path!r} is not a readable safetensors file: {e}") from e
+  header.pop("__metadata__", None)
+  return header
+
+
+def checkpoint_index(paths_or_dir: str | os.PathLike | Sequence[str | os.PathLike]
+                     ) -> dict[str, tuple[str, tuple[int, ...], str]]:
+  """``{tensor name: (file, shape, dtype name)}`` of a checkpoint, from the headers only.
+
+  Accepts a directory (with ``model.safetensors.index.json``, or its ``*.safetensors``
+  files), one ``.safetensors`` file, an index file, or a list of files.
+  """
+  if isinstance(paths_or_dir, (str, os.PathLike)):
+    p = os.fspath(paths_or_dir)
+    if os.path.isdir(p):
+      idx = os.path.join(p, INDEX_FILE)
+      if os.path.exists(idx):
+        files = _files_of_index(idx)
+      else:
+        files = sorted(os.path.join(p, f) for f in os.listdir(p) if f.endswith(".safetensors"))
+        if not files:
+          raise WeightsError(f"checkpoint directory {p!r} holds no {INDEX_FILE} and no "
+                             "*.safetensors file")
+    elif p.endswith(".json"):
+      files = _files_of_index(p)
+    elif os.path.exists(p):
+      files = [p]
+    else:
+      raise WeightsError(f"checkpoint {p!r} does not exist")
+  else:
+    files = [os.fspath(f) for f in paths_or_dir]
+  out: dict[str, tuple[str, tuple[int, ...], str]] = {}
+  for f in files:
+    for name, info in _read_header(f).items():
+      if name in out:
+        raise WeightsError(f"tensor {name!r} is in two files: {out[name][0]!r} and {f!r}")
+      dt = _ST_TO_NP.get(info["dtype"])
+      if dt is None:
+        raise WeightsError(f"tensor {name!r} in {f!r} has dtype {info['dtype']!r}, which "
+                           f"zerojax cannot read (readable: {sorted(_ST_TO_NP)})")
+      out[name] = (f, tuple(info["shape"]), dt)
+  return out
+
+
+def _files_of_index(index_path: str) -> list[str]:
+  with open(index_path) as f:
+    weight_map = json.load(f).get("weight_map")
+  if not isinstance(weight_map, dict):
+    raise WeightsError(f"{index_path!r} has no 'weight_map' object")
+  base = os.path.dirname(index_path)
+  files = sorted(set(weight_map.values()))
+  missing = [f for f in files if not os.path.exists(os.path.join(base, f))]
+  if missing:
+    raise WeightsError(f"{index_path!r} names shard files that do not exist: {missing}")
+  return [os.path.join(base, f) for f in files]
+
+
+def _read_slice(file: str, name: str, index: tuple[slice, ...]) -> np.ndarray:
+  """Reads ``tensor[index]`` only; the file is memory-mapped for this one read, so its touched
+  pages are released (unmapped) before the next tensor is read."""
+  from safetensors import safe_open
+  with safe_open(file, framework="numpy") as f:
+    sl = f.get_slice(name)
+    return np.asarray(sl[index] if index else sl[...])
+
+
+# -- mappings -----------------------------------------------------------------------------------
+
+
+def _resolve_mapping(mapping: Mapping[str, TensorMap | str] | None, paths: Iterable[str]
+                     ) -> dict[str, TensorMap]:
+  if mapping is None:
+    return {p: TensorMap(p) for p in paths}
+  out = {}
+  for k, v in mapping.items():
+    if isinstance(v, str):
+      v = TensorMap(v)
+    if not isinstance(v, TensorMap):
+      raise TypeError(f"mapping[{k!r}] must be a TensorMap or a tensor name, got {v!r}")
+    out[k] = v
+  return out
+
+
+def _allowed(name: str, allow: bool | Sequence[str] | str) -> bool:
+  if isinstance(allow, bool):
+    return allow
+  pats = [allow] if isinstance(allow, str) else list(allow)
+  return any(re.search(p, name) for p in pats)
+
+
+@dataclasses.dataclass(frozen=True)
+class _LeafSource:
+  path: str
+  shape: tuple[int, ...]
+  dtype: np.dtype
+  tmap: TensorMap
+  files: tuple[str, ...]  # per stored tensor (one per layer when stacked)
+
+  def read(self, index: tuple[slice, ...]) -> np.ndarray:
+    """The leaf's ``[index]`` (a device's shard), read slice by slice."""
+    index = tuple(index) + (slice(None),) * (len(self.shape) - len(index))
+    names = self.tmap.names(self.shape)
+    if self.tmap.stacked:
+      layers = range(self.shape[0])[index[0]]
+      rest = index[1:]
+    else:
+      layers, rest = [0], index
+    tindex = rest[::-1] if self.tmap.transpose else rest
+    parts = []
+    for i in layers:
+      x = _read_slice(self.files[i], names[i], tindex)
+      if self.tmap.transpose:
+        x = x.transpose()
+      if x.dtype != self.dtype:
+        x = x.astype(self.dtype)
+      parts.append(x)
+    out = np.stack(parts) if self.tmap.stacked else parts[0]
+    return np.ascontiguousarray(out)
+
+
+def _plan_sources(index: dict, leaves: Sequence[tuple[str, tuple[int, ...], np.dtype]],
+                  mapping: dict[str, TensorMap], *, allow_extra: bool | Sequence[str],
+                  cast: bool, skip: str | None, where: str) -> dict[str, _LeafSource]:
+  """Checks every leaf against the checkpoint's headers; returns a reader per loaded leaf."""
+  problems, used, out = [], set(), {}
+  for path, shape, dtype in leaves:
+    if skip is not None and re.search(skip, path):
+      continue
+    tm = mapping.get(path)
+    if tm is None:
+      problems.append(f"leaf {path!r} (shape {shape}) has no entry in the name mapping "
+                      "(pass skip=... to initialise it from the model instead)")
+      continue
+    if tm.stacked and not shape:
+      problems.append(f"leaf {path!r} is a scalar but its tensor name {tm.name!r} is stacked")
+      continue
+    files = []
+    want = tm.tensor_shape(shape)
+    for name in tm.names(shape):
+      if name not in index:
+        problems.append(f"tensor {name!r} (for leaf {path!r}, shape {want}) is missing from "
+                        f"the checkpoint {where}")
+        continue
+      used.add(name)
+      f, tshape, tdt = index[name]
+      files.append(f)
+      if tshape != want:
+        problems.append(f"leaf {path!r}: tensor {name!r} in {f!r} has shape {tshape}, the "
+                        f"leaf needs {want}" + (" (transposed from the leaf's axes)"
+                                                if tm.transpose else "")
+                        + (f" for each of its {shape[0]} layers (leaf shape {shape})"
+                           if tm.stacked else ""))
+      elif np.dtype(_np_dtype(tdt)) != np.dtype(dtype) and not cast:
+        problems.append(f"leaf {path!r}: tensor {name!r} in {f!r} has dtype {tdt}, the "
+                        f"leaf is {np.dtype(dtype).name} (pass cast=True to convert)")
+    if len(files) == len(tm.names(shape)):
+      out[path] = _LeafSource(path, tuple(shape), np.dtype(dtype), tm, tuple(files))
+  unmapped_names = [m for p, m in mapping.items() if p not in {l[0] for l in leaves}]
+  if unmapped_names:
+    problems.append(f"the mapping names leaves the parameters do not have: "
+                    f"{sorted(unmapped_names)[:5]}")
+  extra = sorted(n for n in index if n not in used and not _allowed(n, allow_extra))
+  if extra:
+    problems.append(f"{len(extra)} tensors in the checkpoint are not used by any leaf: "
+                    f"{extra[:8]}{' ...' if len(extra) > 8 else ''} (pass allow_extra=True, "
+                    "or a list of regexes, to ignore them)")
+  if problems:
+    more = f"; and {len(problems) - 6} more" if len(problems) > 6 else ""
+    raise WeightsError(f"checkpoint {where} does not match the parameters ({len(problems)} "
+                       "problems; nothing was loaded): " + "; ".join(problems[:6]) + more)
+  return out
+
+
+def _make_array(read: Callable[[tuple], np.ndarray], shape, dtype, sharding) -> jax.Array:
+  """``make_array_from_callback`` reading each distinct shard once per process."""
+  cache: dict[Any, np.ndarray] = {}
+
+  def cb(index):
+    key = tuple((s.start, s.stop, s.step) for s in index)
+    if key not in cache:
+      cache[key] = read(index)
+    return cache[key]
+
+  mk = getattr(sharding, "memory_kind", None)
+  if mk is not None and mk != "device":
+    # Build each shard in device memory, then move it: one shard-sized transient per leaf.
+    dev = sharding.with_memory_kind("device")
+    x = jax.make_array_from_callback(tuple(shape), dev, cb, dtype=dtype)
+    x = jax.device_put(x, sharding)
+  else:
+    x = jax.make_array_from_callback(tuple(shape), sharding, cb, dtype=dtype)
+  cache.clear()
+  return x
+
+
+def _plan_leaves(plan) -> list[tuple[str, tuple[int, ...], np.dtype]]:
+  return [(lp.path, tuple(lp.shape), np.dtype(lp.dtype)) for lp in plan.leaves]
+
+
+def load_safetensors(paths_or_dir: str | os.PathLike | Sequence[str | os.PathLike], plan: Any,
+                     mapping: Mapping[str, TensorMap | str] | None = None, *,
+                     allow_extra: bool | Sequence[str] = False, cast: bool = False,
+                     skip: str | None = None) -> Any:
+  """Reads a safetensors checkpoint into ``plan.params``' shardings, shard by shard.
+
+  Args:
+    paths_or_dir: a Hugging Face model directory (``model.safetensors`` or sharded with
+      ``model.safetensors.index.json``), a file, an index file, or a list of files.
+    plan: the `zerojax.ShardingPlan` (its leaves' paths, shapes, dtypes and shardings).
+    mapping: ``{leaf path: TensorMap or name}`` (e.g. `zerojax.models.llama.hf_mapping`);
+      ``None`` names each tensor by its leaf path.
+    allow_extra: ``True`` ignores checkpoint tensors no leaf uses; a list of regexes ignores
+      the matching ones; ``False`` (default) makes any unused tensor an error.
+    cast: convert tensors whose dtype differs from the leaf's (e.g. a bf16 checkpoint into
+      fp32 master parameters); ``False`` makes a dtype difference an error.
+    skip: a regex of leaf paths not to load (e.g. ``"lora_"`` adapters): they come back as
+      ``jax.ShapeDtypeStruct`` placeholders that `zerojax.create_nnx` and
+      `zerojax.create_train_state` initialise from the model.
+
+  Returns:
+    a tree shaped like ``plan.params`` of `jax.Array` on the plan's shardings.
+
+  Raises:
+    WeightsError: a leaf's tensor is missing, has another shape or dtype, a leaf has no
+      mapping, or the checkpoint has unused tensors; nothing is loaded then.
+  """
+  return safetensors_source(paths_or_dir, mapping, allow_extra=allow_extra, cast=cast,
+                            skip=skip).load(plan)
+
+
+@dataclasses.dataclass(frozen=True)
+class SafetensorsSource:
+  """A lazy safetensors checkpoint: nothing is read until `load` gets the plan.
+
+  Pass it as ``params=`` to `zerojax.create_train_state` or `zerojax.create_nnx`: they plan the
+  model first, then each leaf is read straight into its shards.
+  """
+
+  paths: Any
+  mapping: Mapping[str, TensorMap | str] | None = None
+  allow_extra: bool | Sequence[str] = False
+  cast: bool = False
+  skip: str | None = None
+
+  def load(self, plan: Any) -> Any:
+    """The tree of `load_safetensors` for ``plan``."""
+    index = checkpoint_index(self.paths)
+    where = repr(os.fspath(self.paths) if isinstance(self.paths, (str, os.PathLike))
+                 else [os.fspath(p) for p in self.paths])
+    leaves = _plan_leaves(plan)
+    mapping = _resolve_mapping(self.mapping, [p for p, _, _ in leaves])
+    sources = _plan_sources(index, leaves, mapping, allow_extra=self.allow_extra,
+                            cast=self.cast, skip=self.skip, where=where)
+    shardings = jax.tree.leaves(plan.params)
+    treedef = jax.tree.structure(plan.params)
+    out = []
+    for (path, shape, dtype), sh in zip(leaves, shardings):
+      src = sources.get(path)
+      if src is None:
+        out.append(jax.ShapeDtypeStruct(shape, dtype, sharding=sh))
+      else:
+        out.append(_make_array(src.read, shape, dtype, sh))
+    return jax.tree.unflatten(treedef, out)
+
+
+def safetensors_source(paths_or_dir: Any, mapping: Mapping[str, TensorMap | str] | None = None,
+                       *, allow_extra: bool | Sequence[str] = False, cast: bool = False,
+                       skip: str | None = None) -> SafetensorsSource:
+  """A lazy `SafetensorsSource` (arguments as `load_safetensors`) for ``params=``."""
+  return SafetensorsSource(paths_or_dir, mapping, allow_extra, cast, skip)
+
+
+# -- in-memory trees ------------------------------------------------------------------------------
+
+
+def place(params: Any, plan: Any) -> Any:
+  """Puts existing parameters (numpy/jax arrays, or a lazy source with ``load(plan)``) into
+  ``plan.params``' layout, leaf by leaf; each device receives only its shard.
+
+  ``jax.ShapeDtypeStruct`` leaves stay placeholders (to be initialised from the model).
+
+  Raises:
+    WeightsError: the tree's structure differs from the plan's, or a leaf has another shape or
+      dtype (the message names the leaf and both shapes).
+  """
+  if hasattr(params, "load") and callable(params.load):
+    params = params.load(plan)  # checked below like any tree (its arrays are already placed)
+  from zerojax.plan import _path_str, _unbox
+  params = _unbox(params)
+  flat, _ = jax.tree_util.tree_flatten_with_path(params)
+  by_path = {_path_str(kp): x for kp, x in flat}
+  want = {lp.path for lp in plan.leaves}
+  missing = sorted(want - set(by_path))
+  extra = sorted(set(by_path) - want)
+  if missing or extra:
+    raise WeightsError(f"params do not match the model's parameters: missing leaves "
+                       f"{missing[:8]}, extra leaves {extra[:8]}")
+  out, problems = [], []
+  for lp, sh in zip(plan.leaves, jax.tree.leaves(plan.params)):
+    x = by_path[lp.path]
+    shape, dtype = tuple(np.shape(x)), np.dtype(x.dtype)
+    if shape != tuple(lp.shape):
+      problems.append(f"leaf {lp.path!r} has shape {shape}, the model needs {tuple(lp.shape)}")
+    elif dtype != np.dtype(lp.dtype):
+      problems.append(f"leaf {lp.path!r} has dtype {dtype.name}, the model needs "
+                      f"{np.dtype(lp.dtype).name}")
+    if problems:
+      continue
+    if isinstance(x, jax.ShapeDtypeStruct):
+      out.append(jax.ShapeDtypeStruct(shape, dtype, sharding=sh))
+    elif isinstance(x, jax.Array):
+      out.append(jax.device_put(x, sh))
+    else:
+      a = np.asarray(x)
+      out.append(_make_array(lambda idx, a=a: np.asarray(a[idx]), shape, dtype, sh))
+  if problems:
+    raise WeightsError(f"params do not match the model ({len(problems)} leaves differ): "
+                       + "; ".join(problems[:6]))
+  return jax.tree.unflatten(jax.tree.structure(plan.params), out)
+
+
+# -- writing -------------------------------------------------------------------------------------
+
+
+def save_hf(leaves: Iterable[tuple[str, Callable[[], np.ndarray], tuple[int, ...], np.dtype]],
+            out_path: str | os.PathLike, mapping: Mapping[str, TensorMap | str] | None = None, *,
+            metadata: Mapping[str, str] | None = None, skip: str | None = None) -> dict:
+  """Writes leaves to one safetensors file under the mapping's names, one leaf in memory at a
+  time (stacked leaves are split per layer, transposed leaves transposed back).
+
+  Args:
+    leaves: ``(path, load, shape, dtype)`` per leaf; ``load()`` returns the full leaf.
+    out_path: the ``.safetensors`` file (written to a temporary name, then renamed).
+    mapping: as in `load_safetensors`; ``None`` names tensors by leaf path.
+    metadata: string metadata for the header (``{"format": "pt"}`` is always set, as
+      ``transformers`` expects).
+    skip: a regex of leaf paths not to write (e.g. adapters with no Hugging Face name).
+
+  Returns:
+    ``{"path", "num_tensors", "bytes"}``.
+  """
+  leaves = [l for l in leaves if skip is None or not re.search(skip, l[0])]
+  maps = _resolve_mapping(mapping, [l[0] for l in leaves])
+  missing = [l[0] for l in leaves if l[0] not in maps]
+  if missing:
+    raise WeightsError(f"leaves {missing[:8]} have no entry in the name mapping (pass skip=...)")
+  header: dict[str, Any] = {"__metadata__": {"format": "pt", **(metadata or {})}}
+  offset = 0
+  for path, _, shape, dtype in leaves:
+    tm = maps[path]
+    dt = np.dtype(dtype)
+    st = _NP_TO_ST.get(dt.name)
+    if st is None:
+      raise WeightsError(f"leaf {path!r} has dtype {dt.name}, which safetensors cannot store")
+    tshape = list(tm.tensor_shape(shape))
+    n = math.prod(tshape) * dt.itemsize
+    for name in tm.names(shape):
+      if name in header:
+        raise WeightsError(f"two leaves map to the tensor name {name!r}")
+      header[name] = {"dtype": st, "shape": tshape, "data_offsets": [offset, offset + n]}
+      offset += n
+  hb = json.dumps(header, separators=(",", ":")).encode()
+  hb += b" " * (-len(hb) % 8)
+  out_path = os.fspath(out_path)
+  tmp = out_path + ".tmp"
+  try:
+    with open(tmp, "wb") as f:
+      f.write(struct.pack("<Q", len(hb)))
+      f.write(hb)
+      for path, load, shape, dtype in leaves:
+        tm = maps[path]
+        x = np.asarray(load())
+        if tuple(x.shape) != tuple(shape):
+          raise WeightsError(f"leaf {path!r} was read with shape {x.shape}, expected {shape}")
+        for part in (x if tm.stacked else [x]):
+          part = part.transpose() if tm.transpose else part
+          f.write(np.ascontiguousarray(part).tobytes())
+        del x
+    os.replace(tmp, out_path)
+  except BaseException:
+    if os.path.exists(tmp):
+      os.remove(tmp)
+    raise
+  return {"path": out_path, "num_tensors": len(header) - 1, "bytes": os.path.getsize(out_path)}
