@@ -229,6 +229,47 @@ def test_nnx_offload_rests_on_host_and_matches(what):
   assert kinds == {"pinned_host"}
 
 
-def test_nnx_loss_scaling_is_refused_with_a_reason():
-  with pytest.raises(zerojax.ConfigError, match="loss_scale=0.*NNX"):
-    _nnx_run(3, loss_scale=0)
+@pytest.mark.parametrize("stage", [1, 3])
+def test_nnx_dynamic_loss_scaling_skips_overflow_and_matches(stage):
+  from flax import nnx
+  losses, model, opt, _ = _nnx_run(stage, loss_scale=0, initial_scale_power=4)
+  ref, ref_model = _nnx_reference(pt.make_tx())
+  np.testing.assert_allclose(losses, ref, rtol=TOL, atol=TOL)  # scaled and unscaled exactly
+  assert float(opt.loss_scaling.scale[...]) == 2.0 ** 4
+  # An overflowing step (inf in the batch) is skipped: params and optimizer state unchanged.
+  cfg = zerojax.ZeroConfig(stage=stage, loss_scale=0, initial_scale_power=4, hysteresis=1)
+  model, opt, plan = zerojax.create_nnx(lambda: pt._nnx_model(SIZE, "e", nnx.Rngs(0)),
+                                        pt.make_tx(), config=cfg)
+
+  @zerojax.zero_step(plan)
+  def step(model, optimizer, batch):
+    loss, grads = zerojax.value_and_grad(
+        lambda m, b: pt.loss_of("e", m(b["x"]), b["y"]))(model, batch)
+    optimizer.update(model, grads)
+    return {"loss": loss}
+
+  # (nnx.Optimizer.step counts every call, as DeepSpeed's global step and ZeroTrainState.step)
+  snapshot = lambda: [np.asarray(x) for x in jax.tree.leaves(nnx.state(model, nnx.Param))
+                      + jax.tree.leaves(opt.opt_state)]
+  before = snapshot()
+  bad = dict(pt.batches(SIZE, "e", 1)[0])
+  bad["x"] = np.full_like(bad["x"], np.inf)
+  m = step(model, opt, bad)
+  assert bool(m["overflow"]) and int(m["skipped_steps"]) == 1
+  assert float(m["loss_scale"]) == 2.0 ** 3  # halved (hysteresis 1)
+  after = snapshot()
+  assert len(before) == len(after) > 0
+  for a, b in zip(before, after):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_nnx_loss_scaling_needs_create_nnx():
+  from flax import nnx
+  cfg = zerojax.ZeroConfig(stage=3, loss_scale=0)
+  _, _, plan = zerojax.create_nnx(lambda: pt._nnx_model(SIZE, "e", nnx.Rngs(0)), pt.make_tx(),
+                                  config=cfg)
+  model = pt._nnx_model(SIZE, "e", nnx.Rngs(0))
+  opt = nnx.Optimizer(model, pt.make_tx(), wrt=nnx.Param)
+  step = zerojax.zero_step(plan)(lambda m, o, b: {})
+  with pytest.raises(zerojax.ConfigError, match="create_nnx"):
+    step(model, opt, pt.batches(SIZE, "e", 1)[0])

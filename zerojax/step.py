@@ -35,7 +35,7 @@ from zerojax.gather import (box_params, regather_layers, remat_policy, scan_rema
 from zerojax.mesh import make_mesh
 from zerojax.plan import ShardingPlan
 from zerojax.grad import accumulation_steps, check_batch
-from zerojax.train_state import ZeroTrainState
+from zerojax.train_state import StepSettings, ZeroTrainState, nnx_loss_scaling, skip_nonfinite
 
 PyTree = Any
 
@@ -172,11 +172,12 @@ class ZeroStep:
     if key not in self._jitted:
       plan = self.plan
       state_sh = nnx_state_shardings(plan, state)
-      if plan.config.loss_scale is not None:
+      scaling = plan.config.loss_scale is not None
+      if scaling and not hasattr(optimizer, "loss_scaling"):
         raise ConfigError(
-            f"loss_scale={plan.config.loss_scale!r}: fp16 loss scaling keeps its scale in a "
-            "zerojax.ZeroTrainState, which an NNX step does not have; train NNX in bfloat16 "
-            "(compute_dtype='bfloat16', no loss scaling) or use a linen model")
+            f"loss_scale={plan.config.loss_scale!r}: an NNX optimizer keeps the fp16 loss "
+            "scale in optimizer.loss_scaling, which zerojax.create_nnx adds; build the "
+            "(model, optimizer) pair with zerojax.create_nnx(..., config=config)")
       check_batch(plan, batch)
       cfg = plan.config
       if cfg.gather == "explicit" or cfg.reduce_dtype is not None:
@@ -192,10 +193,22 @@ class ZeroStep:
         m, o = nnx.merge(graphdef, state)
         if params_host:
           nnx.update(m, offload.put_like(nnx.state(m, nnx.Param), offload.on_device(plan.params)))
-        o.tx = offload.wrap_tx(o.tx, plan, clip=cfg.gradient_clipping, params_fetched=params_host)
-        with _step_context(plan, None) as ctx, scanned_layers(scan_remat(plan.config, False)):
+        finite: list = []
+        tx = skip_nonfinite(o.tx, finite) if scaling else o.tx
+        o.tx = offload.wrap_tx(tx, plan, clip=cfg.gradient_clipping, params_fetched=params_host)
+        scale = o.loss_scaling.scale[...] if scaling else None
+        with _step_context(plan, None, scale) as ctx, scanned_layers(scan_remat(cfg, False)):
           metrics = self.fn(m, o, batch, *rest)
         _check_features_used(ctx)
+        if scaling:
+          if len(finite) != 1:
+            raise ConfigError(
+                f"loss_scale={cfg.loss_scale!r}: the NNX step must call optimizer.update(model, "
+                f"grads) exactly once (it called it {len(finite)} times), so that an "
+                "overflowing step can be skipped")
+          o.loss_scaling.update(finite[0], StepSettings.from_config(cfg))
+          if isinstance(metrics, dict):
+            metrics = {**o.loss_scaling.metrics(), **metrics}
         return nnx.state((m, o)), metrics
 
       self._jitted[key] = jax.jit(
@@ -290,9 +303,9 @@ def zero_step(plan: ShardingPlan, *, donate: bool = True) -> Callable[[Callable]
 # -- what the traced step knows (issue 7: accumulation, loss scaling, metrics) ------------------
 
 
-def _step_context(plan: ShardingPlan, state: Any):
-  """The `zerojax.context` of one trace: plan, accumulation steps, the input's loss scale."""
-  scale = None
+def _step_context(plan: ShardingPlan, state: Any, scale: Any = None):
+  """The `zerojax.context` of one trace: plan, accumulation steps, the input's loss scale
+  (from a `ZeroTrainState`, or ``scale`` for an NNX step)."""
   if isinstance(state, ZeroTrainState) and state.settings.scaling:
     scale = state.loss_scale
   return context.active(context.StepContext(
@@ -453,7 +466,7 @@ def create_nnx(model_fn: Callable[[], Any], tx: Any, *, config: ZeroConfig,
     with jax.set_mesh(mesh):
       model, optimizer = nnx.merge(graphdef, _nnx_from_params(
           nnx, model_fn, tx, wrt, plan, shardings, params))
-    return model, optimizer, plan
+    return model, _with_loss_scaling(optimizer, config), plan
 
   @functools.partial(jax.jit, out_shardings=shardings)
   def init():
@@ -461,7 +474,13 @@ def create_nnx(model_fn: Callable[[], Any], tx: Any, *, config: ZeroConfig,
 
   with jax.set_mesh(mesh):
     model, optimizer = nnx.merge(graphdef, init())
-  return model, optimizer, plan
+  return model, _with_loss_scaling(optimizer, config), plan
+
+
+def _with_loss_scaling(optimizer: Any, config: ZeroConfig) -> Any:
+  if config.loss_scale is not None:
+    optimizer.loss_scaling = nnx_loss_scaling(config)
+  return optimizer
 
 
 def nnx_state_shardings(plan: ShardingPlan, state: Any) -> Any:

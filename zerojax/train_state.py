@@ -167,3 +167,60 @@ def _grads_on_device(grads):
   if ctx is None or not ctx.plan.config.offload_params:
     return grads
   return jax.device_put(grads, offload.on_device(ctx.plan.grads))
+
+
+def skip_nonfinite(tx: optax.GradientTransformation, finite_out: list
+                   ) -> optax.GradientTransformation:
+  """``tx`` whose update is a no-op when the gradient has a non-finite element: zero updates and
+  the old optimizer state (a select: bit-identical). The step's finiteness flag is appended to
+  ``finite_out`` for the caller (NNX loss scaling) to act on."""
+
+  def update(grads, state, params=None, **kw):
+    finite = jnp.all(jnp.asarray([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
+    updates, new_state = tx.update(grads, state, params, **kw)
+    finite_out.append(finite)
+    updates = jax.tree.map(lambda u: jnp.where(finite, u, jnp.zeros_like(u)), updates)
+    new_state = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new_state, state)
+    return updates, new_state
+
+  return optax.GradientTransformationExtraArgs(tx.init, update)
+
+
+def _nnx_loss_scaling_types():
+  from flax import nnx
+
+  class LossScaleState(nnx.Variable):
+    """fp16 loss-scaling counters of an NNX optimizer (replicated, never trained)."""
+
+  class NnxLossScaling(nnx.Module):
+    """fp16 loss scaling for an NNX ``(model, optimizer)``: the counters `ZeroTrainState` keeps
+    for linen, held by the optimizer that `zerojax.create_nnx` builds (``optimizer.loss_scaling``)
+    and updated by the step after the optimizer's update."""
+
+    def __init__(self, config: ZeroConfig):
+      s = StepSettings.from_config(config)
+      scale = 2.0 ** config.initial_scale_power if s.dynamic else float(s.loss_scale)
+      self.scale = LossScaleState(jnp.asarray(scale, jnp.float32))
+      self.good_steps = LossScaleState(jnp.zeros((), jnp.int32))
+      self.hysteresis_left = LossScaleState(jnp.asarray(s.hysteresis, jnp.int32))
+      self.skipped_steps = LossScaleState(jnp.zeros((), jnp.int32))
+      self.overflow = LossScaleState(jnp.zeros((), bool))
+
+    def update(self, finite: jax.Array, settings: StepSettings) -> None:
+      scale, good, hyst = update_scale(self.scale[...], self.good_steps[...],
+                                       self.hysteresis_left[...], finite, settings)
+      self.scale[...], self.good_steps[...], self.hysteresis_left[...] = scale, good, hyst
+      self.skipped_steps[...] = self.skipped_steps[...] + jnp.where(finite, 0, 1).astype(
+          jnp.int32)
+      self.overflow[...] = jnp.logical_not(finite)
+
+    def metrics(self) -> dict[str, jax.Array]:
+      return {"loss_scale": self.scale[...], "skipped_steps": self.skipped_steps[...],
+              "overflow": self.overflow[...]}
+
+  return LossScaleState, NnxLossScaling
+
+
+def nnx_loss_scaling(config: ZeroConfig) -> Any:
+  """The loss-scaling state `zerojax.create_nnx` attaches to an NNX optimizer."""
+  return _nnx_loss_scaling_types()[1](config)
