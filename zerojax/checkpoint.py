@@ -586,10 +586,16 @@ class Checkpointer:
       restored = self._mgr.restore(step, args=ocp.args.Composite(
           **{STATE_ITEM: ocp.args.StandardRestore(abstract_item)}))[STATE_ITEM]
     except Exception as e:
-      leaf = self._find_unreadable_leaf(step, [_path_str(kp) for kp, _ in t_flat])
+      bad = self._find_unreadable_leaves(step)
+      bad.sort(key=lambda b: not b[0].startswith("params/"))  # parameters first
+      named = ""
+      if bad:
+        more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
+        named = (f": {len(bad)} leaves cannot be read: "
+                 + ", ".join(repr(p) for p, _ in bad[:5]) + more
+                 + f"; leaf {bad[0][0]!r} fails with {bad[0][1]}")
       raise CheckpointError(
-          f"checkpoint {where!r} cannot be read (corrupted or truncated?)"
-          + (f": leaf {leaf[0]!r} fails with {leaf[1]}" if leaf else "")
+          f"checkpoint {where!r} cannot be read (corrupted or truncated?)" + named
           + f"; orbax says: {type(e).__name__}: {str(e)[:800]}") from e
     _verify(where, meta, restored)
     if dataclasses.is_dataclass(state):
@@ -600,17 +606,18 @@ class Checkpointer:
                     data=meta.get("data"), config=meta.get("config"))
     return new_state, extras
 
-  def _find_unreadable_leaf(self, step: int, paths: Sequence[str]) -> tuple[str, str] | None:
-    """On a failed restore: read leaves one by one (to host) to name the first bad one."""
+  def _find_unreadable_leaves(self, step: int) -> list[tuple[str, str]]:
+    """On a failed restore: reads every leaf on its own (to host) to name the damaged ones."""
     item_dir = os.path.join(self.step_dir(step), STATE_ITEM)
     tree = self._mgr.metadata(step).item_metadata[STATE_ITEM]
     tree = tree.tree if hasattr(tree, "tree") else tree
+    bad = []
     for kp, _ in jax.tree_util.tree_flatten_with_path(tree)[0]:
       try:
-        read_leaf(item_dir, kp)
+        read_leaf(item_dir, kp, tree)
       except Exception as e:  # noqa: BLE001 - we only report it
-        return _path_str(kp), f"{type(e).__name__}: {str(e)[:300]}"
-    return None
+        bad.append((_path_str(kp), f"{type(e).__name__}: {str(e)[:300]}"))
+    return bad
 
 
 def _verify(where: str, meta: dict, item: PyTree) -> None:
@@ -633,21 +640,42 @@ def _verify(where: str, meta: dict, item: PyTree) -> None:
 # -- reading single leaves to host (export, diagnostics) ----------------------------------------
 
 
-def read_leaf(item_dir: str, keypath: Sequence[Any]) -> np.ndarray:
-  """Reads one stored leaf, whole, into host memory, with no devices or mesh involved."""
+def read_leaf(item_dir: str, keypath: Sequence[Any], tree: PyTree | None = None) -> np.ndarray:
+  """Reads one stored leaf, whole, into host memory, with no devices or mesh involved.
+
+  Args:
+    item_dir: the ``state`` item directory of a checkpoint step.
+    keypath: the leaf's key path in the stored tree.
+    tree: the stored tree's metadata (read from ``item_dir`` when ``None``); every other leaf
+      is skipped, so a leaf under a list (``opt_state/0/...``) is addressed as stored.
+  """
   import orbax.checkpoint as ocp
-  item: Any = np.zeros(())
-  args: Any = ocp.RestoreArgs(restore_type=np.ndarray)
-  for k in reversed(list(keypath)):
-    name = getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))
-    item, args = {str(name): item}, {str(name): args}
+  if tree is None:
+    with ocp.PyTreeCheckpointer() as ck:
+      md = ck.metadata(item_dir)
+    md = getattr(md, "item_metadata", md)
+    tree = md.tree if hasattr(md, "tree") else md
+  want = tuple(keypath)
+  flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
+  keys = [tuple(kp) for kp, _ in flat]
+  if want not in keys:
+    raise KeyError(f"checkpoint item {item_dir!r} has no leaf {_path_str(want)!r}")
+  item = [np.zeros(()) if k == want else ocp.PLACEHOLDER for k in keys]
+  args = [ocp.RestoreArgs(restore_type=np.ndarray) if k == want else ocp.PLACEHOLDER
+          for k in keys]
   with ocp.PyTreeCheckpointer() as ck:
     out = ck.restore(item_dir, args=ocp.args.PyTreeRestore(
-        item=item, restore_args=args, partial_restore=True))
+        item=treedef.unflatten(item), restore_args=treedef.unflatten(args)))
+  return np.asarray(_leaf_at(out, want))
+
+
+def _leaf_at(tree: PyTree, keypath: Sequence[Any]) -> Any:
   for k in keypath:
-    name = getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))
-    out = out[str(name)]
-  return np.asarray(out)
+    if isinstance(k, jax.tree_util.SequenceKey):
+      tree = tree[k.idx]
+    else:
+      tree = tree[getattr(k, "key", getattr(k, "name", k))]
+  return tree
 
 
 # -- abstract targets -------------------------------------------------------------------------------
