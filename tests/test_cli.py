@@ -164,7 +164,7 @@ def test_cli_train_deepspeed_config(tmp_path):
   assert "tok_s=" in out and "3/3" in out  # the progress bar
   recs = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
   assert [r_["step"] for r_ in recs] == [1, 2, 3]
-  assert list(tmp_path.glob("events.out.tfevents.*")) and (tmp_path / "loss.png").exists()
+  assert list(tmp_path.glob("tb/*/events.out.tfevents.*")) and (tmp_path / "loss.png").exists()
 
 
 def test_example_train_then_finetune(tmp_path):
