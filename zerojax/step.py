@@ -121,6 +121,7 @@ class ZeroStep:
       orig = state.apply_fn
       _check_state_features(plan, state)
       check_batch(plan, batch)
+      _check_processes_agree(plan, getattr(state, "tx", None), state)
 
       orig_tx = getattr(state, "tx", None)
 
@@ -159,6 +160,7 @@ class ZeroStep:
 
       _check_state_features(plan, None)
       check_batch(plan, batch)
+      _check_processes_agree(plan, getattr(optimizer, "tx", None), None)
 
       def step(state, batch):
         m, o = nnx.merge(graphdef, state)
@@ -250,6 +252,15 @@ def _step_context(plan: ShardingPlan, state: Any):
     scale = state.loss_scale
   return context.active(context.StepContext(
       plan, accumulation_steps(plan.config, plan.data_parallel_size), scale))
+
+
+def _check_processes_agree(plan: ShardingPlan, tx: Any, state: Any) -> None:
+  """Multi-process runs: every process must have the same config, plan and optimizer before
+  the first compile (a mismatch would hang in a collective or diverge silently)."""
+  if jax.process_count() > 1:
+    from zerojax import distributed
+    distributed.check_agreement(plan.config, plan, tx=tx,
+                                state=state if hasattr(state, "opt_state") else None)
 
 
 def _check_state_features(plan: ShardingPlan, state: Any) -> None:
