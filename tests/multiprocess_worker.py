@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 
@@ -119,8 +120,13 @@ def die(args) -> None:
   print(f"process {jax.process_index()}: first sum {float(f(x))}", flush=True)
   if jax.process_index() == 1:
     print(f"DYING at {time.time():.3f}", flush=True)
+    if args.sigkill:
+      os.kill(os.getpid(), signal.SIGKILL)
     os._exit(3)
   t0 = time.time()
+  if args.raise_after_death:
+    time.sleep(1.0)
+    raise RuntimeError("simulated failure of process 0 after its peer died")
   while time.time() - t0 < args.survive_for:
     f(x).block_until_ready()
     time.sleep(0.02)
@@ -165,6 +171,9 @@ def main() -> None:
   p.add_argument("--steps", type=int, default=10)
   p.add_argument("--save", default="")
   p.add_argument("--survive-for", type=float, default=60.0)
+  p.add_argument("--sigkill", action="store_true", help="die: process 1 SIGKILLs itself")
+  p.add_argument("--raise-after-death", action="store_true",
+                 help="die: process 0 raises an exception once process 1 is dead")
   p.add_argument("--stage", default="3")
   p.add_argument("--lr", default="1e-3")
   p.add_argument("--mesh", default="flat")

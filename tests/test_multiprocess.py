@@ -292,14 +292,73 @@ def test_multiprocess_process_death_stops_the_survivor():
       "".join(p0)[-4000:]
 
 
+def test_multiprocess_error_after_peer_death_exits_promptly():
+  # Process 1 is SIGKILLed; process 0 then fails with an exception. JAX's heartbeat (100s) and
+  # shutdown barrier (300s) are long and the launcher's grace (120s) too: process 0 must exit
+  # by itself right after printing its error, not wait for the dead peer at shutdown.
+  t0 = time.monotonic()
+  p = subprocess.Popen([sys.executable, "-m", "zerojax.launch", "-n", "2",
+                        "--devices-per-process", "2", "--grace", "120", "--", str(WORKER), "die",
+                        "--sigkill", "--raise-after-death"],
+                       env=_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                       text=True)
+  lines, died_at = [], None
+  try:
+    for line in p.stdout:
+      lines.append(line)
+      if "DYING" in line and died_at is None:
+        died_at = time.monotonic()
+    p.wait(timeout=90)
+  finally:
+    if p.poll() is None:
+      p.kill()
+      p.wait()
+  end = time.monotonic()
+  log = "".join(lines)
+  assert died_at is not None, log[-4000:]
+  p0 = "".join(l for l in lines if l.startswith("[p0]"))
+  assert "RuntimeError: simulated failure of process 0" in p0, log[-4000:]
+  assert "zerojax: process 0 of 2 failed with RuntimeError; exiting now (code 1)" in p0, p0
+  print(f"\nsurvivor exited {end - died_at:.1f}s after its peer was killed; total "
+        f"{end - t0:.1f}s")
+  assert end - died_at < 40, log[-4000:]
+
+
+def test_multiprocess_duplicate_process_id_gets_the_right_hint():
+  port = zlaunch.free_port()
+  code = ("import sys, zerojax.distributed as zd\n"
+          f"zd.initialize('127.0.0.1:{port}', 3, int(sys.argv[1]), timeout=6, cpu_devices=1)\n"
+          "print('JOINED')\n")
+  procs = []
+  try:
+    for pid in (0, 1, 1):
+      procs.append(subprocess.Popen([sys.executable, "-c", code, str(pid)], env=_env(),
+                                    cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                    text=True))
+      time.sleep(0.5)
+    outs = [p.communicate(timeout=60)[0] for p in procs]
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+        p.wait()
+  assert all(p.returncode != 0 and "JOINED" not in o for p, o in zip(procs, outs)), outs
+  hint = "each process id 0..2 exactly once: with a duplicate process id"
+  assert hint in outs[0] and "is still waiting" in outs[0], outs[0][-3000:]
+  assert "ALREADY_EXISTS" in outs[1] + outs[2], outs
+
+
 def test_multiprocess_launcher_fails_fast():
   # JAX's heartbeat is long here (100s): the launcher itself must stop the survivor after its
   # grace period and report the failing child's exit code.
   code, log, secs = launch(["-n", "2", "--devices-per-process", "1", "--heartbeat-timeout",
                             "100", "--grace", "1", "--", str(WORKER), "die", "--survive-for",
                             "60"], timeout=120)
-  assert code == 3, log[-3000:]
-  assert "terminating the remaining processes" in log
+  # the survivor's collective fails at once and it exits by itself (zerojax's exit on error,
+  # code 1: the launcher may see it first), or the launcher terminates it after the grace
+  assert code in (1, 3), log[-3000:]
+  assert ("terminating the remaining processes" in log
+          or "zerojax: process 0 of 2 failed with" in log), log[-3000:]
   assert secs < 45, (secs, log[-3000:])
 
 
@@ -317,6 +376,9 @@ def test_multiprocess_unreachable_coordinator_is_a_clear_error():
                      text=True, timeout=60)
   assert p.returncode == 0, p.stderr[-3000:]
   assert "ERROR" in p.stdout and f"127.0.0.1:{port}" in p.stdout, p.stdout + p.stderr
+  # progress while waiting, naming the limit and how to set it
+  assert f"waiting for the coordinator at '127.0.0.1:{port}' (1s of 2s" in p.stderr, p.stderr
+  assert "initialize(timeout=...)" in p.stderr and "--init-timeout" in p.stderr
   assert time.monotonic() - t0 < 30
   # the failed call left nothing half-started: a later call works (here: single process)
   assert "AGAIN DistributedInfo(process_id=0, num_processes=1" in p.stdout, p.stdout

@@ -100,7 +100,9 @@ def initialize(coordinator_address: str | None = None,
                heartbeat_timeout: float | None = None,
                shutdown_timeout: float | None = None,
                cpu_devices: int | None = None,
-               cpu_collectives: str | None = "gloo") -> DistributedInfo:
+               cpu_collectives: str | None = "gloo",
+               timeout: float | None = None,
+               exit_on_error: bool = True) -> DistributedInfo:
   """Starts JAX's distributed runtime for this process (or notes a single-process run).
 
   Call it first, before anything that touches devices (``jax.devices()``, any computation).
@@ -121,6 +123,11 @@ def initialize(coordinator_address: str | None = None,
       ``ZEROJAX_CPU_DEVICES``).
     cpu_collectives: cross-process collectives of the CPU backend (``'gloo'`` or ``'mpi'``);
       ``None`` keeps JAX's setting.
+    timeout: the same as ``initialization_timeout`` (seconds to wait at start-up; progress is
+      printed meanwhile).
+    exit_on_error: in a multi-process run, an uncaught exception prints its traceback and ends
+      the process at once (``os._exit(1)``) instead of waiting at JAX's shutdown barrier for
+      peers that may be dead (up to ``shutdown_timeout``, then an abort).
 
   Returns:
     The `DistributedInfo` of this process.
@@ -140,6 +147,12 @@ def initialize(coordinator_address: str | None = None,
     _info = info
     return info
 
+  if timeout is not None:
+    if initialization_timeout is not None and initialization_timeout != timeout:
+      raise DistributedInitError(f"zerojax.distributed.initialize: timeout={timeout!r} and "
+                                 f"initialization_timeout={initialization_timeout!r} differ; "
+                                 "they are the same setting, pass one")
+    initialization_timeout = timeout
   coord, nproc, pid, source = _resolve(coordinator_address, num_processes, process_id,
                                        cluster_detection_method)
   if local_device_ids is None and source == "cluster":
@@ -184,8 +197,9 @@ def initialize(coordinator_address: str | None = None,
   # Past the probe, a peer that never shows up still makes JAX abort at the deadline; say why
   # just before that happens.
   remaining = max(1.0, init_t - (time.monotonic() - t0))
-  watchdog = threading.Timer(max(0.5, remaining - 1.0), _warn_stuck, (coord, pid, nproc, init_t))
-  watchdog.daemon = True
+  done = threading.Event()
+  watchdog = threading.Thread(target=_report_waiting, args=(done, t0, coord, pid, nproc, init_t),
+                              daemon=True, name="zerojax-init-progress")
   watchdog.start()
   try:
     jax.distributed.initialize(
@@ -204,8 +218,10 @@ def initialize(coordinator_address: str | None = None,
         f"{ENV_INIT_TIMEOUT}). Check that process 0 is running and that {coord!r} is reachable "
         f"from this host. Cause: {type(e).__name__}: {_first_line(e)}") from e
   finally:
-    watchdog.cancel()
+    done.set()
   _info = DistributedInfo(pid, nproc, coord, source)
+  if exit_on_error:
+    _install_exit_on_error(pid, nproc)
   return _info
 
 
@@ -563,12 +579,20 @@ def _split_address(address: str) -> tuple[str, int]:
 def _wait_for_coordinator(address: str, timeout: float, pid: int, nproc: int) -> None:
   """Retries a TCP connection to the coordinator until it accepts or ``timeout`` passes."""
   host, port = _split_address(address)
-  deadline = time.monotonic() + timeout
+  start = time.monotonic()
+  deadline = start + timeout
+  next_note = start + _progress_interval(timeout)
   last: Exception | None = None
   while True:
     left = deadline - time.monotonic()
     if left <= 0:
       break
+    if time.monotonic() >= next_note:
+      next_note += _progress_interval(timeout)
+      print(f"zerojax: process {pid} of {nproc}: waiting for the coordinator at {address!r} "
+            f"({time.monotonic() - start:.0f}s of {timeout:g}s; set the limit with "
+            f"initialize(timeout=...), {ENV_INIT_TIMEOUT} or zerojax.launch --init-timeout); "
+            f"last error: {last}", file=sys.stderr, flush=True)
     try:
       with socket.create_connection((host, port), timeout=min(2.0, left)):
         return
@@ -582,11 +606,54 @@ def _wait_for_coordinator(address: str, timeout: float, pid: int, nproc: int) ->
       f"reach it. Last error: {last}")
 
 
-def _warn_stuck(coord: str, pid: int, nproc: int, timeout: float) -> None:
-  print(f"zerojax: process {pid} of {nproc} is still waiting for the other processes at "
-        f"coordinator {coord!r} after ~{timeout:g}s (initialization_timeout); JAX will now abort "
-        f"this process. Are all {nproc} processes started with the same coordinator address?",
-        file=sys.stderr, flush=True)
+def _progress_interval(timeout: float) -> float:
+  return max(1.0, min(10.0, timeout / 3))
+
+
+def _report_waiting(done: threading.Event, t0: float, coord: str, pid: int, nproc: int,
+                    timeout: float) -> None:
+  """Prints progress while JAX waits for every process to register, and the likely causes
+  just before JAX aborts the process at the deadline."""
+  interval = _progress_interval(timeout)
+  while not done.wait(min(interval, max(0.1, t0 + timeout - 1.0 - time.monotonic()))):
+    waited = time.monotonic() - t0
+    last = waited >= timeout - 1.5
+    print(f"zerojax: process {pid} of {nproc} "
+          + ("gives up" if last else "is still waiting")
+          + f" after {waited:.0f}s of {timeout:g}s (initialization_timeout, {ENV_INIT_TIMEOUT}, "
+          f"zerojax.launch --init-timeout) for the other processes at coordinator {coord!r}. "
+          f"Check that all {nproc} processes are started with num_processes={nproc}, the same "
+          "coordinator address, and each process id 0.."
+          f"{nproc - 1} exactly once: with a duplicate process id the coordinator drops the "
+          "earlier process ('ALREADY_EXISTS: Aborted connect attempt as there is a request from "
+          "a newer incarnation') and the others wait for the missing id"
+          + ("; JAX will now abort this process." if last else "."),
+          file=sys.stderr, flush=True)
+    if last:
+      return
+
+
+def _install_exit_on_error(pid: int, nproc: int) -> None:
+  """Makes an uncaught exception end this process at once, after its traceback is printed.
+
+  Python would otherwise run JAX's exit handler, whose shutdown barrier waits for every other
+  process: a dead peer makes the survivor hang there until the barrier times out and aborts."""
+  previous = sys.excepthook
+  if getattr(previous, "_zerojax", False):
+    return
+
+  def hook(kind, value, tb):
+    try:
+      previous(kind, value, tb)
+      print(f"zerojax: process {pid} of {nproc} failed with {kind.__name__}; exiting now "
+            "(code 1) without waiting for the other processes at JAX's shutdown barrier",
+            file=sys.stderr, flush=True)
+      sys.stdout.flush()
+    finally:
+      os._exit(1)
+
+  hook._zerojax = True  # type: ignore[attr-defined]
+  sys.excepthook = hook
 
 
 def _env_int(name: str) -> int | None:
