@@ -350,17 +350,26 @@ def _exchange(key: str, value: str, me: int, n: int, timeout: float) -> list[str
   client = _kv_client()
   if client is None:  # no key-value store: a small replicated all-gather of the bytes
     return _exchange_by_allgather(value, n)
+  def get_all(suffix: str, what: str, ids) -> list[str]:
+    out = []
+    for i in ids:
+      try:
+        out.append(client.blocking_key_value_get(f"{key}/{suffix}{i}", int(timeout * 1000)))
+      except Exception as e:  # noqa: BLE001 - a deadline or a dead peer
+        raise DistributedInitError(
+            f"zerojax: process {me} of {n} waited {timeout:g}s ({ENV_AGREEMENT_TIMEOUT}) for "
+            f"process {i}'s {what}: did it start with num_processes={n}, and does it call the "
+            f"same step? Cause: {type(e).__name__}: {_first_line(e)}") from e
+    return out
+
   client.key_value_set(f"{key}/{me}", value)
-  out = []
-  for i in range(n):
-    try:
-      out.append(value if i == me else
-                 client.blocking_key_value_get(f"{key}/{i}", int(timeout * 1000)))
-    except Exception as e:  # noqa: BLE001 - a deadline or a dead peer
-      raise DistributedInitError(
-          f"zerojax: process {me} of {n} waited {timeout:g}s ({ENV_AGREEMENT_TIMEOUT}) for "
-          f"process {i}'s config fingerprint: did it start with num_processes={n}, and does "
-          f"it call the same step? Cause: {type(e).__name__}: {_first_line(e)}") from e
+  out = get_all("", "config fingerprint", range(n))
+  # Process 0 hosts the coordination service: it acts on the result (an error may end it at
+  # once) only after every other process has read every fingerprint.
+  if me != 0:
+    client.key_value_set(f"{key}/read/{me}", "1")
+  else:
+    get_all("read/", "acknowledgement", range(1, n))
   return out
 
 
