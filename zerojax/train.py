@@ -680,9 +680,11 @@ def _prepare_run(opts: TrainOptions, config: ZeroConfig) -> _RunDirs:
     if is_main_process():
       os.replace(os.path.join(out_dir, "metrics.jsonl"), moved)
     notes.append(f"--no-resume: the previous run's metrics were moved to {moved!r}")
-  run_id = _new_run_id()
-  if run is not None and run.get("run_id") == run_id:  # two runs within a second
-    run_id += "-1"
+  run_id, n = _new_run_id(), 1
+  base = run_id
+  while os.path.exists(os.path.join(out_dir, "tb", run_id)) or (
+      run is not None and run.get("run_id") == run_id):  # two runs within a second
+    run_id, n = f"{base}-{n}", n + 1
   return _RunDirs(run_id, os.path.join(out_dir, "tb", run_id), None, notes)
 
 
