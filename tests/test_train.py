@@ -88,7 +88,7 @@ def test_offload_config_trains(tmp_path):
 
 # -- resume, new runs and overwrite in one out_dir ---------------------------------------------
 
-RESUME_KW = dict(model="tiny", seq_len=16, batch=8, steps=5, log_every=1, lr=3e-3,
+RESUME_KW = dict(model="tiny", seq_len=16, batch=8, steps=5, log_every=3, lr=3e-3,
                  warmup_steps=2, decay="cosine", checkpoint_every=2, progress=False,
                  show_plan=False, plot=False)
 
@@ -111,7 +111,9 @@ def test_train_resume_equals_uninterrupted_run(tmp_path, monkeypatch):
   with pytest.raises(KeyboardInterrupt):
     zt.train(config, opts)
   monkeypatch.setattr(zc.Checkpointer, "save", real_save)
-  assert [r["step"] for r in zt.read_jsonl(tmp_path / "b" / "metrics.jsonl")] == [1, 2, 3]
+  # metrics are fetched every 3 steps and before each checkpoint: steps 3 and 4 were logged
+  # after checkpoint 2, and the resumed run must replace them, not repeat them
+  assert [r["step"] for r in zt.read_jsonl(tmp_path / "b" / "metrics.jsonl")] == [1, 2, 3, 4]
   b = zt.train(config, opts)  # the same command again: resumes from step 2
   lines_a = zt.read_jsonl(a.files["metrics"])
   lines_b = zt.read_jsonl(b.files["metrics"])

@@ -873,6 +873,9 @@ def train(config: ZeroConfig, opts: TrainOptions | None = None, *,
       pending.append((step, m))
       if ckpt is not None and (step == opts.steps or (
           opts.checkpoint_every and step % opts.checkpoint_every == 0)):
+        # metrics up to a checkpoint are on disk before it exists: a resumed run's
+        # metrics.jsonl then has every step
+        drain(time.perf_counter())
         ckpt.save(step, state, rng=rng, data={"batches_step": batches.step})  # async
       if step % opts.log_every == 0 or step == opts.steps or step == start + 1:
         drain(time.perf_counter())
