@@ -41,6 +41,9 @@ def parse_args(argv=None):
   p.add_argument("--cpu-devices", type=int, default=None,
                  help="simulated CPU devices of this process (default: ZEROJAX_CPU_DEVICES, "
                  "set by the launcher)")
+  p.add_argument("--init-timeout", type=float, default=None, metavar="SECONDS",
+                 help="seconds to wait at start-up for the coordinator and the other processes "
+                 "(default: ZEROJAX_INIT_TIMEOUT or 300); progress is printed meanwhile")
   return p.parse_args(argv)
 
 
@@ -49,7 +52,7 @@ def main(argv=None) -> int:
   import zerojax.distributed
   # First, before anything touches devices: joins the other processes (launcher, SLURM,
   # Kubernetes or explicit environment variables), or does nothing when running alone.
-  info = zerojax.distributed.initialize(cpu_devices=args.cpu_devices)
+  info = zerojax.distributed.initialize(cpu_devices=args.cpu_devices, timeout=args.init_timeout)
 
   import jax
   import jax.numpy as jnp

@@ -43,6 +43,11 @@ def parse_args(argv=None):
                  help="save sharded checkpoints there (at the end, and every "
                       "--checkpoint-every steps); examples/finetune.py --init takes it")
   p.add_argument("--checkpoint-every", type=int, default=0)
+  p.add_argument("--no-resume", action="store_true",
+                 help="start a new run instead of resuming the checkpoints in --checkpoint-dir "
+                      "(a previous run's metrics.jsonl in OUT_DIR is moved aside)")
+  p.add_argument("--overwrite", action="store_true",
+                 help="delete the previous run's files in OUT_DIR and its checkpoints first")
   return p.parse_args(argv)
 
 
@@ -65,7 +70,8 @@ def main(argv=None) -> int:
                             "cpu_devices": args.cpu_devices, "progress": not args.no_progress,
                             "save_weights": args.save_weights,
                             "checkpoint_dir": args.checkpoint_dir,
-                            "checkpoint_every": args.checkpoint_every})
+                            "checkpoint_every": args.checkpoint_every,
+                            "resume": not args.no_resume, "overwrite": args.overwrite})
   result = zt.train(config, opts, xla_notes=[f"DeepSpeed {n}" for n in loaded.notes])
   return 0 if result.history else 1
 

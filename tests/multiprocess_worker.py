@@ -8,6 +8,9 @@ Modes:
       process's rows of every global batch, and writes (process 0) ``OUT/result.json`` with
       the losses and ``OUT/params_{run}.npz`` with the final parameters gathered from all
       processes. The final state of run ``--save`` is checkpointed into ``OUT/``.
+  agree [--stage 2,3] [--lr 1e-3,1e-1] [--mesh flat,hybrid] [--threshold 4096,1]
+      each process takes its own value of an ``a,b`` option, creates the tiny GPT's state and
+      runs one step: processes that disagree must raise ProcessMismatchError before it.
   die
       initialises, runs one collective, then process 1 exits abruptly; process 0 keeps
       stepping and must be stopped by JAX's heartbeat.
@@ -18,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 
@@ -116,28 +120,70 @@ def die(args) -> None:
   print(f"process {jax.process_index()}: first sum {float(f(x))}", flush=True)
   if jax.process_index() == 1:
     print(f"DYING at {time.time():.3f}", flush=True)
+    if args.sigkill:
+      os.kill(os.getpid(), signal.SIGKILL)
     os._exit(3)
   t0 = time.time()
+  if args.raise_after_death:
+    time.sleep(1.0)
+    raise RuntimeError("simulated failure of process 0 after its peer died")
   while time.time() - t0 < args.survive_for:
     f(x).block_until_ready()
     time.sleep(0.02)
   print("SURVIVED: the death of process 1 went unnoticed", flush=True)
 
 
+def agree(args) -> None:
+  """Each process takes its own value of every ``a,b`` option (process 0: ``a``), builds the
+  tiny GPT's state and runs one step; processes that disagree must fail before it."""
+  import jax
+  import jax.numpy as jnp
+  import optax
+
+  import zerojax
+  from tests import helpers
+  from zerojax.models import GPT
+
+  pick = lambda v: v.split(",")[jax.process_index()] if "," in v else v
+  kw = ({} if pick(args.mesh) == "flat" else
+        {"mesh_shape": (2, -1), "mesh_axes": ("replica", "fsdp")})
+  zc = zerojax.ZeroConfig(stage=int(pick(args.stage)),
+                          param_persistence_threshold=int(pick(args.threshold)), **kw)
+  tx = optax.adamw(float(pick(args.lr)), eps=1e-6, weight_decay=0.1)
+  data = helpers.batches(helpers.TINY, 1, batch=8)
+  state, plan = zerojax.create_train_state(GPT(helpers.TINY), tx, jax.random.key(0),
+                                           jnp.asarray(data[0]["x"]), config=zc)
+  print(f"process {jax.process_index()}: state created", flush=True)
+  step = zerojax.zero_step(plan)(helpers.train_step)
+  try:
+    state, m = step(state, jax.tree.map(jnp.asarray, data[0]))
+  except zerojax.distributed.ProcessMismatchError as e:
+    print(f"MISMATCH process {jax.process_index()}: {e}", flush=True)
+    raise
+  print(f"STEP-DONE process {jax.process_index()}: loss {float(m['loss'])}", flush=True)
+
+
 def main() -> None:
   p = argparse.ArgumentParser()
-  p.add_argument("mode", choices=["train", "die"])
+  p.add_argument("mode", choices=["train", "die", "agree"])
   p.add_argument("out", nargs="?")
   p.add_argument("--runs", default="flat:0,flat:1,flat:2,flat:3")
   p.add_argument("--steps", type=int, default=10)
   p.add_argument("--save", default="")
   p.add_argument("--survive-for", type=float, default=60.0)
+  p.add_argument("--sigkill", action="store_true", help="die: process 1 SIGKILLs itself")
+  p.add_argument("--raise-after-death", action="store_true",
+                 help="die: process 0 raises an exception once process 1 is dead")
+  p.add_argument("--stage", default="3")
+  p.add_argument("--lr", default="1e-3")
+  p.add_argument("--mesh", default="flat")
+  p.add_argument("--threshold", default="64")
   args = p.parse_args()
   args.runs = [r for r in args.runs.split(",") if r]
   info = zerojax.distributed.initialize()  # reads the launcher's environment
   assert info.num_processes == 2, info
   assert zerojax.distributed.initialize() == info  # a second call is harmless
-  {"train": train, "die": die}[args.mode](args)
+  {"train": train, "die": die, "agree": agree}[args.mode](args)
 
 
 if __name__ == "__main__":

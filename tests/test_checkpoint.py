@@ -3,6 +3,7 @@ stages/device counts/memory kinds, export, and faults (killed save, corruption, 
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -373,6 +374,69 @@ def test_checkpoint_truncated_file_fails_naming_leaf(run, tmp_path):
   assert os.path.join(d, str(N)) in msg and "leaf '" in msg, msg
 
 
+def _leaves_in_data_file(db_dir, data_file):
+  """Leaves with a chunk stored in ``data_file`` of the OCDBT database at ``db_dir``, read
+  from the database's own B-tree (``tensorstore.ocdbt.dump``), independently of zerojax."""
+  import tensorstore as ts
+  base = ts.KvStore.open({"driver": "file", "path": db_dir + "/"}).result()
+  ref = "value::d/" + os.path.basename(data_file) + ":"
+
+  def walk(loc, prefix=b""):
+    node = ts.ocdbt.dump(base, loc).result()
+    for e in node.get("entries", []):
+      if node.get("height", 0):
+        yield from walk(e["location"], prefix + e.get("subtree_common_prefix", b""))
+      else:
+        yield prefix + e["key"], e.get("indirect_value") or ""
+
+  root = ts.ocdbt.dump(base).result()["versions"][-1]["root"]["location"]
+  return {k.decode().split("/")[0].replace(".", "/") for k, v in walk(root)
+          if v.startswith(ref)}
+
+
+def test_checkpoint_deleted_data_file_names_the_damaged_leaves(run, tmp_path):
+  """Deleting an OCDBT data file: the error names exactly the leaves stored in it
+  (and every leaf of an intact checkpoint, ``opt_state/0/...`` included, reads back alone)."""
+  from zerojax.checkpoint import read_leaf
+  d = _copy(run, tmp_path, "deleted")
+  with Checkpointer(d, read_only=True) as ck:
+    assert ck._find_unreadable_leaves(N) == []
+    md = ck._mgr.metadata(N).item_metadata["state"]
+  tree = md.tree if hasattr(md, "tree") else md
+  mu_kp = (jax.tree_util.DictKey("opt_state"), jax.tree_util.SequenceKey(0),
+           jax.tree_util.DictKey("mu"), jax.tree_util.DictKey("head"),
+           jax.tree_util.DictKey("kernel"))
+  np.testing.assert_array_equal(read_leaf(os.path.join(d, str(N), "state"), mu_kp, tree),
+                                run["snap"].opt_state[0].mu["head"]["kernel"])
+  # the largest data file that holds parameters (which leaves share a file varies from run
+  # to run with the async writer's timing)
+  files = _data_files(d)
+  db = os.path.dirname(os.path.dirname(files[0]))
+  victim, damaged = next((f, leaves) for f in files
+                         for leaves in [_leaves_in_data_file(db, f)]
+                         if any(p.startswith("params/") for p in leaves))
+  abstract, plan = target(3, 8)
+  # emptied (the file is there, its data gone): the restore fails and names the leaves
+  os.truncate(victim, 0)
+  with Checkpointer(d, read_only=True) as ck:
+    assert {p for p, _ in ck._find_unreadable_leaves(N)} == damaged
+    with pytest.raises(CheckpointError) as e:
+      ck.restore(abstract, plan)
+  # deleted: the step is not complete (as after a killed retention pass), and says which
+  # leaves it lost
+  os.remove(victim)
+  with Checkpointer(d, read_only=True) as ck:
+    assert ck.all_steps() == []
+    with pytest.raises(CheckpointNotFoundError) as e2:
+      ck.restore(abstract, plan)
+  for msg in (str(e.value).split("; orbax says")[0], str(e2.value)):
+    assert f"{len(damaged)} leaves cannot be read" in msg, msg
+    named = re.findall(r"'((?:params|opt_state)/[^']*)'", msg)
+    assert named and set(named) <= damaged, (named, damaged)
+    assert "opt_state/0/count" not in msg, msg
+    assert named[0].startswith("params/"), msg  # parameters are named first
+
+
 def test_checkpoint_mismatched_shape_and_dtype(run):
   import dataclasses
   wide = dataclasses.replace(helpers.TINY, d_model=128)
@@ -408,6 +472,99 @@ def test_checkpoint_missing_directory_and_step(run, tmp_path):
   with Checkpointer(run["dir"], read_only=True) as ck:
     with pytest.raises(CheckpointNotFoundError, match=rf"no step 99; complete steps are \[{N}\]"):
       ck.restore(abstract, plan, step=99)
+
+
+def _small_params(tmp_path, steps, **kw):
+  """A params-only checkpoint of a sharded 2-leaf model at each of ``steps``."""
+  zc = zerojax.ZeroConfig(stage=3, param_persistence_threshold=1)
+  abstract = {"w": jax.ShapeDtypeStruct((256, 64), jnp.float32),  # shards > 1 KiB: not
+              "b": jax.ShapeDtypeStruct((64,), jnp.float32), **kw}  # inlined in the index
+  plan = zerojax.ShardingPlan.create(zc, zerojax.make_mesh(zc), abstract)
+  d = str(tmp_path / "small")
+  values = {}
+  with Checkpointer(d, config=zc, max_to_keep=None) as ck:
+    for s in steps:
+      rng = np.random.default_rng(s)  # random: compressed shards stay > 1 KiB
+      values[s] = {k: rng.standard_normal(x.shape).astype(x.dtype) for k, x in abstract.items()}
+      ck.save(s, {"params": jax.tree.map(jax.device_put, values[s], plan.params)},
+               data={"pos": s})
+  return d, {"params": abstract}, plan, values
+
+
+def test_checkpoint_incomplete_steps_are_not_listed_and_restore_falls_back(tmp_path):
+  d, abstract, plan, values = _small_params(tmp_path, [1, 2, 3, 4])
+  # step 4: a retention pass killed part-way (half its data files gone); step 3: its metadata
+  # file gone; step 9: an empty numbered directory
+  data = os.path.join(d, "4", "state", "ocdbt.process_0", "d")
+  for f in sorted(os.listdir(data))[: len(os.listdir(data)) // 2 + 1]:
+    os.remove(os.path.join(data, f))
+  os.remove(os.path.join(d, "3", "_CHECKPOINT_METADATA"))
+  os.mkdir(os.path.join(d, "9"))
+  with Checkpointer(d, read_only=True) as ck:
+    assert ck.all_steps() == [1, 2] and ck.latest_step() == 2
+    why = ck.incomplete_steps()
+    assert sorted(why) == [3, 4, 9], why
+    assert "data files are missing" in why[4] and "empty directory" in why[9], why
+    assert "_CHECKPOINT_METADATA" in why[3], why
+    with pytest.warns(UserWarning, match=r"using step 2.*skipped step 3 .*step 4 .*step 9 "
+                                         r"\(empty directory\)"):
+      state, extras = ck.restore(abstract, plan)
+    assert extras.step == 2 and extras.data == {"pos": 2}
+    np.testing.assert_array_equal(np.asarray(state["params"]["w"]), values[2]["w"])
+    with pytest.raises(CheckpointNotFoundError, match="step 4 is incomplete: .*missing"):
+      ck.restore(abstract, plan, step=4)
+  os.mkdir(os.path.join(d, "9.incomplete"))
+  # A writer moves them aside (nothing is deleted): retention (keep 3) must not count them
+  with pytest.warns(UserWarning, match=r"'.*/9' is not a complete.*moved it to '.*9\.incomplete1'"):
+    ck = Checkpointer(d, max_to_keep=3)
+  with ck:
+    assert ck.all_steps() == [1, 2] and ck.incomplete_steps() == {}
+    ck.save(10, {"params": state["params"]}, data={"pos": 10})
+    ck.wait()
+    assert ck.all_steps() == [1, 2, 10]
+    assert sorted(os.listdir(d)) == ["1", "10", "2", "3.incomplete", "4.incomplete",
+                                     "9.incomplete", "9.incomplete1"]
+    os.mkdir(os.path.join(d, "11"))  # appears while a writer is open: not written over
+    with pytest.raises(CheckpointError, match=r"'.*11' exists but is not a complete.*empty"):
+      ck.save(11, {"params": state["params"]})
+  with Checkpointer(d, read_only=True) as reader:
+    assert reader.all_steps() == [1, 2, 10]
+
+
+def test_checkpoint_zero_size_leaf_round_trip(tmp_path):
+  d, abstract, plan, values = _small_params(
+      tmp_path, [1], empty=jax.ShapeDtypeStruct((0, 8), jnp.bfloat16))
+  with Checkpointer(d, read_only=True) as ck:
+    assert ck.read_meta()["leaves"]["params/empty"] == {"shape": [0, 8], "dtype": "bfloat16"}
+    state, extras = ck.restore(abstract, plan)
+  e = state["params"]["empty"]
+  assert e.shape == (0, 8) and e.dtype == jnp.bfloat16 and e.sharding == plan.params["empty"]
+  np.testing.assert_array_equal(np.asarray(state["params"]["w"]), values[1]["w"])
+  wrong = {"params": {**abstract["params"], "empty": jax.ShapeDtypeStruct((0, 8), jnp.float32)}}
+  with Checkpointer(d, read_only=True) as ck:
+    with pytest.raises(CheckpointError, match=r"'params/empty' is stored as shape \(0, 8\) "
+                                              "bfloat16"):
+      ck.restore(wrong, plan)
+
+
+def test_checkpoint_step_recorded_in_metadata_must_match_directory(tmp_path):
+  from zerojax.checkpoint import CheckpointStepMismatchError
+  d, abstract, plan, values = _small_params(tmp_path, [1, 2])
+  meta_file = os.path.join(d, "2", "meta", "metadata")
+  meta = json.load(open(meta_file))
+  meta["step"] = 999
+  json.dump(meta, open(meta_file, "w"))
+  os.symlink(os.path.join(d, "1"), os.path.join(d, "6"))
+  with Checkpointer(d, read_only=True) as ck:
+    with pytest.raises(CheckpointStepMismatchError,
+                       match=r"'.*/6'.*records step 1, but the directory is step 6; the "
+                             "directory is a link to"):
+      ck.restore(abstract, plan)
+    with pytest.raises(CheckpointStepMismatchError, match=r"records step 999.*is step 2"):
+      ck.restore(abstract, plan, step=2)
+    assert ck.restore(abstract, plan, step=1)[1].step == 1
+  with pytest.raises(CheckpointError, match="records step 999"):
+    zx.export(d, str(tmp_path / "x.npz"), step=2)
 
 
 # -- export -------------------------------------------------------------------------------------

@@ -164,7 +164,7 @@ def test_cli_train_deepspeed_config(tmp_path):
   assert "tok_s=" in out and "3/3" in out  # the progress bar
   recs = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
   assert [r_["step"] for r_ in recs] == [1, 2, 3]
-  assert list(tmp_path.glob("events.out.tfevents.*")) and (tmp_path / "loss.png").exists()
+  assert list(tmp_path.glob("tb/*/events.out.tfevents.*")) and (tmp_path / "loss.png").exists()
 
 
 def test_example_train_then_finetune(tmp_path):
@@ -204,3 +204,13 @@ def test_example_train_checkpoint_then_finetune_and_export(tmp_path):
   from safetensors.numpy import load_file
   w = load_file(str(tmp_path / "w.safetensors"))
   assert any("wte" in k for k in w)
+
+
+def test_cli_train_refuses_to_mix_runs(tmp_path):
+  # a previous run's metrics and no checkpoint to resume: refused before anything is built
+  (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n{"step": 2, "loss": 4.0}\n')
+  r = run("train", "model=tiny", "steps=2", f"out_dir={tmp_path}", "show_plan=false")
+  assert r.returncode == 2, r.stderr[-3000:]
+  assert "previous run (steps 1..2" in r.stderr and "--no-resume" in r.stderr \
+      and "--overwrite" in r.stderr, r.stderr[-3000:]
+  assert (tmp_path / "metrics.jsonl").read_text().count("\n") == 2  # untouched

@@ -173,6 +173,90 @@ def test_multiprocess_zerojax_checkpoint_restores_in_one_process(mp_train, zero_
     np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-5, err_msg=k)
 
 
+# -- processes that disagree fail, on every process, before the first step ----------------------
+
+MISMATCHES = {  # option given to the worker as "process 0 value,process 1 value": expected text
+    "stage": (["--stage", "2,3"], ["config.stage: process 0: 2, process 1: 3"]),
+    "lr": (["--lr", "1e-3,1e-1"], ["step_size: process 0: -0.001, process 1: -0.1"]),
+    "mesh": (["--mesh", "flat,hybrid"],
+             ["config.mesh_axes: process 0: ['fsdp'], process 1: ['replica', 'fsdp']",
+              "mesh: process 0: [['fsdp', 8]], process 1: [['replica', 2], ['fsdp', 4]]"]),
+    "threshold": (["--threshold", "4096,1"],
+                  ["config.param_persistence_threshold: process 0: 4096, process 1: 1"]),
+}
+
+
+@pytest.fixture(scope="module")
+def mismatch_runs():
+  """All mismatch launches at once (each bounded by the launcher's and our timeout)."""
+  procs = {}
+  for name, (opts, _) in {**MISMATCHES, "same": ([], [])}.items():
+    procs[name] = subprocess.Popen(
+        [sys.executable, "-m", "zerojax.launch", "-n", "2", "--devices-per-process", "4",
+         "--heartbeat-timeout", "30", "--grace", "30", "--timeout", "240", "--", str(WORKER),
+         "agree"] + opts, env=_env(), cwd=ROOT, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True)
+  out = {}
+  try:
+    for name, p in procs.items():
+      try:
+        text, _ = p.communicate(timeout=300)
+      except subprocess.TimeoutExpired:
+        p.kill()
+        text = p.communicate()[0]
+        text = f"TIMED OUT\n{text}"
+      out[name] = (p.returncode, text)
+  finally:
+    for p in procs.values():
+      if p.poll() is None:
+        p.kill()
+        p.wait()
+  return out
+
+
+@pytest.mark.parametrize("case", list(MISMATCHES))
+def test_multiprocess_mismatch_fails_on_every_process(case, mismatch_runs):
+  code, log = mismatch_runs[case]
+  assert code != 0 and "TIMED OUT" not in log, log[-4000:]
+  assert "STEP-DONE" not in log, log[-4000:]
+  for pid in (0, 1):
+    mine = "\n".join(l for l in log.splitlines() if l.startswith(f"[p{pid}]"))
+    assert f"MISMATCH process {pid}: zerojax: the 2 processes of this run disagree" in mine, \
+        log[-4000:]
+    assert "ProcessMismatchError" in mine, mine[-3000:]
+    for text in MISMATCHES[case][1]:
+      assert text in mine, (text, mine[-3000:])
+
+
+def test_multiprocess_agreeing_processes_step(mismatch_runs):
+  code, log = mismatch_runs["same"]
+  assert code == 0, log[-4000:]
+  done = [l.rsplit(" ", 1)[1] for l in log.splitlines() if "STEP-DONE" in l]
+  assert len(done) == 2 and done[0] == done[1], log[-3000:]
+
+
+def test_multiprocess_fingerprint_fields():
+  """What the processes compare (in one process): every config field, each leaf's layout,
+  the optimizer's visible hyperparameters and the versions."""
+  import optax
+  from zerojax.checkpoint import abstract_train_state
+  from zerojax.models import GPT
+  import jax.numpy as jnp
+  zc = zerojax.ZeroConfig(stage=3, param_persistence_threshold=helpers.THRESHOLD)
+  x = jax.ShapeDtypeStruct((8, helpers.TINY.seq_len), jnp.int32)
+  tx = optax.inject_hyperparams(optax.adamw)(learning_rate=1e-3)
+  state, plan = abstract_train_state(GPT(helpers.TINY), tx, jax.random.key(0), x, config=zc)
+  fp = zd.fingerprint(zc, plan, tx=tx)
+  assert fp["process_count"] == 1 and fp["version.jax"] == jax.__version__
+  assert {k[len("config."):] for k in fp if k.startswith("config.")} == set(zc.to_dict())
+  assert fp["plan.params/blocks/fc/kernel"].startswith("(2, 64, 256) float32 P(None, None, "
+                                                       "'fsdp') device")
+  assert any(k.startswith("plan.opt_state/") for k in fp)
+  assert fp["optimizer.init.numeric_hps.learning_rate"] == 1e-3
+  other = zd.fingerprint(zc, plan, tx=optax.adamw(1e-1))
+  assert other != fp and zd.check_agreement(zc, plan, tx=tx) == fp  # 1 process: no exchange
+
+
 def test_multiprocess_process_death_stops_the_survivor():
   # Process 1 exits abruptly after the first collective; process 0 keeps computing. With a
   # 2s heartbeat timeout JAX must stop process 0 with an error. The launcher's grace (90s) is
@@ -208,14 +292,73 @@ def test_multiprocess_process_death_stops_the_survivor():
       "".join(p0)[-4000:]
 
 
+def test_multiprocess_error_after_peer_death_exits_promptly():
+  # Process 1 is SIGKILLed; process 0 then fails with an exception. JAX's heartbeat (100s) and
+  # shutdown barrier (300s) are long and the launcher's grace (120s) too: process 0 must exit
+  # by itself right after printing its error, not wait for the dead peer at shutdown.
+  t0 = time.monotonic()
+  p = subprocess.Popen([sys.executable, "-m", "zerojax.launch", "-n", "2",
+                        "--devices-per-process", "2", "--grace", "120", "--", str(WORKER), "die",
+                        "--sigkill", "--raise-after-death"],
+                       env=_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                       text=True)
+  lines, died_at = [], None
+  try:
+    for line in p.stdout:
+      lines.append(line)
+      if "DYING" in line and died_at is None:
+        died_at = time.monotonic()
+    p.wait(timeout=90)
+  finally:
+    if p.poll() is None:
+      p.kill()
+      p.wait()
+  end = time.monotonic()
+  log = "".join(lines)
+  assert died_at is not None, log[-4000:]
+  p0 = "".join(l for l in lines if l.startswith("[p0]"))
+  assert "RuntimeError: simulated failure of process 0" in p0, log[-4000:]
+  assert "zerojax: process 0 of 2 failed with RuntimeError; exiting now (code 1)" in p0, p0
+  print(f"\nsurvivor exited {end - died_at:.1f}s after its peer was killed; total "
+        f"{end - t0:.1f}s")
+  assert end - died_at < 40, log[-4000:]
+
+
+def test_multiprocess_duplicate_process_id_gets_the_right_hint():
+  port = zlaunch.free_port()
+  code = ("import sys, zerojax.distributed as zd\n"
+          f"zd.initialize('127.0.0.1:{port}', 3, int(sys.argv[1]), timeout=6, cpu_devices=1)\n"
+          "print('JOINED')\n")
+  procs = []
+  try:
+    for pid in (0, 1, 1):
+      procs.append(subprocess.Popen([sys.executable, "-c", code, str(pid)], env=_env(),
+                                    cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                    text=True))
+      time.sleep(0.5)
+    outs = [p.communicate(timeout=60)[0] for p in procs]
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+        p.wait()
+  assert all(p.returncode != 0 and "JOINED" not in o for p, o in zip(procs, outs)), outs
+  hint = "each process id 0..2 exactly once: with a duplicate process id"
+  assert hint in outs[0] and "is still waiting" in outs[0], outs[0][-3000:]
+  assert "ALREADY_EXISTS" in outs[1] + outs[2], outs
+
+
 def test_multiprocess_launcher_fails_fast():
   # JAX's heartbeat is long here (100s): the launcher itself must stop the survivor after its
   # grace period and report the failing child's exit code.
   code, log, secs = launch(["-n", "2", "--devices-per-process", "1", "--heartbeat-timeout",
                             "100", "--grace", "1", "--", str(WORKER), "die", "--survive-for",
                             "60"], timeout=120)
-  assert code == 3, log[-3000:]
-  assert "terminating the remaining processes" in log
+  # the survivor's collective fails at once and it exits by itself (zerojax's exit on error,
+  # code 1: the launcher may see it first), or the launcher terminates it after the grace
+  assert code in (1, 3), log[-3000:]
+  assert ("terminating the remaining processes" in log
+          or "zerojax: process 0 of 2 failed with" in log), log[-3000:]
   assert secs < 45, (secs, log[-3000:])
 
 
@@ -233,6 +376,9 @@ def test_multiprocess_unreachable_coordinator_is_a_clear_error():
                      text=True, timeout=60)
   assert p.returncode == 0, p.stderr[-3000:]
   assert "ERROR" in p.stdout and f"127.0.0.1:{port}" in p.stdout, p.stdout + p.stderr
+  # progress while waiting, naming the limit and how to set it
+  assert f"waiting for the coordinator at '127.0.0.1:{port}' (1s of 2s" in p.stderr, p.stderr
+  assert "initialize(timeout=...)" in p.stderr and "--init-timeout" in p.stderr
   assert time.monotonic() - t0 < 30
   # the failed call left nothing half-started: a later call works (here: single process)
   assert "AGAIN DistributedInfo(process_id=0, num_processes=1" in p.stdout, p.stdout

@@ -84,3 +84,102 @@ def test_offload_config_trains(tmp_path):
   kinds = {x.sharding.memory_kind for x in jax.tree.leaves(r.state.params)}
   planned = {s.memory_kind for s in jax.tree.leaves(r.plan.params)}
   assert kinds == planned
+
+
+# -- resume, new runs and overwrite in one out_dir ---------------------------------------------
+
+RESUME_KW = dict(model="tiny", seq_len=16, batch=8, steps=5, log_every=3, lr=3e-3,
+                 warmup_steps=2, decay="cosine", checkpoint_every=2, progress=False,
+                 show_plan=False, plot=False)
+
+
+def test_train_resume_equals_uninterrupted_run(tmp_path, monkeypatch):
+  from zerojax import checkpoint as zc
+  config = ZeroConfig(stage=3, param_persistence_threshold=64)
+  a = zt.train(config, zt.TrainOptions(out_dir=str(tmp_path / "a"),
+                                       checkpoint_dir=str(tmp_path / "a" / "ckpt"), **RESUME_KW))
+  opts = zt.TrainOptions(out_dir=str(tmp_path / "b"), checkpoint_dir=str(tmp_path / "b" / "ckpt"),
+                         **RESUME_KW)
+  real_save = zc.Checkpointer.save
+
+  def dying_save(self, step, *args, **kw):  # the process "dies" at step 4, after checkpoint 2
+    if step == 4:
+      raise KeyboardInterrupt("killed at step 4")
+    return real_save(self, step, *args, **kw)
+
+  monkeypatch.setattr(zc.Checkpointer, "save", dying_save)
+  with pytest.raises(KeyboardInterrupt):
+    zt.train(config, opts)
+  monkeypatch.setattr(zc.Checkpointer, "save", real_save)
+  # metrics are fetched every 3 steps and before each checkpoint: steps 3 and 4 were logged
+  # after checkpoint 2, and the resumed run must replace them, not repeat them
+  assert [r["step"] for r in zt.read_jsonl(tmp_path / "b" / "metrics.jsonl")] == [1, 2, 3, 4]
+  b = zt.train(config, opts)  # the same command again: resumes from step 2
+  lines_a = zt.read_jsonl(a.files["metrics"])
+  lines_b = zt.read_jsonl(b.files["metrics"])
+  assert [r["step"] for r in lines_b] == [1, 2, 3, 4, 5]
+  for k in ("loss", "grad_norm", "lr"):  # exactly: same params, optimizer, data, schedule
+    assert [r[k] for r in lines_b] == [r[k] for r in lines_a], k
+  assert [h["loss"] for h in b.history] == [r["loss"] for r in lines_a]
+  jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)),
+               b.state.params, a.state.params)
+  run = json.load(open(tmp_path / "b" / "run.json"))
+  assert run["resumed_from"] == [2]
+  # the TensorBoard run continues: one run directory, steps 3.. of the killed attempt dropped
+  (tb,) = os.listdir(tmp_path / "b" / "tb")
+  assert tb == run["run_id"]
+  events = zt.read_run_events(tmp_path / "b" / "tb" / tb)
+  assert [(s, v) for s, t, v in events if t == "train/loss"] == [
+      (r["step"], pytest.approx(r["loss"])) for r in lines_a]
+  # a finished run, run again: nothing to do, nothing changes
+  again = zt.train(config, opts)
+  assert zt.read_jsonl(again.files["metrics"]) == lines_b
+
+
+def test_train_runs_in_one_out_dir_never_mix(tmp_path):
+  out, ck = str(tmp_path / "run"), str(tmp_path / "ck")
+  kw = dict(RESUME_KW, steps=2, checkpoint_every=0)
+  config = ZeroConfig(stage=2)
+  first = zt.train(config, zt.TrainOptions(out_dir=out, lr=1e-3, **{
+      k: v for k, v in kw.items() if k != "lr"}))
+  # again into the same out_dir, with no checkpoint to resume: refused, naming both flags
+  with pytest.raises(zt.ConfigError, match=r"previous run \(steps 1\.\.2.*no checkpoint.*"
+                                           r"--no-resume.*--overwrite"):
+    zt.train(config, zt.TrainOptions(out_dir=out, **dict(kw, steps=3)))
+  second = zt.train(config, zt.TrainOptions(out_dir=out, resume=False, **dict(kw, steps=3)))
+  runs = sorted(os.listdir(os.path.join(out, "tb")))
+  assert len(runs) == 2
+  second_id = json.load(open(second.files["run"]))["run_id"]
+  assert os.path.dirname(second.files["tensorboard"]) == os.path.join(out, "tb", second_id)
+  ev = zt.read_run_events(os.path.join(out, "tb", second_id))
+  losses2 = [h["loss"] for h in second.history]
+  assert [(s, v) for s, t, v in ev if t == "train/loss"] == [
+      (i + 1, pytest.approx(l)) for i, l in enumerate(losses2)]
+  assert [r["step"] for r in zt.read_jsonl(os.path.join(out, "metrics.jsonl"))] == [1, 2, 3]
+  (old,) = [f for f in os.listdir(out) if f.startswith("metrics.") and f != "metrics.jsonl"]
+  assert [r["loss"] for r in zt.read_jsonl(os.path.join(out, old))] == [
+      h["loss"] for h in first.history]
+  first_events = zt.read_run_events(os.path.join(out, "tb", [r for r in runs
+                                                             if r != second_id][0]))
+  assert [s for s, t, _ in first_events if t == "train/loss"] == [1, 2]
+  # --no-resume into a checkpoint_dir that holds checkpoints: refused (they would mix)
+  import jax.numpy as jnp
+  from zerojax.checkpoint import Checkpointer
+  with Checkpointer(ck) as c:
+    c.save(7, {"params": {"w": jnp.ones(4)}})
+  with pytest.raises(zt.ConfigError, match=r"holds checkpoints.*latest step 7.*--overwrite"):
+    zt.train(config, zt.TrainOptions(out_dir=out, checkpoint_dir=ck, resume=False, **kw))
+  # --overwrite: the previous runs' files and checkpoints are gone, one fresh run remains
+  third = zt.train(config, zt.TrainOptions(out_dir=out, checkpoint_dir=ck, overwrite=True,
+                                           **dict(kw, checkpoint_every=1)))
+  assert os.listdir(os.path.join(out, "tb")) == [json.load(open(third.files["run"]))["run_id"]]
+  assert not [f for f in os.listdir(out) if f.startswith("metrics.") and f != "metrics.jsonl"]
+  assert sorted(os.listdir(ck)) == ["1", "2"]
+
+
+def test_train_cli_resume_flags():
+  from zerojax import cli
+  args = cli.build_parser().parse_args(["train", "--no-resume", "--overwrite", "steps=3"])
+  assert args.no_resume and args.overwrite
+  with pytest.raises(zt.ConfigError, match="TrainOptions.resume='no'"):
+    zt.TrainOptions(resume="no")

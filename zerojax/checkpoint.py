@@ -31,6 +31,7 @@ import functools
 import json
 import math
 import os
+import warnings
 from typing import Any, Mapping, Sequence
 
 import jax
@@ -50,7 +51,8 @@ STATE_ITEM = "state"
 META_ITEM = "meta"
 
 __all__ = [
-    "Checkpointer", "CheckpointError", "CheckpointNotFoundError", "Extras",
+    "Checkpointer", "CheckpointError", "CheckpointNotFoundError", "CheckpointStepMismatchError",
+    "Extras",
     "abstract_train_state", "leaf_checksum", "numpy_checksum",
 ]
 
@@ -61,6 +63,10 @@ class CheckpointError(RuntimeError):
 
 class CheckpointNotFoundError(FileNotFoundError):
   """The checkpoint directory, or the requested step in it, does not exist."""
+
+
+class CheckpointStepMismatchError(CheckpointError):
+  """A step directory's metadata records another step (edited, renamed, copied or linked)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -384,21 +390,72 @@ class Checkpointer:
     registry.add(STATE_ITEM, ocp.args.StandardRestore, ocp.handlers.StandardCheckpointHandler)
     registry.add(META_ITEM, ocp.args.JsonSave, ocp.handlers.JsonCheckpointHandler)
     registry.add(META_ITEM, ocp.args.JsonRestore, ocp.handlers.JsonCheckpointHandler)
+    if not read_only:
+      self._move_incomplete_aside()
     self._mgr = ocp.CheckpointManager(self.directory, options=options,
                                       handler_registry=registry)
+    self._complete: set[int] = set()  # steps found complete (a commit is final)
+
+  def _move_incomplete_aside(self) -> None:
+    """Renames numbered step directories that are not complete checkpoints (left by a killed
+    retention pass, or created by hand) to ``<step>.incomplete``: orbax would otherwise count
+    them as checkpoints, and its retention would delete complete ones in their place. Nothing
+    is deleted."""
+    if not os.path.isdir(self.directory) or jax.process_index() != 0:
+      return
+    for name in sorted(os.listdir(self.directory)):
+      path = os.path.join(self.directory, name)
+      if not name.isdigit() or not os.path.isdir(path):
+        continue
+      reason = _incomplete_reason(path)
+      if reason is None:
+        continue
+      dest, n = path + ".incomplete", 1
+      while os.path.lexists(dest):
+        dest, n = f"{path}.incomplete{n}", n + 1
+      os.rename(path, dest)
+      warnings.warn(f"zerojax.checkpoint: step directory {path!r} is not a complete checkpoint "
+                    f"({reason}); moved it to {dest!r} so that it is neither listed nor counted "
+                    "by retention", stacklevel=3)
 
   # -- queries ----------------------------------------------------------------------------------
 
   def all_steps(self) -> list[int]:
-    """Steps of the checkpoints, ascending.
+    """Steps of the complete checkpoints, ascending.
 
     A read-only `Checkpointer` re-reads the directory and lists committed checkpoints only. A
     writing one also lists the steps it is still saving (`wait` commits them); it never lists
-    a partial directory left by a killed save.
+    a partial directory left by a killed save. A step directory that is not complete (empty,
+    or left half-deleted by a retention pass that was killed) is not listed either;
+    `incomplete_steps` says why.
     """
     if self.read_only:
       self._mgr.reload()
-    return sorted(self._mgr.all_steps())
+    steps = []
+    for step in sorted(self._mgr.all_steps()):
+      if step in self._complete:
+        steps.append(step)
+        continue
+      if not os.path.lexists(self.step_dir(step)):
+        steps.append(step)  # still being saved by this Checkpointer (not yet committed)
+        continue
+      reason = _incomplete_reason(self.step_dir(step))
+      if reason is None:
+        self._complete.add(step)
+        steps.append(step)
+    return steps
+
+  def incomplete_steps(self) -> dict[int, str]:
+    """``{step: why}`` of the numbered step directories that are not complete checkpoints."""
+    if self.read_only:
+      self._mgr.reload()
+    out = {}
+    for step in sorted(self._mgr.all_steps()):
+      if step not in self._complete and os.path.lexists(self.step_dir(step)):
+        reason = _incomplete_reason(self.step_dir(step))
+        if reason is not None:
+          out[step] = reason
+    return out
 
   def latest_step(self) -> int | None:
     """The newest complete checkpoint's step, or ``None``."""
@@ -435,6 +492,11 @@ class Checkpointer:
     if step in self.all_steps():
       raise CheckpointError(f"checkpoint step {step} already exists in {self.directory!r}; "
                             "zerojax never overwrites a checkpoint (delete it first)")
+    if os.path.lexists(self.step_dir(step)):
+      raise CheckpointError(
+          f"checkpoint directory {self.step_dir(step)!r} exists but is not a complete checkpoint "
+          f"({_incomplete_reason(self.step_dir(step))}); zerojax does not write over it: "
+          "delete it first")
     if not force and step % self.save_interval_steps:
       return False
     item = _state_item(state)
@@ -456,8 +518,11 @@ class Checkpointer:
         "checksums": _checksums(item),
     }
     ocp = self._ocp
+    # orbax cannot store arrays of zero size: they hold no values, so only their shape and
+    # dtype (in ``meta['leaves']``) are kept, and restore recreates them.
+    stored = jax.tree.map(lambda x: None if math.prod(_shape_dtype(x)[0]) == 0 else x, item)
     return self._mgr.save(step, args=ocp.args.Composite(
-        **{STATE_ITEM: ocp.args.StandardSave(item), META_ITEM: ocp.args.JsonSave(meta)}),
+        **{STATE_ITEM: ocp.args.StandardSave(stored), META_ITEM: ocp.args.JsonSave(meta)}),
         force=True)
 
   def wait(self) -> None:
@@ -483,14 +548,23 @@ class Checkpointer:
     if not self.read_only:
       self.wait()  # a step being saved by this Checkpointer is restorable once committed
     steps = self.all_steps()
+    skipped = self.incomplete_steps()
     if not steps:
       raise CheckpointNotFoundError(
           f"checkpoint directory {self.directory!r} holds no complete checkpoint (entries: "
-          f"{sorted(os.listdir(self.directory))[:10]})")
+          f"{sorted(os.listdir(self.directory))[:10]}"
+          + "".join(f"; step {s} is incomplete: {why}" for s, why in skipped.items()) + ")")
     if step is None:
+      newer = {s: why for s, why in skipped.items() if s > steps[-1]}
+      if newer:
+        warnings.warn(f"zerojax.checkpoint: {self.directory!r}: using step {steps[-1]}, the "
+                      "newest complete checkpoint; skipped " + "; ".join(
+                          f"step {s} ({why})" for s, why in sorted(newer.items())),
+                      stacklevel=3)
       return steps[-1]
     if step not in steps:
-      raise CheckpointNotFoundError(f"checkpoint {self.directory!r} has no step {step}; "
+      why = f" (step {step} is incomplete: {skipped[step]})" if step in skipped else ""
+      raise CheckpointNotFoundError(f"checkpoint {self.directory!r} has no step {step}{why}; "
                                     f"complete steps are {steps}")
     return int(step)
 
@@ -508,6 +582,15 @@ class Checkpointer:
       raise CheckpointError(f"checkpoint {self.step_dir(step)!r} is not a zerojax checkpoint "
                             f"(its meta item has format {getattr(meta, 'get', lambda k: None)('format')!r}, "
                             f"expected {FORMAT!r})")
+    if meta.get("step") != step:
+      target = os.path.realpath(self.step_dir(step))
+      moved = (f"; the directory is a link to {target!r}"
+               if target != os.path.join(os.path.realpath(self.directory), str(step)) else "")
+      raise CheckpointStepMismatchError(
+          f"checkpoint {self.step_dir(step)!r}: its metadata records step "
+          f"{meta.get('step')!r}, but the directory is step {step}{moved}. The metadata was "
+          "edited or the directory was renamed, copied or linked from another step; refusing "
+          "to restore a state under the wrong step")
     return meta
 
   def stored_leaves(self, step: int | None = None) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
@@ -560,10 +643,17 @@ class Checkpointer:
                        f"state ({len(t_flat)} leaves): was the plan made for this model and "
                        "optimizer?")
     stored = self.stored_leaves(step)
-    abstract, problems = [], []
-    for (kp, x), sh in zip(t_flat, s_flat):
+    for path, leaf in (meta.get("leaves") or {}).items():  # zero-size leaves: in meta only
+      if path not in stored and 0 in leaf["shape"]:
+        stored[path] = (tuple(leaf["shape"]), np.dtype(leaf["dtype"]))
+    abstract, problems, empty = [], [], {}
+    for i, ((kp, x), sh) in enumerate(zip(t_flat, s_flat)):
       path = _path_str(kp)
       shape, dtype = _shape_dtype(x)
+      if math.prod(shape) == 0 and stored.get(path) == (shape, dtype):
+        empty[i] = jax.device_put(np.zeros(shape, dtype), sh)
+        abstract.append(None)
+        continue
       if path not in stored:
         problems.append(f"leaf {path!r} (shape {shape} {dtype.name}) is not in the checkpoint")
       elif stored[path] != (shape, dtype):
@@ -586,11 +676,21 @@ class Checkpointer:
       restored = self._mgr.restore(step, args=ocp.args.Composite(
           **{STATE_ITEM: ocp.args.StandardRestore(abstract_item)}))[STATE_ITEM]
     except Exception as e:
-      leaf = self._find_unreadable_leaf(step, [_path_str(kp) for kp, _ in t_flat])
+      bad = self._find_unreadable_leaves(step)
+      bad.sort(key=lambda b: not b[0].startswith("params/"))  # parameters first
+      named = ""
+      if bad:
+        more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
+        named = (f": {len(bad)} leaves cannot be read: "
+                 + ", ".join(repr(p) for p, _ in bad[:5]) + more
+                 + f"; leaf {bad[0][0]!r} fails with {bad[0][1]}")
       raise CheckpointError(
-          f"checkpoint {where!r} cannot be read (corrupted or truncated?)"
-          + (f": leaf {leaf[0]!r} fails with {leaf[1]}" if leaf else "")
+          f"checkpoint {where!r} cannot be read (corrupted or truncated?)" + named
           + f"; orbax says: {type(e).__name__}: {str(e)[:800]}") from e
+    if empty:
+      leaves = jax.tree.leaves(restored, is_leaf=lambda v: v is None)
+      restored = jax.tree_util.tree_unflatten(
+          t_def, [empty.get(i, v) for i, v in enumerate(leaves)])
     _verify(where, meta, restored)
     if dataclasses.is_dataclass(state):
       new_state = state.replace(**restored)
@@ -600,17 +700,84 @@ class Checkpointer:
                     data=meta.get("data"), config=meta.get("config"))
     return new_state, extras
 
-  def _find_unreadable_leaf(self, step: int, paths: Sequence[str]) -> tuple[str, str] | None:
-    """On a failed restore: read leaves one by one (to host) to name the first bad one."""
+  def _find_unreadable_leaves(self, step: int) -> list[tuple[str, str]]:
+    """On a failed restore: reads every leaf on its own (to host) to name the damaged ones."""
     item_dir = os.path.join(self.step_dir(step), STATE_ITEM)
     tree = self._mgr.metadata(step).item_metadata[STATE_ITEM]
     tree = tree.tree if hasattr(tree, "tree") else tree
+    bad = []
     for kp, _ in jax.tree_util.tree_flatten_with_path(tree)[0]:
       try:
-        read_leaf(item_dir, kp)
+        read_leaf(item_dir, kp, tree)
       except Exception as e:  # noqa: BLE001 - we only report it
-        return _path_str(kp), f"{type(e).__name__}: {str(e)[:300]}"
-    return None
+        bad.append((_path_str(kp), f"{type(e).__name__}: {str(e)[:300]}"))
+    return bad
+
+
+_REQUIRED_FILES = ("_CHECKPOINT_METADATA", os.path.join(META_ITEM, "metadata"),
+                   os.path.join(STATE_ITEM, "_METADATA"))
+
+
+def _incomplete_reason(step_dir: str) -> str | None:
+  """Why a committed-looking step directory is not a complete checkpoint, or ``None``.
+
+  Checks the files every zerojax checkpoint has, and that every data file the state's OCDBT
+  database refers to exists (a retention pass killed part-way deletes them in any order).
+  """
+  if not os.path.isdir(step_dir):
+    return "not a directory"
+  if not os.listdir(step_dir):
+    return "empty directory"
+  missing = [f for f in _REQUIRED_FILES if not os.path.isfile(os.path.join(step_dir, f))]
+  if missing:
+    return f"missing {', '.join(missing)} (half-deleted?)"
+  item_dir = os.path.join(step_dir, STATE_ITEM)
+  if not os.path.isfile(os.path.join(item_dir, "manifest.ocdbt")):
+    return None  # not an OCDBT item: orbax's own files were checked above
+  try:
+    files = _ocdbt_files(item_dir)
+  except Exception as e:  # noqa: BLE001 - an unreadable index is what we report
+    return f"its state index cannot be read (half-deleted?): {type(e).__name__}: {str(e)[:200]}"
+  gone = sorted(f for f in files if not os.path.isfile(os.path.join(item_dir, f)))
+  if gone:
+    leaves = sorted(set().union(*(files[f] for f in gone)),
+                    key=lambda p: (not p.startswith("params/"), p))  # parameters first
+    more = f" and {len(leaves) - 5} more" if len(leaves) > 5 else ""
+    return (f"{len(gone)} of its {len(files)} data files are missing (half-deleted?), e.g. "
+            f"{os.path.join(STATE_ITEM, gone[0])!r}"
+            + (f"; {len(leaves)} leaves cannot be read: "
+               + ", ".join(repr(p) for p in leaves[:5]) + more if leaves else ""))
+  return None
+
+
+def _ocdbt_files(item_dir: str) -> dict[str, set[str]]:
+  """``{file: leaves}``: every file (relative to ``item_dir``) that an OCDBT database's B-tree
+  refers to, with the state leaves (``params/...``) whose chunks it holds."""
+  import tensorstore as ts
+  base = ts.KvStore.open({"driver": "file", "path": item_dir.rstrip("/") + "/"}).result()
+  files: dict[str, set[str]] = {}
+
+  def ref(loc: str) -> set[str]:  # "<kind>:<base path>:<file id>:<offset>:<length>"
+    _, prefix, file_id = loc.split(":")[:3]
+    return files.setdefault(prefix + file_id, set())
+
+  manifest = ts.ocdbt.dump(base).result()
+  for node in manifest.get("version_tree_nodes") or []:
+    if isinstance(node, dict) and "location" in node:
+      ref(node["location"])
+  root = ((manifest.get("versions") or [{}])[-1].get("root") or {}).get("location")
+  todo = [(root, b"")] if root else []
+  while todo:
+    loc, prefix = todo.pop()
+    ref(loc)
+    node = ts.ocdbt.dump(base, loc).result()
+    for e in node.get("entries", []):
+      if node.get("height", 0):
+        todo.append((e["location"], prefix + e.get("subtree_common_prefix", b"")))
+      elif e.get("indirect_value"):
+        key = (prefix + e.get("key", b"")).decode("utf-8", "replace")
+        ref(e["indirect_value"]).add(key.split("/")[0].replace(".", "/"))  # orbax joins with '.'
+  return files
 
 
 def _verify(where: str, meta: dict, item: PyTree) -> None:
@@ -633,21 +800,42 @@ def _verify(where: str, meta: dict, item: PyTree) -> None:
 # -- reading single leaves to host (export, diagnostics) ----------------------------------------
 
 
-def read_leaf(item_dir: str, keypath: Sequence[Any]) -> np.ndarray:
-  """Reads one stored leaf, whole, into host memory, with no devices or mesh involved."""
+def read_leaf(item_dir: str, keypath: Sequence[Any], tree: PyTree | None = None) -> np.ndarray:
+  """Reads one stored leaf, whole, into host memory, with no devices or mesh involved.
+
+  Args:
+    item_dir: the ``state`` item directory of a checkpoint step.
+    keypath: the leaf's key path in the stored tree.
+    tree: the stored tree's metadata (read from ``item_dir`` when ``None``); every other leaf
+      is skipped, so a leaf under a list (``opt_state/0/...``) is addressed as stored.
+  """
   import orbax.checkpoint as ocp
-  item: Any = np.zeros(())
-  args: Any = ocp.RestoreArgs(restore_type=np.ndarray)
-  for k in reversed(list(keypath)):
-    name = getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))
-    item, args = {str(name): item}, {str(name): args}
+  if tree is None:
+    with ocp.PyTreeCheckpointer() as ck:
+      md = ck.metadata(item_dir)
+    md = getattr(md, "item_metadata", md)
+    tree = md.tree if hasattr(md, "tree") else md
+  want = tuple(keypath)
+  flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
+  keys = [tuple(kp) for kp, _ in flat]
+  if want not in keys:
+    raise KeyError(f"checkpoint item {item_dir!r} has no leaf {_path_str(want)!r}")
+  item = [np.zeros(()) if k == want else ocp.PLACEHOLDER for k in keys]
+  args = [ocp.RestoreArgs(restore_type=np.ndarray) if k == want else ocp.PLACEHOLDER
+          for k in keys]
   with ocp.PyTreeCheckpointer() as ck:
     out = ck.restore(item_dir, args=ocp.args.PyTreeRestore(
-        item=item, restore_args=args, partial_restore=True))
+        item=treedef.unflatten(item), restore_args=treedef.unflatten(args)))
+  return np.asarray(_leaf_at(out, want))
+
+
+def _leaf_at(tree: PyTree, keypath: Sequence[Any]) -> Any:
   for k in keypath:
-    name = getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))
-    out = out[str(name)]
-  return np.asarray(out)
+    if isinstance(k, jax.tree_util.SequenceKey):
+      tree = tree[k.idx]
+    else:
+      tree = tree[getattr(k, "key", getattr(k, "name", k))]
+  return tree
 
 
 # -- abstract targets -------------------------------------------------------------------------------

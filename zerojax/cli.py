@@ -316,6 +316,10 @@ def cmd_train(args) -> int:
   opts = zt.TrainOptions(**loaded.train)
   if args.no_progress:
     opts.progress = False
+  if args.no_resume:
+    opts.resume = False
+  if args.overwrite:
+    opts.overwrite = True
   zt.setup_cpu_devices(opts.cpu_devices)
   notes = [f"DeepSpeed {n}" for n in loaded.notes]
   if loaded.xla_flags:
@@ -471,6 +475,12 @@ def build_parser() -> argparse.ArgumentParser:
                  "default: ZeroConfig() (stage 3)")
   t.add_argument("overrides", nargs="*", metavar="key=value", help="config/option overrides")
   t.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only)")
+  t.add_argument("--no-resume", action="store_true",
+                 help="start a new run at step 1 instead of resuming the latest checkpoint in "
+                      "checkpoint_dir (a previous run's metrics.jsonl is moved aside)")
+  t.add_argument("--overwrite", action="store_true",
+                 help="delete the previous run's files in out_dir and its checkpoints in "
+                      "checkpoint_dir, then start a new run")
   t.set_defaults(func=cmd_train)
 
   pl = sub.add_parser(

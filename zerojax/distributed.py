@@ -42,7 +42,7 @@ import socket
 import sys
 import threading
 import time
-from typing import Sequence
+from typing import Any, Sequence
 
 ENV_COORDINATOR = "ZEROJAX_COORDINATOR_ADDRESS"
 ENV_NUM_PROCESSES = "ZEROJAX_NUM_PROCESSES"
@@ -100,7 +100,9 @@ def initialize(coordinator_address: str | None = None,
                heartbeat_timeout: float | None = None,
                shutdown_timeout: float | None = None,
                cpu_devices: int | None = None,
-               cpu_collectives: str | None = "gloo") -> DistributedInfo:
+               cpu_collectives: str | None = "gloo",
+               timeout: float | None = None,
+               exit_on_error: bool = True) -> DistributedInfo:
   """Starts JAX's distributed runtime for this process (or notes a single-process run).
 
   Call it first, before anything that touches devices (``jax.devices()``, any computation).
@@ -121,6 +123,11 @@ def initialize(coordinator_address: str | None = None,
       ``ZEROJAX_CPU_DEVICES``).
     cpu_collectives: cross-process collectives of the CPU backend (``'gloo'`` or ``'mpi'``);
       ``None`` keeps JAX's setting.
+    timeout: the same as ``initialization_timeout`` (seconds to wait at start-up; progress is
+      printed meanwhile).
+    exit_on_error: in a multi-process run, an uncaught exception prints its traceback and ends
+      the process at once (``os._exit(1)``) instead of waiting at JAX's shutdown barrier for
+      peers that may be dead (up to ``shutdown_timeout``, then an abort).
 
   Returns:
     The `DistributedInfo` of this process.
@@ -140,6 +147,12 @@ def initialize(coordinator_address: str | None = None,
     _info = info
     return info
 
+  if timeout is not None:
+    if initialization_timeout is not None and initialization_timeout != timeout:
+      raise DistributedInitError(f"zerojax.distributed.initialize: timeout={timeout!r} and "
+                                 f"initialization_timeout={initialization_timeout!r} differ; "
+                                 "they are the same setting, pass one")
+    initialization_timeout = timeout
   coord, nproc, pid, source = _resolve(coordinator_address, num_processes, process_id,
                                        cluster_detection_method)
   if local_device_ids is None and source == "cluster":
@@ -184,8 +197,9 @@ def initialize(coordinator_address: str | None = None,
   # Past the probe, a peer that never shows up still makes JAX abort at the deadline; say why
   # just before that happens.
   remaining = max(1.0, init_t - (time.monotonic() - t0))
-  watchdog = threading.Timer(max(0.5, remaining - 1.0), _warn_stuck, (coord, pid, nproc, init_t))
-  watchdog.daemon = True
+  done = threading.Event()
+  watchdog = threading.Thread(target=_report_waiting, args=(done, t0, coord, pid, nproc, init_t),
+                              daemon=True, name="zerojax-init-progress")
   watchdog.start()
   try:
     jax.distributed.initialize(
@@ -204,9 +218,275 @@ def initialize(coordinator_address: str | None = None,
         f"{ENV_INIT_TIMEOUT}). Check that process 0 is running and that {coord!r} is reachable "
         f"from this host. Cause: {type(e).__name__}: {_first_line(e)}") from e
   finally:
-    watchdog.cancel()
+    done.set()
   _info = DistributedInfo(pid, nproc, coord, source)
+  if exit_on_error:
+    _install_exit_on_error(pid, nproc)
   return _info
+
+
+class ProcessMismatchError(RuntimeError):
+  """The processes of one run disagree on the config, the plan, the optimizer or versions.
+
+  Attributes:
+    fields: ``{field: [value of process 0, value of process 1, ...]}`` of the differing fields.
+  """
+
+  def __init__(self, message: str, fields: dict[str, list[Any]]):
+    super().__init__(message)
+    self.fields = fields
+
+
+ENV_AGREEMENT_TIMEOUT = "ZEROJAX_AGREEMENT_TIMEOUT"
+DEFAULT_AGREEMENT_TIMEOUT = 120
+_agreement_calls = 0
+
+
+def fingerprint(config: Any = None, plan: Any = None, *, tx: Any = None, state: Any = None,
+                extra: dict[str, Any] | None = None) -> dict[str, Any]:
+  """``{field: value}``: what every process of a run must agree on (JSON-able values).
+
+  Holds the process count, the jax/jaxlib/flax/optax/zerojax versions, every `ZeroConfig`
+  field, the plan's mesh and every leaf's path, shape, dtype, spec and memory kind, the
+  optimizer's hyperparameters that can be read (``optax.inject_hyperparams`` values in
+  ``state.opt_state``, and the numbers and strings ``tx``'s functions close over, such as a
+  constant learning rate), and ``extra``.
+  """
+  import jax
+  fp: dict[str, Any] = {"process_count": jax.process_count()}
+  for mod in ("jax", "jaxlib", "flax", "optax", "zerojax"):
+    try:
+      fp[f"version.{mod}"] = getattr(__import__(mod), "__version__", "?")
+    except ImportError:
+      fp[f"version.{mod}"] = None
+  if config is not None:
+    for k, v in config.to_dict().items():
+      fp[f"config.{k}"] = _jsonable(v)
+  if plan is not None:
+    fp["mesh"] = [[str(k), int(v)] for k, v in plan.mesh.shape.items()]  # ordered
+    for lp, s, g in zip(plan.leaves, jax.tree.leaves(plan.params),
+                        jax.tree.leaves(plan.grads)):
+      fp[f"plan.params/{lp.path}"] = (
+          f"{tuple(lp.shape)} {_dtype_name(lp.dtype)} {s.spec} "
+          f"{getattr(s, 'memory_kind', None) or 'device'}, grads {g.spec}")
+    for (path, shape, dtype, _), s in zip(plan.opt_leaves, jax.tree.leaves(plan.opt_state)):
+      fp[f"plan.opt_state/{path}"] = (f"{tuple(shape)} {_dtype_name(dtype)} {s.spec} "
+                                      f"{getattr(s, 'memory_kind', None) or 'device'}")
+  if tx is not None:
+    for k, v in _closure_values(tx).items():
+      fp[f"optimizer.{k}"] = v
+  if state is not None:
+    for k, v in _injected_hyperparams(getattr(state, "opt_state", state)).items():
+      fp[f"optimizer.hyperparams.{k}"] = v
+  for k, v in (extra or {}).items():
+    fp[f"extra.{k}"] = _jsonable(v)
+  return fp
+
+
+def check_agreement(config: Any = None, plan: Any = None, *, tx: Any = None,
+                    state: Any = None, extra: dict[str, Any] | None = None,
+                    timeout: float | None = None) -> dict[str, Any]:
+  """Checks that every process of the run has the same `fingerprint`; call it before the
+  first step (`zerojax.zero_step` does on its first call, and so does the training loop).
+
+  The fingerprints go through the distributed runtime's key-value store, never through a
+  device collective: processes with different shardings would hang in one. A single-process
+  run returns at once.
+
+  Args:
+    config, plan, tx, state, extra: what to compare (see `fingerprint`).
+    timeout: seconds to wait for the other processes' fingerprints (default
+      ``ZEROJAX_AGREEMENT_TIMEOUT`` or 120).
+
+  Returns:
+    this process's fingerprint.
+
+  Raises:
+    ProcessMismatchError: on every process, naming each differing field and its value per
+      process.
+    DistributedInitError: a process did not send its fingerprint within ``timeout``.
+  """
+  global _agreement_calls
+  import jax
+  fp = fingerprint(config, plan, tx=tx, state=state, extra=extra)
+  if jax.process_count() == 1:
+    return fp
+  timeout = _timeout(timeout, ENV_AGREEMENT_TIMEOUT, DEFAULT_AGREEMENT_TIMEOUT)
+  _agreement_calls += 1
+  key = f"zerojax/agreement/{_agreement_calls}"
+  me, n = jax.process_index(), jax.process_count()
+  import json
+  everyone = _exchange(key, json.dumps(fp, sort_keys=True), me, n, timeout)
+  fps = [json.loads(v) for v in everyone]
+  diff = {}
+  for field in sorted(set().union(*fps), key=_field_order):
+    values = [f.get(field, "<missing>") for f in fps]
+    if any(v != values[0] for v in values[1:]):
+      diff[field] = values
+  if diff:
+    shown = list(diff.items())[:8]
+    more = f"\n  ... and {len(diff) - 8} more fields" if len(diff) > 8 else ""
+    lines = "\n".join(f"  {field}: " + ", ".join(f"process {i}: {v!r}"
+                                                   for i, v in enumerate(values))
+                       for field, values in shown)
+    raise ProcessMismatchError(
+        f"zerojax: the {n} processes of this run disagree on {len(diff)} field(s) (process "
+        f"{me} reporting; every process raises this); they must run the same config, model, "
+        f"optimizer and versions:\n{lines}{more}", diff)
+  return fp
+
+
+def _field_order(field: str) -> tuple[int, str]:
+  for i, prefix in enumerate(("process_count", "version.", "config.", "mesh", "optimizer.",
+                              "plan.params/", "plan.opt_state/", "extra.")):
+    if field.startswith(prefix):
+      return i, field
+  return 99, field
+
+
+def _exchange(key: str, value: str, me: int, n: int, timeout: float) -> list[str]:
+  """Every process's ``value`` (in process order), through the coordination service's
+  key-value store: a blocking get with a deadline, so a mismatch cannot hang it."""
+  client = _kv_client()
+  if client is None:  # no key-value store: a small replicated all-gather of the bytes
+    return _exchange_by_allgather(value, n)
+  def get_all(suffix: str, what: str, ids) -> list[str]:
+    out = []
+    for i in ids:
+      try:
+        out.append(client.blocking_key_value_get(f"{key}/{suffix}{i}", int(timeout * 1000)))
+      except Exception as e:  # noqa: BLE001 - a deadline or a dead peer
+        raise DistributedInitError(
+            f"zerojax: process {me} of {n} waited {timeout:g}s ({ENV_AGREEMENT_TIMEOUT}) for "
+            f"process {i}'s {what}: did it start with num_processes={n}, and does it call the "
+            f"same step? Cause: {type(e).__name__}: {_first_line(e)}") from e
+    return out
+
+  client.key_value_set(f"{key}/{me}", value)
+  out = get_all("", "config fingerprint", range(n))
+  # Process 0 hosts the coordination service: it acts on the result (an error may end it at
+  # once) only after every other process has read every fingerprint.
+  if me != 0:
+    client.key_value_set(f"{key}/read/{me}", "1")
+  else:
+    get_all("read/", "acknowledgement", range(1, n))
+  return out
+
+
+def _kv_client():
+  """JAX's distributed-runtime client (private API: ``jax._src.distributed.global_state``),
+  or ``None`` if this JAX does not expose it."""
+  try:
+    from jax._src import distributed as jdist
+    client = jdist.global_state.client
+  except Exception:  # noqa: BLE001
+    return None
+  if client is None or not all(hasattr(client, m) for m in ("key_value_set",
+                                                              "blocking_key_value_get")):
+    return None
+  return client
+
+
+def _exchange_by_allgather(value: str, n: int) -> list[str]:
+  import numpy as np
+  from jax.experimental import multihost_utils
+  data = np.frombuffer(value.encode(), np.uint8)
+  sizes = np.asarray(multihost_utils.process_allgather(np.asarray([data.size], np.int64)))
+  buf = np.zeros(int(sizes.max()), np.uint8)
+  buf[:data.size] = data
+  every = np.asarray(multihost_utils.process_allgather(buf))
+  return [bytes(every[i, :int(sizes.reshape(-1)[i])]).decode() for i in range(n)]
+
+
+def _dtype_name(dtype: Any) -> str:
+  import numpy as np
+  try:
+    return np.dtype(dtype).name
+  except TypeError:
+    return str(dtype)
+
+
+def _jsonable(v: Any) -> Any:
+  import json
+  try:
+    json.dumps(v)
+    return v
+  except (TypeError, ValueError):
+    return repr(v)
+
+
+def _closure_values(obj: Any, prefix: str = "", depth: int = 0, seen: set | None = None
+                    ) -> dict[str, Any]:
+  """Numbers, strings and small arrays reachable from an optax transformation's functions
+  (closure cells, ``functools.partial`` arguments, nested transformations), by path."""
+  import functools
+  import numbers
+  import numpy as np
+  seen = set() if seen is None else seen
+  out: dict[str, Any] = {}
+  if depth > 12 or id(obj) in seen:
+    return out
+  if isinstance(obj, bool) or obj is None or isinstance(obj, str):
+    out[prefix or "value"] = obj
+    return out
+  if isinstance(obj, numbers.Number):
+    out[prefix or "value"] = float(obj) if isinstance(obj, numbers.Real) else repr(obj)
+    return out
+  if isinstance(obj, np.ndarray) or type(obj).__module__.startswith("jax"):
+    try:
+      a = np.asarray(obj)
+      if a.size <= 16 and a.dtype.kind in "biuf":
+        out[prefix or "value"] = a.tolist()
+    except Exception:  # noqa: BLE001 - not addressable here: not compared
+      pass
+    return out
+  seen.add(id(obj))
+  join = (lambda k: f"{prefix}.{k}" if prefix else str(k))
+  if isinstance(obj, functools.partial):
+    out.update(_closure_values(obj.func, join("func"), depth + 1, seen))
+    for i, a in enumerate(obj.args):
+      out.update(_closure_values(a, join(i), depth + 1, seen))
+    for k, a in obj.keywords.items():
+      out.update(_closure_values(a, join(k), depth + 1, seen))
+  elif isinstance(obj, dict):
+    for k, a in obj.items():
+      out.update(_closure_values(a, join(k), depth + 1, seen))
+  elif isinstance(obj, (tuple, list)):
+    names = getattr(obj, "_fields", None) or range(len(obj))
+    for k, a in zip(names, obj):
+      out.update(_closure_values(a, join(k), depth + 1, seen))
+  elif callable(obj) and hasattr(obj, "__code__"):
+    cells = obj.__closure__ or ()
+    for name, cell in zip(obj.__code__.co_freevars, cells):
+      try:
+        v = cell.cell_contents
+      except ValueError:  # an empty cell
+        continue
+      out.update(_closure_values(v, join(name), depth + 1, seen))
+  return out
+
+
+def _injected_hyperparams(opt_state: Any) -> dict[str, Any]:
+  """``optax.inject_hyperparams`` values found in an optimizer state, by path."""
+  import jax
+  import numpy as np
+  out: dict[str, Any] = {}
+
+  def visit(x, path):
+    hp = getattr(x, "hyperparams", None)
+    if isinstance(hp, dict):
+      for k, v in hp.items():
+        try:
+          a = v.addressable_data(0) if hasattr(v, "addressable_data") else v
+          out[f"{path}{k}"] = np.asarray(jax.device_get(a)).tolist()
+        except Exception:  # noqa: BLE001 - not readable here: not compared
+          pass
+    if isinstance(x, (tuple, list)):
+      for i, y in enumerate(x):
+        visit(y, f"{path}{i}.")
+
+  visit(opt_state, "")
+  return out
 
 
 def info() -> DistributedInfo:
@@ -308,12 +588,20 @@ def _split_address(address: str) -> tuple[str, int]:
 def _wait_for_coordinator(address: str, timeout: float, pid: int, nproc: int) -> None:
   """Retries a TCP connection to the coordinator until it accepts or ``timeout`` passes."""
   host, port = _split_address(address)
-  deadline = time.monotonic() + timeout
+  start = time.monotonic()
+  deadline = start + timeout
+  next_note = start + _progress_interval(timeout)
   last: Exception | None = None
   while True:
     left = deadline - time.monotonic()
     if left <= 0:
       break
+    if time.monotonic() >= next_note:
+      next_note += _progress_interval(timeout)
+      print(f"zerojax: process {pid} of {nproc}: waiting for the coordinator at {address!r} "
+            f"({time.monotonic() - start:.0f}s of {timeout:g}s; set the limit with "
+            f"initialize(timeout=...), {ENV_INIT_TIMEOUT} or zerojax.launch --init-timeout); "
+            f"last error: {last}", file=sys.stderr, flush=True)
     try:
       with socket.create_connection((host, port), timeout=min(2.0, left)):
         return
@@ -327,11 +615,54 @@ def _wait_for_coordinator(address: str, timeout: float, pid: int, nproc: int) ->
       f"reach it. Last error: {last}")
 
 
-def _warn_stuck(coord: str, pid: int, nproc: int, timeout: float) -> None:
-  print(f"zerojax: process {pid} of {nproc} is still waiting for the other processes at "
-        f"coordinator {coord!r} after ~{timeout:g}s (initialization_timeout); JAX will now abort "
-        f"this process. Are all {nproc} processes started with the same coordinator address?",
-        file=sys.stderr, flush=True)
+def _progress_interval(timeout: float) -> float:
+  return max(1.0, min(10.0, timeout / 3))
+
+
+def _report_waiting(done: threading.Event, t0: float, coord: str, pid: int, nproc: int,
+                    timeout: float) -> None:
+  """Prints progress while JAX waits for every process to register, and the likely causes
+  just before JAX aborts the process at the deadline."""
+  interval = _progress_interval(timeout)
+  while not done.wait(min(interval, max(0.1, t0 + timeout - 1.0 - time.monotonic()))):
+    waited = time.monotonic() - t0
+    last = waited >= timeout - 1.5
+    print(f"zerojax: process {pid} of {nproc} "
+          + ("gives up" if last else "is still waiting")
+          + f" after {waited:.0f}s of {timeout:g}s (initialization_timeout, {ENV_INIT_TIMEOUT}, "
+          f"zerojax.launch --init-timeout) for the other processes at coordinator {coord!r}. "
+          f"Check that all {nproc} processes are started with num_processes={nproc}, the same "
+          "coordinator address, and each process id 0.."
+          f"{nproc - 1} exactly once: with a duplicate process id the coordinator drops the "
+          "earlier process ('ALREADY_EXISTS: Aborted connect attempt as there is a request from "
+          "a newer incarnation') and the others wait for the missing id"
+          + ("; JAX will now abort this process." if last else "."),
+          file=sys.stderr, flush=True)
+    if last:
+      return
+
+
+def _install_exit_on_error(pid: int, nproc: int) -> None:
+  """Makes an uncaught exception end this process at once, after its traceback is printed.
+
+  Python would otherwise run JAX's exit handler, whose shutdown barrier waits for every other
+  process: a dead peer makes the survivor hang there until the barrier times out and aborts."""
+  previous = sys.excepthook
+  if getattr(previous, "_zerojax", False):
+    return
+
+  def hook(kind, value, tb):
+    try:
+      previous(kind, value, tb)
+      print(f"zerojax: process {pid} of {nproc} failed with {kind.__name__}; exiting now "
+            "(code 1) without waiting for the other processes at JAX's shutdown barrier",
+            file=sys.stderr, flush=True)
+      sys.stdout.flush()
+    finally:
+      os._exit(1)
+
+  hook._zerojax = True  # type: ignore[attr-defined]
+  sys.excepthook = hook
 
 
 def _env_int(name: str) -> int | None:

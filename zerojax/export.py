@@ -123,7 +123,7 @@ def export(checkpoint_dir: str | os.PathLike, out_path: str | os.PathLike, *,
 
   def load(name, kp, shape, sdt, odt) -> np.ndarray:
     try:
-      x = read_leaf(item_dir, kp)
+      x = read_leaf(item_dir, kp, tree)
     except Exception as e:
       raise CheckpointError(f"checkpoint {where!r}: leaf 'params/{name}' cannot be read "
                             f"(corrupted or truncated?): {type(e).__name__}: {str(e)[:500]}"

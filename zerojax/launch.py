@@ -54,8 +54,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   p.add_argument("--port", type=int, default=0, help="coordinator port (default: a free one)")
   p.add_argument("--heartbeat-timeout", type=float, default=None,
                  help="seconds before a silent process counts as dead (ZEROJAX_HEARTBEAT_TIMEOUT)")
-  p.add_argument("--init-timeout", type=float, default=None,
-                 help="seconds to wait for the coordinator (ZEROJAX_INIT_TIMEOUT)")
+  p.add_argument("--init-timeout", "--coordinator-timeout", dest="init_timeout", type=float,
+                 default=None, metavar="SECONDS",
+                 help="seconds each process waits at start-up for the coordinator and all "
+                 "other processes, printing progress meanwhile (default 300; sets "
+                 "ZEROJAX_INIT_TIMEOUT)")
   p.add_argument("--grace", type=float, default=10.0,
                  help="after a child fails, seconds the others get to exit before they are "
                  "terminated (default 10)")

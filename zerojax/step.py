@@ -137,6 +137,7 @@ class ZeroStep:
       orig = state.apply_fn
       _check_state_features(plan, state)
       check_batch(plan, batch)
+      _check_processes_agree(plan, getattr(state, "tx", None), state)
       orig_tx = getattr(state, "tx", None)
 
       def step(state, batch, *rest):
@@ -179,6 +180,7 @@ class ZeroStep:
             "scale in optimizer.loss_scaling, which zerojax.create_nnx adds; build the "
             "(model, optimizer) pair with zerojax.create_nnx(..., config=config)")
       check_batch(plan, batch)
+      _check_processes_agree(plan, getattr(optimizer, "tx", None), None)
       cfg = plan.config
       if cfg.gather == "explicit" or cfg.reduce_dtype is not None:
         raise ConfigError(
@@ -311,6 +313,15 @@ def _step_context(plan: ShardingPlan, state: Any, scale: Any = None):
   return context.active(context.StepContext(
       plan, accumulation_steps(plan.config, plan.data_parallel_size), scale,
       linen=state is not None))
+
+
+def _check_processes_agree(plan: ShardingPlan, tx: Any, state: Any) -> None:
+  """Multi-process runs: every process must have the same config, plan and optimizer before
+  the first compile (a mismatch would hang in a collective or diverge silently)."""
+  if jax.process_count() > 1:
+    from zerojax import distributed
+    distributed.check_agreement(plan.config, plan, tx=tx,
+                                state=state if hasattr(state, "opt_state") else None)
 
 
 def _check_state_features(plan: ShardingPlan, state: Any) -> None:

@@ -4,11 +4,18 @@
 
 * ``metrics.jsonl``: one JSON object per optimizer step (``step``, ``loss``, ``grad_norm``,
   ``lr``, ``tokens_per_sec``, ``elapsed_sec``, and ``loss_scale`` under fp16);
-* ``events.out.tfevents.*``: the same scalars as TensorBoard event files (``train/loss``, ...),
-  written by a small built-in TFRecord/Event encoder, so neither TensorFlow nor TensorBoard is
-  needed to write them (``tensorboard --logdir out_dir`` reads them);
+* ``tb/<run id>/events.out.tfevents.*``: the same scalars as TensorBoard event files
+  (``train/loss``, ...), one run directory per training run, written by a small built-in
+  TFRecord/Event encoder, so neither TensorFlow nor TensorBoard is needed to write them
+  (``tensorboard --logdir out_dir`` reads them);
 * ``loss.png``: the loss curve, drawn at the end;
-* ``run.json``: the resolved `ZeroConfig` and `TrainOptions`.
+* ``run.json``: the run id, the resolved `ZeroConfig` and `TrainOptions`.
+
+With a ``checkpoint_dir`` that holds checkpoints, the same command resumes the run exactly
+(`TrainOptions.resume`): ``metrics.jsonl`` and the TensorBoard run are continued. Two runs are
+never mixed in one ``out_dir``: a previous run without a checkpoint is refused unless
+``resume=False`` (``--no-resume``: its ``metrics.jsonl`` is moved aside) or
+``overwrite=True`` (``--overwrite``: its files and checkpoints are deleted).
 
 On multi-host runs only process 0 prints, shows the progress bar and writes files; every
 process runs the same loop. The progress bar (tqdm) shows loss, tokens/s and the ETA.
@@ -76,6 +83,13 @@ class TrainOptions:
       each process writes its own shards) every ``checkpoint_every`` steps and at the end,
       with the data position; ``examples/finetune.py --init`` accepts the directory.
     checkpoint_every: steps between checkpoints (0: only at the end).
+    resume: continue the run found in ``out_dir``/``checkpoint_dir`` from its latest complete
+      checkpoint (params, optimizer, step, RNG, data position, learning-rate schedule;
+      ``metrics.jsonl`` and the TensorBoard run are continued). ``False`` (``--no-resume``):
+      start a new run at step 1; a previous run's ``metrics.jsonl`` is moved aside, and
+      existing checkpoints are refused (they would be mixed with the new run's).
+    overwrite: delete the previous run's files in ``out_dir`` and its checkpoints in
+      ``checkpoint_dir`` first, then start a new run (``--overwrite``).
   """
 
   model: str = "small"
@@ -105,8 +119,13 @@ class TrainOptions:
   save_weights: bool = False
   checkpoint_dir: str | None = None
   checkpoint_every: int = 0
+  resume: bool = True
+  overwrite: bool = False
 
   def __post_init__(self):
+    for f in ("resume", "overwrite"):
+      if not isinstance(getattr(self, f), bool):
+        raise ConfigError(f"TrainOptions.{f}={getattr(self, f)!r} is invalid: true or false")
     for f in ("steps", "batch", "log_every", "cpu_devices"):
       v = getattr(self, f)
       if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -222,13 +241,16 @@ def _field(num: int, wire: int) -> bytes:
 
 
 def _event(wall_time: float, step: int, *, file_version: str | None = None,
-           scalars: Mapping[str, float] | None = None) -> bytes:
+           scalars: Mapping[str, float] | None = None, session_start: bool = False) -> bytes:
   """Serialises a ``tensorflow.Event`` protobuf (wall_time=1, step=2, file_version=3,
-  summary=5 with Summary.value=1: Value.tag=1, Value.simple_value=2)."""
+  summary=5 with Summary.value=1: Value.tag=1, Value.simple_value=2; session_log=6 with
+  SessionLog.status=1, START=1)."""
   msg = _field(1, 1) + struct.pack("<d", wall_time) + _field(2, 0) + _varint(step)
   if file_version is not None:
     v = file_version.encode()
     msg += _field(3, 2) + _varint(len(v)) + v
+  if session_start:
+    msg += _field(6, 2) + _varint(2) + _field(1, 0) + _varint(1)
   if scalars:
     summary = b""
     for tag, value in scalars.items():
@@ -242,12 +264,20 @@ def _event(wall_time: float, step: int, *, file_version: str | None = None,
 class EventWriter:
   """Writes scalar summaries to a TensorBoard event file (TFRecord of Event protos)."""
 
-  def __init__(self, logdir: str | os.PathLike):
+  def __init__(self, logdir: str | os.PathLike, purge_step: int | None = None):
     os.makedirs(logdir, exist_ok=True)
     name = f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}"
-    self.path = os.path.join(os.fspath(logdir), name)
+    path = os.path.join(os.fspath(logdir), name)
+    n = 1
+    while os.path.exists(path):  # a resumed run restarted within the same second
+      path, n = os.path.join(os.fspath(logdir), f"{name}.{n}"), n + 1
+    self.path = path
     self._f = open(self.path, "wb")
     self._write(_event(time.time(), 0, file_version="brain.Event:2"))
+    if purge_step is not None:
+      # A resumed run redoes the steps after its checkpoint: SessionLog START at purge_step
+      # makes TensorBoard drop the earlier files' events from that step on.
+      self._write(_event(time.time(), purge_step, session_start=True))
 
   def _write(self, data: bytes) -> None:
     header = struct.pack("<Q", len(data))
@@ -264,12 +294,27 @@ class EventWriter:
     self._f.close()
 
 
-def read_events(path: str | os.PathLike) -> list[tuple[int, str, float]]:
-  """``(step, tag, value)`` of every scalar in an event file; checks both CRCs of each record.
+def read_run_events(logdir: str | os.PathLike) -> list[tuple[int, str, float]]:
+  """``(step, tag, value)`` of a TensorBoard run directory, as TensorBoard shows it: its event
+  files in order, where a ``SessionLog START`` at step ``s`` (a resumed run) drops the earlier
+  files' events from step ``s`` on."""
+  out: list[tuple[int, str, float]] = []
+  files = sorted((f for f in os.listdir(logdir) if f.startswith("events.out.tfevents.")),
+                 key=lambda f: (int(f.split(".")[3]), f))
+  for f in files:
+    for purge in _session_starts(os.path.join(logdir, f)):
+      out = [e for e in out if e[0] < purge]
+    out += read_events(os.path.join(logdir, f))
+  return out
 
-  A minimal protobuf reader for what `EventWriter` writes (and TensorBoard's simple scalars).
-  """
-  out = []
+
+def _session_starts(path: str | os.PathLike) -> list[int]:
+  return [step for step, fields in _records(path)
+          if any(_parse(sl).get(1, [0])[0] == 1 for sl in fields.get(6, []))]
+
+
+def _records(path: str | os.PathLike):
+  """``(step, fields)`` of every Event record of a file; checks both CRCs of each record."""
   data = pathlib.Path(path).read_bytes()
   i = 0
   while i < len(data):
@@ -284,7 +329,16 @@ def read_events(path: str | os.PathLike) -> list[tuple[int, str, float]]:
       raise ValueError(f"{path}: bad data CRC at byte {i}")
     i += 16 + n
     fields = _parse(rec)
-    step = fields.get(2, [0])[0]
+    yield fields.get(2, [0])[0], fields
+
+
+def read_events(path: str | os.PathLike) -> list[tuple[int, str, float]]:
+  """``(step, tag, value)`` of every scalar in an event file; checks both CRCs of each record.
+
+  A minimal protobuf reader for what `EventWriter` writes (and TensorBoard's simple scalars).
+  """
+  out = []
+  for step, fields in _records(path):
     for summary in fields.get(5, []):
       for val in _parse(summary).get(1, []):
         v = _parse(val)
@@ -328,17 +382,38 @@ def _read_varint(buf: bytes, i: int) -> tuple[int, int]:
 
 
 class MetricsWriter:
-  """Appends per-step metrics to ``metrics.jsonl`` and TensorBoard event files (process 0)."""
+  """Writes per-step metrics to ``metrics.jsonl`` and TensorBoard event files (process 0).
 
-  def __init__(self, out_dir: str | os.PathLike, tensorboard: bool = True):
+  Args:
+    out_dir: the run's output directory.
+    tensorboard: write event files, into ``tb_dir``.
+    tb_dir: the run's own TensorBoard run directory (default: ``out_dir``).
+    resume_after: continue a run resumed from the checkpoint of this step: ``metrics.jsonl``
+      keeps its records up to this step and is appended to, and the event files' later steps
+      are dropped by TensorBoard (`EventWriter` ``purge_step``). ``None``: a new file.
+  """
+
+  def __init__(self, out_dir: str | os.PathLike, tensorboard: bool = True,
+               tb_dir: str | os.PathLike | None = None, resume_after: int | None = None):
     self.enabled = is_main_process()
     self.out_dir = os.fspath(out_dir)
     self.jsonl_path = os.path.join(self.out_dir, "metrics.jsonl")
     self.tb = None
+    self.previous: list[dict] = []
     if self.enabled:
       os.makedirs(self.out_dir, exist_ok=True)
-      self._f = open(self.jsonl_path, "w")
-      self.tb = EventWriter(self.out_dir) if tensorboard else None
+      if resume_after is not None and os.path.exists(self.jsonl_path):
+        self.previous = [r for r in read_jsonl(self.jsonl_path) if r["step"] <= resume_after]
+        tmp = self.jsonl_path + ".tmp"
+        with open(tmp, "w") as f:  # the records up to the checkpoint, then appended to
+          f.writelines(json.dumps(r) + "\n" for r in self.previous)
+        os.replace(tmp, self.jsonl_path)
+        self._f = open(self.jsonl_path, "a")
+      else:
+        self._f = open(self.jsonl_path, "w")
+      if tensorboard:
+        self.tb = EventWriter(tb_dir if tb_dir is not None else self.out_dir,
+                              purge_step=None if resume_after is None else resume_after + 1)
 
   def write(self, record: Mapping[str, Any]) -> None:
     if not self.enabled:
@@ -508,6 +583,133 @@ def load_weights(path: str | os.PathLike, params: Any, shardings: Any) -> Any:
   return jax.tree_util.tree_unflatten(treedef, out)
 
 
+# -- run directories: resume, new run, overwrite ---------------------------------------------
+
+# Options that may change when a run is resumed; any other difference is another run.
+_RESUMABLE_CHANGES = {"steps", "log_every", "progress", "show_plan", "plot", "save_weights",
+                      "checkpoint_every", "cpu_devices", "resume", "overwrite", "tensorboard"}
+
+
+@dataclasses.dataclass
+class _RunDirs:
+  run_id: str
+  tb_dir: str
+  resume_step: int | None  # the checkpoint step to resume from
+  notes: list[str]
+
+
+def _previous_run(out_dir: str) -> tuple[dict | None, list[dict]]:
+  run_json = os.path.join(out_dir, "run.json")
+  run = None
+  if os.path.isfile(run_json):
+    try:
+      with open(run_json) as f:
+        run = json.load(f)
+    except ValueError:
+      run = None
+  metrics = os.path.join(out_dir, "metrics.jsonl")
+  records = read_jsonl(metrics) if os.path.isfile(metrics) else []
+  return run, records
+
+
+def _prepare_run(opts: TrainOptions, config: ZeroConfig) -> _RunDirs:
+  """Decides whether this run resumes, starts beside a previous one or overwrites it, and
+  arranges ``out_dir`` and ``checkpoint_dir`` for it (process 0 moves or deletes files; every
+  process decides from the same files before anything changes)."""
+  import jax
+  out_dir, ckdir = opts.out_dir, opts.checkpoint_dir
+  latest = None
+  if ckdir and os.path.isdir(ckdir):
+    from zerojax.checkpoint import Checkpointer
+    with Checkpointer(ckdir, read_only=True) as ck:
+      latest = ck.latest_step()
+  run, records = _previous_run(out_dir)
+  flags = ("pass --no-resume (resume=false) to start a new run beside it, or --overwrite "
+           "(overwrite=true) to delete it first")
+  notes: list[str] = []
+  if jax.process_count() > 1:  # nobody changes a file before every process has read them
+    from jax.experimental import multihost_utils
+    multihost_utils.sync_global_devices("zerojax.train: run directories read")
+
+  if opts.overwrite:
+    if is_main_process():
+      _delete_previous(out_dir, ckdir, run)
+    notes.append(f"--overwrite: deleted the previous run's files in {out_dir!r}"
+                 + (f" and its checkpoints in {ckdir!r}" if ckdir else ""))
+    run, records, latest = None, [], None
+  elif opts.resume and latest is not None:
+    if run is not None:
+      old = run.get("options", {})
+      new = json.loads(json.dumps(dataclasses.asdict(opts)))
+      diff = sorted(k for k in set(old) | set(new)
+                    if k not in _RESUMABLE_CHANGES and old.get(k) != new.get(k))
+      if diff:
+        what = ", ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in diff[:6])
+        raise ConfigError(
+            f"checkpoint_dir {ckdir!r} holds a run (latest step {latest}) with other training "
+            f"options than this one ({what}); resuming it would mix two runs. Pass "
+            "--no-resume (resume=false) with another checkpoint_dir to start a new run, or "
+            "--overwrite (overwrite=true) to delete the old one first")
+      old_cfg, new_cfg = run.get("config") or {}, json.loads(json.dumps(config.to_dict()))
+      changed = sorted(k for k in set(old_cfg) | set(new_cfg) if old_cfg.get(k) != new_cfg.get(k))
+      if changed:  # e.g. another stage or mesh: the checkpoint restores into the new plan
+        notes.append("resuming with a changed ZeroConfig: " + ", ".join(
+            f"{k}: {old_cfg.get(k)!r} -> {new_cfg.get(k)!r}" for k in changed))
+    run_id = (run or {}).get("run_id") or _new_run_id()
+    notes.append(f"resuming from checkpoint step {latest} in {ckdir!r} (run {run_id}; "
+                 "--no-resume or --overwrite for a new run)")
+    return _RunDirs(run_id, os.path.join(out_dir, "tb", run_id), latest, notes)
+  elif latest is not None:  # --no-resume with checkpoints: the new run's would mix with them
+    raise ConfigError(
+        f"checkpoint_dir {ckdir!r} holds checkpoints of a previous run (latest step {latest}); "
+        "--no-resume (resume=false) would mix this run's checkpoints with them. Resume it "
+        "(drop --no-resume), delete it with --overwrite (overwrite=true), or choose another "
+        "checkpoint_dir")
+  elif records:
+    if opts.resume:
+      steps = f"steps {records[0].get('step')}..{records[-1].get('step')}"
+      raise ConfigError(
+          f"out_dir {opts.out_dir!r} holds the metrics of a previous run ({steps}"
+          + (f", run {run['run_id']}" if run and run.get("run_id") else "")
+          + ") and there is no checkpoint to resume it from"
+          + (f" in checkpoint_dir {ckdir!r}" if ckdir else " (checkpoint_dir is not set)")
+          + "; " + flags)
+    old_id = (run or {}).get("run_id") or time.strftime(
+        "%Y%m%d-%H%M%S", time.localtime(os.path.getmtime(os.path.join(out_dir, "metrics.jsonl"))))
+    moved = os.path.join(out_dir, f"metrics.{old_id}.jsonl")
+    if is_main_process():
+      os.replace(os.path.join(out_dir, "metrics.jsonl"), moved)
+    notes.append(f"--no-resume: the previous run's metrics were moved to {moved!r}")
+  run_id, n = _new_run_id(), 1
+  base = run_id
+  while os.path.exists(os.path.join(out_dir, "tb", run_id)) or (
+      run is not None and run.get("run_id") == run_id):  # two runs within a second
+    run_id, n = f"{base}-{n}", n + 1
+  return _RunDirs(run_id, os.path.join(out_dir, "tb", run_id), None, notes)
+
+
+def _new_run_id() -> str:
+  return time.strftime("%Y%m%d-%H%M%S")
+
+
+def _delete_previous(out_dir: str, ckdir: str | None, run: dict | None) -> None:
+  import shutil
+  if os.path.isdir(out_dir):
+    for name in os.listdir(out_dir):
+      path = os.path.join(out_dir, name)
+      ours = name in ("metrics.jsonl", "run.json", "loss.png", "weights.npz") or (
+          name.startswith("events.out.tfevents.")) or (
+          name.startswith("metrics.") and name.endswith(".jsonl"))  # moved-aside runs
+      if ours and os.path.isfile(path):
+        os.remove(path)
+    shutil.rmtree(os.path.join(out_dir, "tb"), ignore_errors=True)
+  if ckdir and os.path.isdir(ckdir):
+    for name in os.listdir(ckdir):  # only what zerojax.checkpoint writes: numbered steps
+      if name.split(".")[0].isdigit():
+        path = os.path.join(ckdir, name)
+        shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.remove(path)
+
+
 # -- the loop ---------------------------------------------------------------------------------
 
 
@@ -561,16 +763,29 @@ def train(config: ZeroConfig, opts: TrainOptions | None = None, *,
   tokens = load_bytes(corpus)
   model = GPT(mcfg)
   sample = jnp.zeros((rows, mcfg.seq_len), jnp.int32)
-  state, plan = zerojax.create_train_state(model, tx, jax.random.key(opts.seed), sample,
-                                           config=config, mesh=mesh)
-  if opts.init_from:
-    state = state.replace(params=load_weights(opts.init_from, state.params, plan.params))
+  dirs = _prepare_run(opts, config)
+  rng = jax.random.key(opts.seed)
+  start, data_step = 0, 0
+  if dirs.resume_step is None:
+    state, plan = zerojax.create_train_state(model, tx, rng, sample, config=config, mesh=mesh)
+    if opts.init_from:
+      state = state.replace(params=load_weights(opts.init_from, state.params, plan.params))
+  else:  # read straight into the plan's layout: nothing is initialised
+    from zerojax.checkpoint import Checkpointer, abstract_train_state
+    state, plan = abstract_train_state(model, tx, rng, sample, config=config, mesh=mesh)
+    with Checkpointer(opts.checkpoint_dir, read_only=True) as ck:
+      state, extras = ck.restore(state, plan, step=dirs.resume_step)
+    start = int(extras.step)
+    data_step = int((extras.data or {}).get("batches_step", start))
+    if int(state.step) != start:
+      raise ConfigError(f"checkpoint {opts.checkpoint_dir!r} step {start} holds a state at "
+                        f"optimizer step {int(state.step)}; it was not written by this loop")
 
   log(f"zerojax: {jax.device_count()} x {jax.devices()[0].platform} devices, "
       f"{jax.process_count()} process(es), mesh {dict(mesh.shape)}, stage {config.stage}")
   log(f"model {opts.model}: {mcfg.num_params():,} parameters; batch {total} rows x "
       f"{mcfg.seq_len} tokens = {micro} per device x {accum} accumulation x {dp} data parallel")
-  for n in xla_notes:
+  for n in list(xla_notes) + dirs.notes:
     log(n)
 
   @zerojax.zero_step(plan)
@@ -581,7 +796,8 @@ def train(config: ZeroConfig, opts: TrainOptions | None = None, *,
     return state.apply_gradients(grads=grads), {"loss": loss}
 
   batch_sh = plan.batch({"x": sample})["x"]
-  batches = TextBatches(tokens, rows, mcfg.seq_len, seed=opts.seed, sharding=batch_sh)
+  batches = TextBatches(tokens, rows, mcfg.seq_len, seed=opts.seed, sharding=batch_sh,
+                        step=data_step)
 
   def next_batch():
     return next(batches)
@@ -589,27 +805,36 @@ def train(config: ZeroConfig, opts: TrainOptions | None = None, *,
   if opts.show_plan:
     log(plan.table())
     m = zerojax.memory.measure(train_step.lower(state, next_batch()).compile())
-    batches.step = 0
+    batches.step = data_step
     mib = lambda b: f"{b / 2**20:.2f} MiB"
     log(f"per-device memory (XLA): arguments {mib(m.argument)}, temp {mib(m.temp)}, "
         f"peak {mib(m.peak)}; collectives/step {mib(m.collective_total)}")
 
   out_dir = opts.out_dir
-  writer = MetricsWriter(out_dir, tensorboard=opts.tensorboard)
+  writer = MetricsWriter(out_dir, tensorboard=opts.tensorboard, tb_dir=dirs.tb_dir,
+                         resume_after=dirs.resume_step)
   if is_main_process():
-    with open(os.path.join(out_dir, "run.json"), "w") as f:
-      json.dump({"config": config.to_dict(), "options": dataclasses.asdict(opts)}, f, indent=1)
+    run_json = os.path.join(out_dir, "run.json")
+    resumes = []
+    if dirs.resume_step is not None and os.path.isfile(run_json):
+      with open(run_json) as f:
+        resumes = json.load(f).get("resumed_from", [])
+      resumes.append(dirs.resume_step)
+    with open(run_json, "w") as f:
+      json.dump({"run_id": dirs.run_id, "config": config.to_dict(),
+                 "options": dataclasses.asdict(opts), "resumed_from": resumes}, f, indent=1)
 
   bar = None
   if opts.progress and is_main_process():
     from tqdm.auto import tqdm
-    bar = tqdm(total=opts.steps, desc="train", unit="step", dynamic_ncols=True, file=sys.stdout)
+    bar = tqdm(total=opts.steps, initial=start, desc="train", unit="step", dynamic_ncols=True,
+               file=sys.stdout)
 
-  history: list[dict] = []
+  history: list[dict] = list(writer.previous)
   pending: list[tuple[int, Any]] = []
   tokens_per_step = total * mcfg.seq_len
   t_start = t_last = time.perf_counter()
-  last_fetched = 0
+  last_fetched = start
 
   def drain(now: float):
     nonlocal t_last, last_fetched
@@ -639,24 +864,28 @@ def train(config: ZeroConfig, opts: TrainOptions | None = None, *,
     pending.clear()
 
   ckpt = None
-  if opts.checkpoint_dir:
-    from zerojax.checkpoint import Checkpointer
-    ckpt = Checkpointer(opts.checkpoint_dir, config=config)
-  for step in range(1, opts.steps + 1):
-    state, m = train_step(state, next_batch())  # no host sync: metrics are fetched in drain()
-    pending.append((step, m))
-    if ckpt is not None and (step == opts.steps or (
-        opts.checkpoint_every and step % opts.checkpoint_every == 0)):
-      ckpt.save(step, state, data={"batches_step": batches.step})  # async
-    if step % opts.log_every == 0 or step == opts.steps or step == 1:
-      drain(time.perf_counter())
-  drain(time.perf_counter())
-  if bar is not None:
-    bar.close()
-  writer.close()
-  if ckpt is not None:
-    ckpt.wait()
-    ckpt.close()
+  try:
+    if opts.checkpoint_dir:
+      from zerojax.checkpoint import Checkpointer
+      ckpt = Checkpointer(opts.checkpoint_dir, config=config)
+    for step in range(start + 1, opts.steps + 1):
+      state, m = train_step(state, next_batch())  # no host sync: metrics are fetched in drain()
+      pending.append((step, m))
+      if ckpt is not None and (step == opts.steps or (
+          opts.checkpoint_every and step % opts.checkpoint_every == 0)):
+        # metrics up to a checkpoint are on disk before it exists: a resumed run's
+        # metrics.jsonl then has every step
+        drain(time.perf_counter())
+        ckpt.save(step, state, rng=rng, data={"batches_step": batches.step})  # async
+      if step % opts.log_every == 0 or step == opts.steps or step == start + 1:
+        drain(time.perf_counter())
+    drain(time.perf_counter())
+  finally:  # also on an error: what was written stays consistent and is closed
+    if bar is not None:
+      bar.close()
+    writer.close()
+    if ckpt is not None:
+      ckpt.close()  # waits for the pending save
 
   files = {"metrics": writer.jsonl_path, "run": os.path.join(out_dir, "run.json")}
   if opts.save_weights:
@@ -673,7 +902,8 @@ def train(config: ZeroConfig, opts: TrainOptions | None = None, *,
     first, last = history[0], history[-1]
     nan = float("nan")
     log(f"done: {opts.steps} steps, loss {first['loss'] or nan:.4f} -> {last['loss'] or nan:.4f}, "
-        f"{tokens_per_step * opts.steps / (time.perf_counter() - t_start):,.0f} tokens/s overall"
+        f"{tokens_per_step * (opts.steps - start) / (time.perf_counter() - t_start):,.0f} "
+        "tokens/s overall"
         + (f", {history[-1].get('skipped_steps', 0)} overflow step(s) skipped"
            if history[-1].get("skipped_steps") else ""))
     log("wrote " + ", ".join(files.values()))
