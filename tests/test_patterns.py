@@ -4,7 +4,8 @@ Every pattern runs at the *default* config (only ``stage`` set), against a hand-
 FSDP baseline (jit in/out shardings only) compiled for the same model. Asserted from XLA's
 memory analysis (deterministic) and two training steps against an unsharded run:
 
-* stage-3 temp <= the baseline's temp;
+* stage-3 temp <= the baseline's temp (plus the few bytes of leaves the plan leaves replicated
+  on purpose);
 * stage-2 temp <= stage-1 temp - 0.75·G·7/8 (stage 1 holds its local gradient until one
   reduction after the backward pass, stage 2 never holds the full gradient);
 * losses and final parameters within 1e-5 of one device, stages 0-3.
@@ -46,7 +47,12 @@ def pattern(request):
 
 def test_patterns_stage3_temp_at_most_hand_written_fsdp(pattern):
   m3, base = pattern["mem"][3], pattern["mem"]["baseline"]
-  assert m3.temp <= base.temp, (pattern["name"], m3.temp, base.temp)
+  # The baseline shards every leaf; zerojax keeps leaves under param_persistence_threshold
+  # replicated on purpose (DeepSpeed's default: a collective per bias is not worth it), whose
+  # gradients are then whole. That is the only allowance: at the benchmark's size it is below
+  # 1% and stage 3 is at or under the baseline outright (BENCHMARKS.md).
+  replicated = sum(pattern["runners"][3].plan.unsharded_bytes().values())
+  assert m3.temp <= base.temp + replicated, (pattern["name"], m3.temp, base.temp, replicated)
 
 
 def test_patterns_stage2_below_stage1_by_gradient(pattern):

@@ -40,7 +40,8 @@ from zerojax.train_state import StepSettings, ZeroTrainState, nnx_loss_scaling, 
 PyTree = Any
 
 
-def wrap_apply_fn(apply_fn: Callable, plan: ShardingPlan) -> Callable:
+def wrap_apply_fn(apply_fn: Callable, plan: ShardingPlan, per_use: bool | None = None,
+                  seen: dict | None = None) -> Callable:
   """``apply_fn`` as the step's formulation needs it (see `ZeroConfig.gather`).
 
   The model is traced once to see how it was written. Scanned layers, or layers the user
@@ -53,6 +54,7 @@ def wrap_apply_fn(apply_fn: Callable, plan: ShardingPlan) -> Callable:
   where it reads them and re-gathers them in the backward pass (`regather_layers`).
   """
   cfg = plan.config
+  forced = per_use
   treedef = jax.tree.structure(plan.params)
   warned = []
   decided: list[tuple[bool, bool]] = []  # (per use, has scan), from the first trace
@@ -79,10 +81,12 @@ def wrap_apply_fn(apply_fn: Callable, plan: ShardingPlan) -> Callable:
       jaxpr = jax.make_jaxpr(lambda p: run(p, False))(params)
       has_scan = jaxpr_has_primitive(jaxpr, frozenset({"scan"}))
       remats = jaxpr_has_primitive(jaxpr, REMAT_PRIMITIVE_NAMES)
-      per_use = plan.gathers_per_use or (
-          cfg.gather == "auto" and cfg.stage == 3 and cfg.remat == "auto" and not has_scan
-          and not remats and any(lp.is_sharded for lp in plan.leaves))
-      decided.append((per_use, has_scan))
+      candidate = (not plan.gathers_per_use and cfg.gather == "auto" and cfg.stage == 3
+                   and cfg.remat == "auto" and not has_scan and not remats
+                   and any(lp.is_sharded for lp in plan.leaves))
+      if candidate and seen is not None:
+        seen["candidate"] = True
+      decided.append((plan.gathers_per_use or (candidate and forced is not False), has_scan))
     per_use, has_scan = decided[0]
     policy = remat_policy(cfg, per_use)
     if has_scan or policy is None:
@@ -125,6 +129,9 @@ class ZeroStep:
     functools.update_wrapper(self, fn)
     self.fn, self.plan, self.donate = fn, plan, donate
     self._jitted: dict[Any, Any] = {}
+    # How each compiled variant gathers parameters: "compiler" (XLA's partitioner) or
+    # "per use" (zerojax's gather boxes); see `wrap_apply_fn`.
+    self.formulation: dict[Any, str] = {}
     self._last_dispatch: float | None = None
     self.last_step_time = math.nan  # see __call__
 
@@ -140,28 +147,45 @@ class ZeroStep:
       _check_processes_agree(plan, getattr(state, "tx", None), state)
       orig_tx = getattr(state, "tx", None)
 
-      def step(state, batch, *rest):
-        changes = {"apply_fn": wrap_apply_fn(orig, plan)}
-        if orig_tx is not None:
-          changes["tx"] = offload.wrap_tx(orig_tx, plan)
-        state = state.replace(**changes)
-        with _step_context(plan, state) as ctx, scanned_layers(
-            scan_remat(plan.config, plan.gathers_per_use)):
-          new_state, metrics = self.fn(state, batch, *rest)
-        _check_features_used(ctx)
-        if not isinstance(new_state, type(state)):
-          raise TypeError(f"train_step must return (state, metrics); got {type(new_state)}")
-        if isinstance(new_state, ZeroTrainState) and isinstance(metrics, dict):
-          metrics = {**new_state.step_metrics(), **metrics}
-        restore = {"apply_fn": orig} if orig_tx is None else {"apply_fn": orig, "tx": orig_tx}
-        return new_state.replace(**restore), metrics
+      def make(per_use, seen):
+        def step(state, batch, *rest):
+          changes = {"apply_fn": wrap_apply_fn(orig, plan, per_use, seen)}
+          if orig_tx is not None:
+            changes["tx"] = offload.wrap_tx(orig_tx, plan)
+          state = state.replace(**changes)
+          with _step_context(plan, state) as ctx, scanned_layers(
+              scan_remat(plan.config, plan.gathers_per_use)):
+            new_state, metrics = self.fn(state, batch, *rest)
+          _check_features_used(ctx)
+          if not isinstance(new_state, type(state)):
+            raise TypeError(f"train_step must return (state, metrics); got {type(new_state)}")
+          if isinstance(new_state, ZeroTrainState) and isinstance(metrics, dict):
+            metrics = {**new_state.step_metrics(), **metrics}
+          restore = {"apply_fn": orig} if orig_tx is None else {"apply_fn": orig, "tx": orig_tx}
+          return new_state.replace(**restore), metrics
 
-      state_sh = plan.state(state)
-      self._jitted[key] = jax.jit(
-          step, in_shardings=(state_sh, plan.batch(batch), *_replicated(plan, rest)),
-          out_shardings=(state_sh, plan.replicated),
-          donate_argnums=(0,) if self.donate else (),
-          compiler_options=compiler_options(plan))
+        state_sh = plan.state(state)
+        return jax.jit(
+            step, in_shardings=(state_sh, plan.batch(batch), *_replicated(plan, rest)),
+            out_shardings=(state_sh, plan.replicated),
+            donate_argnums=(0,) if self.donate else (),
+            compiler_options=compiler_options(plan))
+
+      seen: dict = {}
+      jitted = make(None, seen)
+      lowered = jitted.lower(state, batch, *rest)  # one trace (cached for the first call)
+      self.formulation[key] = "per use" if plan.gathers_per_use else "compiler"
+      if seen.get("candidate"):
+        # Both formulations are valid for this model: keep the one XLA says needs less.
+        alt = make(False, {})
+        per_use_temp = _temp_bytes(lowered.compile())
+        compiler_temp = _temp_bytes(alt.lower(state, batch, *rest).compile())
+        if per_use_temp is not None and compiler_temp is not None and (
+            compiler_temp < per_use_temp):
+          jitted = alt
+        else:
+          self.formulation[key] = "per use"
+      self._jitted[key] = jitted
     return self._jitted[key]
 
   # -- NNX ------------------------------------------------------------------------------------
@@ -333,6 +357,11 @@ def _check_state_features(plan: ShardingPlan, state: Any) -> None:
     kind = "an NNX step" if state is None else f"a {type(state).__name__}"
     raise ConfigError(f"{', '.join(wanted)} needs a zerojax.ZeroTrainState (create it with "
                       f"zerojax.create_train_state); {kind} would silently ignore it")
+
+
+def _temp_bytes(compiled: Any) -> int | None:
+  analysis = compiled.memory_analysis()
+  return None if analysis is None else int(analysis.temp_size_in_bytes)
 
 
 def _is_nnx(x: Any) -> bool:
