@@ -22,7 +22,13 @@ Estimate
 Measure
   `measure` reads XLA's compiled memory analysis (argument, output, alias, temp bytes per
   device) and counts collective bytes in the compiled HLO, weighting ops inside ``while`` loops
-  (scans) by their known trip counts.
+  (scans) by their trip counts.
+
+Compile for a TPU pod
+  `compile_for_topology` compiles the real train step for a TPU slice (``'v5e:8x8'``) on any
+  machine with libtpu installed (``pip install "zerojax[tpu]"``), from abstract state. XLA:TPU
+  reports HBM and ``pinned_host`` bytes apart and refuses a step that does not fit the chip;
+  `gather_schedule` reads from its schedule which all-gathers run beside computation.
 """
 
 from __future__ import annotations
