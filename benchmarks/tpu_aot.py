@@ -47,6 +47,8 @@ def parse_args(argv=None):
   p.add_argument("--seq", type=int, default=1024, help="tokens per row (figure1/offload/scale)")
   p.add_argument("--rows-per-chip", type=int, default=1, help="batch rows per chip")
   p.add_argument("--stages", default="0,1,2,3", help="figure1 stages")
+  p.add_argument("--jobs", type=int, default=1,
+                 help="compile a section's cases in this many processes (offload, overlap)")
   p.add_argument("--write", action="store_true", help="replace the sections in BENCHMARKS.md")
   args = p.parse_args(argv)
   args.only = [s.strip() for s in args.only.split(",") if s.strip()]
@@ -73,9 +75,38 @@ def compile_case(config, model, topology, rows_per_chip, seq, **kw):
   t0 = time.perf_counter()
   r = compile_for_topology(config, model, (n * rows_per_chip, seq), topology, **kw)
   status = "fits" if r.fits else "does not fit"
-  print(f"  {model} stage {config.stage} {topology}: {status}, "
+  label = model if isinstance(model, str) else type(model).__name__
+  print(f"  {label} stage {config.stage} (live {config.max_live_layers}, offload_optimizer "
+        f"{config.offload_optimizer}, offload_params {config.offload_params}) {topology}: "
+        f"{status}, "
         f"{time.perf_counter() - t0:.0f} s", flush=True)
   return r
+
+
+def _compile_job(job):
+  """One compile in a worker process; returns the result without its executable (which does
+  not pickle) and, for overlap cases, the all-gather schedule read from it."""
+  kind, config, model, topology, rows_per_chip, seq = job
+  from zerojax.memory import gather_schedule
+  if isinstance(model, dict):  # GPTConfig fields: built here, modules need not pickle
+    import jax.numpy as jnp
+    from zerojax.models import GPT, GPTConfig
+    model = GPT(GPTConfig(**model, dtype=jnp.dtype(config.compute_dtype)))
+  r = compile_case(config, model, topology, rows_per_chip, seq)
+  g = gather_schedule(r.compiled.as_text()) if (kind == "overlap" and r.compiled) else None
+  return dataclasses.replace(r, compiled=None), g
+
+
+def run_jobs(jobs, n_jobs):
+  """Compiles ``jobs`` in ``n_jobs`` processes (compiles are single-threaded at heart; on a
+  shared machine parallel processes finish a section sooner)."""
+  if n_jobs <= 1 or len(jobs) <= 1:
+    return [_compile_job(j) for j in jobs]
+  import multiprocessing
+  from concurrent.futures import ProcessPoolExecutor
+  with ProcessPoolExecutor(min(n_jobs, len(jobs)),
+                           mp_context=multiprocessing.get_context("spawn")) as ex:
+    return list(ex.map(_compile_job, jobs))
 
 
 def base_config(**kw):
@@ -143,11 +174,9 @@ def section_offload(args):
   variants = [("stage 3", {}), ("+ offload_optimizer", {"offload_optimizer": True}),
               ("+ offload_optimizer + offload_params",
                {"offload_optimizer": True, "offload_params": True})]
-  results = []
-  for name, extra in variants:
-    r = compile_case(base_config(stage=3, **extra), "gpt-7.5b", args.offload_topology,
-                     args.rows_per_chip, args.seq)
-    results.append((name, r))
+  out = run_jobs([("offload", base_config(stage=3, **extra), "gpt-7.5b", args.offload_topology,
+                   args.rows_per_chip, args.seq) for _, extra in variants], args.jobs)
+  results = [(name, r) for (name, _), (r, _) in zip(variants, out)]
   ref = results[0][1].measured
   checks = []
   for name, r in results:
@@ -197,25 +226,22 @@ def section_scale(args):
 
 
 def section_overlap(args):
-  import jax.numpy as jnp
-  from zerojax.memory import gather_schedule
-  from zerojax.models import GPT, GPTConfig
   header = ("| layers | max_live_layers | all-gather MiB/step | async MiB | async with compute "
             "between start and done MiB | share | synchronous MiB | async pairs (with compute) "
             "| compile s |")
   lines = [header, "|" + "---|" * 9]
   cases = [("scanned", True, 1), ("scanned", True, 2), ("unscanned", False, 1)]
+  jobs = [("overlap", base_config(stage=3, max_live_layers=live),
+           dict(vocab_size=32000, seq_len=512, num_layers=8, num_heads=16, d_model=1024,
+                scan=scan),
+           args.overlap_topology, 1, 512) for _, scan, live in cases]
   results = []
-  for name, scan, live in cases:
-    mcfg = GPTConfig(vocab_size=32000, seq_len=512, num_layers=8, num_heads=16, d_model=1024,
-                     scan=scan, dtype=jnp.bfloat16)
-    config = base_config(stage=3, max_live_layers=live)
-    from zerojax.memory import compile_for_topology, tpu_topology
-    n = len(tpu_topology(args.overlap_topology).devices)
-    r = compile_for_topology(config, GPT(mcfg), (n, mcfg.seq_len), args.overlap_topology)
-    g = gather_schedule(r.compiled.as_text())
-    print(f"  overlap {name} live={live}: {g}", flush=True)
+  for (name, scan, live), (r, g) in zip(cases, run_jobs(jobs, args.jobs)):
     results.append(r)
+    if g is None:
+      lines.append(f"| {name} | {live if scan else '-'} | {verdict(r)} |" + " - |" * 6)
+      continue
+    print(f"  overlap {name} live={live}: {g}, {r.compile_seconds:.0f} s", flush=True)
     mib = lambda b: f"{b / 2**20:,.1f}"
     lines.append(f"| {name} | {live if scan else '-'} | {mib(g.total)} | {mib(g.asynchronous)} "
                  f"| {mib(g.overlapped)} | {g.overlapped_share:.0%} | {mib(g.synchronous)} | "
