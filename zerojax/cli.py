@@ -1,4 +1,4 @@
-"""The ``zerojax`` command line: train, plan, estimate, config, export.
+"""The ``zerojax`` command line: train, plan, estimate, compile, config, export.
 
 Run ``zerojax COMMAND --help`` for each command. ``python -m zerojax.cli`` is the same program.
 """
@@ -414,6 +414,25 @@ def cmd_estimate(args) -> int:
   return rc
 
 
+def cmd_compile(args) -> int:
+  loaded = load_config(args.config, args.overrides, apply_xla_flags=False)
+  from zerojax import memory
+  if args.batch < 1 or args.seq < 1:
+    raise ConfigError(f"--batch {args.batch} --seq {args.seq}: both must be >= 1")
+  try:
+    r = memory.compile_for_topology(loaded.config, args.model, (args.batch, args.seq),
+                                    args.topology)
+  except ImportError as e:
+    print(f"{PROG} compile: error: {e}", file=sys.stderr)
+    return 2
+  print(f"model {args.model}, global batch {args.batch} x {args.seq} tokens, "
+        f"{args.topology}")
+  print(r.table())
+  for note in loaded.notes:
+    print(f"DeepSpeed {note}")
+  return 0 if r.fits else 1
+
+
 def cmd_config(args) -> int:
   loaded = load_config(args.config, args.overrides, apply_xla_flags=False)
   print(json.dumps({"zerojax": loaded.config.to_dict(), "train": loaded.train}, indent=1,
@@ -454,6 +473,8 @@ def build_parser() -> argparse.ArgumentParser:
              "  zerojax plan configs/zero2.json --model gpt-89m --devices 64\n"
              "  zerojax estimate --params 7.5e9 --devices 64     # the ZeRO paper's Figure 1\n"
              "  zerojax estimate --params 7.5e9 --devices 64 --fit 16GB --plot mem.png\n"
+             "  zerojax compile configs/zero3.json --model gpt-7.5b --batch 64 --seq 1024 "
+             "--topology v5e:8x8\n"
              "  zerojax config configs/ds_zero2.json             # what a DeepSpeed config maps to\n"
              "  zerojax export --help\n\n"
              "run `zerojax COMMAND --help` for a command's options.")
@@ -531,6 +552,33 @@ def build_parser() -> argparse.ArgumentParser:
                  metavar="PNG", help="draw the bars to PNG (default zerojax_estimate.png)")
   e.add_argument("--json", action="store_true", help="machine-readable output")
   e.set_defaults(func=cmd_estimate)
+
+  cp = sub.add_parser(
+      "compile", formatter_class=fmt, help="will it fit? compile the step for a TPU pod",
+      description=_wrap(
+          "Compile the real train step (stage, offload and remat from the config) ahead of "
+          "time for a TPU topology, on this machine: no TPU is needed and nothing is "
+          "allocated. Prints per device the HBM arguments, outputs, temp and peak, the host "
+          "(pinned_host) bytes, whether it fits the chip's HBM, the collective bytes per step "
+          "and the compile time, all as the TPU compiler reports them. Needs libtpu: "
+          'pip install "zerojax[tpu]".',
+          "Exit status: 0 fits, 1 does not fit (the compiler refused it or its peak exceeds "
+          "the usable HBM), 2 bad input."),
+      epilog=EPILOG_OVERRIDES + "\nexamples:\n"
+             "  zerojax compile configs/zero3.json --model gpt-7.5b --batch 64 --seq 1024 "
+             "--topology v5e:8x8\n"
+             "  zerojax compile configs/ds_zero3_offload.json --model gpt-7.5b --batch 64 "
+             "--seq 1024 --topology v5e:8x8 compute_dtype=bfloat16 remat=full\n\n"
+             "topologies: " + ", ".join(("v5e:2x4", "v5e:8x8", "v5p:4x4x4", "v5p:8x8x8",
+                                         "v4:2x2x1", "v6e:4x4")) + ", ...")
+  cp.add_argument("config", nargs="?", help="zerojax or DeepSpeed config (default: stage 3)")
+  cp.add_argument("overrides", nargs="*", metavar="key=value", help="ZeroConfig overrides")
+  cp.add_argument("--model", default="small", help="GPT preset: tiny, small, gpt-89m, gpt-7.5b, "
+                  "gpt-70b (default small)")
+  cp.add_argument("--batch", type=int, required=True, help="global batch (rows per step)")
+  cp.add_argument("--seq", type=int, required=True, help="tokens per row")
+  cp.add_argument("--topology", required=True, help="TPU slice, e.g. v5e:8x8 or v5p:4x4x4")
+  cp.set_defaults(func=cmd_compile)
 
   c = sub.add_parser(
       "config", formatter_class=fmt, help="show what a (DeepSpeed) config maps to",

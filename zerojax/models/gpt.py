@@ -49,6 +49,13 @@ PRESETS = {
     # 12 layers, d=512, vocab 50257: ~89M parameters (the memory benchmark's model).
     "gpt-89m": GPTConfig(vocab_size=50257, seq_len=128, num_layers=12, num_heads=8, d_model=512),
     "small": GPTConfig(vocab_size=256, seq_len=128, num_layers=4, num_heads=4, d_model=128),
+    # Pod-scale shapes for ahead-of-time compilation (`zerojax compile`): 36 x d 4096 is
+    # 7.52B parameters, the ZeRO paper's Figure-1 size; 86 x d 8192 is 69.8B, a 70B-class
+    # decoder.
+    "gpt-7.5b": GPTConfig(vocab_size=32000, seq_len=1024, num_layers=36, num_heads=32,
+                          d_model=4096),
+    "gpt-70b": GPTConfig(vocab_size=32000, seq_len=1024, num_layers=86, num_heads=64,
+                         d_model=8192),
 }
 
 

@@ -1,0 +1,145 @@
+"""The real train step compiled ahead of time for a TPU topology (`zerojax compile`).
+
+XLA:TPU shows what the CPU backend cannot: HBM and pinned_host bytes apart, the chip's
+capacity (it refuses a step that does not fit) and its own collective schedule. libtpu
+(``pip install -e ".[tpu]"``) compiles for a TPU slice on a machine without TPUs; the tests
+that compile are skipped only when it is not installed. Each case compiles once (module
+fixtures) with a tiny GPT on ``v5e:2x4`` (8 chips).
+"""
+
+import importlib.util
+
+import pytest
+
+import zerojax
+from zerojax import memory
+from zerojax.models import GPTConfig
+
+HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
+needs_libtpu = pytest.mark.skipif(
+    not HAS_LIBTPU, reason='libtpu is not installed (pip install -e ".[tpu]"): no TPU compiler')
+
+TOPOLOGY = "v5e:2x4"
+# d_model 256 keeps every leaf divisible by 8 and the kernels large next to TPU tile padding;
+# threshold 0 shards every leaf, so stage 3 shards everything but the step counters.
+TINY = GPTConfig(vocab_size=256, seq_len=64, num_layers=2, num_heads=4, d_model=256)
+BATCH = (8, 64)
+
+
+def _compile(**kw):
+  from zerojax.models import GPT
+  config = zerojax.ZeroConfig(param_persistence_threshold=0, **kw)
+  return memory.compile_for_topology(config, GPT(TINY), BATCH, TOPOLOGY)
+
+
+@pytest.fixture(scope="module")
+def stage0():
+  return _compile(stage=0)
+
+
+@pytest.fixture(scope="module")
+def stage3():
+  return _compile(stage=3)
+
+
+@pytest.fixture(scope="module")
+def stage3_offload():
+  return _compile(stage=3, offload_optimizer=True)
+
+
+@needs_libtpu
+def test_tpu_stage3_arguments_are_an_eighth_of_stage0(stage0, stage3):
+  assert stage0.fits and stage3.fits
+  assert stage0.num_devices == stage3.num_devices == 8
+  assert stage0.device_kind == "TPU v5 lite"
+  ratio = stage3.measured.argument / stage0.measured.argument
+  assert abs(ratio - 1 / 8) < 0.01, ratio
+  for r in (stage0, stage3):
+    # The compiler's HBM arguments are the plan's bytes up to TPU layout padding.
+    est = r.estimate.persistent
+    assert abs(r.persistent - est) <= 0.05 * est, (r.persistent, est)
+    assert r.host_argument == 0
+
+
+@needs_libtpu
+def test_tpu_offload_moves_optimizer_bytes_from_hbm_to_host(stage3, stage3_offload):
+  r, ref = stage3_offload, stage3
+  assert r.fits
+  drop = ref.measured.argument - r.measured.argument
+  # The compiler's own accounting: HBM arguments fall by exactly what host arguments gain.
+  assert r.host_argument > 0
+  assert drop == r.host_argument - ref.host_argument
+  # ... and that is the optimizer state the plan put on the host (TPU pads small arrays).
+  assert r.estimate.host == ref.estimate.opt_state > 0
+  assert abs(r.host_argument - r.estimate.host) <= 0.03 * r.estimate.host
+  # The state goes back to the host: donated host outputs alias the host arguments.
+  assert r.host_output == r.host_argument
+
+
+@needs_libtpu
+def test_tpu_collectives_and_schedule(stage0, stage3):
+  c0, c3 = stage0.measured.collectives, stage3.measured.collectives
+  p = stage0.estimate.params  # fp32 parameters, replicated at stage 0
+  assert c0["all-gather"] == 0 and c0["reduce-scatter"] == 0
+  assert 0.95 * 2 * p <= c0["all-reduce"] <= 1.05 * 2 * p  # gradient all-reduce: 2Ψ
+  assert c3["all-gather"] >= 0.95 * p  # every parameter gathered at least once
+  assert c3["reduce-scatter"] >= 0.95 * p
+  g = memory.gather_schedule(stage3.compiled.as_text())
+  assert g.total == c3["all-gather"]  # the schedule reader and the byte counter agree
+  assert g.asynchronous + g.synchronous == g.total
+  assert 0 <= g.overlapped <= g.asynchronous
+
+
+@needs_libtpu
+def test_tpu_refuses_a_step_that_does_not_fit():
+  from zerojax.models import GPT
+  big = GPTConfig(vocab_size=2**19, seq_len=64, num_layers=1, num_heads=4, d_model=2048)
+  r = memory.compile_for_topology(zerojax.ZeroConfig(stage=0), GPT(big), BATCH, TOPOLOGY)
+  assert r.measured is None and not r.fits
+  assert r.required > r.hbm_available == int(15.75 * 2**30)
+  assert r.estimate.persistent > r.hbm_available
+  assert "DOES NOT FIT" in r.table()
+
+
+@needs_libtpu
+def test_tpu_hbm_available_is_the_compilers():
+  t = memory.tpu_topology("v5p:2x2x1")
+  assert memory.hbm_available(t.devices[0]) == int(95.74 * 2**30)
+  assert memory.HBM_PER_CHIP["v5p"] == 95 * 2**30
+
+
+@needs_libtpu
+def test_cli_compile_deepspeed_config(capsys):
+  from zerojax import cli
+  rc = cli.main(["compile", "configs/ds_zero3_offload.json", "--model", "tiny", "--batch", "32",
+                 "--seq", "64", "--topology", TOPOLOGY])
+  out = capsys.readouterr().out
+  assert rc == 0, out
+  for text in ("HBM arguments", "HBM temp", "HBM peak", "host arguments", "FITS",
+               "15.75 GiB usable (16.00 GiB chip)", "collectives per step", "compiled ahead"):
+    assert text in out
+  assert "DeepSpeed" in out  # what each DeepSpeed key became
+
+
+@pytest.mark.parametrize("name", ["v5x:2x4", "v5e", "v5e:2x", 8, "tpu:v5e:2x4"])
+def test_tpu_topology_rejects_bad_names(name):
+  with pytest.raises(ValueError, match=r"topology=.*invalid.*v5e:8x8"):
+    memory.tpu_topology(name)
+
+
+def test_tpu_topology_without_libtpu_names_the_extra(monkeypatch):
+  real = importlib.util.find_spec
+  monkeypatch.setattr(importlib.util, "find_spec",
+                      lambda name, *a: None if name == "libtpu" else real(name, *a))
+  with pytest.raises(ImportError, match=r'pip install "zerojax\[tpu\]"'):
+    memory.tpu_topology("v5e:2x4")
+
+
+def test_cli_compile_without_libtpu(monkeypatch, capsys):
+  from zerojax import cli
+  real = importlib.util.find_spec
+  monkeypatch.setattr(importlib.util, "find_spec",
+                      lambda name, *a: None if name == "libtpu" else real(name, *a))
+  rc = cli.main(["compile", "--batch", "8", "--seq", "64", "--topology", "v5e:2x4"])
+  assert rc == 2
+  assert 'pip install "zerojax[tpu]"' in capsys.readouterr().err
