@@ -204,3 +204,47 @@ def test_example_train_checkpoint_then_finetune_and_export(tmp_path):
   from safetensors.numpy import load_file
   w = load_file(str(tmp_path / "w.safetensors"))
   assert any("wte" in k for k in w)
+
+
+# -- typos and files (issue 18 item 9, issue 15 item 2) -----------------------------------------
+
+
+@pytest.mark.parametrize("args, msg", [
+    (["stpes=5"], "unknown key 'stpes' (did you mean 'steps'?)"),
+    (["train.stpes=5"], "unknown training option 'stpes' (did you mean 'steps'?)"),
+    (["stgae=2"], "unknown key 'stgae' (did you mean 'stage'?)"),
+])
+def test_override_typos_suggest_the_closest(capsys, args, msg):
+  assert cli.main(["config", str(ROOT / "configs/zero3.json"), *args]) == 2
+  assert msg in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text, msg", [
+    ("stage: 2\ntrain:\n  stpes: 5\n", "unknown training option 'stpes' in 'train' (did you "
+     "mean 'steps'?)"),
+    ("stage: 2\nofload_optimizer: true\n", "no field 'ofload_optimizer' (did you mean "
+     "'offload_optimizer'?)"),
+    ("stage: 2\ntrain:\n  steps: 0\n", "TrainOptions.steps=0 is invalid"),
+])
+def test_errors_inside_a_file_name_the_file(tmp_path, capsys, text, msg):
+  p = tmp_path / "run.yaml"
+  p.write_text(text)
+  assert cli.main(["config", str(p)]) == 2
+  err = capsys.readouterr().err
+  assert f"config file {str(p)!r}" in err and msg in err, err
+
+
+def test_override_errors_do_not_blame_the_file(tmp_path, capsys):
+  p = tmp_path / "run.yaml"
+  p.write_text("stage: 2\n")
+  assert cli.main(["config", str(p), "stgae=3"]) == 2
+  err = capsys.readouterr().err
+  assert "run.yaml" not in err and "did you mean 'stage'" in err
+
+
+def test_deepspeed_typo_in_file_names_file_and_suggestion(tmp_path, capsys):
+  p = tmp_path / "ds.json"
+  p.write_text(json.dumps({"zero_optimization": {"stage": 2, "overlap_com": True}}))
+  assert cli.main(["config", str(p)]) == 2
+  err = capsys.readouterr().err
+  assert f"config file {str(p)!r}" in err and "(did you mean 'overlap_comm'?)" in err

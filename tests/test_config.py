@@ -74,3 +74,23 @@ def test_missing_file():
 def test_mesh_minus_one_fills_devices():
   assert ZeroConfig(mesh_shape=(2, -1), mesh_axes=("replica", "fsdp")).resolved_mesh_shape(8) \
       == (2, 4)
+
+
+def test_unknown_field_suggests_the_closest():
+  with pytest.raises(ConfigError, match=r"no field 'stgae' \(did you mean 'stage'\?\)"):
+    ZeroConfig.from_dict({"stgae": 3})
+  with pytest.raises(ConfigError, match=r"no field 'offload_optimiser' \(did you mean "
+                     r"'offload_optimizer'\?\)"):
+    ZeroConfig().replace(offload_optimiser=True)
+  with pytest.raises(ConfigError) as e:
+    ZeroConfig.from_dict({"zzz": 3})
+  assert "did you mean" not in str(e.value) and "allowed keys are" in str(e.value)
+
+
+def test_typo_inside_a_file_names_the_file(tmp_path):
+  p = tmp_path / "typo.yaml"
+  p.write_text("stage: 2\nparam_persistance_threshold: 10\n")
+  with pytest.raises(ConfigError, match=r"config file '.*typo\.yaml': ZeroConfig has no field "
+                     r"'param_persistance_threshold' \(did you mean "
+                     r"'param_persistence_threshold'\?\)"):
+    ZeroConfig.from_file(p)

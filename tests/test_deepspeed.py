@@ -196,3 +196,20 @@ def test_shipped_configs_load():
     loaded = load_config(f, apply_xla_flags=False)
     assert loaded.config.stage in (0, 1, 2, 3), f
     assert loaded.deepspeed == f.name.startswith("ds_"), f
+
+
+def test_unknown_key_suggests_the_closest():
+  with pytest.raises(ConfigError, match=r"unknown DeepSpeed config key 'stgae' in "
+                     r"'zero_optimization' \(did you mean 'stage'\?\)"):
+    ds.map_deepspeed({"zero_optimization": {"stgae": 2}})
+  with pytest.raises(ConfigError, match=r"'train_batch_sise' \(did you mean "
+                     r"'train_batch_size'\?\)"):
+    ds.map_deepspeed({"zero_optimization": {"stage": 2}, "train_batch_sise": 8})
+
+
+def test_load_deepspeed_names_the_file(tmp_path):
+  p = tmp_path / "ds.json"
+  p.write_text('{"zero_optimization": {"stage": 2, "overlap_comm": "yes"}}')
+  with pytest.raises(ConfigError, match=r"config file '.*ds\.json': DeepSpeed config key "
+                     r"'zero_optimization.overlap_comm'='yes' is invalid"):
+    ds.load_deepspeed(p)

@@ -14,7 +14,8 @@ import re
 import sys
 from typing import Any, Mapping, Sequence
 
-from zerojax.config import read_config_file, ConfigError, ZeroConfig
+from zerojax.config import (ConfigError, ZeroConfig, did_you_mean, in_file, read_config_file,
+                            unknown_key_error)
 
 PROG = "zerojax"
 
@@ -77,15 +78,16 @@ def parse_overrides(pairs: Sequence[str]) -> tuple[dict[str, Any], dict[str, Any
     if key.startswith("train."):
       key = key[len("train."):]
       if key not in tfields:
-        raise ConfigError(f"override {pair!r}: unknown training option {key!r}; allowed are "
-                          f"{sorted(tfields)}")
+        raise ConfigError(f"override {pair!r}: unknown training option {key!r}"
+                          f"{did_you_mean(key, tfields)}; allowed are {sorted(tfields)}")
       tr[key] = value
     elif key in zfields:
       zc[key] = value
     elif key in tfields:
       tr[key] = value
     else:
-      raise ConfigError(f"override {pair!r}: unknown key {key!r}; allowed are ZeroConfig fields "
+      raise ConfigError(f"override {pair!r}: unknown key {key!r}"
+                        f"{did_you_mean(key, zfields | tfields)}; allowed are ZeroConfig fields "
                         f"{sorted(zfields)} and training options {sorted(tfields)}")
   return zc, tr
 
@@ -108,19 +110,21 @@ def load_config(path: str | os.PathLike | None, overrides: Sequence[str] = (), *
       raise ConfigError(str(e)) from None
   zover, tover = parse_overrides(overrides)
   notes, flags, train = [], [], {}
-  if deepspeed.is_deepspeed(d):
-    m = deepspeed.map_deepspeed(d)
-    config, notes, flags = m.config, list(m.notes), list(m.xla_flags)
-    train = deepspeed_train_fields(m.train)
-    if apply_xla_flags:
-      m.apply_xla_flags()
-  else:
-    train = dict(d.pop("train", None) or {})
-    unknown = sorted(set(train) - set(TrainOptions.fields()))
-    if unknown:
-      raise ConfigError(f"config file {path!r}: unknown training option {unknown[0]!r} in "
-                        f"'train'; allowed are {sorted(TrainOptions.fields())}")
-    config = ZeroConfig.from_dict(d)
+  with in_file(path):  # errors from the file's contents name the file
+    if deepspeed.is_deepspeed(d):
+      m = deepspeed.map_deepspeed(d)
+      config, notes, flags = m.config, list(m.notes), list(m.xla_flags)
+      train = deepspeed_train_fields(m.train)
+    else:
+      train = dict(d.pop("train", None) or {})
+      unknown = set(train) - set(TrainOptions.fields())
+      if unknown:
+        raise unknown_key_error("unknown training option", unknown, TrainOptions.fields(),
+                                " in 'train'")
+      config = ZeroConfig.from_dict(d)
+    TrainOptions(**train)  # a bad value in the file is reported against the file
+  if deepspeed.is_deepspeed(d) and apply_xla_flags:
+    m.apply_xla_flags()
   if zover:
     try:
       config = config.replace(**zover)

@@ -9,11 +9,13 @@ DeepSpeed ``ds_config.json`` files map into the same dataclass (see `zerojax.dee
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import difflib
 import json
 import math
 import os
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -30,6 +32,22 @@ class ConfigError(ValueError):
 
 def _fail(field: str, value: Any, allowed: str) -> None:
   raise ConfigError(f"ZeroConfig.{field}={value!r} is invalid: {allowed}")
+
+
+def did_you_mean(key: str, allowed: Any) -> str:
+  """`` (did you mean 'stage'?)`` for the closest allowed key, or ``''`` if none is close."""
+  close = difflib.get_close_matches(str(key), [str(a) for a in allowed], n=1, cutoff=0.6)
+  return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def unknown_key_error(what: str, unknown: Any, allowed: Any, where: str = "",
+                      allowed_text: str = "allowed keys are") -> ConfigError:
+  """The error for keys outside ``allowed``: names the first (``where`` it is), suggests the
+  closest allowed key and lists them all."""
+  unknown = sorted(unknown, key=str)
+  more = f" (unknown keys: {unknown})" if len(unknown) > 1 else ""
+  return ConfigError(f"{what} {unknown[0]!r}{where}{did_you_mean(unknown[0], allowed)}{more}; "
+                     f"{allowed_text} {sorted(allowed)}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,6 +232,11 @@ class ZeroConfig:
     return t, m, g
 
   def replace(self, **changes: Any) -> "ZeroConfig":
+    """A copy with ``changes``; an unknown field is a `ConfigError` with a suggestion."""
+    unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
+    if unknown:
+      raise unknown_key_error("ZeroConfig has no field", unknown,
+                              [f.name for f in dataclasses.fields(self)])
     return dataclasses.replace(self, **changes)
 
   # -- I/O ------------------------------------------------------------------------------------
@@ -231,16 +254,29 @@ class ZeroConfig:
       from zerojax.deepspeed import from_deepspeed
       return from_deepspeed(d)
     known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(d) - known)
+    unknown = set(d) - known
     if unknown:
-      raise ConfigError(f"ZeroConfig has no field {unknown[0]!r} (unknown keys: {unknown}); "
-                        f"allowed keys are {sorted(known)}")
+      raise unknown_key_error("ZeroConfig has no field", unknown, known)
     return cls(**d)
 
   @classmethod
   def from_file(cls, path: str | os.PathLike) -> "ZeroConfig":
-    """Loads a ``.json``, ``.yaml`` or ``.yml`` file (zerojax or DeepSpeed format)."""
-    return cls.from_dict(read_config_file(path))
+    """Loads a ``.json``, ``.yaml`` or ``.yml`` file (zerojax or DeepSpeed format). Errors in
+    the file's contents name the file."""
+    d = read_config_file(path)
+    with in_file(path):
+      return cls.from_dict(d)
+
+
+@contextlib.contextmanager
+def in_file(path: str | os.PathLike | None) -> Iterator[None]:
+  """Prefixes a `ConfigError` raised inside with ``config file 'PATH': `` (once)."""
+  try:
+    yield
+  except ConfigError as e:
+    if path is None or repr(os.fspath(path)) in str(e):
+      raise
+    raise ConfigError(f"config file {os.fspath(path)!r}: {e}") from None
 
 
 def read_config_file(path: str | os.PathLike) -> dict[str, Any]:

@@ -34,7 +34,7 @@ import dataclasses
 import os
 from typing import Any, Mapping
 
-from zerojax.config import ConfigError, ZeroConfig
+from zerojax.config import ConfigError, ZeroConfig, in_file, unknown_key_error
 
 # XLA flag names (GPU backend; accepted and ignored by the CPU backend).
 RS_COMBINE = "--xla_gpu_reduce_scatter_combine_threshold_bytes"
@@ -112,7 +112,8 @@ def load_deepspeed(path: str | os.PathLike) -> DeepSpeedMapping:
       d = yaml.safe_load(f)
     else:
       d = json.load(f)
-  return map_deepspeed(d)
+  with in_file(path):
+    return map_deepspeed(d)
 
 
 def is_deepspeed(d: Mapping[str, Any]) -> bool:
@@ -190,11 +191,10 @@ def _err(key: str, value: Any, allowed: str) -> ConfigError:
 
 
 def _unknown(section: str, keys: set, known: set) -> None:
-  unknown = sorted(set(keys) - known)
+  unknown = set(keys) - set(known)
   if unknown:
-    where = f"in {section!r} " if section else ""
-    raise ConfigError(f"unknown DeepSpeed config key {unknown[0]!r} {where}(unknown keys: "
-                      f"{unknown}); zerojax accepts {sorted(known)}")
+    raise unknown_key_error("unknown DeepSpeed config key", unknown, known,
+                            f" in {section!r}" if section else "", "zerojax accepts")
 
 
 def _int(key: str, v: Any) -> int:
