@@ -213,6 +213,7 @@ def test_example_train_checkpoint_then_finetune_and_export(tmp_path):
     (["stpes=5"], "unknown key 'stpes' (did you mean 'steps'?)"),
     (["train.stpes=5"], "unknown training option 'stpes' (did you mean 'steps'?)"),
     (["stgae=2"], "unknown key 'stgae' (did you mean 'stage'?)"),
+    (["offload_optimizer=\"false\""], "ZeroConfig.offload_optimizer='false' is invalid"),
 ])
 def test_override_typos_suggest_the_closest(capsys, args, msg):
   assert cli.main(["config", str(ROOT / "configs/zero3.json"), *args]) == 2
@@ -222,9 +223,14 @@ def test_override_typos_suggest_the_closest(capsys, args, msg):
 @pytest.mark.parametrize("text, msg", [
     ("stage: 2\ntrain:\n  stpes: 5\n", "unknown training option 'stpes' in 'train' (did you "
      "mean 'steps'?)"),
+    ("stage: 2\ntrain:\n  show_plan: \"false\"\n", "TrainOptions.show_plan='false' is invalid: "
+     "true or false"),
+    ("stage: 2\ntrain: [steps, 5]\n", "'train'=['steps', 5] is invalid: a mapping"),
     ("stage: 2\nofload_optimizer: true\n", "no field 'ofload_optimizer' (did you mean "
      "'offload_optimizer'?)"),
     ("stage: 2\ntrain:\n  steps: 0\n", "TrainOptions.steps=0 is invalid"),
+    ("", "is empty"),
+    ("stage: 2\nstage: 3\n", "key 'stage' is given twice"),
 ])
 def test_errors_inside_a_file_name_the_file(tmp_path, capsys, text, msg):
   p = tmp_path / "run.yaml"

@@ -116,7 +116,12 @@ def load_config(path: str | os.PathLike | None, overrides: Sequence[str] = (), *
       config, notes, flags = m.config, list(m.notes), list(m.xla_flags)
       train = deepspeed_train_fields(m.train)
     else:
-      train = dict(d.pop("train", None) or {})
+      train = d.pop("train", None)
+      if train is None:
+        train = {}
+      if not isinstance(train, Mapping):
+        raise ConfigError(f"'train'={train!r} is invalid: a mapping of training options")
+      train = dict(train)
       unknown = set(train) - set(TrainOptions.fields())
       if unknown:
         raise unknown_key_error("unknown training option", unknown, TrainOptions.fields(),

@@ -107,6 +107,10 @@ class TrainOptions:
   checkpoint_every: int = 0
 
   def __post_init__(self):
+    for f in ("progress", "tensorboard", "plot", "show_plan", "save_weights"):
+      if not isinstance(getattr(self, f), bool):
+        raise ConfigError(f"TrainOptions.{f}={getattr(self, f)!r} is invalid: true or false (a "
+                          "boolean; strings such as 'false' are not booleans)")
     for f in ("steps", "batch", "log_every", "cpu_devices"):
       v = getattr(self, f)
       if isinstance(v, bool) or not isinstance(v, int) or v < 1:
