@@ -25,6 +25,7 @@ MESH_AXES = ("replica", "fsdp", "tensor")
 DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "full", "dots", "offload")
 OFFLOAD_FALLBACKS = ("error", "warn")
+NONFINITE_POLICIES = ("skip", "halt", "ignore")
 
 
 class ConfigError(ValueError):
@@ -93,6 +94,13 @@ class ZeroConfig:
     loss_scale_window: good steps before the scale doubles.
     hysteresis: overflowing steps tolerated before the scale halves.
     min_loss_scale: the scale never falls below this.
+    nonfinite_grads: what a step whose gradient has a NaN or infinity does, without loss
+      scaling (DeepSpeed has no such key): ``'skip'`` keeps params and optimizer state
+      unchanged (bit-identical) and counts the step in ``skipped_steps``, as an fp16 overflow;
+      ``'halt'`` does the same on the device and makes `zerojax.train` stop with
+      `zerojax.train.NonFiniteGradientsError` at that step; ``'ignore'`` applies the update
+      anyway (the parameters become NaN). With loss scaling an overflowing step is always
+      skipped (that is how the scale is found), so only ``'skip'`` is allowed there.
     rules: user overrides ``((regex, partition_spec), ...)``; the first regex that matches a
       leaf's path (``'params/layers/mlp/kernel'``) fixes its spec, e.g.
       ``(("embed", (None, "fsdp")),)``.
@@ -121,6 +129,7 @@ class ZeroConfig:
   loss_scale_window: int = 1000
   hysteresis: int = 2
   min_loss_scale: float = 1.0
+  nonfinite_grads: str = "skip"
   rules: tuple[tuple[str, tuple[Any, ...]], ...] = ()
 
   def __post_init__(self):
@@ -204,6 +213,12 @@ class ZeroConfig:
         _fail(f, getattr(self, f), "an integer >= 1")
     if not _is_num(self.min_loss_scale) or self.min_loss_scale <= 0:
       _fail("min_loss_scale", self.min_loss_scale, "a positive finite number")
+    if self.nonfinite_grads not in NONFINITE_POLICIES:
+      _fail("nonfinite_grads", self.nonfinite_grads, f"one of {NONFINITE_POLICIES}")
+    if self.loss_scale is not None and self.nonfinite_grads != "skip":
+      _fail("nonfinite_grads", self.nonfinite_grads, f"with loss scaling (loss_scale="
+            f"{self.loss_scale!r}) an overflowing step is always skipped and the scale "
+            "adjusted; use 'skip', or loss_scale=None")
     for i, r in enumerate(self.rules):
       if not (isinstance(r, tuple) and len(r) == 2 and isinstance(r[0], str)):
         _fail("rules", self.rules, "a list of (regex, partition_spec) pairs")

@@ -39,6 +39,19 @@ PACKAGE_DIR = pathlib.Path(__file__).resolve().parent
 DEFAULT_CORPUS = PACKAGE_DIR.parent / "examples" / "data" / "corpus.txt"
 
 
+class NonFiniteGradientsError(RuntimeError):
+  """A step's gradient had a NaN or infinity under ``nonfinite_grads='halt'``.
+
+  Attributes:
+    step: the optimizer step (1-based) whose gradient was not finite; it was not applied.
+    checkpoint: the directory of the last checkpoint saved before it, or ``None``.
+  """
+
+  def __init__(self, message: str, step: int, checkpoint: str | None):
+    super().__init__(message)
+    self.step, self.checkpoint = step, checkpoint
+
+
 # -- options ----------------------------------------------------------------------------------
 
 
@@ -611,12 +624,15 @@ def train(config: ZeroConfig, opts: TrainOptions | None = None, *,
 
   history: list[dict] = []
   pending: list[tuple[int, Any]] = []
+  scaling = config.loss_scale is not None
+  count_skips = scaling or config.nonfinite_grads != "ignore"
+  warned_skip = False
   tokens_per_step = total * mcfg.seq_len
   t_start = t_last = time.perf_counter()
   last_fetched = 0
 
   def drain(now: float):
-    nonlocal t_last, last_fetched
+    nonlocal t_last, last_fetched, warned_skip
     if not pending:
       return
     fetched = jax.device_get([m for _, m in pending])
@@ -628,9 +644,18 @@ def train(config: ZeroConfig, opts: TrainOptions | None = None, *,
              "grad_norm": finite(float(np.mean(m["grad_norm"]))),
              "lr": float(sched(step - 1)), "tokens_per_sec": round(tps, 1),
              "elapsed_sec": round(now - t_start, 3)}
-      if config.loss_scale is not None:
+      if scaling:
         rec["loss_scale"] = float(m["loss_scale"])
+      if count_skips:
         rec["skipped_steps"] = int(m["skipped_steps"])
+      if not scaling and count_skips and bool(m["overflow"]) and not warned_skip:
+        # fp16 overflows are routine while the loss scale settles; a NaN without loss scaling
+        # is not, and must not go unnoticed.
+        warned_skip = True
+        log(f"zerojax: WARNING: step {step}: the gradient is not finite (loss {rec['loss']}, "
+            f"grad_norm {rec['grad_norm']}); the step was skipped: params and optimizer state "
+            "are unchanged (nonfinite_grads='skip'). Further skipped steps are counted in "
+            "skipped_steps (metrics.jsonl); nonfinite_grads='halt' stops the run instead.")
       history.append(rec)
       writer.write(rec)
     writer.flush()
@@ -646,9 +671,13 @@ def train(config: ZeroConfig, opts: TrainOptions | None = None, *,
   if opts.checkpoint_dir:
     from zerojax.checkpoint import Checkpointer
     ckpt = Checkpointer(opts.checkpoint_dir, config=config)
+  halt = config.nonfinite_grads == "halt" and not scaling
   for step in range(1, opts.steps + 1):
     state, m = train_step(state, next_batch())  # no host sync: metrics are fetched in drain()
     pending.append((step, m))
+    if halt and bool(jax.device_get(m["overflow"])):  # the one per-step sync 'halt' costs
+      drain(time.perf_counter())
+      _halt(step, history[-1], ckpt, bar, writer)
     if ckpt is not None and (step == opts.steps or (
         opts.checkpoint_every and step % opts.checkpoint_every == 0)):
       ckpt.save(step, state, data={"batches_step": batches.step})  # async
@@ -678,7 +707,31 @@ def train(config: ZeroConfig, opts: TrainOptions | None = None, *,
     nan = float("nan")
     log(f"done: {opts.steps} steps, loss {first['loss'] or nan:.4f} -> {last['loss'] or nan:.4f}, "
         f"{tokens_per_step * opts.steps / (time.perf_counter() - t_start):,.0f} tokens/s overall"
-        + (f", {history[-1].get('skipped_steps', 0)} overflow step(s) skipped"
+        + (f", {history[-1].get('skipped_steps', 0)} "
+           f"{'overflow' if scaling else 'non-finite'} step(s) skipped"
            if history[-1].get("skipped_steps") else ""))
     log("wrote " + ", ".join(files.values()))
   return TrainResult(state, plan, history, out_dir, files)
+
+
+def _halt(step: int, rec: Mapping[str, Any], ckpt: Any, bar: Any, writer: MetricsWriter
+          ) -> None:
+  """Stops the loop at a non-finite step (``nonfinite_grads='halt'``), naming the last
+  checkpoint that holds finite state."""
+  if bar is not None:
+    bar.close()
+  writer.close()
+  where = None
+  if ckpt is not None:
+    ckpt.wait()
+    steps = [s for s in ckpt.all_steps() if s < step]
+    where = ckpt.step_dir(max(steps)) if steps else None
+    ckpt.close()
+  resume = (f"the last good checkpoint is {where!r}" if where else
+            "no checkpoint was saved before it" + ("" if ckpt is not None else
+                                                   " (checkpoint_dir is not set)"))
+  raise NonFiniteGradientsError(
+      f"step {step}: the gradient is not finite (loss {rec.get('loss')}, grad_norm "
+      f"{rec.get('grad_norm')}); nonfinite_grads='halt' stops the run here (the step was not "
+      f"applied); {resume}. Lower the learning rate, enable gradient_clipping, or check the "
+      "data; nonfinite_grads='skip' skips such steps instead", step, where)
