@@ -3,6 +3,7 @@ devices' ``bytes_limit`` fails with the numbers and a suggestion, before anythin
 CPU reports no limit, so the tests inject one."""
 
 import jax
+import numpy as np
 import jax.numpy as jnp
 import pytest
 
@@ -40,8 +41,7 @@ def stage0():
   return state, plan, b, peak
 
 
-def _mib(n):
-  return f"{n / 2**20:,.1f} MiB"
+_mib = memory._mib  # the message's unit format
 
 
 def test_step_over_the_limit_fails_before_it_runs(stage0, monkeypatch):
@@ -101,3 +101,25 @@ def test_create_train_state_too_big_fails_early(monkeypatch):
   assert f"parameters {_mib(bpd['params'])} + optimizer state {_mib(bpd['opt_state'])}" in msg
   assert "set stage=" in msg
   assert len(jax.live_arrays()) <= before + 2  # nothing of the state was created
+
+
+def test_nnx_step_over_the_limit_fails_before_it_runs(monkeypatch):
+  import dataclasses
+  from flax import nnx
+  from zerojax.models import loss_fn, nnx_gpt
+  cfg = dataclasses.replace(helpers.TINY, scan=False)
+  zc = zerojax.ZeroConfig(stage=1, param_persistence_threshold=helpers.THRESHOLD)
+  model, opt, plan = zerojax.create_nnx(lambda: nnx_gpt(cfg, nnx.Rngs(0)), helpers.make_tx(),
+                                        config=zc)
+
+  def train_step(model, optimizer, batch):
+    loss, grads = nnx.value_and_grad(lambda m: loss_fn(m(batch["x"]), batch["y"]))(model)
+    optimizer.update(model, grads)
+    return {"loss": loss}
+
+  monkeypatch.setattr(memory, "bytes_limit", lambda devices: 4096)
+  before = jax.tree.map(lambda x: x.copy(), nnx.state(model, nnx.Param))
+  with pytest.raises(memory.DeviceMemoryError, match="more than the 4.0 KiB the device has"):
+    zerojax.zero_step(plan)(train_step)(model, opt, helpers.batches(cfg, 1)[0])
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b), before,
+               nnx.state(model, nnx.Param))

@@ -475,4 +475,8 @@ def _suggest(need: int, limit: int, config: ZeroConfig | None, params: Any, tx: 
 
 
 def _mib(n: float) -> str:
-  return f"{n / 2**20:,.1f} MiB"
+  """Binary units, as XLA and ``memory_stats`` count."""
+  for unit, div in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+    if abs(n) >= div:
+      return f"{n / div:,.1f} {unit}"
+  return f"{n:,.0f} B"
