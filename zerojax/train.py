@@ -652,9 +652,10 @@ def train(config: ZeroConfig, opts: TrainOptions | None = None, *,
         # fp16 overflows are routine while the loss scale settles; a NaN without loss scaling
         # is not, and must not go unnoticed.
         warned_skip = True
-        log(f"zerojax: WARNING: step {step}: the gradient is not finite (loss {rec['loss']}, "
-            f"grad_norm {rec['grad_norm']}); the step was skipped: params and optimizer state "
-            "are unchanged (nonfinite_grads='skip'). Further skipped steps are counted in "
+        log(f"zerojax: WARNING: step {step}: the gradient is not finite (loss "
+            f"{float(np.mean(m['loss'])):g}, grad_norm {float(np.mean(m['grad_norm'])):g}); the "
+            "step was skipped: params and optimizer state are unchanged "
+            "(nonfinite_grads='skip'). Further skipped steps are counted in "
             "skipped_steps (metrics.jsonl); nonfinite_grads='halt' stops the run instead.")
       history.append(rec)
       writer.write(rec)
@@ -714,6 +715,10 @@ def train(config: ZeroConfig, opts: TrainOptions | None = None, *,
   return TrainResult(state, plan, history, out_dir, files)
 
 
+def _num(v: float | None) -> str:
+  return "nan or inf" if v is None else f"{v:g}"  # records hold None for non-finite values
+
+
 def _halt(step: int, rec: Mapping[str, Any], ckpt: Any, bar: Any, writer: MetricsWriter
           ) -> None:
   """Stops the loop at a non-finite step (``nonfinite_grads='halt'``), naming the last
@@ -731,7 +736,7 @@ def _halt(step: int, rec: Mapping[str, Any], ckpt: Any, bar: Any, writer: Metric
             "no checkpoint was saved before it" + ("" if ckpt is not None else
                                                    " (checkpoint_dir is not set)"))
   raise NonFiniteGradientsError(
-      f"step {step}: the gradient is not finite (loss {rec.get('loss')}, grad_norm "
-      f"{rec.get('grad_norm')}); nonfinite_grads='halt' stops the run here (the step was not "
+      f"step {step}: the gradient is not finite (loss {_num(rec.get('loss'))}, grad_norm "
+      f"{_num(rec.get('grad_norm'))}); nonfinite_grads='halt' stops the run here (the step was not "
       f"applied); {resume}. Lower the learning rate, enable gradient_clipping, or check the "
       "data; nonfinite_grads='skip' skips such steps instead", step, where)
