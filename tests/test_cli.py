@@ -77,14 +77,17 @@ def test_estimate_fit_and_plot_subprocess(tmp_path):
 
 
 def test_estimate_model_json():
-  r = run("estimate", "--model", "gpt-89m", "--devices", "8", "--fit", "500MB", "--json")
+  # --no-compile: by the model-state estimate alone (the compiled peak: see
+  # test_estimate_fit_uses_the_compiled_peak)
+  r = run("estimate", "--model", "gpt-89m", "--devices", "8", "--fit", "500MB", "--json",
+          "--no-compile")
   assert r.returncode == 0, r.stderr
   out = json.loads(r.stdout)
   dev = [o["device"] for o in out["options"]]
   assert dev[0] > dev[1] > dev[2] > dev[3] > dev[4] > dev[5]
   # float32 params + grads + Adam's mu/nu = 16 bytes/parameter at stage 0
   assert dev[0] == pytest.approx(16 * out["params"], rel=0.01)
-  assert out["fit"]["recommendation"] == "stage 2"
+  assert out["fit"]["recommendation"] == "stage 2" and out["fit"]["compiled_peak"] == {}
 
 
 # -- plan, config, help, errors ---------------------------------------------------------------
@@ -214,3 +217,81 @@ def test_cli_train_refuses_to_mix_runs(tmp_path):
   assert "previous run (steps 1..2" in r.stderr and "--no-resume" in r.stderr \
       and "--overwrite" in r.stderr, r.stderr[-3000:]
   assert (tmp_path / "metrics.jsonl").read_text().count("\n") == 2  # untouched
+
+
+# -- typos and files (issue 18 item 9, issue 15 item 2) -----------------------------------------
+
+
+@pytest.mark.parametrize("args, msg", [
+    (["stpes=5"], "unknown key 'stpes' (did you mean 'steps'?)"),
+    (["train.stpes=5"], "unknown training option 'stpes' (did you mean 'steps'?)"),
+    (["stgae=2"], "unknown key 'stgae' (did you mean 'stage'?)"),
+    (["offload_optimizer=\"false\""], "ZeroConfig.offload_optimizer='false' is invalid"),
+])
+def test_override_typos_suggest_the_closest(capsys, args, msg):
+  assert cli.main(["config", str(ROOT / "configs/zero3.json"), *args]) == 2
+  assert msg in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text, msg", [
+    ("stage: 2\ntrain:\n  stpes: 5\n", "unknown training option 'stpes' in 'train' (did you "
+     "mean 'steps'?)"),
+    ("stage: 2\ntrain:\n  show_plan: \"false\"\n", "TrainOptions.show_plan='false' is invalid: "
+     "true or false"),
+    ("stage: 2\ntrain: [steps, 5]\n", "'train'=['steps', 5] is invalid: a mapping"),
+    ("stage: 2\nofload_optimizer: true\n", "no field 'ofload_optimizer' (did you mean "
+     "'offload_optimizer'?)"),
+    ("stage: 2\ntrain:\n  steps: 0\n", "TrainOptions.steps=0 is invalid"),
+    ("", "is empty"),
+    ("stage: 2\nstage: 3\n", "key 'stage' is given twice"),
+])
+def test_errors_inside_a_file_name_the_file(tmp_path, capsys, text, msg):
+  p = tmp_path / "run.yaml"
+  p.write_text(text)
+  assert cli.main(["config", str(p)]) == 2
+  err = capsys.readouterr().err
+  assert f"config file {str(p)!r}" in err and msg in err, err
+
+
+def test_override_errors_do_not_blame_the_file(tmp_path, capsys):
+  p = tmp_path / "run.yaml"
+  p.write_text("stage: 2\n")
+  assert cli.main(["config", str(p), "stgae=3"]) == 2
+  err = capsys.readouterr().err
+  assert "run.yaml" not in err and "did you mean 'stage'" in err
+
+
+def test_deepspeed_typo_in_file_names_file_and_suggestion(tmp_path, capsys):
+  p = tmp_path / "ds.json"
+  p.write_text(json.dumps({"zero_optimization": {"stage": 2, "overlap_com": True}}))
+  assert cli.main(["config", str(p)]) == 2
+  err = capsys.readouterr().err
+  assert f"config file {str(p)!r}" in err and "(did you mean 'overlap_comm'?)" in err
+
+
+# -- estimate --fit by the compiled step (issue 15 item 7) -------------------------------------
+
+
+def test_estimate_fit_uses_the_compiled_peak(capsys):
+  import optax
+  cfg = cli.ZeroConfig(param_persistence_threshold=64)
+  _, _, shapes = cli._model_shapes("tiny", cfg)
+  opts = {o.name: o for o in cli.model_options(shapes, optax.adamw(1e-3), cfg, 8)}
+  peak0 = cli.step_peak("tiny", cfg.replace(stage=0), batch=8, seq=32)
+  state0 = opts["stage 0"].device
+  assert peak0 > state0  # activations and temporaries come on top
+  budget = (peak0 + state0) / 2  # the model-state estimate alone would pick stage 0
+  args = ["estimate", "--model", "tiny", "--devices", "8", "--fit", f"{budget:.0f}",
+          "--batch", "8", "--seq", "32", "param_persistence_threshold=64"]
+  cli.main(args + ["--json"])
+  fit = json.loads(capsys.readouterr().out)["fit"]
+  assert fit["compiled_peak"]["stage 0"] == peak0
+  assert fit["recommendation"] not in (None, "stage 0")
+  best = fit["recommendation"]
+  assert fit["compiled_peak"][best] <= budget < peak0
+  cli.main(args)
+  out = capsys.readouterr().out
+  assert (f"stage 0: model state {cli.fmt_bytes(state0)} (estimate), compiled step peak "
+          f"{cli.fmt_bytes(peak0)} per device (XLA) does not fit") in out
+  assert f"recommendation: {best}" in out
+  assert "batch of 8 rows x 32 tokens over 8 devices" in out

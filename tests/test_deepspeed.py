@@ -196,3 +196,82 @@ def test_shipped_configs_load():
     loaded = load_config(f, apply_xla_flags=False)
     assert loaded.config.stage in (0, 1, 2, 3), f
     assert loaded.deepspeed == f.name.startswith("ds_"), f
+
+
+# -- wrong types, aliases, non-finite numbers (issue 15 item 2) ---------------------------------
+
+
+@pytest.mark.parametrize("d, match", [
+    ({"zero_optimization": []}, r"'zero_optimization'=\[\] is invalid: a mapping"),
+    ({"zero_optimization": {"stage": 2}, "bf16": []}, r"'bf16'=\[\] is invalid: a mapping"),
+    ({"zero_optimization": {"stage": 2}, "fp16": False}, r"'fp16'=False is invalid"),
+    ({"zero_optimization": {"stage": 2}, "bf16": {"enabled": False},
+      "bfloat16": {"enabled": True}}, "both 'bf16'.* and 'bfloat16'.*aliases"),
+    ({"zero_optimization": {"stage": 2}, "bf16": {"enabled": "false"}},
+     r"'bf16.enabled'='false' is invalid: true or false"),
+    ({"zero_optimization": {"stage": 2, "cpu_offload": "false"}},
+     r"'zero_optimization.cpu_offload'='false' is invalid: true or false"),
+    ({"zero_optimization": {"stage": 2, "overlap_comm": "false"}},
+     r"'zero_optimization.overlap_comm'='false' is invalid"),
+    ({"zero_optimization": {"stage": 2}, "tensorboard": {"enabled": "false"}},
+     r"'tensorboard.enabled'='false' is invalid: true or false"),
+    ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": False}}},
+     r"'zero_optimization.offload_optimizer.device'=False is invalid"),
+    ({"zero_optimization": {"stage": 2}, "train_batch_size": float("inf")},
+     r"'train_batch_size'=inf is invalid: an integer"),
+    ({"zero_optimization": {"stage": 2}, "train_batch_size": float("nan")},
+     r"'train_batch_size'=nan is invalid: an integer"),
+    ({"zero_optimization": {"stage": 2}, "gradient_clipping": float("inf")},
+     r"'gradient_clipping'=inf is invalid: a finite number"),
+    ({"zero_optimization": {"stage": 2}, "zerojax": {"offload_optimizer": "false"}},
+     r"offload_optimizer='false' is invalid"),
+    ({"zero_optimization": {"stage": 2}, "zerojax": ["remat", "full"]},
+     r"'zerojax'=\['remat', 'full'\] is invalid: a mapping"),
+])
+def test_wrong_types_are_errors(d, match):
+  with pytest.raises(ConfigError, match=match):
+    ds.map_deepspeed(d)
+
+
+def test_offload_device_strings_map_explicitly():
+  on = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
+                              "offload_param": {"device": "CPU"}}}
+  c = ds.map_deepspeed(on).config
+  assert c.offload_optimizer is True and c.offload_params is True
+  for device in ("none", "auto", "None"):
+    m = ds.map_deepspeed({"zero_optimization": {"stage": 3, "offload_optimizer":
+                                                {"device": device}}})
+    assert m.config.offload_optimizer is False
+  m = ds.map_deepspeed({"zero_optimization": {"stage": 3, "offload_param": {"device": "auto"}}})
+  assert m.config.offload_params is False
+  assert any("offload_param.device: 'auto'" in n for n in m.notes)
+
+
+def test_null_sections_mean_not_set():
+  c = ds.map_deepspeed({"zero_optimization": {"stage": 1}, "bf16": None, "fp16": None}).config
+  assert c.compute_dtype == "float32" and c.stage == 1
+
+
+def test_bfloat16_alias_alone_still_works():
+  c = ds.map_deepspeed({"zero_optimization": {"stage": 1}, "bfloat16": {"enabled": True}}).config
+  assert c.compute_dtype == "bfloat16"
+
+
+def test_unknown_key_suggests_the_closest():
+  with pytest.raises(ConfigError, match=r"unknown DeepSpeed config key 'stgae' in "
+                     r"'zero_optimization' \(did you mean 'stage'\?\)"):
+    ds.map_deepspeed({"zero_optimization": {"stgae": 2}})
+  with pytest.raises(ConfigError, match=r"'train_batch_sise' \(did you mean "
+                     r"'train_batch_size'\?\)"):
+    ds.map_deepspeed({"zero_optimization": {"stage": 2}, "train_batch_sise": 8})
+
+
+def test_load_deepspeed_names_the_file(tmp_path):
+  p = tmp_path / "ds.json"
+  p.write_text('{"zero_optimization": {"stage": 2, "stage": 3}}')
+  with pytest.raises(ConfigError, match=r"ds\.json': key 'stage' is given twice"):
+    ds.load_deepspeed(p)
+  p.write_text('{"zero_optimization": {"stage": 2, "overlap_comm": "yes"}}')
+  with pytest.raises(ConfigError, match=r"config file '.*ds\.json': DeepSpeed config key "
+                     r"'zero_optimization.overlap_comm'='yes' is invalid"):
+    ds.load_deepspeed(p)

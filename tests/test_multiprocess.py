@@ -451,3 +451,13 @@ def test_multiprocess_initialize_in_a_single_process_is_harmless():
   assert jax.device_count() == 8
   with pytest.raises(zd.DistributedInitError, match="num_processes"):
     zd.initialize(num_processes=2)
+
+
+@pytest.mark.parametrize("address", ["localhost", "10.0.0.1:", "host:port", "::1", "h:70000"])
+def test_multiprocess_coordinator_without_port_is_named(monkeypatch, address):
+  # Checked before anything starts (JAX itself fails with a bare IndexError on 'localhost').
+  monkeypatch.setattr(zd, "_info", None)
+  monkeypatch.setattr(jax.distributed, "is_initialized", lambda: False)
+  with pytest.raises(zd.DistributedInitError) as e:
+    zd.initialize(coordinator_address=address, num_processes=2, process_id=0)
+  assert f"coordinator address {address!r} is invalid: expected host:port" in str(e.value)

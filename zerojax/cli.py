@@ -14,7 +14,8 @@ import re
 import sys
 from typing import Any, Mapping, Sequence
 
-from zerojax.config import read_config_file, ConfigError, ZeroConfig
+from zerojax.config import (ConfigError, ZeroConfig, did_you_mean, in_file, read_config_file,
+                            unknown_key_error)
 
 PROG = "zerojax"
 
@@ -77,15 +78,16 @@ def parse_overrides(pairs: Sequence[str]) -> tuple[dict[str, Any], dict[str, Any
     if key.startswith("train."):
       key = key[len("train."):]
       if key not in tfields:
-        raise ConfigError(f"override {pair!r}: unknown training option {key!r}; allowed are "
-                          f"{sorted(tfields)}")
+        raise ConfigError(f"override {pair!r}: unknown training option {key!r}"
+                          f"{did_you_mean(key, tfields)}; allowed are {sorted(tfields)}")
       tr[key] = value
     elif key in zfields:
       zc[key] = value
     elif key in tfields:
       tr[key] = value
     else:
-      raise ConfigError(f"override {pair!r}: unknown key {key!r}; allowed are ZeroConfig fields "
+      raise ConfigError(f"override {pair!r}: unknown key {key!r}"
+                        f"{did_you_mean(key, zfields | tfields)}; allowed are ZeroConfig fields "
                         f"{sorted(zfields)} and training options {sorted(tfields)}")
   return zc, tr
 
@@ -108,19 +110,26 @@ def load_config(path: str | os.PathLike | None, overrides: Sequence[str] = (), *
       raise ConfigError(str(e)) from None
   zover, tover = parse_overrides(overrides)
   notes, flags, train = [], [], {}
-  if deepspeed.is_deepspeed(d):
-    m = deepspeed.map_deepspeed(d)
-    config, notes, flags = m.config, list(m.notes), list(m.xla_flags)
-    train = deepspeed_train_fields(m.train)
-    if apply_xla_flags:
-      m.apply_xla_flags()
-  else:
-    train = dict(d.pop("train", None) or {})
-    unknown = sorted(set(train) - set(TrainOptions.fields()))
-    if unknown:
-      raise ConfigError(f"config file {path!r}: unknown training option {unknown[0]!r} in "
-                        f"'train'; allowed are {sorted(TrainOptions.fields())}")
-    config = ZeroConfig.from_dict(d)
+  with in_file(path):  # errors from the file's contents name the file
+    if deepspeed.is_deepspeed(d):
+      m = deepspeed.map_deepspeed(d)
+      config, notes, flags = m.config, list(m.notes), list(m.xla_flags)
+      train = deepspeed_train_fields(m.train)
+    else:
+      train = d.pop("train", None)
+      if train is None:
+        train = {}
+      if not isinstance(train, Mapping):
+        raise ConfigError(f"'train'={train!r} is invalid: a mapping of training options")
+      train = dict(train)
+      unknown = set(train) - set(TrainOptions.fields())
+      if unknown:
+        raise unknown_key_error("unknown training option", unknown, TrainOptions.fields(),
+                                " in 'train'")
+      config = ZeroConfig.from_dict(d)
+    TrainOptions(**train)  # a bad value in the file is reported against the file
+  if deepspeed.is_deepspeed(d) and apply_xla_flags:
+    m.apply_xla_flags()
   if zover:
     try:
       config = config.replace(**zover)
@@ -246,6 +255,31 @@ def recommend(options: Sequence[Option], budget: float) -> tuple[Option | None, 
   return None, why
 
 
+def recommend_compiled(options: Sequence[Option], budget: float,
+                       peak: Any) -> tuple[Option | None, list[str], dict[str, int]]:
+  """`recommend` by the compiled step's peak: the lowest-communication option whose model
+  state fits ``budget`` *and* whose compiled step (``peak(option) -> bytes``) fits too.
+
+  Options whose model state alone exceeds the budget are not compiled. Returns the option,
+  the reasoning and the compiled peaks measured (by option name).
+  """
+  why, peaks = [], {}
+  for o in sorted(options, key=lambda o: o.comm_rank):
+    if o.device > budget:
+      why.append(f"{o.name}: model state {fmt_bytes(o.device)} per device does not fit "
+                 f"({fmt_bytes(o.device - budget)} over); not compiled")
+      continue
+    p = peaks[o.name] = peak(o)
+    head = (f"{o.name}: model state {fmt_bytes(o.device)} (estimate), compiled step peak "
+            f"{fmt_bytes(p)} per device (XLA)")
+    if p <= budget:
+      why.append(f"{head} fits ({fmt_bytes(budget - p)} left)")
+      return o, why, peaks
+    why.append(f"{head} does not fit ({fmt_bytes(p - budget)} over: activations and "
+               "temporaries come on top of the model state)")
+  return None, why, peaks
+
+
 def format_table(options: Sequence[Option], title: str) -> str:
   rows = [("option", "shards", "params", "grads", "optimizer", "device total", "host",
            "communication/step")]
@@ -307,6 +341,43 @@ def _model_shapes(preset: str, config: ZeroConfig):
   return model, mcfg, shapes
 
 
+def step_peak(preset: str, config: ZeroConfig, batch: int, seq: int | None = None) -> int:
+  """Per-device peak of the GPT training step (`zerojax.train`'s step: AdamW, the config's
+  stage, offload, remat and batch sizes) for ``batch`` rows of ``seq`` tokens, from XLA's
+  memory analysis of the compiled step (arguments + outputs - aliased + temporaries).
+
+  The step is lowered and compiled on abstract state: nothing is allocated. The mesh is
+  ``config``'s over this machine's devices.
+  """
+  import jax
+  import jax.numpy as jnp
+  import optax
+  import zerojax
+  from zerojax.checkpoint import abstract_train_state
+  from zerojax.memory import compiled_peak
+  from zerojax.models import loss_fn
+  model, mcfg, _ = _model_shapes(preset, config)
+  seq = seq or mcfg.seq_len
+  if seq > mcfg.seq_len:
+    raise ConfigError(f"--seq {seq} is longer than the {preset} model's seq_len {mcfg.seq_len}")
+  if (config.train_batch_size, config.micro_batch_per_device) == (None, None):
+    config = config.replace(train_batch_size=batch)
+  tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
+  state, plan = abstract_train_state(model, optax.adamw(1e-3), jax.random.key(0), tokens,
+                                     config=config)
+
+  @zerojax.zero_step(plan)
+  def train_step(state, batch):
+    def lf(params, batch):
+      return loss_fn(state.apply_fn({"params": params}, batch["x"]), batch["y"])
+    loss, grads = zerojax.value_and_grad(lf)(state.params, batch)
+    return state.apply_gradients(grads=grads), {"loss": loss}
+
+  b = plan.bytes_per_device()
+  compiled = train_step.lower(state, {"x": tokens, "y": tokens}).compile()
+  return compiled_peak(compiled, host_resident=b["params_host"] + b["opt_state_host"])[0]
+
+
 # -- commands ---------------------------------------------------------------------------------
 
 
@@ -365,6 +436,9 @@ def cmd_estimate(args) -> int:
   else:
     loaded = load_config(args.config, args.overrides, apply_xla_flags=False)
     config = loaded.config
+    if args.fit is not None and not args.no_compile:
+      from zerojax import train as zt
+      zt.setup_cpu_devices(n)  # the compiled peak needs the devices (simulated on CPU)
     import optax
     _, mcfg, shapes = _model_shapes(args.model, config)
     options = model_options(shapes, optax.adamw(1e-3), config, n)
@@ -374,24 +448,50 @@ def cmd_estimate(args) -> int:
              f"{config.param_persistence_threshold} elements or not divisible by {n} stay "
              "replicated")
   shown = options if (args.fit is not None or args.offload) else options[:4]
+  fit = None  # (best, why, compiled peaks)
+  compile_note = None
+  if args.fit is not None and args.model is None:  # the paper's assumptions: no model
+    fit = (*recommend(options, args.fit), {})
+  elif args.fit is not None:
+    compile_note = _compile_note(args, n)
+    if compile_note is None:
+      batch = args.batch or n
+
+      def peak(o: Option) -> int:
+        cfg = config.replace(stage=o.stage, offload_optimizer=o.offload_optimizer,
+                             offload_params=o.offload_params, optimizer_on_host=False)
+        return step_peak(args.model, cfg, batch, args.seq)
+
+      fit = recommend_compiled(options, args.fit, peak)
+    else:
+      fit = (*recommend(options, args.fit), {})
   if args.json:
     out = {"devices": n, "params": psi,
            "options": [{**dataclasses.asdict(o), "device": o.device} for o in shown]}
-    if args.fit is not None:
-      best, why = recommend(options, args.fit)
+    if fit is not None:
+      best, why, peaks = fit
       out["fit"] = {"budget": args.fit, "recommendation": best.name if best else None,
-                    "why": why}
+                    "why": why, "compiled_peak": peaks}
     print(json.dumps(out, indent=1))
   else:
     print(format_table(shown, title))
     print("(model states only: activations, temporaries and framework overhead come on top)")
   rc = 0
-  if args.fit is not None and not args.json:
-    best, why = recommend(options, args.fit)
+  if fit is not None and not args.json:
+    best, why, peaks = fit
+    if compile_note:
+      print(compile_note)
+    elif args.model is not None:
+      print(f"compiled peaks: the real training step (AdamW) for a batch of {args.batch or n} "
+            f"rows x {args.seq or mcfg.seq_len} tokens over {n} devices, compiled only")
     print(f"\n--fit {fmt_bytes(args.fit)} per device, lowest communication first:")
     for w in why:
       print(f"  {w}")
-    if best is None:
+    if best is None and peaks:
+      print("nothing fits: every option whose model state fits compiles to a step that does "
+            "not; use a smaller --batch, remat=full, more devices or a smaller model")
+      rc = 1
+    elif best is None:
       full = options[-1]
       need = math.ceil(n * full.device / args.fit) if args.fit > 0 else float("inf")
       print(f"nothing fits: even {full.name} keeps {fmt_bytes(full.device)} per device; use more "
@@ -403,9 +503,8 @@ def cmd_estimate(args) -> int:
                                                     if best.offload_params else "")
       print(f"recommendation: {best.name} (communication {best.comm}); zerojax overrides: "
             f"{flags}")
-  elif args.fit is not None:
-    best, _ = recommend(options, args.fit)
-    rc = 0 if best else 1
+  elif fit is not None:
+    rc = 0 if fit[0] else 1
   if args.plot:
     path = plot_options(shown, args.plot, title if len(title) < 100 else title[:title.index(",")
                                                                                + 1] + f" N={n}",
@@ -431,6 +530,18 @@ def cmd_compile(args) -> int:
   for note in loaded.notes:
     print(f"DeepSpeed {note}")
   return 0 if r.fits else 1
+
+
+def _compile_note(args, n: int) -> str | None:
+  """Why `--fit` uses the model-state estimate alone, or None when it compiles the step."""
+  if args.no_compile:
+    return "(--no-compile: model-state estimate only; activations and temporaries come on top)"
+  import jax
+  if jax.device_count() != n:
+    return (f"(the compiled peak needs {n} devices, this machine has {jax.device_count()} "
+            f"{jax.devices()[0].platform} devices: model-state estimate only; activations "
+            "and temporaries come on top)")
+  return None
 
 
 def cmd_config(args) -> int:
@@ -535,6 +646,8 @@ def build_parser() -> argparse.ArgumentParser:
              "  zerojax estimate --model gpt-89m --devices 8 configs/zero3_hsdp.yaml\n\n"
              "--fit picks the lowest-communication option that fits the budget, in the order\n"
              "stage 0 < 1 < 2 (2Ψ each) < 3 (3Ψ) < 3 + offload_optimizer < + offload_params.\n"
+             "With --model an option must also fit by the compiled peak of the real training\n"
+             "step (--batch rows of --seq tokens; compiled only, nothing is allocated).\n"
              "It exits with status 1 when nothing fits.")
   e.add_argument("config", nargs="?", help="config for --model (dtypes, mesh, threshold)")
   e.add_argument("overrides", nargs="*", metavar="key=value", help="ZeroConfig overrides")
@@ -548,6 +661,13 @@ def build_parser() -> argparse.ArgumentParser:
   e.add_argument("--fit", type=parse_bytes, default=None, metavar="BYTES",
                  help="per-device budget, e.g. 16GB or 80GiB: recommend a stage (and offload)")
   e.add_argument("--offload", action="store_true", help="also show the offload options")
+  e.add_argument("--batch", type=int, default=None, metavar="ROWS",
+                 help="with --model --fit: global batch rows of the compiled step (default: "
+                 "one row per device)")
+  e.add_argument("--seq", type=int, default=None, metavar="TOKENS",
+                 help="with --model --fit: tokens per row (default: the preset's seq_len)")
+  e.add_argument("--no-compile", action="store_true",
+                 help="with --model --fit: judge by the model-state estimate only")
   e.add_argument("--plot", nargs="?", const="zerojax_estimate.png", default=None,
                  metavar="PNG", help="draw the bars to PNG (default zerojax_estimate.png)")
   e.add_argument("--json", action="store_true", help="machine-readable output")

@@ -9,11 +9,14 @@ DeepSpeed ``ds_config.json`` files map into the same dataclass (see `zerojax.dee
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import difflib
 import json
 import math
 import os
-from typing import Any, Mapping, Sequence
+import re
+from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -23,6 +26,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("auto", "none", "full", "dots", "offload")
 GATHER_MODES = ("auto", "explicit")
 OFFLOAD_FALLBACKS = ("error", "warn")
+NONFINITE_POLICIES = ("auto", "skip", "halt", "ignore")
 
 
 class ConfigError(ValueError):
@@ -31,6 +35,26 @@ class ConfigError(ValueError):
 
 def _fail(field: str, value: Any, allowed: str) -> None:
   raise ConfigError(f"ZeroConfig.{field}={value!r} is invalid: {allowed}")
+
+
+def did_you_mean(key: str, allowed: Any) -> str:
+  """`` (did you mean 'stage'?)`` for the closest allowed key, or ``''`` if none is close."""
+  close = difflib.get_close_matches(str(key), [str(a) for a in allowed], n=1, cutoff=0.6)
+  return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def unknown_key_error(what: str, unknown: Any, allowed: Any, where: str = "",
+                      allowed_text: str = "allowed keys are") -> ConfigError:
+  """The error for keys outside ``allowed``: names the first (``where`` it is), suggests the
+  closest allowed key and lists them all."""
+  unknown = sorted(unknown, key=str)
+  more = f" (unknown keys: {unknown})" if len(unknown) > 1 else ""
+  return ConfigError(f"{what} {unknown[0]!r}{where}{did_you_mean(unknown[0], allowed)}{more}; "
+                     f"{allowed_text} {sorted(allowed)}")
+
+
+# Fields that must hold a real bool: a string such as "false" is truthy in Python.
+BOOL_FIELDS = ("offload_optimizer", "offload_params", "optimizer_on_host")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +105,15 @@ class ZeroConfig:
     loss_scale_window: good steps before the scale doubles.
     hysteresis: overflowing steps tolerated before the scale halves.
     min_loss_scale: the scale never falls below this.
+    nonfinite_grads: what a step whose gradient has a NaN or infinity does (DeepSpeed has no
+      such key). ``'halt'``: the step reports it (``overflow`` in its metrics) and
+      `zerojax.train` stops there with `zerojax.train.NonFiniteGradientsError`, naming the
+      last good checkpoint; it costs no memory. ``'skip'``: params and optimizer state stay
+      unchanged (bit-identical) and ``skipped_steps`` counts the step, as an fp16 overflow;
+      keeping the old state beside the new one costs one optimizer state of temporaries at
+      stage 0 (its shard at stages 1-3). ``'ignore'``: the update is applied (the parameters
+      become NaN). ``'auto'`` (default): ``'skip'`` with loss scaling (an overflowing step is
+      how the scale is found, so only ``'skip'`` is allowed there), else ``'halt'``.
     rules: user overrides ``((regex, partition_spec), ...)``; the first regex that matches a
       leaf's path (``'params/layers/mlp/kernel'``) fixes its spec, e.g.
       ``(("embed", (None, "fsdp")),)``.
@@ -110,6 +143,7 @@ class ZeroConfig:
   loss_scale_window: int = 1000
   hysteresis: int = 2
   min_loss_scale: float = 1.0
+  nonfinite_grads: str = "auto"
   rules: tuple[tuple[str, tuple[Any, ...]], ...] = ()
 
   def __post_init__(self):
@@ -124,7 +158,20 @@ class ZeroConfig:
 
   # -- validation -------------------------------------------------------------------------
 
+  @property
+  def nonfinite_policy(self) -> str:
+    """``nonfinite_grads`` with ``'auto'`` resolved: ``'skip'`` under loss scaling, else
+    ``'halt'``."""
+    if self.nonfinite_grads != "auto":
+      return self.nonfinite_grads
+    return "skip" if self.loss_scale is not None else "halt"
+
   def _validate(self) -> None:
+    for f in BOOL_FIELDS:
+      if not isinstance(getattr(self, f), (bool, np.bool_)):
+        _fail(f, getattr(self, f), "true or false (a boolean; strings such as 'false' or 'no' "
+              "are not booleans)")
+      object.__setattr__(self, f, bool(getattr(self, f)))
     if not _is_int(self.stage) or self.stage not in STAGES:
       _fail("stage", self.stage, "allowed stages are 0, 1, 2 and 3")
     if not isinstance(self.mesh_axes, tuple) or not self.mesh_axes:
@@ -179,19 +226,32 @@ class ZeroConfig:
         _fail(f, v, "a positive integer or None")
     if self.gradient_clipping is not None and not (
         _is_num(self.gradient_clipping) and self.gradient_clipping > 0):
-      _fail("gradient_clipping", self.gradient_clipping, "a positive number or None")
+      _fail("gradient_clipping", self.gradient_clipping, "a positive finite number or None")
     if self.loss_scale is not None and not (_is_num(self.loss_scale) and self.loss_scale >= 0):
-      _fail("loss_scale", self.loss_scale, "None (off), 0 (dynamic) or a positive static scale")
+      _fail("loss_scale", self.loss_scale, "None (off), 0 (dynamic) or a positive finite "
+            "static scale")
     if not _is_int(self.initial_scale_power) or not 0 <= self.initial_scale_power <= 64:
       _fail("initial_scale_power", self.initial_scale_power, "an integer in [0, 64]")
     for f in ("loss_scale_window", "hysteresis"):
       if not _is_int(getattr(self, f)) or getattr(self, f) < 1:
         _fail(f, getattr(self, f), "an integer >= 1")
     if not _is_num(self.min_loss_scale) or self.min_loss_scale <= 0:
-      _fail("min_loss_scale", self.min_loss_scale, "a positive number")
-    for r in self.rules:
+      _fail("min_loss_scale", self.min_loss_scale, "a positive finite number")
+    if self.nonfinite_grads not in NONFINITE_POLICIES:
+      _fail("nonfinite_grads", self.nonfinite_grads, f"one of {NONFINITE_POLICIES}")
+    if self.loss_scale is not None and self.nonfinite_grads not in ("auto", "skip"):
+      _fail("nonfinite_grads", self.nonfinite_grads, f"with loss scaling (loss_scale="
+            f"{self.loss_scale!r}) an overflowing step is always skipped and the scale "
+            "adjusted; use 'skip', or loss_scale=None")
+    for i, r in enumerate(self.rules):
       if not (isinstance(r, tuple) and len(r) == 2 and isinstance(r[0], str)):
         _fail("rules", self.rules, "a list of (regex, partition_spec) pairs")
+      try:
+        re.compile(r[0])
+      except re.error as e:
+        _fail(f"rules[{i}]", r, f"the regex {r[0]!r} does not compile ({e}); rules are "
+              "(regex, partition_spec) pairs matched with re.search against leaf paths such as "
+              "'params/layers/mlp/kernel'")
 
   # -- derived values -----------------------------------------------------------------------
 
@@ -228,6 +288,11 @@ class ZeroConfig:
     return t, m, g
 
   def replace(self, **changes: Any) -> "ZeroConfig":
+    """A copy with ``changes``; an unknown field is a `ConfigError` with a suggestion."""
+    unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
+    if unknown:
+      raise unknown_key_error("ZeroConfig has no field", unknown,
+                              [f.name for f in dataclasses.fields(self)])
     return dataclasses.replace(self, **changes)
 
   # -- I/O ------------------------------------------------------------------------------------
@@ -241,39 +306,139 @@ class ZeroConfig:
 
   @classmethod
   def from_dict(cls, d: Mapping[str, Any]) -> "ZeroConfig":
+    if not isinstance(d, Mapping):
+      raise ConfigError(f"a ZeroConfig must be a mapping of fields, got {type(d).__name__}")
     if "zero_optimization" in d:  # a DeepSpeed config
       from zerojax.deepspeed import from_deepspeed
       return from_deepspeed(d)
     known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(d) - known)
+    unknown = set(d) - known
     if unknown:
-      raise ConfigError(f"ZeroConfig has no field {unknown[0]!r} (unknown keys: {unknown}); "
-                        f"allowed keys are {sorted(known)}")
+      raise unknown_key_error("ZeroConfig has no field", unknown, known)
     return cls(**d)
 
   @classmethod
-  def from_file(cls, path: str | os.PathLike) -> "ZeroConfig":
-    """Loads a ``.json``, ``.yaml`` or ``.yml`` file (zerojax or DeepSpeed format)."""
-    return cls.from_dict(read_config_file(path))
+  def from_file(cls, path: str | os.PathLike, *, allow_empty: bool = False) -> "ZeroConfig":
+    """Loads a ``.json``, ``.yaml`` or ``.yml`` file (zerojax or DeepSpeed format).
+
+    An empty file is an error unless ``allow_empty`` (then it means the defaults). Errors in
+    the file's contents name the file.
+    """
+    d = read_config_file(path, allow_empty=allow_empty)
+    with in_file(path):
+      return cls.from_dict(d)
 
 
-def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
-  """The mapping in a ``.json``, ``.yaml`` or ``.yml`` config file."""
+@contextlib.contextmanager
+def in_file(path: str | os.PathLike | None) -> Iterator[None]:
+  """Prefixes a `ConfigError` raised inside with ``config file 'PATH': `` (once)."""
+  try:
+    yield
+  except ConfigError as e:
+    if path is None or repr(os.fspath(path)) in str(e):
+      raise
+    raise ConfigError(f"config file {os.fspath(path)!r}: {e}") from None
+
+
+class _Duplicate(Exception):
+  def __init__(self, key: Any, first: int | None = None, again: int | None = None):
+    super().__init__(key, first, again)
+    self.key, self.first, self.again = key, first, again
+
+
+def _yaml_loader():
+  import yaml
+
+  class StrictLoader(yaml.SafeLoader):
+    """``SafeLoader`` that refuses a key given twice in one mapping (it would silently win)."""
+
+    def construct_mapping(self, node, deep=False):
+      if isinstance(node, yaml.MappingNode):
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+          if key_node.tag == "tag:yaml.org,2002:merge":
+            continue  # `<<: *anchor` merges are meant to be overridden
+          key = self.construct_object(key_node, deep=True)
+          try:
+            if key in seen:
+              raise _Duplicate(key, seen[key] + 1, key_node.start_mark.line + 1)
+          except TypeError:  # an unhashable key: SafeLoader reports it below
+            continue
+          seen[key] = key_node.start_mark.line
+      return super().construct_mapping(node, deep)
+
+  return StrictLoader
+
+
+def _json_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+  out: dict[str, Any] = {}
+  for k, v in pairs:
+    if k in out:
+      raise _Duplicate(k)
+    out[k] = v
+  return out
+
+
+def read_config_file(path: str | os.PathLike, *, allow_empty: bool = False) -> dict[str, Any]:
+  """The mapping in a ``.json``, ``.yaml`` or ``.yml`` config file.
+
+  Raises:
+    FileNotFoundError: the file does not exist.
+    ConfigError: naming the file (and the line where the parser knows it) when the file is
+      empty (unless ``allow_empty``: then ``{}``), is not valid JSON/YAML, repeats a key in one
+      mapping, or does not hold a mapping.
+  """
   path = os.fspath(path)
   if not os.path.exists(path):
     raise FileNotFoundError(f"zerojax config file {path!r} does not exist")
+  if not path.endswith((".yaml", ".yml", ".json")):
+    raise ConfigError(f"config file {path!r}: unknown extension; use .json, .yaml or .yml")
   with open(path) as f:
     text = f.read()
-  if path.endswith((".yaml", ".yml")):
-    import yaml
-    d = yaml.safe_load(text) or {}
-  elif path.endswith(".json"):
-    d = json.loads(text)
-  else:
-    raise ConfigError(f"config file {path!r}: unknown extension; use .json, .yaml or .yml")
+  if not text.strip() or (path.endswith((".yaml", ".yml")) and _yaml_is_empty(text)):
+    if allow_empty:
+      return {}
+    raise ConfigError(f"config file {path!r} is empty; write the settings to use (e.g. "
+                      "'stage: 2'), or pass no config file to run with the defaults")
+  try:
+    if path.endswith((".yaml", ".yml")):
+      import yaml
+      try:
+        d = yaml.load(text, Loader=_yaml_loader())  # noqa: S506 - a SafeLoader subclass
+      except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        where = f", line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        line = text.splitlines()[mark.line] if mark and mark.line < len(text.splitlines()) else ""
+        hint = ("; YAML does not allow tab characters for indentation, use spaces"
+                if "\t" in line or "'\\t'" in str(e.problem) else "")
+        raise ConfigError(f"config file {path!r}{where}: not valid YAML: {e.problem}"
+                          + (f" ({e.context})" if e.context else "") + hint) from None
+      except yaml.YAMLError as e:
+        raise ConfigError(f"config file {path!r}: not valid YAML: {e}") from None
+    else:
+      try:
+        d = json.loads(text, object_pairs_hook=_json_pairs)
+      except json.JSONDecodeError as e:
+        raise ConfigError(f"config file {path!r}, line {e.lineno}, column {e.colno}: not valid "
+                          f"JSON: {e.msg}") from None
+  except _Duplicate as e:
+    lines = f" (lines {e.first} and {e.again})" if e.first else ""
+    raise ConfigError(f"config file {path!r}: key {e.key!r} is given twice in one mapping"
+                      f"{lines}; each key may appear once (the second would silently replace "
+                      "the first)") from None
   if not isinstance(d, Mapping):
-    raise ConfigError(f"config file {path!r} must hold a mapping, got {type(d).__name__}")
+    raise ConfigError(f"config file {path!r} must hold a mapping of settings, got "
+                      f"{type(d).__name__}")
   return dict(d)
+
+
+def _yaml_is_empty(text: str) -> bool:
+  """Whether a YAML document has only comments, blank lines and document markers."""
+  for line in text.splitlines():
+    s = line.strip()
+    if s and not s.startswith("#") and s not in ("---", "..."):
+      return False
+  return True
 
 
 def _is_seq(x: Any) -> bool:
@@ -285,7 +450,10 @@ def _is_int(x: Any) -> bool:
 
 
 def _is_num(x: Any) -> bool:
-  return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool)
+  """A finite real number (NaN and infinity are refused: they pass or fail comparisons
+  silently)."""
+  return (isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool)
+          and math.isfinite(x))
 
 
 def _batch_fail(t, m, g, dp) -> None:

@@ -31,10 +31,11 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from typing import Any, Mapping
 
-from zerojax.config import ConfigError, ZeroConfig
+from zerojax.config import ConfigError, ZeroConfig, in_file, read_config_file, unknown_key_error
 
 # XLA flag names (GPU backend; accepted and ignored by the CPU backend).
 RS_COMBINE = "--xla_gpu_reduce_scatter_combine_threshold_bytes"
@@ -103,16 +104,13 @@ def from_deepspeed(d: Mapping[str, Any]) -> ZeroConfig:
 
 
 def load_deepspeed(path: str | os.PathLike) -> DeepSpeedMapping:
-  """`map_deepspeed` of a ``.json`` (or ``.yaml``) DeepSpeed config file."""
-  import json
-  path = os.fspath(path)
-  with open(path) as f:
-    if path.endswith((".yaml", ".yml")):
-      import yaml
-      d = yaml.safe_load(f)
-    else:
-      d = json.load(f)
-  return map_deepspeed(d)
+  """`map_deepspeed` of a ``.json`` (or ``.yaml``) DeepSpeed config file.
+
+  Errors name the file (see `zerojax.config.read_config_file` for what the reader refuses).
+  """
+  d = read_config_file(path)
+  with in_file(path):
+    return map_deepspeed(d)
 
 
 def is_deepspeed(d: Mapping[str, Any]) -> bool:
@@ -190,22 +188,37 @@ def _err(key: str, value: Any, allowed: str) -> ConfigError:
 
 
 def _unknown(section: str, keys: set, known: set) -> None:
-  unknown = sorted(set(keys) - known)
+  unknown = set(keys) - set(known)
   if unknown:
-    where = f"in {section!r} " if section else ""
-    raise ConfigError(f"unknown DeepSpeed config key {unknown[0]!r} {where}(unknown keys: "
-                      f"{unknown}); zerojax accepts {sorted(known)}")
+    raise unknown_key_error("unknown DeepSpeed config key", unknown, known,
+                            f" in {section!r}" if section else "", "zerojax accepts")
+
+
+def _real(v: Any) -> bool:
+  return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def _int(key: str, v: Any) -> int:
-  if isinstance(v, bool) or not isinstance(v, (int, float)) or int(v) != v:
-    raise _err(key, v, "an integer")
+  if not _real(v) or int(v) != v:
+    raise _err(key, v, "an integer" + (" (NaN and infinity are not numbers of anything)"
+                                       if isinstance(v, float) and not math.isfinite(v) else ""))
   return int(v)
 
 
 def _num(key: str, v: Any) -> float:
-  if isinstance(v, bool) or not isinstance(v, (int, float)):
-    raise _err(key, v, "a number")
+  if not _real(v):
+    raise _err(key, v, "a finite number")
+  return v
+
+
+def _section(d: Mapping, key: str, full: str | None = None) -> Mapping:
+  """``d[key]`` as a mapping: missing or null is ``{}``, any other non-mapping an error
+  (``[]`` or ``false`` would otherwise read as an empty section)."""
+  v = d.get(key)
+  if v is None:
+    return {}
+  if not isinstance(v, Mapping):
+    raise _err(full or key, v, "a mapping (JSON object)")
   return v
 
 
@@ -254,11 +267,13 @@ def map_deepspeed(d: Mapping[str, Any]) -> DeepSpeedMapping:
       raise _err("gradient_clipping", v, "a number >= 0 (0 = no clipping)")
 
   # -- precision ------------------------------------------------------------------------------
-  bf16 = d.get("bf16", d.get("bfloat16", {})) or {}
-  fp16 = d.get("fp16", {}) or {}
+  if "bf16" in d and "bfloat16" in d:
+    raise ConfigError(f"DeepSpeed config sets both 'bf16'={d['bf16']!r} and "
+                      f"'bfloat16'={d['bfloat16']!r}; they are aliases of one setting, give "
+                      "only 'bf16'")
+  bf16 = _section(d, "bf16" if "bf16" in d else "bfloat16")
+  fp16 = _section(d, "fp16")
   for name, sect, known in (("bf16", bf16, _BF16_KEYS), ("fp16", fp16, _FP16_KEYS)):
-    if not isinstance(sect, Mapping):
-      raise _err(name, sect, "a mapping such as {\"enabled\": true}")
     _unknown(name, set(sect), known)
   bf16_on = _enabled("bf16", bf16)
   fp16_on = _enabled("fp16", fp16)
@@ -299,9 +314,7 @@ def map_deepspeed(d: Mapping[str, Any]) -> DeepSpeedMapping:
     note("communication_data_type", f"reduce_dtype={kw['reduce_dtype']!r}")
 
   # -- zero_optimization ----------------------------------------------------------------------
-  z = d.get("zero_optimization") or {}
-  if not isinstance(z, Mapping):
-    raise _err("zero_optimization", z, "a mapping")
+  z = _section(d, "zero_optimization")
   _unknown("zero_optimization", set(z), _ZERO_KEYS)
   stage = z.get("stage", 0)
   if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
@@ -395,9 +408,9 @@ def map_deepspeed(d: Mapping[str, Any]) -> DeepSpeedMapping:
   if "steps_per_print" in d:
     train["log_every"] = _int("steps_per_print", d["steps_per_print"])
   if "tensorboard" in d:
-    tb = d["tensorboard"] or {}
+    tb = _section(d, "tensorboard")
     _unknown("tensorboard", set(tb), {"enabled", "output_path", "job_name"})
-    train["tensorboard"] = bool(tb.get("enabled", False))
+    train["tensorboard"] = _bool("tensorboard.enabled", tb.get("enabled", False))
     if tb.get("output_path"):
       train["out_dir"] = os.path.join(tb["output_path"], tb.get("job_name", ""))
     note("tensorboard", "event files are written to the run directory (out_dir)")
@@ -406,9 +419,7 @@ def map_deepspeed(d: Mapping[str, Any]) -> DeepSpeedMapping:
       note(key, why)
 
   # -- zerojax extras -------------------------------------------------------------------------
-  extra = d.get("zerojax") or {}
-  if not isinstance(extra, Mapping):
-    raise _err("zerojax", extra, "a mapping of ZeroConfig fields")
+  extra = _section(d, "zerojax")
   known = {f.name for f in dataclasses.fields(ZeroConfig)}
   _unknown("zerojax", set(extra), known)
   kw.update(extra)
@@ -436,7 +447,13 @@ def _offload(z: Mapping, key: str, full: str, note) -> bool:
   if not isinstance(sect, Mapping):
     raise _err(full, sect, "a mapping such as {\"device\": \"cpu\"}")
   _unknown(full, set(sect), _OFFLOAD_KEYS)
-  device = str(sect.get("device", "none")).lower()
+  raw = sect.get("device", "none")
+  if not isinstance(raw, str):  # e.g. `device: false`: say what the strings are
+    raise _err(f"{full}.device", raw, "\"cpu\" (offload to pinned host memory) or \"none\"")
+  device = raw.strip().lower()
+  if device == "auto":
+    note(f"{full}.device", "'auto': not set, no offload")
+    device = "none"
   if device == "nvme":
     raise _err(f"{full}.device", sect.get("device"),
                "zerojax does not offload to NVMe; use \"device\": \"cpu\" (pinned host memory, "
@@ -466,7 +483,7 @@ def _optimizer(o: Any) -> dict:
   t = str(o["type"]).lower()
   if t not in _OPTIMIZERS:
     raise _err("optimizer.type", o["type"], f"one of {sorted(set(_OPTIMIZERS))}")
-  params = dict(o.get("params", {}) or {})
+  params = dict(_section(o, "params", "optimizer.params"))
   name = _OPTIMIZERS[t]
   if name == "adam" and params.get("adam_w_mode", True) and t in ("adam", "fusedadam") and \
       params.get("weight_decay", 0):
@@ -495,6 +512,6 @@ def _scheduler(s: Any) -> dict:
                                 "total_num_steps", "warmup_type"}}
   if t not in allowed:
     raise _err("scheduler.type", t, f"one of {sorted(allowed)}")
-  params = dict(s.get("params", {}) or {})
+  params = dict(_section(s, "params", "scheduler.params"))
   _unknown(f"scheduler.params ({t})", set(params), allowed[t])
   return {"name": t, **{k: v for k, v in params.items() if not _auto(v)}}

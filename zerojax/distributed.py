@@ -176,6 +176,7 @@ def initialize(coordinator_address: str | None = None,
     raise DistributedInitError(
         f"zerojax.distributed.initialize: {nproc} processes but no coordinator address; pass "
         f"coordinator_address='host:port' or set {ENV_COORDINATOR}")
+  _split_address(coord)  # JAX itself fails on a missing port with a bare IndexError
   if not 0 <= pid < nproc:
     raise DistributedInitError(f"process id {pid} is not in 0..{nproc - 1}")
   if xla_bridge.backends_are_initialized():
@@ -579,9 +580,12 @@ def _reset(jdist) -> None:
 
 
 def _split_address(address: str) -> tuple[str, int]:
-  host, sep, port = address.rpartition(":")
-  if not sep or not port.isdigit():
-    raise DistributedInitError(f"coordinator address {address!r} is not of the form host:port")
+  host, sep, port = str(address).rpartition(":")
+  if not sep or not port.isdigit() or not 0 < int(port) < 65536 or host.endswith(":"):
+    raise DistributedInitError(
+        f"coordinator address {address!r} is invalid: expected host:port, e.g. "
+        f"'10.0.0.1:1234' or 'localhost:1234' (the port process 0 listens on, 1-65535; "
+        f"coordinator_address= or {ENV_COORDINATOR})")
   return host.strip("[]") or "127.0.0.1", int(port)
 
 

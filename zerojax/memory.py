@@ -765,3 +765,161 @@ def _resolve_model(model: Any, config: ZeroConfig, seq_len: Any) -> Any:
   if isinstance(seq_len, (int, np.integer)) and seq_len > 0:  # position table = sequence
     cfg = dataclasses.replace(cfg, seq_len=int(seq_len))
   return GPT(cfg)
+
+
+# -- checking against the device's memory ------------------------------------------------------
+
+
+class DeviceMemoryError(RuntimeError):
+  """A compiled step, or a train state, needs more memory per device than the device has.
+
+  Raised before anything is allocated; the message gives the numbers and the next stage or
+  offload that would fit.
+  """
+
+
+def bytes_limit(devices: Any) -> int | None:
+  """The smallest ``memory_stats()['bytes_limit']`` of ``devices``, or ``None`` where the
+  backend reports none (CPU reports no memory stats)."""
+  limits = []
+  for d in devices:
+    try:
+      stats = d.memory_stats()
+    except Exception:  # noqa: BLE001 - backends without memory stats raise or return None
+      stats = None
+    if stats and stats.get("bytes_limit"):
+      limits.append(int(stats["bytes_limit"]))
+  return min(limits) if limits else None
+
+
+def compiled_peak(compiled: Any, host_resident: int = 0) -> tuple[int, str]:
+  """``(bytes, breakdown)``: a compiled computation's device-memory peak per device,
+  arguments + outputs - aliased (donated) + temporaries, from XLA's memory analysis.
+
+  Backends that place host-offloaded buffers in their own memory space report them in the
+  ``host_*`` fields, apart from these. XLA:CPU reports host (``pinned_host``) arguments as
+  ordinary arguments with every ``host_*`` field 0; there ``host_resident`` (the state's
+  host-resident bytes per device, e.g. from `ShardingPlan.bytes_per_device`) is subtracted.
+  """
+  ma = compiled.memory_analysis()
+  a, o, al, t = (int(ma.argument_size_in_bytes), int(ma.output_size_in_bytes),
+                 int(ma.alias_size_in_bytes), int(ma.temp_size_in_bytes))
+  host_fields = (ma.host_argument_size_in_bytes, ma.host_output_size_in_bytes,
+                 ma.host_alias_size_in_bytes, ma.host_temp_size_in_bytes)
+  h = int(host_resident) if not any(host_fields) else 0
+  parts = (f"arguments {_mib(a)} + outputs {_mib(o)} - aliased {_mib(al)} + temporaries "
+           f"{_mib(t)}" + (f" - host-resident state {_mib(h)}" if h else ""))
+  return a + o - al + t - h, parts
+
+
+def check_fits(compiled: Any, devices: Any, *, limit: int | None = None,
+               config: ZeroConfig | None = None, params: Any = None, tx: Any = None,
+               opt_state: Any = None) -> int | None:
+  """Fails if a compiled step's peak per device exceeds the devices' memory limit.
+
+  Args:
+    compiled: a ``jax.stages.Compiled`` (``jax.jit(f).lower(...).compile()``: nothing is
+      allocated to get it).
+    devices: the devices it runs on (their ``memory_stats()['bytes_limit']`` is the limit).
+    limit: the limit in bytes per device instead of the devices' own.
+    config, params, tx / opt_state: the run's config and its parameter tree and optimizer (or
+      optimizer state): with them the error names the next stage or offload that would fit.
+
+  Returns:
+    the peak in bytes, or ``None`` when no limit is known (then nothing is checked).
+
+  Raises:
+    DeviceMemoryError: the peak exceeds the limit.
+  """
+  limit = bytes_limit(devices) if limit is None else int(limit)
+  if limit is None:
+    return None
+  peak, parts = compiled_peak(compiled)
+  if peak > limit:
+    raise DeviceMemoryError(
+        f"the compiled step needs {_mib(peak)} per device ({parts}), more than the "
+        f"{_mib(limit)} the device has (memory_stats()['bytes_limit']); it would fail with "
+        f"RESOURCE_EXHAUSTED. {_suggest(peak, limit, config, params, tx, opt_state, devices)}")
+  return peak
+
+
+def check_state_fits(plan: ShardingPlan, devices: Any = None, *, limit: int | None = None,
+                     params: Any = None, tx: Any = None) -> int | None:
+  """Fails if the train state of ``plan`` (its device-resident parameters and optimizer
+  state per device) exceeds the devices' memory limit: checked before the state is created.
+
+  Returns the state's bytes per device, or ``None`` when no limit is known.
+  """
+  devices = list(plan.mesh.devices.flat) if devices is None else devices
+  limit = bytes_limit(devices) if limit is None else int(limit)
+  if limit is None:
+    return None
+  b = plan.bytes_per_device()
+  need = b["params"] + b["opt_state"]
+  if need > limit:
+    raise DeviceMemoryError(
+        f"the train state needs {_mib(need)} per device (parameters {_mib(b['params'])} + "
+        f"optimizer state {_mib(b['opt_state'])} at stage {plan.config.stage}), more than the "
+        f"{_mib(limit)} the device has (memory_stats()['bytes_limit']); creating it would fail "
+        "with RESOURCE_EXHAUSTED. "
+        + _suggest(need, limit, plan.config, params, tx, None, devices,
+                   state_only=True))
+  return need
+
+
+# The options in order of communication, as `zerojax estimate --fit` ranks them.
+_OPTIONS = [(s, False, False) for s in range(4)] + [(3, True, False), (3, True, True)]
+
+
+def _option_name(stage: int, oo: bool, op: bool) -> str:
+  return f"stage {stage}" + (" + offload_optimizer" if oo else "") + \
+      (" + offload_params" if op else "")
+
+
+def _suggest(need: int, limit: int, config: ZeroConfig | None, params: Any, tx: Any,
+             opt_state: Any, devices: Any, state_only: bool = False) -> str:
+  """The next (more sharded) option whose estimated need fits ``limit``.
+
+  The estimate keeps everything but the model state as measured (activations and
+  temporaries do not depend on the stage to first order) and swaps the current model state
+  for the option's (`estimate`)."""
+  if config is None or params is None or (tx is None and opt_state is None):
+    return ("Use a higher stage, offload (offload_optimizer / offload_params), remat, a smaller "
+            "batch or more devices; `zerojax estimate --fit` compares the options.")
+  n = len(list(devices))
+  cur = (config.stage, config.offload_optimizer, config.offload_params)
+
+  def model_state(stage, oo, op):
+    cfg = config.replace(stage=stage, offload_optimizer=oo, offload_params=op,
+                         optimizer_on_host=config.optimizer_on_host and oo)
+    e = estimate(params, tx, config=cfg, num_devices=n, opt_state=opt_state)
+    return e.persistent if state_only else e.total
+
+  base = model_state(*cur)
+  tried = []
+  for stage, oo, op in _OPTIONS:
+    oo, op = oo or cur[1], op or cur[2]
+    if (stage, oo, op) == cur or stage < cur[0] or (op and stage != 3) or (oo and stage == 0):
+      continue
+    name = _option_name(stage, oo, op)
+    if name in tried:
+      continue
+    tried.append(name)
+    want = need - base + model_state(stage, oo, op)
+    if want <= limit:
+      flags = f"stage={stage}" + (" offload_optimizer=true" if oo else "") + \
+          (" offload_params=true" if op else "")
+      return (f"{name} would need about {_mib(want)} per device (estimated: the model state "
+              f"from zerojax.memory.estimate, everything else as measured); set {flags}.")
+  last = _option_name(3, True, True)
+  want = need - base + model_state(3, True, True)
+  return (f"Even {last} would need about {_mib(want)} per device (estimated): use more devices, "
+          "a smaller batch per device or remat='full'.")
+
+
+def _mib(n: float) -> str:
+  """Binary units, as XLA and ``memory_stats`` count."""
+  for unit, div in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+    if abs(n) >= div:
+      return f"{n / div:,.1f} {unit}"
+  return f"{n:,.0f} B"

@@ -27,7 +27,7 @@ from flax import linen as nn
 from flax.core import meta
 from flax.training import train_state as ts
 
-from zerojax import context, offload
+from zerojax import context, memory, offload
 from zerojax.config import ConfigError, ZeroConfig
 from zerojax._compat import REMAT_PRIMITIVE_NAMES, jaxpr_has_primitive
 from zerojax.gather import (box_params, regather_layers, remat_policy, scan_remat,
@@ -275,11 +275,17 @@ class ZeroStep:
     if kind == "nnx":
       from flax import nnx
       f, state = self._nnx(*lead, batch, rest)
+      if len(self._jitted) != n:  # first call with these shapes: check memory before it allocates
+        _check_step_memory(self.plan, f, state, batch, *rest)
       new_state, metrics = f(state, batch, *rest)
       nnx.update(tuple(lead), new_state)
       return self._host_metrics(metrics, batch, compiled=len(self._jitted) != n)
     (state,) = lead
-    new_state, metrics = self._linen(state, batch, rest)(state, batch, *rest)
+    f = self._linen(state, batch, rest)
+    if len(self._jitted) != n:  # first call with these shapes: check memory before it allocates
+      _check_step_memory(self.plan, f, state, batch, *rest, params=state.params,
+                         tx=getattr(state, "tx", None), opt_state=getattr(state, "opt_state", None))
+    new_state, metrics = f(state, batch, *rest)
     return new_state, self._host_metrics(metrics, batch, compiled=len(self._jitted) != n)
 
   def _host_metrics(self, metrics, batch, compiled):
@@ -414,6 +420,21 @@ def _tokens(batch: Any) -> int:
   return shapes[0][0] if shapes else 0
 
 
+# -- memory check before the first step (issue 15 item 7) ---------------------------------------
+
+
+def _check_step_memory(plan: ShardingPlan, jitted: Any, *args: Any, **suggest: Any) -> None:
+  """Compiles the step ahead of its first call and compares its peak per device with the
+  devices' memory limit (`zerojax.memory.check_fits`), so a step that cannot fit fails with
+  the numbers and a suggestion instead of ``RESOURCE_EXHAUSTED``. Backends that report no
+  limit (CPU) skip it: nothing is compiled twice there."""
+  devices = list(plan.mesh.devices.flat)
+  if memory.bytes_limit(devices) is None:
+    return
+  compiled = jitted.lower(*args).compile()  # the call after it reuses JAX's compilation cache
+  memory.check_fits(compiled, devices, config=plan.config, **suggest)
+
+
 # -- state creation -----------------------------------------------------------------------------
 
 
@@ -439,6 +460,8 @@ def create_train_state(model: Any, tx: Any, rng: jax.Array, *init_args: Any,
   """
   make_state, plan, abstract = state_initializer(model, tx, rng, *init_args, config=config,
                                                  mesh=mesh, state_cls=state_cls, **init_kwargs)
+  # A state too big for the devices fails here, named, not as RESOURCE_EXHAUSTED in the init.
+  memory.check_state_fits(plan, params=getattr(abstract, "params", None), tx=tx)
   if params is not None:
     return _state_from_params(make_state, plan, abstract, params, rng, init_args), plan
   state = jax.jit(make_state, out_shardings=plan.state(abstract))(rng, *init_args)

@@ -46,6 +46,19 @@ PACKAGE_DIR = pathlib.Path(__file__).resolve().parent
 DEFAULT_CORPUS = PACKAGE_DIR.parent / "examples" / "data" / "corpus.txt"
 
 
+class NonFiniteGradientsError(RuntimeError):
+  """A step's gradient had a NaN or infinity under ``nonfinite_grads='halt'``.
+
+  Attributes:
+    step: the optimizer step (1-based) whose gradient was not finite; it was not applied.
+    checkpoint: the directory of the last checkpoint saved before it, or ``None``.
+  """
+
+  def __init__(self, message: str, step: int, checkpoint: str | None):
+    super().__init__(message)
+    self.step, self.checkpoint = step, checkpoint
+
+
 # -- options ----------------------------------------------------------------------------------
 
 
@@ -123,9 +136,11 @@ class TrainOptions:
   overwrite: bool = False
 
   def __post_init__(self):
-    for f in ("resume", "overwrite"):
+    for f in ("progress", "tensorboard", "plot", "show_plan", "save_weights", "resume",
+              "overwrite"):
       if not isinstance(getattr(self, f), bool):
-        raise ConfigError(f"TrainOptions.{f}={getattr(self, f)!r} is invalid: true or false")
+        raise ConfigError(f"TrainOptions.{f}={getattr(self, f)!r} is invalid: true or false (a "
+                          "boolean; strings such as 'false' are not booleans)")
     for f in ("steps", "batch", "log_every", "cpu_devices"):
       v = getattr(self, f)
       if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -832,12 +847,16 @@ def train(config: ZeroConfig, opts: TrainOptions | None = None, *,
 
   history: list[dict] = list(writer.previous)
   pending: list[tuple[int, Any]] = []
+  scaling = config.loss_scale is not None
+  policy = config.nonfinite_policy
+  count_skips = policy == "skip"
+  warned_skip = False
   tokens_per_step = total * mcfg.seq_len
   t_start = t_last = time.perf_counter()
   last_fetched = start
 
   def drain(now: float):
-    nonlocal t_last, last_fetched
+    nonlocal t_last, last_fetched, warned_skip
     if not pending:
       return
     fetched = jax.device_get([m for _, m in pending])
@@ -849,9 +868,19 @@ def train(config: ZeroConfig, opts: TrainOptions | None = None, *,
              "grad_norm": finite(float(np.mean(m["grad_norm"]))),
              "lr": float(sched(step - 1)), "tokens_per_sec": round(tps, 1),
              "elapsed_sec": round(now - t_start, 3)}
-      if config.loss_scale is not None:
+      if scaling:
         rec["loss_scale"] = float(m["loss_scale"])
+      if count_skips:
         rec["skipped_steps"] = int(m["skipped_steps"])
+      if not scaling and count_skips and bool(m["overflow"]) and not warned_skip:
+        # fp16 overflows are routine while the loss scale settles; a NaN without loss scaling
+        # is not, and must not go unnoticed.
+        warned_skip = True
+        log(f"zerojax: WARNING: step {step}: the gradient is not finite (loss "
+            f"{float(np.mean(m['loss'])):g}, grad_norm {float(np.mean(m['grad_norm'])):g}); the "
+            "step was skipped: params and optimizer state are unchanged "
+            "(nonfinite_grads='skip'). Further skipped steps are counted in "
+            "skipped_steps (metrics.jsonl); nonfinite_grads='halt' stops the run instead.")
       history.append(rec)
       writer.write(rec)
     writer.flush()
@@ -864,6 +893,7 @@ def train(config: ZeroConfig, opts: TrainOptions | None = None, *,
     pending.clear()
 
   ckpt = None
+  halt = policy == "halt"
   try:
     if opts.checkpoint_dir:
       from zerojax.checkpoint import Checkpointer
@@ -871,6 +901,9 @@ def train(config: ZeroConfig, opts: TrainOptions | None = None, *,
     for step in range(start + 1, opts.steps + 1):
       state, m = train_step(state, next_batch())  # no host sync: metrics are fetched in drain()
       pending.append((step, m))
+      if halt and bool(jax.device_get(m["overflow"])):  # the one per-step sync 'halt' costs
+        drain(time.perf_counter())
+        _halt(step, history[-1], ckpt, bar, writer)
       if ckpt is not None and (step == opts.steps or (
           opts.checkpoint_every and step % opts.checkpoint_every == 0)):
         # metrics up to a checkpoint are on disk before it exists: a resumed run's
@@ -904,7 +937,31 @@ def train(config: ZeroConfig, opts: TrainOptions | None = None, *,
     log(f"done: {opts.steps} steps, loss {first['loss'] or nan:.4f} -> {last['loss'] or nan:.4f}, "
         f"{tokens_per_step * (opts.steps - start) / (time.perf_counter() - t_start):,.0f} "
         "tokens/s overall"
-        + (f", {history[-1].get('skipped_steps', 0)} overflow step(s) skipped"
+        + (f", {history[-1].get('skipped_steps', 0)} "
+           f"{'overflow' if scaling else 'non-finite'} step(s) skipped"
            if history[-1].get("skipped_steps") else ""))
     log("wrote " + ", ".join(files.values()))
   return TrainResult(state, plan, history, out_dir, files)
+
+
+def _num(v: float | None) -> str:
+  return "nan or inf" if v is None else f"{v:g}"  # records hold None for non-finite values
+
+
+def _halt(step: int, rec: Mapping[str, Any], ckpt: Any, bar: Any, writer: MetricsWriter
+          ) -> None:
+  """Stops the loop at a non-finite step (``nonfinite_grads='halt'``), naming the last
+  checkpoint that holds finite state (the caller's ``finally`` closes the writers)."""
+  where = None
+  if ckpt is not None:
+    ckpt.wait()
+    steps = [s for s in ckpt.all_steps() if s < step]
+    where = ckpt.step_dir(max(steps)) if steps else None
+  resume = (f"the last good checkpoint is {where!r}" if where else
+            "no checkpoint was saved before it" + ("" if ckpt is not None else
+                                                   " (checkpoint_dir is not set)"))
+  raise NonFiniteGradientsError(
+      f"step {step}: the gradient is not finite (loss {_num(rec.get('loss'))}, grad_norm "
+      f"{_num(rec.get('grad_norm'))}); nonfinite_grads='halt' stops the run here (its update "
+      f"made the parameters non-finite); {resume}. Lower the learning rate, enable gradient_clipping, or check the "
+      "data; nonfinite_grads='skip' skips such steps instead", step, where)

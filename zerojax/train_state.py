@@ -6,12 +6,13 @@ returns and, in this order:
 1. computes the global L2 norm of the gradient (``optax.tree.norm``). Inside a zerojax step the
    gradient is laid out as ``plan.grads`` (sharded at stages 2-3); XLA sums each device's partial
    sum of squares, so the norm is the unsharded norm, with every element counted once;
-2. checks that every element is finite (only with loss scaling);
+2. checks that every element is finite (unless ``nonfinite_grads='ignore'``);
 3. clips by global norm with ``optax.clip_by_global_norm`` (the same function an unsharded optax
    chain would use) when ``gradient_clipping`` is set;
 4. applies the optimizer (``TrainState.apply_gradients``);
-5. with loss scaling, keeps the old ``params`` and ``opt_state`` (a select: bit-identical) if the
-   gradient overflowed, counts the skipped step and updates the dynamic scale:
+5. keeps the old ``params`` and ``opt_state`` (a select: bit-identical) if the gradient is not
+   finite and counts the skipped step (``nonfinite_grads`` ``'skip'`` or ``'halt'``, and always
+   with loss scaling). With loss scaling it also updates the dynamic scale:
    ``hysteresis`` consecutive overflows halve it (never below ``min_loss_scale``; after that each
    further consecutive overflow halves it again), ``loss_scale_window`` consecutive good steps
    double it, a good step resets the hysteresis. ``step`` counts every call, skipped or not
@@ -46,11 +47,23 @@ class StepSettings:
   hysteresis: int = 2
   min_loss_scale: float = 1.0
   gradient_clipping: float | None = None
+  nonfinite: str = "halt"  # ZeroConfig.nonfinite_policy
 
   @classmethod
   def from_config(cls, config: ZeroConfig) -> "StepSettings":
     return cls(config.loss_scale, config.loss_scale_window, config.hysteresis,
-               config.min_loss_scale, config.gradient_clipping)
+               config.min_loss_scale, config.gradient_clipping, config.nonfinite_policy)
+
+  @property
+  def checks_finite(self) -> bool:
+    """Whether the step reports a non-finite gradient (``overflow``)."""
+    return self.scaling or self.nonfinite != "ignore"
+
+  @property
+  def skips(self) -> bool:
+    """Whether a step with a non-finite gradient keeps the old state (a select on the device,
+    which holds the old and the new optimizer state at once)."""
+    return self.scaling or self.nonfinite == "skip"
 
   @property
   def scaling(self) -> bool:
@@ -68,8 +81,8 @@ class ZeroTrainState(train_state.TrainState):
     loss_scale: the current loss scale (1.0 without loss scaling).
     good_steps: consecutive non-overflowing steps since the scale last changed or overflowed.
     hysteresis_left: overflows still tolerated before the scale halves.
-    skipped_steps: steps skipped because the gradient overflowed.
-    overflow: whether the last step overflowed (and was skipped).
+    skipped_steps: steps skipped because the gradient overflowed (was not finite).
+    overflow: whether the last step's gradient was not finite (and the step was skipped).
     grad_norm: global norm of the last step's gradient (unscaled, before clipping).
     settings: the static `StepSettings`.
   """
@@ -107,16 +120,18 @@ class ZeroTrainState(train_state.TrainState):
     s = self.settings
     grads = _grads_on_device(grads)
     norm = optax.tree.norm(grads).astype(jnp.float32)
-    if s.scaling:  # on the gradient as computed: clipping could turn inf into 0
+    if s.checks_finite:  # on the gradient as computed: clipping could turn inf into 0
       finite = jnp.all(jnp.asarray([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
     if s.gradient_clipping is not None:
       grads, _ = optax.clip_by_global_norm(s.gradient_clipping).update(grads, optax.EmptyState())
     new = super().apply_gradients(grads=grads, **kwargs)
-    if not s.scaling:
+    if not s.checks_finite:
       return new.replace(grad_norm=norm)
+    if not s.skips:  # 'halt': report only; the loop stops (no second copy of the state)
+      return new.replace(grad_norm=norm, overflow=jnp.logical_not(finite))
     keep = lambda n, o: jnp.where(finite, n, o)
     scale, good, hyst = update_scale(self.loss_scale, self.good_steps, self.hysteresis_left,
-                                     finite, s)
+                                     finite, s)  # unchanged without dynamic loss scaling
     return new.replace(
         params=jax.tree.map(keep, new.params, self.params),
         opt_state=jax.tree.map(keep, new.opt_state, self.opt_state),
