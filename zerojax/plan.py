@@ -38,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import warnings
 from typing import Any, Callable, Sequence
 
 import jax
@@ -137,6 +138,7 @@ class ShardingPlan:
     opt_sh, opt_leaves = (None, ())
     if opt_state is not None:
       opt_sh, opt_leaves = _plan_opt_state(config, mesh, opt_state, params, leaves, opt_kind)
+    _warn_nothing_to_shard(config, mesh)
     return cls(config, mesh, params_sh, params_gathered, grads_sh, opt_sh, leaves, opt_leaves)
 
   # -- shardings for other trees --------------------------------------------------------------
@@ -272,6 +274,32 @@ class ShardingPlan:
 
   def __str__(self) -> str:  # pragma: no cover - convenience
     return self.table()
+
+
+# -- a warning for a plan that cannot shard --------------------------------------------------
+
+_warned_nothing_to_shard = False
+
+
+def _warn_nothing_to_shard(config: ZeroConfig, mesh: Mesh) -> None:
+  """Warns once per process when stage >= 1 is planned over an ``fsdp`` axis of size 1.
+
+  Such a plan is valid (it is plain data parallelism) but shards nothing, which on a CPU-only
+  machine usually means JAX started with its default single device.
+  """
+  global _warned_nothing_to_shard
+  if config.stage < 1 or axis_size(mesh, "fsdp") > 1 or _warned_nothing_to_shard:
+    return
+  _warned_nothing_to_shard = True
+  if mesh.size == 1:
+    why = ("there is 1 device. On a CPU-only machine, simulate devices before JAX starts: "
+           "jax.config.update('jax_num_cpu_devices', 8) or "
+           "XLA_FLAGS=--xla_force_host_platform_device_count=8")
+  else:
+    why = (f"the mesh's {mesh.size} devices are on other axes; give 'fsdp' a size > 1 with "
+           "mesh_shape")
+  warnings.warn(f"zerojax: stage {config.stage} planned over mesh {dict(mesh.shape)}: the "
+                f"'fsdp' axis has size 1, so nothing is sharded; {why}", stacklevel=3)
 
 
 # -- the leaf rule ----------------------------------------------------------------------------
