@@ -337,9 +337,10 @@ def cmd_plan(args) -> int:
   config = loaded.config
   shape = config.resolved_mesh_shape(n)
   mesh = AbstractMesh(shape, config.mesh_axes, axis_types=(AxisType.Auto,) * len(shape))
-  _, mcfg, shapes = _model_shapes(model_name, config)
+  _, _, shapes = _model_shapes(model_name, config)
   plan = ShardingPlan.create(config, mesh, shapes, tx=optax.adamw(1e-3))
-  print(f"model {model_name}: {mcfg.num_params():,} parameters, planned for {n} devices "
+  from zerojax.memory import num_params
+  print(f"model {model_name}: {num_params(shapes):,} parameters, planned for {n} devices "
         "(no devices are used)")
   print(plan.table())
   for note in loaded.notes:
@@ -362,9 +363,10 @@ def cmd_estimate(args) -> int:
     loaded = load_config(args.config, args.overrides, apply_xla_flags=False)
     config = loaded.config
     import optax
-    _, mcfg, shapes = _model_shapes(args.model, config)
+    _, _, shapes = _model_shapes(args.model, config)
     options = model_options(shapes, optax.adamw(1e-3), config, n)
-    psi = mcfg.num_params()
+    from zerojax.memory import num_params
+    psi = num_params(shapes)
     title = (f"model-state memory per device: {args.model} ({psi:,} parameters, "
              f"param_dtype {config.param_dtype}, optax.adamw), {n} devices; leaves below "
              f"{config.param_persistence_threshold} elements or not divisible by {n} stay "
