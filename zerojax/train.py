@@ -3,7 +3,9 @@
 `train` runs ``ZeroConfig`` + `TrainOptions` end to end and leaves in ``out_dir``:
 
 * ``metrics.jsonl``: one JSON object per optimizer step (``step``, ``loss``, ``grad_norm``,
-  ``lr``, ``tokens_per_sec``, ``elapsed_sec``, and ``loss_scale`` under fp16);
+  ``lr``, ``tokens_per_sec``, ``elapsed_sec``, and ``loss_scale`` under fp16); the timings are
+  the step's own (`StepClock`: from the step's completion on the device), and the first step's
+  ``tokens_per_sec`` is ``null`` (it carries compilation and warm-up);
 * ``events.out.tfevents.*``: the same scalars as TensorBoard event files (``train/loss``, ...),
   written by a small built-in TFRecord/Event encoder, so neither TensorFlow nor TensorBoard is
   needed to write them (``tensorboard --logdir out_dir`` reads them);
@@ -27,9 +29,11 @@ import json
 import math
 import os
 import pathlib
+import queue
 import socket
 import struct
 import sys
+import threading
 import time
 from typing import Any, Callable, Iterable, Mapping
 
@@ -387,6 +391,61 @@ def plot_loss(records: Iterable[Mapping[str, Any]], png_path: str | os.PathLike,
   return os.fspath(png_path)
 
 
+# -- per-step timing ---------------------------------------------------------------------------
+
+
+class StepClock:
+  """When each dispatched step finished on the device, without the loop waiting for it.
+
+  A background thread waits, in step order, until one output of each step is ready and
+  records the time. The interval between two completions is that step's own time: while the
+  host dispatches ahead the device runs steps back to back, and a host-bound loop shows its
+  own pace. The first step of a run has no previous completion (and carries compilation and
+  warm-up), so it gets no step time.
+  """
+
+  def __init__(self):
+    self._queue: queue.Queue = queue.Queue()
+    self._done: dict[int, float] = {}
+    self._cv = threading.Condition()
+    self._thread = threading.Thread(target=self._run, name="zerojax-step-clock", daemon=True)
+    self._thread.start()
+
+  def add(self, step: int, output: Any) -> None:
+    """Times ``step`` by ``output`` (any array the step returned)."""
+    self._queue.put((step, output))
+
+  def _run(self) -> None:
+    import jax
+    while (item := self._queue.get()) is not None:
+      step, output = item
+      try:
+        jax.block_until_ready(output)
+      except Exception:  # noqa: BLE001 - the loop's own fetch of the metrics raises it
+        pass
+      now = time.perf_counter()
+      with self._cv:
+        self._done[step] = now
+        self._cv.notify_all()
+
+  def done(self, step: int) -> float:
+    """``time.perf_counter()`` when ``step`` finished (waits for it)."""
+    with self._cv:
+      self._cv.wait_for(lambda: step in self._done)
+      return self._done[step]
+
+  def step_time(self, step: int) -> float | None:
+    """Seconds between the completions of ``step - 1`` and ``step``; ``None`` for the first."""
+    end = self.done(step)
+    with self._cv:
+      start = self._done.get(step - 1)
+    return None if start is None else end - start
+
+  def close(self) -> None:
+    self._queue.put(None)
+    self._thread.join()
+
+
 # -- optimizer ---------------------------------------------------------------------------------
 
 
@@ -608,22 +667,23 @@ def train(config: ZeroConfig, opts: TrainOptions | None = None, *,
   history: list[dict] = []
   pending: list[tuple[int, Any]] = []
   tokens_per_step = total * mcfg.seq_len
-  t_start = t_last = time.perf_counter()
+  t_start = time.perf_counter()
+  clock = StepClock()  # per-step completion times; the loop never waits for the device
   last_fetched = 0
 
-  def drain(now: float):
-    nonlocal t_last, last_fetched
+  def drain():
+    nonlocal last_fetched
     if not pending:
       return
     fetched = jax.device_get([m for _, m in pending])
-    n = len(pending)
-    tps = tokens_per_step * n / max(now - t_last, 1e-9)
     for (step, _), m in zip(pending, fetched):
       finite = lambda v: v if math.isfinite(v) else None  # JSON has no NaN/inf
+      dt = clock.step_time(step)  # None for the run's first step (compilation, warm-up)
       rec = {"step": step, "loss": finite(float(np.mean(m["loss"]))),
              "grad_norm": finite(float(np.mean(m["grad_norm"]))),
-             "lr": float(sched(step - 1)), "tokens_per_sec": round(tps, 1),
-             "elapsed_sec": round(now - t_start, 3)}
+             "lr": float(sched(step - 1)),
+             "tokens_per_sec": None if not dt else round(tokens_per_step / dt, 1),
+             "elapsed_sec": round(clock.done(step) - t_start, 6)}
       if config.loss_scale is not None:
         rec["loss_scale"] = float(m["loss_scale"])
         rec["skipped_steps"] = int(m["skipped_steps"])
@@ -631,11 +691,11 @@ def train(config: ZeroConfig, opts: TrainOptions | None = None, *,
       writer.write(rec)
     writer.flush()
     if bar is not None:
-      bar.set_postfix(loss=f"{history[-1]['loss'] or float('nan'):.4f}", tok_s=f"{tps:,.0f}",
-                      refresh=False)
+      tps = history[-1]["tokens_per_sec"]
+      bar.set_postfix(loss=f"{history[-1]['loss'] or float('nan'):.4f}",
+                      tok_s="-" if tps is None else f"{tps:,.0f}", refresh=False)
       bar.update(history[-1]["step"] - last_fetched)
     last_fetched = history[-1]["step"]
-    t_last = now
     pending.clear()
 
   ckpt = None
@@ -645,12 +705,14 @@ def train(config: ZeroConfig, opts: TrainOptions | None = None, *,
   for step in range(1, opts.steps + 1):
     state, m = train_step(state, next_batch())  # no host sync: metrics are fetched in drain()
     pending.append((step, m))
+    clock.add(step, m["loss"])
     if ckpt is not None and (step == opts.steps or (
         opts.checkpoint_every and step % opts.checkpoint_every == 0)):
       ckpt.save(step, state, data={"batches_step": batches.step})  # async
     if step % opts.log_every == 0 or step == opts.steps or step == 1:
-      drain(time.perf_counter())
-  drain(time.perf_counter())
+      drain()
+  drain()
+  clock.close()
   if bar is not None:
     bar.close()
   writer.close()
@@ -672,8 +734,12 @@ def train(config: ZeroConfig, opts: TrainOptions | None = None, *,
   if history:
     first, last = history[0], history[-1]
     nan = float("nan")
+    timed = len(history) - 1  # steps after the first (which carries compilation)
+    speed = (f"{tokens_per_step * timed / (last['elapsed_sec'] - first['elapsed_sec']):,.0f} "
+             "tokens/s after the first step" if timed and last["elapsed_sec"] > first[
+                 "elapsed_sec"] else "1 step: no throughput (compilation)")
     log(f"done: {opts.steps} steps, loss {first['loss'] or nan:.4f} -> {last['loss'] or nan:.4f}, "
-        f"{tokens_per_step * opts.steps / (time.perf_counter() - t_start):,.0f} tokens/s overall"
+        f"{speed}"
         + (f", {history[-1].get('skipped_steps', 0)} overflow step(s) skipped"
            if history[-1].get("skipped_steps") else ""))
     log("wrote " + ", ".join(files.values()))
