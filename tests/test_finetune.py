@@ -1,6 +1,8 @@
-"""Fine-tuning from saved weights: the model is read from the weights, errors name the source."""
+"""Fine-tuning from saved weights: the model is read from the weights, errors name the source,
+and reading a checkpoint logs no orbax read-only notice."""
 
 import importlib.util
+import logging
 import pathlib
 
 import jax
@@ -8,7 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from zerojax import export
 from zerojax import train as zt
+from zerojax.checkpoint import Checkpointer
 from zerojax.config import ConfigError, ZeroConfig
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -73,3 +77,19 @@ def test_finetune_unknown_weights_fail_naming_them(tmp_path, capsys):
   err = capsys.readouterr().err
   assert "other.npz" in err and "--preset" in err
 
+
+def test_reading_a_checkpoint_logs_no_read_only_notice(pretrained, tmp_path, caplog):
+  import orbax.checkpoint as ocp
+  with caplog.at_level(logging.WARNING):
+    # the notice exists (orbax logs it through absl whenever it opens a directory read-only) ...
+    ocp.CheckpointManager(pretrained / "ckpt", options=ocp.CheckpointManagerOptions(
+        read_only=True, create=False)).close()
+  assert "Given directory is read only" in caplog.text
+  caplog.clear()
+  with caplog.at_level(logging.WARNING):
+    # ... and zerojax's read-only uses (export, fine-tuning, listing) do not show it
+    export.export(pretrained / "ckpt", tmp_path / "w.npz")
+    Checkpointer(pretrained / "ckpt", read_only=True).close()
+    zt.infer_model(pretrained / "ckpt")
+  assert "read only" not in caplog.text, caplog.text
+  assert not logging.getLogger("absl").filters  # the filter is removed after use
