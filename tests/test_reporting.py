@@ -55,3 +55,91 @@ def test_train_reports_each_steps_own_throughput_and_none_for_the_first(tmp_path
         8 * 32 / (cur["elapsed_sec"] - prev["elapsed_sec"]), rel=0.01)
   assert zt.read_jsonl(r.files["metrics"])[0]["tokens_per_sec"] is None
   assert "tokens/s after the first step" in out
+
+
+# -- text that must agree with the code -------------------------------------------------------
+
+
+def test_export_help_names_the_command_it_was_run_as(capsys):
+  from zerojax import export
+  with pytest.raises(SystemExit):
+    cli.main(["export", "--help"])
+  assert capsys.readouterr().out.startswith("usage: zerojax export ")
+  with pytest.raises(SystemExit):
+    export.main(["--help"])
+  assert capsys.readouterr().out.startswith("usage: python -m zerojax.export ")
+
+
+def test_deepspeed_reduce_scatter_note_says_what_each_stage_does():
+  from zerojax.deepspeed import map_deepspeed
+  m = map_deepspeed({"train_batch_size": 8,
+                     "zero_optimization": {"stage": 1, "reduce_scatter": True}})
+  note = next(n for n in m.notes if "reduce_scatter" in n)
+  assert "stage 1 reduce-scatters each device's local gradient once" in note
+  assert "0-1 all-reduce" not in note and "stage 0 all-reduces" in note
+
+
+def _table_rows(table: str) -> dict[str, list[str]]:
+  lines = table.splitlines()
+  head = lines[1]
+  starts = [head.index(c) for c in ("path", "shape", "dtype", "param spec", "opt spec",
+                                     "bytes/device", "note")]
+  rows = {}
+  for line in lines[3:]:
+    if not line.strip():
+      break
+    cells = [line[a:b].strip() for a, b in zip(starts, starts[1:] + [None])]
+    rows[cells[0]] = cells
+  return rows
+
+
+def _plan(stage, **kw):
+  import jax.numpy as jnp
+  import optax
+  import zerojax
+  cfg = zerojax.ZeroConfig(stage=stage, **kw)
+  return zerojax.ShardingPlan.create(cfg, zerojax.make_mesh(cfg), {
+      "big": jnp.zeros((64, 128)), "bias": jnp.zeros((3,))}, tx=optax.adam(1e-3))
+
+
+@pytest.mark.parametrize("stage,note", [(0, "replicated (stage 0)"), (1, "opt state sharded"),
+                                        (2, "grads, opt state sharded"), (3, "sharded")])
+def test_plan_table_notes_follow_the_stage(stage, note):
+  rows = _table_rows(_plan(stage).table())
+  assert rows["big"][6] == note
+  assert rows["bias"][6] == "replicated (threshold)"
+  # the spec columns agree with the note
+  assert ("'fsdp'" in rows["big"][3]) == (stage == 3)
+  assert ("'fsdp'" in rows["big"][4]) == (stage >= 1)
+
+
+def test_plan_table_marks_host_memory_in_both_spec_columns():
+  rows = _table_rows(_plan(2, offload_optimizer=True).table())
+  assert rows["big"][4].endswith("(host)") and "(host)" not in rows["big"][3]
+  rows = _table_rows(_plan(3, offload_optimizer=True, offload_params=True).table())
+  assert rows["big"][3].endswith("(host)") and rows["big"][4].endswith("(host)")
+
+
+def test_plan_that_shards_nothing_says_so_and_why(capsys):
+  cfg = str(ROOT / "configs/ds_zero3_offload.json")
+  assert cli.main(["plan", cfg, "--model", "tiny", "--devices", "8"]) == 0
+  out = capsys.readouterr().out
+  assert "note: stage 3 shards nothing here" in out
+  assert "below param_persistence_threshold=100,000 elements" in out
+  # The README's command with this config uses a model it does shard.
+  model = re.search(r"zerojax train configs/ds_zero3_offload\.json model=(\S+)",
+                    (ROOT / "README.md").read_text()).group(1)
+  assert cli.main(["plan", cfg, "--model", model, "--devices", "8"]) == 0
+  out = capsys.readouterr().out
+  assert "shards nothing" not in out
+  assert re.search(r"^blocks/fc/kernel .*P\(None, None, 'fsdp'\)", out, re.M), out
+
+
+def test_training_run_that_shards_nothing_says_so(tmp_path, capsys):
+  from zerojax import train as zt
+  from zerojax.config import ZeroConfig
+  zt.train(ZeroConfig(stage=2, param_persistence_threshold=10**9), zt.TrainOptions(
+      model="tiny", seq_len=32, steps=1, batch=8, out_dir=str(tmp_path), progress=False,
+      show_plan=False, plot=False, tensorboard=False))
+  out = capsys.readouterr().out
+  assert "note: stage 2 shards nothing here" in out and "param_persistence_threshold" in out

@@ -343,6 +343,8 @@ def cmd_plan(args) -> int:
   print(f"model {model_name}: {num_params(shapes):,} parameters, planned for {n} devices "
         "(no devices are used)")
   print(plan.table())
+  if (nothing := zt.nothing_sharded_note(plan)) is not None:
+    print(nothing)
   for note in loaded.notes:
     print(f"DeepSpeed {note}")
   return 0
@@ -434,7 +436,7 @@ def cmd_export(argv: list[str]) -> int:
     print(f"{PROG} export: zerojax.export is not available in this installation ({e})",
           file=sys.stderr)
     return 2
-  rc = export.main(argv)
+  rc = export.main(argv, prog=f"{PROG} export")
   return int(rc or 0)
 
 

@@ -236,10 +236,12 @@ class ShardingPlan:
     opt_by_param = _opt_specs_by_param(self)
     for lp, ps in zip(self.leaves, jax.tree.leaves(self.params)):
       host = " (host)" if ps.memory_kind == HOST else ""
+      opt = opt_by_param.get(lp.path)
       rows.append((lp.path, str(lp.shape), np.dtype(lp.dtype).name, _spec_str(ps.spec) + host,
-                   _spec_str(opt_by_param.get(lp.path, P())),
+                   "-" if opt is None else _spec_str(opt.spec)
+                   + (" (host)" if opt.memory_kind == HOST else ""),
                    _fmt_bytes(_shard_bytes(lp.shape, lp.dtype, ps.spec, self.mesh)),
-                   lp.reason))
+                   _table_note(lp, self.config.stage)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     line = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()
     out = [f"zerojax plan: stage {self.config.stage}, mesh {dict(self.mesh.shape)}",
@@ -486,11 +488,26 @@ def _fmt_bytes(n: float) -> str:
   raise AssertionError
 
 
-def _opt_specs_by_param(plan: ShardingPlan) -> dict[str, P]:
-  """First optimizer-state spec whose path ends with a parameter's path."""
+def _opt_specs_by_param(plan: ShardingPlan) -> dict[str, NamedSharding]:
+  """First optimizer-state sharding whose path ends with a parameter's path."""
   out = {}
-  for path, shape, _, spec in plan.opt_leaves:
+  if plan.opt_state is None:
+    return out
+  for (path, shape, _, _), sh in zip(plan.opt_leaves, jax.tree.leaves(plan.opt_state)):
     for lp in plan.leaves:
       if lp.path not in out and path.endswith(lp.path) and shape == lp.shape:
-        out[lp.path] = spec
+        out[lp.path] = sh
   return out
+
+
+_STAGE_NOTES = {0: "replicated (stage 0)", 1: "opt state sharded",
+                2: "grads, opt state sharded", 3: "sharded"}
+
+
+def _table_note(lp: LeafPlan, stage: int) -> str:
+  """What the stage does with a leaf: ``lp.reason`` says whether the leaf rule *can* shard it,
+  and a stage below 3 still keeps some of its state replicated."""
+  if not lp.is_sharded:
+    return f"replicated ({lp.reason})"
+  note = _STAGE_NOTES[stage]
+  return note if lp.reason == "sharded" else f"{note} ({lp.reason})"

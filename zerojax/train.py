@@ -391,6 +391,39 @@ def plot_loss(records: Iterable[Mapping[str, Any]], png_path: str | os.PathLike,
   return os.fspath(png_path)
 
 
+# -- plan notes ---------------------------------------------------------------------------------
+
+
+def nothing_sharded_note(plan: Any) -> str | None:
+  """Why a stage >= 1 plan shards no parameter leaf over ``fsdp`` (``None`` if it shards one).
+
+  Such a run is plain data parallelism whatever its stage says; the line names the cause
+  (leaves below ``param_persistence_threshold``, no dimension divisible by the ``fsdp`` size,
+  an ``fsdp`` axis of size 1) and what to change.
+  """
+  if plan.config.stage < 1 or not plan.leaves or any(lp.is_sharded for lp in plan.leaves):
+    return None
+  from zerojax.mesh import axis_size
+  counts: dict[str, int] = {}
+  for lp in plan.leaves:
+    counts[lp.reason] = counts.get(lp.reason, 0) + 1
+  f, t = axis_size(plan.mesh, "fsdp"), plan.config.param_persistence_threshold
+  largest = max(math.prod(lp.shape) for lp in plan.leaves)
+  why = {"threshold": f"below param_persistence_threshold={t:,} elements (largest leaf: "
+                      f"{largest:,})",
+         "indivisible": f"with no dimension divisible by the fsdp size {f}",
+         "fsdp=1": "on an fsdp axis of size 1"}
+  parts = [f"{n} {why.get(r, f'replicated by {r}')}" for r, n in sorted(counts.items())]
+  fixes = []
+  if "threshold" in counts:
+    fixes.append(f"param_persistence_threshold below {largest:,} or a larger model")
+  if "fsdp=1" in counts:
+    fixes.append("more devices on the fsdp axis")
+  return (f"note: stage {plan.config.stage} shards nothing here: all {len(plan.leaves)} "
+          f"parameter leaves stay replicated ({'; '.join(parts)}), so this run is plain data "
+          "parallelism" + (f"; for ZeRO sharding use {' or '.join(fixes)}" if fixes else ""))
+
+
 # -- per-step timing ---------------------------------------------------------------------------
 
 
@@ -703,6 +736,8 @@ def train(config: ZeroConfig, opts: TrainOptions | None = None, *,
       f"{mcfg.seq_len} tokens = {micro} per device x {accum} accumulation x {dp} data parallel")
   for n in xla_notes:
     log(n)
+  if (note := nothing_sharded_note(plan)) is not None:
+    log(note)
 
   @zerojax.zero_step(plan)
   def train_step(state, batch):
