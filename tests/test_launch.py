@@ -42,7 +42,8 @@ def test_explicit_count_wins_and_is_validated(monkeypatch):
 def test_launcher_reports_and_passes_the_resolved_count(monkeypatch):
   monkeypatch.setattr(zlaunch, "_accelerator_plugins", lambda: [])
   out = io.StringIO()
-  code = zlaunch.launch([sys.executable, "-c", "import os; print(os.environ['ZEROJAX_CPU_DEVICES'])"], 2,
+  show = "import os; print(os.environ['ZEROJAX_CPU_DEVICES'])"
+  code = zlaunch.launch([sys.executable, "-c", show], 2,
                         env={"PATH": "/usr/bin:/bin"}, out=out, timeout=60)
   assert code == 0, out.getvalue()
   log = out.getvalue()

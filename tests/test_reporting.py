@@ -20,7 +20,8 @@ def _counts(text: str) -> tuple[int, int]:
 
 @pytest.mark.parametrize("preset", sorted(PRESETS))
 def test_plan_header_and_table_count_the_same_parameters(preset, capsys):
-  assert cli.main(["plan", str(ROOT / "configs/zero3.json"), "--model", preset, "--devices", "8"]) == 0
+  cfg = str(ROOT / "configs/zero3.json")
+  assert cli.main(["plan", cfg, "--model", preset, "--devices", "8"]) == 0
   header, table = _counts(capsys.readouterr().out)
   assert header == table == PRESETS[preset].num_params()
 

@@ -4,11 +4,11 @@ Starts N copies of a program on this machine as one JAX multi-process run, the w
 scheduler would on N hosts. Each child gets the environment `zerojax.distributed.initialize`
 reads (``ZEROJAX_COORDINATOR_ADDRESS``, ``ZEROJAX_NUM_PROCESSES``, ``ZEROJAX_PROCESS_ID``, and
 ``ZEROJAX_CPU_DEVICES`` with ``--devices-per-process``; without it, 4 per process when no
-accelerator is installed, so that a local run has something to shard). Their output is merged line by line,
-each line prefixed with ``[pI]``. If any child fails, the others are given ``--grace`` seconds
-to fail on their own (JAX's heartbeat normally stops them) and are then terminated; the
-launcher exits with the first failing child's code. It never waits forever: ``--timeout``
-bounds the whole run.
+accelerator is installed, so that a local run has something to shard). Their output is merged
+line by line, each line prefixed with ``[pI]``. If any child fails, the others are given
+``--grace`` seconds to fail on their own (JAX's heartbeat normally stops them) and are then
+terminated; the launcher exits with the first failing child's code. It never waits forever:
+``--timeout`` bounds the whole run.
 
 On a real cluster use the scheduler instead (see docs/multihost.md); the program is the same.
 

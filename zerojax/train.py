@@ -732,8 +732,8 @@ def train(config: ZeroConfig, opts: TrainOptions | None = None, *,
 
   log(f"zerojax: {jax.device_count()} x {jax.devices()[0].platform} devices, "
       f"{jax.process_count()} process(es), mesh {dict(mesh.shape)}, stage {config.stage}")
-  log(f"model {opts.model}: {zerojax.memory.num_params(state.params):,} parameters; batch {total} rows x "
-      f"{mcfg.seq_len} tokens = {micro} per device x {accum} accumulation x {dp} data parallel")
+  log(f"model {opts.model}: {zerojax.memory.num_params(state.params):,} parameters; batch "
+      f"{total} rows x {mcfg.seq_len} tokens = {micro} per device x {accum} accumulation x {dp} data parallel")
   for n in xla_notes:
     log(n)
   if (note := nothing_sharded_note(plan)) is not None:
