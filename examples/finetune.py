@@ -3,8 +3,9 @@
 ``--init`` is either a ``.npz`` of consolidated weights (``examples/train_gpt.py
 --save-weights`` or ``zerojax export --format npz``) or a zerojax checkpoint directory, which is
 consolidated through ``zerojax.export`` (the checkpoint modules are imported only then). The
-weights are placed straight into the run's ZeRO layout, so fine-tuning may use a different
-stage or device count than pretraining. Usage::
+model preset (and sequence length) is read from the stored parameter shapes unless
+``--preset`` names it. The weights are placed straight into the run's ZeRO layout, so
+fine-tuning may use a different stage or device count than pretraining. Usage::
 
   python examples/train_gpt.py --save-weights --out-dir runs/pretrain
   python examples/finetune.py --init runs/pretrain/weights.npz --stage 2 --lr 5e-4
@@ -28,8 +29,8 @@ def parse_args(argv=None):
   p.add_argument("--config", default=None, help="zerojax or DeepSpeed config (.json/.yaml)")
   p.add_argument("--stage", type=int, default=None, help="override the config's stage")
   p.add_argument("--preset", default=None,
-                 help="model preset of the weights (default: read from the pretraining run.json "
-                      "next to a .npz, else small)")
+                 help="model preset of the weights (default: inferred from the stored "
+                      "parameter shapes)")
   p.add_argument("--steps", type=int, default=10, help="fine-tuning steps (default 10)")
   p.add_argument("--batch", type=int, default=16, help="global batch in rows (default 16)")
   p.add_argument("--lr", type=float, default=5e-4, help="peak learning rate (default 5e-4)")
@@ -42,15 +43,6 @@ def parse_args(argv=None):
   return p.parse_args(argv)
 
 
-def _preset_of(init: str) -> str | None:
-  run = pathlib.Path(init).parent / "run.json" if os.path.isfile(init) else \
-      pathlib.Path(init) / "run.json"
-  if run.exists():
-    import json
-    return json.loads(run.read_text()).get("options", {}).get("model")
-  return None
-
-
 def main(argv=None) -> int:
   args = parse_args(argv)
   from zerojax import train as zt
@@ -61,14 +53,22 @@ def main(argv=None) -> int:
   loaded = load_config(args.config, [] if args.stage is None else [f"stage={args.stage}"])
   zt.setup_cpu_devices(args.cpu_devices)
   config = loaded.config
+  model = {"model": args.preset}
+  if args.preset is None:  # the weights say which model they are (shapes; no arrays read)
+    try:
+      model["model"], model["seq_len"] = zt.infer_model(args.init)
+    except zt.ConfigError as e:
+      print(f"finetune: {e}", file=sys.stderr)
+      return 2
   opts = zt.TrainOptions(**{
-      **loaded.train, "model": args.preset or _preset_of(args.init) or "small",
+      **loaded.train, **model,
       "steps": args.steps, "batch": args.batch, "lr": args.lr,
       "warmup_steps": args.warmup_steps, "decay": "cosine", "corpus": args.corpus,
       "out_dir": args.out_dir, "cpu_devices": args.cpu_devices,
       "progress": not args.no_progress, "init_from": args.init, "log_every": 5,
       "show_plan": False})
-  zt.log(f"fine-tuning {opts.model} from {args.init}")
+  zt.log(f"fine-tuning {opts.model} from {args.init}"
+         + ("" if args.preset else " (model inferred from the stored shapes)"))
   result = zt.train(config, opts)
   return 0 if result.history else 1
 

@@ -78,16 +78,21 @@ def main(argv=None) -> int:
     from tqdm.auto import tqdm
     bar = tqdm(total=args.steps, desc="nnx train", unit="step", file=sys.stdout)
   history, t0 = [], time.perf_counter()
+  t_prev = None
   for step in range(1, args.steps + 1):
     metrics = train_step(model, optimizer, next(batches))
-    loss = float(metrics["loss"])  # tiny model: fetching every step is cheap
-    elapsed = time.perf_counter() - t0
-    rec = {"step": step, "loss": loss, "elapsed_sec": round(elapsed, 3),
-           "tokens_per_sec": round(step * args.batch * mcfg.seq_len / elapsed, 1)}
+    loss = float(metrics["loss"])  # tiny model: fetching (waiting for) every step is cheap
+    now = time.perf_counter()
+    # This step's own throughput; none for step 1, which includes compilation.
+    tps = None if t_prev is None else round(args.batch * mcfg.seq_len / (now - t_prev), 1)
+    t_prev = now
+    rec = {"step": step, "loss": loss, "elapsed_sec": round(now - t0, 6),
+           "tokens_per_sec": tps}
     history.append(rec)
     writer.write(rec)
     if bar is not None:
-      bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{rec['tokens_per_sec']:,.0f}", refresh=False)
+      bar.set_postfix(loss=f"{loss:.4f}", tok_s="-" if tps is None else f"{tps:,.0f}",
+                      refresh=False)
       bar.update(1)
   if bar is not None:
     bar.close()

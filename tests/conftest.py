@@ -22,6 +22,76 @@ def pytest_configure(config):
   assert jax.device_count() == 8, "tests need 8 simulated CPU devices"
 
 
+# Tests left out of the fast subset (`pytest -m "not slow"`), by node-id prefix: subprocess and
+# multi-process runs, large models, compiled-memory bounds, and further variants of what the
+# fast subset already covers. The fast subset keeps loss parity with the single-device run at
+# every stage (test_step.py::test_parity_linen_scanned[0-3]) and the HLO/sharding checks on
+# those runs; tests that share a cached run (tests/prec_helpers.py) are cut by the run, not one
+# by one, since the first test to ask for a run pays for it. Listed here rather than decorated in each file, so that marking a test slow never
+# touches a file others are editing. Durations measured with `pytest --durations=0`.
+SLOW = (
+    "tests/test_accumulation.py::test_accumulation_equals_large_batch_step",
+    "tests/test_accumulation.py::test_accumulation_one_gradient_reduction_per_step_stage01",
+    "tests/test_accumulation.py::test_accumulation_reduce_scatters_each_micro_batch_stage23",
+    "tests/test_accumulation.py::test_accumulation_memory_",
+    "tests/test_checkpoint.py::test_checkpoint_exact_resume_in_new_process",
+    "tests/test_checkpoint.py::test_checkpoint_stage3_8dev_to_stage1_4dev_and_back",
+    "tests/test_checkpoint.py::test_checkpoint_restore_topology_matrix",
+    "tests/test_checkpoint.py::test_checkpoint_killed_save_leaves_last_complete",
+    "tests/test_checkpoint.py::test_checkpoint_export_command_line_one_device",
+    "tests/test_checkpoint.py::test_checkpoint_export_peak_host_memory",
+    "tests/test_cli.py::test_cli_train_deepspeed_config",
+    "tests/test_cli.py::test_help[",
+    "tests/test_cli.py::test_example_",
+    "tests/test_clip.py::test_clip_grad_norm_equals_unsharded_norm",
+    "tests/test_clip.py::test_clip_update_equals_optax_clip_chain",
+    "tests/test_finetune.py::test_finetune_from_checkpoint_without_preset",
+    "tests/test_hybrid.py::test_hybrid_parity_with_flat_mesh",
+    "tests/test_hybrid.py::test_hybrid_shards_within_group_and_replicates_across",
+    "tests/test_hybrid.py::test_hybrid_hlo_reduces_within_fsdp_group_then_across_replicas",
+    "tests/test_hybrid.py::test_tensor_",
+    "tests/test_loss_scaling.py::test_loss_scaling_forced_overflow_skips_step_bitwise",
+    "tests/test_loss_scaling.py::test_loss_scaling_fp16_matches_unsharded_fp16",
+    "tests/test_loss_scaling.py::test_loss_scaling_master_params_fp32_and_metrics_without_host_",
+    "tests/test_loss_scaling.py::test_loss_scaling_learning_rate_metric",
+    "tests/test_memory.py::test_memory_stage",
+    "tests/test_memory.py::test_memory_max_live_layers_bounds_prefetch",
+    "tests/test_memory.py::test_memory_persistent_matches_estimate",
+    "tests/test_multiprocess.py::test_multiprocess_parity_with_one_process",
+    "tests/test_multiprocess.py::test_multiprocess_hybrid_replica_spans_processes",
+    "tests/test_multiprocess.py::test_multiprocess_each_process_feeds_its_own_rows",
+    "tests/test_multiprocess.py::test_multiprocess_checkpoint_restores_in_one_process",
+    "tests/test_multiprocess.py::test_multiprocess_zerojax_checkpoint_restores_in_one_process",
+    "tests/test_multiprocess.py::test_multiprocess_process_death_stops_the_survivor",
+    "tests/test_multiprocess.py::test_multiprocess_launcher_fails_fast",
+    "tests/test_multiprocess.py::test_multiprocess_unreachable_coordinator_is_a_clear_error",
+    "tests/test_multiprocess.py::test_multiprocess_example_runs_under_the_launcher",
+    "tests/test_offload.py::test_offload_parity_with_device_run",
+    "tests/test_offload.py::test_offload_state_rests_in_pinned_host",
+    "tests/test_offload.py::test_offload_hlo_has_host_transfers",
+    "tests/test_offload.py::test_offload_device_bytes_drop_by_offloaded_bytes",
+    "tests/test_offload.py::test_offload_remat_polic",
+    "tests/test_precision.py::test_precision_bf16_matches_unsharded_bf16",
+    "tests/test_precision.py::test_precision_master_params_and_optimizer_state_fp32",
+    "tests/test_precision.py::test_precision_hlo_bf16_compute_and_bf16_gradient_reduction",
+    "tests/test_precision.py::test_precision_plan_table_shows_dtypes",
+    "tests/test_readme.py::test_readme_usage_snippet_runs_as_pasted_on_8_devices",
+    "tests/test_reporting.py::test_training_run_that_shards_nothing_says_so",
+    "tests/test_scale.py::test_scale_aot_compile_64_devices_memory_within_estimate",
+    "tests/test_step.py::test_parity_vocab_50257_stage3",
+    "tests/test_step.py::test_parity_linen_unscanned",
+    "tests/test_step.py::test_parity_nnx",
+    "tests/test_train.py::test_offload_config_trains",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+  slow = pytest.mark.slow
+  for item in items:
+    if item.nodeid.startswith(SLOW):
+      item.add_marker(slow)
+
+
 @pytest.fixture(scope="session")
 def reference():
   """The unsharded single-device AdamW run of the tiny scanned GPT."""

@@ -26,9 +26,11 @@ older checkpoints are deleted only after a newer one is committed.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
+import logging
 import math
 import os
 import warnings
@@ -55,6 +57,32 @@ __all__ = [
     "Extras",
     "abstract_train_state", "leaf_checksum", "numpy_checksum",
 ]
+
+
+class _ReadOnlyNoticeFilter(logging.Filter):
+  """Drops orbax's ``Given directory is read only=...`` warning.
+
+  orbax's ``CheckpointManager`` logs it (through absl, at WARNING) whenever it is opened with
+  ``read_only=True``, which zerojax does on purpose to read a checkpoint (export, fine-tuning,
+  evaluation): the notice says nothing about the directory itself, which may well be writable.
+  """
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith("Given directory is read only")
+
+  @classmethod
+  @contextlib.contextmanager
+  def installed(cls, active: bool = True):
+    """While active, the filter sits on the ``absl`` logger orbax logs through."""
+    if not active:
+      yield
+      return
+    logger, f = logging.getLogger("absl"), cls()
+    logger.addFilter(f)
+    try:
+      yield
+    finally:
+      logger.removeFilter(f)
 
 
 class CheckpointError(RuntimeError):
@@ -392,8 +420,9 @@ class Checkpointer:
     registry.add(META_ITEM, ocp.args.JsonRestore, ocp.handlers.JsonCheckpointHandler)
     if not read_only:
       self._move_incomplete_aside()
-    self._mgr = ocp.CheckpointManager(self.directory, options=options,
-                                      handler_registry=registry)
+    with _ReadOnlyNoticeFilter.installed(read_only):
+      self._mgr = ocp.CheckpointManager(self.directory, options=options,
+                                        handler_registry=registry)
     self._complete: set[int] = set()  # steps found complete (a commit is final)
 
   def _move_incomplete_aside(self) -> None:

@@ -412,11 +412,14 @@ def cmd_plan(args) -> int:
   config = loaded.config
   shape = config.resolved_mesh_shape(n)
   mesh = AbstractMesh(shape, config.mesh_axes, axis_types=(AxisType.Auto,) * len(shape))
-  _, mcfg, shapes = _model_shapes(model_name, config)
+  _, _, shapes = _model_shapes(model_name, config)
   plan = ShardingPlan.create(config, mesh, shapes, tx=optax.adamw(1e-3))
-  print(f"model {model_name}: {mcfg.num_params():,} parameters, planned for {n} devices "
+  from zerojax.memory import num_params
+  print(f"model {model_name}: {num_params(shapes):,} parameters, planned for {n} devices "
         "(no devices are used)")
   print(plan.table())
+  if (nothing := zt.nothing_sharded_note(plan)) is not None:
+    print(nothing)
   for note in loaded.notes:
     print(f"DeepSpeed {note}")
   return 0
@@ -440,9 +443,10 @@ def cmd_estimate(args) -> int:
       from zerojax import train as zt
       zt.setup_cpu_devices(n)  # the compiled peak needs the devices (simulated on CPU)
     import optax
-    _, mcfg, shapes = _model_shapes(args.model, config)
+    _, _, shapes = _model_shapes(args.model, config)
     options = model_options(shapes, optax.adamw(1e-3), config, n)
-    psi = mcfg.num_params()
+    from zerojax.memory import num_params
+    psi = num_params(shapes)
     title = (f"model-state memory per device: {args.model} ({psi:,} parameters, "
              f"param_dtype {config.param_dtype}, optax.adamw), {n} devices; leaves below "
              f"{config.param_persistence_threshold} elements or not divisible by {n} stay "
@@ -566,7 +570,7 @@ def cmd_export(argv: list[str]) -> int:
     print(f"{PROG} export: zerojax.export is not available in this installation ({e})",
           file=sys.stderr)
     return 2
-  rc = export.main(argv)
+  rc = export.main(argv, prog=f"{PROG} export")
   return int(rc or 0)
 
 

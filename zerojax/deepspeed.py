@@ -144,7 +144,9 @@ _ZERO_IGNORED = {
     "contiguous_gradients": "XLA allocates gradient buffers itself; there is no fragmentation to "
                             "avoid",
     "allgather_partitions": "stage 3 all-gathers each layer's shards with one XLA all-gather",
-    "reduce_scatter": "stages 2-3 reduce-scatter gradients per layer; stages 0-1 all-reduce",
+    "reduce_scatter": "stages 2-3 reduce-scatter gradients per layer; stage 1 reduce-scatters "
+                      "each device's local gradient once after the backward pass; stage 0 "
+                      "all-reduces",
     "round_robin_gradients": "XLA places reduced gradient shards; no round-robin is needed",
     "sub_group_size": "the optimizer update is one XLA computation over the local shards",
     "elastic_checkpoint": "checkpoints are saved sharded and restore onto any mesh",

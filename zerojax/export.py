@@ -246,10 +246,13 @@ def load_npz(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], dict]:
   return params, info
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-  """Command line: ``python -m zerojax.export CKPT_DIR OUT [--step N] [--dtype bf16]``."""
+def main(argv: Sequence[str] | None = None, prog: str = "python -m zerojax.export") -> int:
+  """Command line: ``python -m zerojax.export CKPT_DIR OUT [--step N] [--dtype bf16]``.
+
+  ``prog`` is the name usage and error lines show (``zerojax export`` from the console script).
+  """
   p = argparse.ArgumentParser(
-      prog="python -m zerojax.export",
+      prog=prog,
       description="Consolidate a sharded zerojax checkpoint into plain unsharded parameters "
                   "(.npz or .safetensors), on any machine, with no training devices.")
   p.add_argument("checkpoint_dir", help="the Checkpointer directory")
@@ -271,7 +274,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     info = export(args.checkpoint_dir, args.out, step=args.step, dtype=args.dtype,
                   format=args.format, hf_config=args.hf_config, lora_alpha=args.lora_alpha)
   except (CheckpointError, FileNotFoundError, ValueError) as e:
-    print(f"zerojax export: error: {e}", file=sys.stderr)
+    print(f"{prog}: error: {e}", file=sys.stderr)
     return 1
   print(f"exported step {info['step']}: {info['num_leaves']} leaves, {info['num_params']:,} "
         f"parameters, {info['dtype']}, {info['format']} -> {info['path']} "

@@ -3,24 +3,28 @@
 Starts N copies of a program on this machine as one JAX multi-process run, the way a cluster
 scheduler would on N hosts. Each child gets the environment `zerojax.distributed.initialize`
 reads (``ZEROJAX_COORDINATOR_ADDRESS``, ``ZEROJAX_NUM_PROCESSES``, ``ZEROJAX_PROCESS_ID``, and
-``ZEROJAX_CPU_DEVICES`` with ``--devices-per-process``). Their output is merged line by line,
-each line prefixed with ``[pI]``. If any child fails, the others are given ``--grace`` seconds
-to fail on their own (JAX's heartbeat normally stops them) and are then terminated; the
-launcher exits with the first failing child's code. It never waits forever: ``--timeout``
-bounds the whole run.
+``ZEROJAX_CPU_DEVICES`` with ``--devices-per-process``; without it, 4 per process when no
+accelerator is installed, so that a local run has something to shard). Their output is merged
+line by line, each line prefixed with ``[pI]``. If any child fails, the others are given
+``--grace`` seconds to fail on their own (JAX's heartbeat normally stops them) and are then
+terminated; the launcher exits with the first failing child's code. It never waits forever:
+``--timeout`` bounds the whole run.
 
 On a real cluster use the scheduler instead (see docs/multihost.md); the program is the same.
 
 Examples::
 
-  python -m zerojax.launch -n 2 --devices-per-process 4 -- examples/multihost_train.py
+  python -m zerojax.launch -n 2 -- examples/multihost_train.py   # 2 x 4 CPU devices
+  python -m zerojax.launch -n 2 --devices-per-process 2 -- examples/multihost_train.py
   python -m zerojax.launch -n 2 -- -m mypackage.train --steps 10
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
+import pkgutil
 import signal
 import socket
 import subprocess
@@ -31,6 +35,9 @@ from typing import Sequence
 
 from zerojax.distributed import (ENV_COORDINATOR, ENV_CPU_DEVICES, ENV_HEARTBEAT_TIMEOUT,
                                  ENV_INIT_TIMEOUT, ENV_NUM_PROCESSES, ENV_PROCESS_ID)
+
+
+DEFAULT_CPU_DEVICES_PER_PROCESS = 4
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -49,7 +56,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   p.add_argument("-n", "--num-processes", type=int, default=2, help="processes to start")
   p.add_argument("--devices-per-process", type=int, default=None,
                  help="simulated CPU devices per process (sets ZEROJAX_CPU_DEVICES and "
-                 "XLA_FLAGS=--xla_force_host_platform_device_count)")
+                 "XLA_FLAGS=--xla_force_host_platform_device_count); default "
+                 f"{DEFAULT_CPU_DEVICES_PER_PROCESS} when no accelerator (CUDA/ROCm/TPU "
+                 "plugin) is installed and neither is set in the environment")
   p.add_argument("--host", default="127.0.0.1", help="coordinator host (default 127.0.0.1)")
   p.add_argument("--port", type=int, default=0, help="coordinator port (default: a free one)")
   p.add_argument("--heartbeat-timeout", type=float, default=None,
@@ -74,6 +83,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.error("no program given; usage: zerojax launch -n 2 -- SCRIPT [ARGS...]")
   if args.num_processes < 1:
     p.error(f"-n must be >= 1, got {args.num_processes}")
+  if args.devices_per_process is not None and args.devices_per_process < 1:
+    p.error(f"--devices-per-process must be >= 1, got {args.devices_per_process}")
   args.command = cmd
   return args
 
@@ -84,6 +95,43 @@ def command_line(cmd: Sequence[str]) -> list[str]:
   if cmd[0] == "-m" or cmd[0].endswith(".py"):
     return [sys.executable, "-u"] + cmd
   return cmd
+
+
+def _accelerator_plugins() -> list[str]:
+  """Names of installed JAX accelerator plugins (``jax_plugins.*``, ``libtpu``).
+
+  Read from the installed packages, not from JAX: the launcher must not start a backend (it
+  would claim the devices its children need).
+  """
+  found = []
+  if importlib.util.find_spec("jax_plugins") is not None:
+    import jax_plugins  # namespace package of PJRT plugins (jax_cuda12_plugin, ...)
+    found += [m.name for m in pkgutil.iter_modules(jax_plugins.__path__)]
+  if importlib.util.find_spec("libtpu") is not None:
+    found.append("libtpu")
+  return found
+
+
+def resolve_devices_per_process(requested: int | None, env: dict) -> tuple[int | None, str]:
+  """``(devices, why)``: the simulated CPU devices each child gets (``None``: leave as is).
+
+  An explicit ``--devices-per-process`` wins; then a count already in ``env``
+  (``ZEROJAX_CPU_DEVICES`` or the XLA flag); then, when the children will run on CPU (no
+  accelerator plugin installed, or ``JAX_PLATFORMS=cpu``), `DEFAULT_CPU_DEVICES_PER_PROCESS`:
+  one CPU device per process would give a mesh with nothing to shard.
+  """
+  if requested is not None:
+    if requested < 1:
+      raise ValueError(f"--devices-per-process={requested} is invalid: an integer >= 1")
+    return requested, "--devices-per-process"
+  if env.get(ENV_CPU_DEVICES) or "xla_force_host_platform_device_count" in env.get(
+      "XLA_FLAGS", ""):
+    return None, "set in the environment"
+  platforms = [p.strip() for p in env.get("JAX_PLATFORMS", "").split(",") if p.strip()]
+  plugins = [] if platforms == ["cpu"] else _accelerator_plugins()
+  if plugins:
+    return None, f"accelerator plugin(s) {', '.join(plugins)} installed"
+  return DEFAULT_CPU_DEVICES_PER_PROCESS, "no accelerator plugin installed"
 
 
 def child_env(base: dict, index: int, n: int, coordinator: str,
@@ -147,6 +195,9 @@ def launch(command: Sequence[str], num_processes: int = 2, *,
            env: dict | None = None, out=None) -> int:
   """Runs ``command`` as ``num_processes`` processes; returns 0 or the first failing code.
 
+  ``devices_per_process`` goes through `resolve_devices_per_process` (4 simulated CPU devices
+  each when no accelerator is installed).
+
   A child killed by a signal counts as failing with code ``128 + signal``.
   """
   out = out or sys.stdout
@@ -155,6 +206,12 @@ def launch(command: Sequence[str], num_processes: int = 2, *,
   base = dict(os.environ if env is None else env)
   argv = command_line(command)
   lock = threading.Lock()
+  devices_per_process, why = resolve_devices_per_process(devices_per_process, base)
+  if devices_per_process is not None:
+    with lock:
+      out.write(f"[launch] {num_processes} processes x {devices_per_process} simulated CPU "
+                f"device(s) ({why})\n")
+      out.flush()
   procs: list[subprocess.Popen] = []
   pumps: list[threading.Thread] = []
   width = len(str(num_processes - 1))

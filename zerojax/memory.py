@@ -97,6 +97,16 @@ class Estimate:
     return self.params_host + self.opt_state_host
 
 
+def num_params(tree: Any) -> int:
+  """Parameters (elements) in a tree of arrays, ``ShapeDtypeStruct``s or Flax-boxed leaves.
+
+  The one count zerojax prints: run headers, ``zerojax plan``/``estimate`` and
+  `ShardingPlan.table` all count the leaves of the real tree.
+  """
+  from flax.core import meta
+  return sum(math.prod(np.shape(x)) for x in jax.tree.leaves(meta.unbox(tree)))
+
+
 def estimate(params: Any, tx: Any = None, *, config: ZeroConfig | None = None,
              stage: int | None = None, num_devices: int | None = None,
              opt_state: Any = None, mesh: Any = None,

@@ -38,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import warnings
 from typing import Any, Callable, Sequence
 
 import jax
@@ -144,6 +145,7 @@ class ShardingPlan:
     opt_sh, opt_leaves = (None, ())
     if opt_state is not None:
       opt_sh, opt_leaves = _plan_opt_state(config, mesh, opt_state, params, leaves, opt_kind)
+    _warn_nothing_to_shard(config, mesh)
     return cls(config, mesh, params_sh, params_gathered, grads_sh, opt_sh, leaves, opt_leaves)
 
   # -- shardings for other trees --------------------------------------------------------------
@@ -252,10 +254,12 @@ class ShardingPlan:
     opt_by_param = _opt_specs_by_param(self)
     for lp, ps in zip(self.leaves, jax.tree.leaves(self.params)):
       host = " (host)" if ps.memory_kind == HOST else ""
+      opt = opt_by_param.get(lp.path)
       rows.append((lp.path, str(lp.shape), np.dtype(lp.dtype).name, _spec_str(ps.spec) + host,
-                   _spec_str(opt_by_param.get(lp.path, P())),
+                   "-" if opt is None else _spec_str(opt.spec)
+                   + (" (host)" if opt.memory_kind == HOST else ""),
                    _fmt_bytes(_shard_bytes(lp.shape, lp.dtype, ps.spec, self.mesh)),
-                   lp.reason + ("" if lp.trainable else ", frozen")))
+                   _table_note(lp, self.config.stage) + ("" if lp.trainable else ", frozen")))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     line = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()
     out = [f"zerojax plan: stage {self.config.stage}, mesh {dict(self.mesh.shape)}",
@@ -295,6 +299,32 @@ class ShardingPlan:
 
   def __str__(self) -> str:  # pragma: no cover - convenience
     return self.table()
+
+
+# -- a warning for a plan that cannot shard --------------------------------------------------
+
+_warned_nothing_to_shard = False
+
+
+def _warn_nothing_to_shard(config: ZeroConfig, mesh: Mesh) -> None:
+  """Warns once per process when stage >= 1 is planned over an ``fsdp`` axis of size 1.
+
+  Such a plan is valid (it is plain data parallelism) but shards nothing, which on a CPU-only
+  machine usually means JAX started with its default single device.
+  """
+  global _warned_nothing_to_shard
+  if config.stage < 1 or axis_size(mesh, "fsdp") > 1 or _warned_nothing_to_shard:
+    return
+  _warned_nothing_to_shard = True
+  if mesh.size == 1:
+    why = ("there is 1 device. On a CPU-only machine, simulate devices before JAX starts: "
+           "jax.config.update('jax_num_cpu_devices', 8) or "
+           "XLA_FLAGS=--xla_force_host_platform_device_count=8")
+  else:
+    why = (f"the mesh's {mesh.size} devices are on other axes; give 'fsdp' a size > 1 with "
+           "mesh_shape")
+  warnings.warn(f"zerojax: stage {config.stage} planned over mesh {dict(mesh.shape)}: the "
+                f"'fsdp' axis has size 1, so nothing is sharded; {why}", stacklevel=3)
 
 
 # -- the leaf rule ----------------------------------------------------------------------------
@@ -481,11 +511,26 @@ def _fmt_bytes(n: float) -> str:
   raise AssertionError
 
 
-def _opt_specs_by_param(plan: ShardingPlan) -> dict[str, P]:
-  """First optimizer-state spec whose path ends with a parameter's path."""
+def _opt_specs_by_param(plan: ShardingPlan) -> dict[str, NamedSharding]:
+  """First optimizer-state sharding whose path ends with a parameter's path."""
   out = {}
-  for path, shape, _, spec in plan.opt_leaves:
+  if plan.opt_state is None:
+    return out
+  for (path, shape, _, _), sh in zip(plan.opt_leaves, jax.tree.leaves(plan.opt_state)):
     for lp in plan.leaves:
       if lp.path not in out and path.endswith(lp.path) and shape == lp.shape:
-        out[lp.path] = spec
+        out[lp.path] = sh
   return out
+
+
+_STAGE_NOTES = {0: "replicated (stage 0)", 1: "opt state sharded",
+                2: "grads, opt state sharded", 3: "sharded"}
+
+
+def _table_note(lp: LeafPlan, stage: int) -> str:
+  """What the stage does with a leaf: ``lp.reason`` says whether the leaf rule *can* shard it,
+  and a stage below 3 still keeps some of its state replicated."""
+  if not lp.is_sharded:
+    return f"replicated ({lp.reason})"
+  note = _STAGE_NOTES[stage]
+  return note if lp.reason == "sharded" else f"{note} ({lp.reason})"

@@ -3,7 +3,9 @@
 `train` runs ``ZeroConfig`` + `TrainOptions` end to end and leaves in ``out_dir``:
 
 * ``metrics.jsonl``: one JSON object per optimizer step (``step``, ``loss``, ``grad_norm``,
-  ``lr``, ``tokens_per_sec``, ``elapsed_sec``, and ``loss_scale`` under fp16);
+  ``lr``, ``tokens_per_sec``, ``elapsed_sec``, and ``loss_scale`` under fp16); the timings are
+  the step's own (`StepClock`: from the step's completion on the device), and the first step's
+  ``tokens_per_sec`` is ``null`` (it carries compilation and warm-up);
 * ``tb/<run id>/events.out.tfevents.*``: the same scalars as TensorBoard event files
   (``train/loss``, ...), one run directory per training run, written by a small built-in
   TFRecord/Event encoder, so neither TensorFlow nor TensorBoard is needed to write them
@@ -34,9 +36,11 @@ import json
 import math
 import os
 import pathlib
+import queue
 import socket
 import struct
 import sys
+import threading
 import time
 from typing import Any, Callable, Iterable, Mapping
 
@@ -477,6 +481,94 @@ def plot_loss(records: Iterable[Mapping[str, Any]], png_path: str | os.PathLike,
   return os.fspath(png_path)
 
 
+# -- plan notes ---------------------------------------------------------------------------------
+
+
+def nothing_sharded_note(plan: Any) -> str | None:
+  """Why a stage >= 1 plan shards no parameter leaf over ``fsdp`` (``None`` if it shards one).
+
+  Such a run is plain data parallelism whatever its stage says; the line names the cause
+  (leaves below ``param_persistence_threshold``, no dimension divisible by the ``fsdp`` size,
+  an ``fsdp`` axis of size 1) and what to change.
+  """
+  if plan.config.stage < 1 or not plan.leaves or any(lp.is_sharded for lp in plan.leaves):
+    return None
+  from zerojax.mesh import axis_size
+  counts: dict[str, int] = {}
+  for lp in plan.leaves:
+    counts[lp.reason] = counts.get(lp.reason, 0) + 1
+  f, t = axis_size(plan.mesh, "fsdp"), plan.config.param_persistence_threshold
+  largest = max(math.prod(lp.shape) for lp in plan.leaves)
+  why = {"threshold": f"below param_persistence_threshold={t:,} elements (largest leaf: "
+                      f"{largest:,})",
+         "indivisible": f"with no dimension divisible by the fsdp size {f}",
+         "fsdp=1": "on an fsdp axis of size 1"}
+  parts = [f"{n} {why.get(r, f'replicated by {r}')}" for r, n in sorted(counts.items())]
+  fixes = []
+  if "threshold" in counts:
+    fixes.append(f"param_persistence_threshold below {largest:,} or a larger model")
+  if "fsdp=1" in counts:
+    fixes.append("more devices on the fsdp axis")
+  return (f"note: stage {plan.config.stage} shards nothing here: all {len(plan.leaves)} "
+          f"parameter leaves stay replicated ({'; '.join(parts)}), so this run is plain data "
+          "parallelism" + (f"; for ZeRO sharding use {' or '.join(fixes)}" if fixes else ""))
+
+
+# -- per-step timing ---------------------------------------------------------------------------
+
+
+class StepClock:
+  """When each dispatched step finished on the device, without the loop waiting for it.
+
+  A background thread waits, in step order, until one output of each step is ready and
+  records the time. The interval between two completions is that step's own time: while the
+  host dispatches ahead the device runs steps back to back, and a host-bound loop shows its
+  own pace. The first step of a run has no previous completion (and carries compilation and
+  warm-up), so it gets no step time.
+  """
+
+  def __init__(self):
+    self._queue: queue.Queue = queue.Queue()
+    self._done: dict[int, float] = {}
+    self._cv = threading.Condition()
+    self._thread = threading.Thread(target=self._run, name="zerojax-step-clock", daemon=True)
+    self._thread.start()
+
+  def add(self, step: int, output: Any) -> None:
+    """Times ``step`` by ``output`` (any array the step returned)."""
+    self._queue.put((step, output))
+
+  def _run(self) -> None:
+    import jax
+    while (item := self._queue.get()) is not None:
+      step, output = item
+      try:
+        jax.block_until_ready(output)
+      except Exception:  # noqa: BLE001 - the loop's own fetch of the metrics raises it
+        pass
+      now = time.perf_counter()
+      with self._cv:
+        self._done[step] = now
+        self._cv.notify_all()
+
+  def done(self, step: int) -> float:
+    """``time.perf_counter()`` when ``step`` finished (waits for it)."""
+    with self._cv:
+      self._cv.wait_for(lambda: step in self._done)
+      return self._done[step]
+
+  def step_time(self, step: int) -> float | None:
+    """Seconds between the completions of ``step - 1`` and ``step``; ``None`` for the first."""
+    end = self.done(step)
+    with self._cv:
+      start = self._done.get(step - 1)
+    return None if start is None else end - start
+
+  def close(self) -> None:
+    self._queue.put(None)
+    self._thread.join()
+
+
 # -- optimizer ---------------------------------------------------------------------------------
 
 
@@ -565,35 +657,107 @@ def save_weights(path: str | os.PathLike, params: Any) -> str:
   return os.fspath(path)
 
 
+def _stored_shapes(path: str) -> dict[str, tuple[int, ...]]:
+  """``{leaf path: shape}`` of the parameters in a ``.npz`` or a checkpoint directory, read
+  from headers and metadata only (no array data)."""
+  import zipfile
+  import numpy as np
+  if os.path.isdir(path):
+    from zerojax.checkpoint import Checkpointer
+    ckpt = Checkpointer(path, read_only=True)
+    try:
+      return {k.removeprefix("params/"): shape for k, (shape, _) in ckpt.stored_leaves().items()
+              if k.startswith("params/")}
+    finally:
+      ckpt.close()
+  out = {}
+  with zipfile.ZipFile(path) as zf:
+    for name in zf.namelist():
+      key = name.removesuffix(".npy").removeprefix("params/")
+      if key.startswith("__"):  # zerojax.export's __metadata__ entry
+        continue
+      with zf.open(name) as f:
+        version = np.lib.format.read_magic(f)
+        read = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                else np.lib.format.read_array_header_2_0)
+        out[key] = tuple(read(f)[0])
+  return out
+
+
+def infer_model(path: str | os.PathLike) -> tuple[str, int]:
+  """``(preset, seq_len)`` of the GPT whose weights are at ``path``, from the stored shapes.
+
+  ``path`` is a ``.npz`` or a checkpoint directory. Every parameter must match the preset's
+  shape (at vocabulary `zerojax.data.VOCAB_SIZE`) except the position table's length, which
+  gives ``seq_len``.
+
+  Raises:
+    ConfigError: naming ``path`` when no preset matches, or when it holds no parameters.
+  """
+  import jax
+  import jax.numpy as jnp
+  from zerojax.data import VOCAB_SIZE
+  from zerojax.models import GPT, PRESETS
+  path = os.fspath(path)
+  what = f"checkpoint {path!r}" if os.path.isdir(path) else f"weights file {path!r}"
+  stored = _stored_shapes(path)
+  if not stored:
+    raise ConfigError(f"{what} holds no parameters")
+  pos = "wpe/embedding"
+  seq_len = stored.get(pos, (None,))[0]
+  for name, preset in PRESETS.items():
+    mcfg = dataclasses.replace(preset, vocab_size=VOCAB_SIZE, seq_len=seq_len or preset.seq_len)
+    tokens = jax.ShapeDtypeStruct((1, mcfg.seq_len), jnp.int32)
+    shapes = jax.eval_shape(lambda t: GPT(mcfg).init(jax.random.key(0), t)["params"], tokens)
+    want = {k: tuple(x.shape) for k, x in flat_params(shapes).items()}
+    if want == stored:
+      return name, mcfg.seq_len
+  example = next(iter(sorted(stored.items())))
+  raise ConfigError(f"cannot tell which model preset {what} holds: its {len(stored)} "
+                    f"parameters (e.g. {example[0]!r} {example[1]}) match none of "
+                    f"{sorted(PRESETS)}; pass the preset it was trained with (--preset for "
+                    "examples/finetune.py, model= for zerojax train)")
+
+
 def load_weights(path: str | os.PathLike, params: Any, shardings: Any) -> Any:
   """Loads consolidated weights into ``params``' structure, placed with ``shardings``.
 
   ``path`` is a ``.npz`` (keys are leaf paths, with or without a leading ``params/``) or a
-  checkpoint directory, consolidated through ``zerojax.export.export``.
+  checkpoint directory, consolidated through ``zerojax.export.export`` into a temporary file.
+  Errors name ``path`` (the checkpoint, not the temporary file).
   """
   import tempfile
-  import jax
-  import numpy as np
+  from zerojax import export  # lazily: it reads orbax checkpoints
   path = os.fspath(path)
   if os.path.isdir(path):
-    from zerojax import export  # the checkpoint engineer's module; imported lazily
-    tmp = os.path.join(tempfile.mkdtemp(prefix="zerojax_init_"), "weights.npz")
-    export.export(path, tmp, dtype="float32", format="npz")
-    path = tmp
-  with np.load(path) as z:
-    stored = {k.removeprefix("params/"): z[k] for k in z.files}
+    with tempfile.TemporaryDirectory(prefix="zerojax_init_") as tmp:
+      npz = os.path.join(tmp, "weights.npz")
+      export.export(path, npz, dtype="float32", format="npz")
+      stored, _ = export.load_npz(npz)
+    what = f"checkpoint {path!r}"
+  else:
+    stored, _ = export.load_npz(path)  # also an exported bf16 .npz (stored as uint16 bits)
+    what = f"weights file {path!r}"
+  stored = {k.removeprefix("params/"): v for k, v in stored.items()}
+  return _place_weights(what, stored, params, shardings)
+
+
+def _place_weights(what: str, stored: Mapping[str, Any], params: Any, shardings: Any) -> Any:
+  import jax
   flat, treedef = jax.tree_util.tree_flatten_with_path(params)
   names = list(flat_params(params))
+  hint = ("; the weights are of another model: pass the preset they were trained with "
+          "(--preset for examples/finetune.py, model= for zerojax train)")
   missing = [n for n in names if n not in stored]
   if missing:
-    raise KeyError(f"weights file {path!r} lacks {len(missing)} parameters, e.g. {missing[0]!r}; "
-                   f"it holds {sorted(stored)[:5]}...")
+    raise KeyError(f"{what} lacks {len(missing)} parameters, e.g. {missing[0]!r}; "
+                   f"it holds {sorted(stored)[:5]}...{hint}")
   out = []
   for name, (_, x), sh in zip(names, flat, jax.tree.leaves(shardings)):
     a = stored[name]
     if tuple(a.shape) != tuple(x.shape):
-      raise ValueError(f"weights file {path!r}: {name!r} has shape {a.shape}, the model needs "
-                       f"{x.shape}")
+      raise ValueError(f"{what}: {name!r} has shape {a.shape}, the model needs "
+                       f"{x.shape}{hint}")
     out.append(jax.device_put(a.astype(x.dtype), sh))
   return jax.tree_util.tree_unflatten(treedef, out)
 
@@ -798,10 +962,13 @@ def train(config: ZeroConfig, opts: TrainOptions | None = None, *,
 
   log(f"zerojax: {jax.device_count()} x {jax.devices()[0].platform} devices, "
       f"{jax.process_count()} process(es), mesh {dict(mesh.shape)}, stage {config.stage}")
-  log(f"model {opts.model}: {mcfg.num_params():,} parameters; batch {total} rows x "
-      f"{mcfg.seq_len} tokens = {micro} per device x {accum} accumulation x {dp} data parallel")
+  log(f"model {opts.model}: {zerojax.memory.num_params(state.params):,} parameters; batch "
+      f"{total} rows x {mcfg.seq_len} tokens = {micro} per device x {accum} accumulation x "
+      f"{dp} data parallel")
   for n in list(xla_notes) + dirs.notes:
     log(n)
+  if (note := nothing_sharded_note(plan)) is not None:
+    log(note)
 
   @zerojax.zero_step(plan)
   def train_step(state, batch):
@@ -852,22 +1019,23 @@ def train(config: ZeroConfig, opts: TrainOptions | None = None, *,
   count_skips = policy == "skip"
   warned_skip = False
   tokens_per_step = total * mcfg.seq_len
-  t_start = t_last = time.perf_counter()
+  t_start = time.perf_counter()
+  clock = StepClock()  # per-step completion times; the loop never waits for the device
   last_fetched = start
 
-  def drain(now: float):
-    nonlocal t_last, last_fetched, warned_skip
+  def drain():
+    nonlocal last_fetched, warned_skip
     if not pending:
       return
     fetched = jax.device_get([m for _, m in pending])
-    n = len(pending)
-    tps = tokens_per_step * n / max(now - t_last, 1e-9)
     for (step, _), m in zip(pending, fetched):
       finite = lambda v: v if math.isfinite(v) else None  # JSON has no NaN/inf
+      dt = clock.step_time(step)  # None for the run's first step (compilation, warm-up)
       rec = {"step": step, "loss": finite(float(np.mean(m["loss"]))),
              "grad_norm": finite(float(np.mean(m["grad_norm"]))),
-             "lr": float(sched(step - 1)), "tokens_per_sec": round(tps, 1),
-             "elapsed_sec": round(now - t_start, 3)}
+             "lr": float(sched(step - 1)),
+             "tokens_per_sec": None if not dt else round(tokens_per_step / dt, 1),
+             "elapsed_sec": round(clock.done(step) - t_start, 6)}
       if scaling:
         rec["loss_scale"] = float(m["loss_scale"])
       if count_skips:
@@ -885,11 +1053,11 @@ def train(config: ZeroConfig, opts: TrainOptions | None = None, *,
       writer.write(rec)
     writer.flush()
     if bar is not None:
-      bar.set_postfix(loss=f"{history[-1]['loss'] or float('nan'):.4f}", tok_s=f"{tps:,.0f}",
-                      refresh=False)
+      tps = history[-1]["tokens_per_sec"]
+      bar.set_postfix(loss=f"{history[-1]['loss'] or float('nan'):.4f}",
+                      tok_s="-" if tps is None else f"{tps:,.0f}", refresh=False)
       bar.update(history[-1]["step"] - last_fetched)
     last_fetched = history[-1]["step"]
-    t_last = now
     pending.clear()
 
   ckpt = None
@@ -901,19 +1069,21 @@ def train(config: ZeroConfig, opts: TrainOptions | None = None, *,
     for step in range(start + 1, opts.steps + 1):
       state, m = train_step(state, next_batch())  # no host sync: metrics are fetched in drain()
       pending.append((step, m))
+      clock.add(step, m["loss"])
       if halt and bool(jax.device_get(m["overflow"])):  # the one per-step sync 'halt' costs
-        drain(time.perf_counter())
+        drain()
         _halt(step, history[-1], ckpt, bar, writer)
       if ckpt is not None and (step == opts.steps or (
           opts.checkpoint_every and step % opts.checkpoint_every == 0)):
         # metrics up to a checkpoint are on disk before it exists: a resumed run's
         # metrics.jsonl then has every step
-        drain(time.perf_counter())
+        drain()
         ckpt.save(step, state, rng=rng, data={"batches_step": batches.step})  # async
       if step % opts.log_every == 0 or step == opts.steps or step == start + 1:
-        drain(time.perf_counter())
-    drain(time.perf_counter())
+        drain()
+    drain()
   finally:  # also on an error: what was written stays consistent and is closed
+    clock.close()
     if bar is not None:
       bar.close()
     writer.close()
@@ -934,9 +1104,12 @@ def train(config: ZeroConfig, opts: TrainOptions | None = None, *,
   if history:
     first, last = history[0], history[-1]
     nan = float("nan")
+    timed = len(history) - 1  # steps after the first (which carries compilation)
+    speed = (f"{tokens_per_step * timed / (last['elapsed_sec'] - first['elapsed_sec']):,.0f} "
+             "tokens/s after the first step" if timed and last["elapsed_sec"] > first[
+                 "elapsed_sec"] else "1 step: no throughput (compilation)")
     log(f"done: {opts.steps} steps, loss {first['loss'] or nan:.4f} -> {last['loss'] or nan:.4f}, "
-        f"{tokens_per_step * (opts.steps - start) / (time.perf_counter() - t_start):,.0f} "
-        "tokens/s overall"
+        f"{speed}"
         + (f", {history[-1].get('skipped_steps', 0)} "
            f"{'overflow' if scaling else 'non-finite'} step(s) skipped"
            if history[-1].get("skipped_steps") else ""))

@@ -38,10 +38,10 @@ class GPTConfig:
     return self.d_model // self.num_heads
 
   def num_params(self) -> int:
-    d, v, L = self.d_model, self.vocab_size, self.num_layers
-    block = 2 * 2 * d + d * 3 * d + d * d + d + d * self.mlp_ratio * d \
-        + self.mlp_ratio * d + self.mlp_ratio * d * d + d
-    return v * d + self.seq_len * d + L * block + 2 * d + d * v
+    """Parameters of `GPT` with this config, counted from its (abstract) parameter tree."""
+    from zerojax.memory import num_params  # lazy: the model itself needs nothing of zerojax
+    tokens = jax.ShapeDtypeStruct((1, self.seq_len), jnp.int32)
+    return num_params(jax.eval_shape(lambda t: GPT(self).init(jax.random.key(0), t), tokens))
 
 
 PRESETS = {
