@@ -82,6 +82,17 @@ SLOW = (
     "tests/test_step.py::test_parity_linen_unscanned",
     "tests/test_step.py::test_parity_nnx",
     "tests/test_train.py::test_offload_config_trains",
+    "tests/test_train.py::test_train_resume_equals_uninterrupted_run",
+    "tests/test_train.py::test_train_runs_in_one_out_dir_never_mix",
+    "tests/test_multiprocess.py::test_multiprocess_mismatch_fails_on_every_process",
+    "tests/test_multiprocess.py::test_multiprocess_agreeing_processes_step",
+    "tests/test_multiprocess.py::test_multiprocess_error_after_peer_death_exits_promptly",
+    "tests/test_multiprocess.py::test_multiprocess_duplicate_process_id_gets_the_right_hint",
+    "tests/test_nonfinite.py::test_loop_",
+    "tests/test_nonfinite.py::test_halt_costs_no_memory",
+    "tests/test_patterns.py::",
+    "tests/test_llama.py::",
+    "tests/test_tpu_aot.py::",
 )
 
 
