@@ -96,7 +96,8 @@ def _mlp_temp(depth: int, **kw) -> int:
   x = jnp.ones((64, 512))
   state, plan = zerojax.create_train_state(_Mlp(depth), optax.adam(1e-3), jax.random.key(0), x,
                                            config=cfg)
-  assert any(lp.reason == "threshold" for lp in plan.leaves)  # the biases stay replicated
+  if cfg.persistence_threshold:
+    assert any(lp.reason == "threshold" for lp in plan.leaves)  # the biases stay replicated
 
   def step(state, batch):
     loss, g = jax.value_and_grad(
@@ -106,9 +107,13 @@ def _mlp_temp(depth: int, **kw) -> int:
 
 
 @pytest.mark.parametrize("gather", ["auto", "explicit"])
-def test_stage3_temp_does_not_grow_with_depth_at_default_threshold(gather):
+@pytest.mark.parametrize("threshold", [None, 4096])
+def test_stage3_temp_does_not_grow_with_depth_at_default_threshold(gather, threshold):
+  """At the default threshold, and at 4096, where every bias stays replicated (the default under
+  gather='explicit'): a module's replicated leaves do not switch its per-layer gathering off."""
   layer = 2 * 512 * 512 * 4  # one block's weights, gathered
-  t4, t8 = _mlp_temp(4, gather=gather), _mlp_temp(8, gather=gather)
+  kw = dict(gather=gather, param_persistence_threshold=threshold)
+  t4, t8 = _mlp_temp(4, **kw), _mlp_temp(8, **kw)
   # Four more blocks may add their activations (8 rows per device) but not their weights.
   assert t8 - t4 < 0.5 * layer, (t4, t8)
 

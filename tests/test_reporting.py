@@ -106,7 +106,7 @@ def _plan(stage, **kw):
 @pytest.mark.parametrize("stage,note", [(0, "replicated (stage 0)"), (1, "opt state sharded"),
                                         (2, "grads, opt state sharded"), (3, "sharded")])
 def test_plan_table_notes_follow_the_stage(stage, note):
-  rows = _table_rows(_plan(stage).table())
+  rows = _table_rows(_plan(stage, param_persistence_threshold=64).table())
   assert rows["big"][6] == note
   assert rows["bias"][6] == "replicated (threshold)"
   # the spec columns agree with the note

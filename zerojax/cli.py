@@ -449,7 +449,7 @@ def cmd_estimate(args) -> int:
     psi = num_params(shapes)
     title = (f"model-state memory per device: {args.model} ({psi:,} parameters, "
              f"param_dtype {config.param_dtype}, optax.adamw), {n} devices; leaves below "
-             f"{config.param_persistence_threshold} elements or not divisible by {n} stay "
+             f"{config.persistence_threshold} elements or not divisible by {n} stay "
              "replicated")
   shown = options if (args.fit is not None or args.offload) else options[:4]
   fit = None  # (best, why, compiled peaks)

@@ -69,8 +69,11 @@ class ZeroConfig:
       shard over ``fsdp``; ``replica`` is plain data parallelism across groups (HSDP);
       ``tensor`` is placed by the model's Flax partitioning metadata.
     param_persistence_threshold: leaves with fewer elements stay replicated (DeepSpeed's
-      ``stage3_param_persistence_threshold``); sharding a bias costs a collective and saves
-      nothing worth having.
+      ``stage3_param_persistence_threshold``). ``None`` (default): 4096 where zerojax gathers
+      each parameter itself (``gather='explicit'``, ``reduce_dtype``, ``offload_params``), since
+      a separate collective per bias costs more than it saves; otherwise 0, every divisible
+      leaf sharded, because under XLA's partitioner replicated biases only change its
+      strategy (measured: +2.7 MiB of temp on a 12-layer MLP). See `persistence_threshold`.
     param_dtype: dtype of the master parameters and optimizer state.
     compute_dtype: dtype the model computes in (set on Flax modules as ``dtype``).
     reduce_dtype: dtype of the gradient reduction; ``None`` keeps the gradient's dtype.
@@ -122,7 +125,7 @@ class ZeroConfig:
   stage: int = 3
   mesh_shape: tuple[int, ...] = (-1,)
   mesh_axes: tuple[str, ...] = ("fsdp",)
-  param_persistence_threshold: int = 4096
+  param_persistence_threshold: int | None = None
   param_dtype: str = "float32"
   compute_dtype: str = "float32"
   reduce_dtype: str | None = None
@@ -159,6 +162,15 @@ class ZeroConfig:
   # -- validation -------------------------------------------------------------------------
 
   @property
+  def persistence_threshold(self) -> int:
+    """``param_persistence_threshold`` with ``None`` resolved (see the field)."""
+    if self.param_persistence_threshold is not None:
+      return self.param_persistence_threshold
+    per_use = (self.gather == "explicit" or self.reduce_dtype is not None
+               or self.offload_params)
+    return 4096 if per_use else 0
+
+  @property
   def nonfinite_policy(self) -> str:
     """``nonfinite_grads`` with ``'auto'`` resolved: ``'skip'`` under loss scaling, else
     ``'halt'``."""
@@ -193,7 +205,8 @@ class ZeroConfig:
     if sum(1 for s in self.mesh_shape if s == -1) > 1:
       _fail("mesh_shape", self.mesh_shape, "at most one size may be -1")
     _check_devices(self.mesh_shape)
-    if not _is_int(self.param_persistence_threshold) or self.param_persistence_threshold < 0:
+    if self.param_persistence_threshold is not None and (
+        not _is_int(self.param_persistence_threshold) or self.param_persistence_threshold < 0):
       _fail("param_persistence_threshold", self.param_persistence_threshold,
             "a number of elements >= 0")
     for f in ("param_dtype", "compute_dtype"):

@@ -349,7 +349,7 @@ def _plan_leaf(config: ZeroConfig, mesh: Mesh, path: str, x: Any,
   size = math.prod(shape)
   if f == 1:
     return LeafPlan(path, shape, dtype, gathered, gathered, reason or "fsdp=1")
-  if size < config.param_persistence_threshold:
+  if size < config.persistence_threshold:
     return LeafPlan(path, shape, dtype, gathered, gathered, "threshold")
   best = None
   for d in range(len(shape)):
