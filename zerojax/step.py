@@ -78,7 +78,9 @@ def wrap_apply_fn(apply_fn: Callable, plan: ShardingPlan, per_use: bool | None =
       return apply_fn(boxed, *args, **kwargs)
 
     if not decided:
-      jaxpr = jax.make_jaxpr(lambda p: run(p, False))(params)
+      # Shapes only: host-resident parameters may not meet the model unfetched, even in a trace.
+      shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), x.dtype), params)
+      jaxpr = jax.make_jaxpr(lambda p: run(p, False))(shapes)
       has_scan = jaxpr_has_primitive(jaxpr, frozenset({"scan"}))
       remats = jaxpr_has_primitive(jaxpr, REMAT_PRIMITIVE_NAMES)
       candidate = (not plan.gathers_per_use and cfg.gather == "auto" and cfg.stage == 3
