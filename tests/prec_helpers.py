@@ -111,12 +111,12 @@ def accumulation_reference() -> Result:
 
 
 @functools.cache
-def accumulation_run(stage: int) -> Result:
+def accumulation_run(stage: int, gather: str = "auto") -> Result:
   """8 devices, ``ACCUM`` micro-batches per step, ``gradient_clipping=CLIP``."""
   model, batches = GPT(CFG), data(ACC_STEPS)
   zc = zerojax.ZeroConfig(stage=stage, param_persistence_threshold=helpers.THRESHOLD,
                           micro_batch_per_device=1, gradient_accumulation_steps=ACCUM,
-                          gradient_clipping=CLIP)
+                          gradient_clipping=CLIP, gather=gather)
   state, plan = zerojax.create_train_state(model, adamw(), jax.random.key(0),
                                            jnp.asarray(batches[0]["x"]), config=zc)
   step, ms = zerojax.zero_step(plan)(zero_train_step), []
