@@ -74,7 +74,7 @@ def _all_eqns(jaxpr):
 def test_offload_hlo_has_host_transfers(name, offload_runs):
   run = offload_runs[name]
   batch = helpers.batches(helpers.TINY, 1)[0]
-  jitted = run.step._linen(run.state, batch)
+  jitted = run.step.jitted(run.state, batch)
   # On CPU host and device memory are the same RAM, so XLA:CPU drops the copies and only the
   # entry layouts keep the host memory space S(5). Lowering the same step for TPU shows the
   # transfers XLA will run there: annotate_device_placement custom calls.
@@ -106,7 +106,7 @@ def test_offload_remat_policy_offloads_named_activations():
   ref = helpers.reference_run(helpers.TINY, steps=3)
   np.testing.assert_allclose(run.losses, ref.losses, rtol=1e-5, atol=1e-5)
   batch = helpers.batches(helpers.TINY, 1)[0]
-  jitted = run.step._linen(run.state, batch)
+  jitted = run.step.jitted(run.state, batch)
   # No state is offloaded here: every host placement is a residual going to pinned_host.
   mlir = jax.export.export(jitted, platforms=["tpu"])(run.state, batch).mlir_module()
   assert re.findall(r'_xla_buffer_placement = "(\w+)"', mlir).count("pinned_host") > 0

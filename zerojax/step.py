@@ -302,6 +302,15 @@ class ZeroStep:
     metrics.setdefault("tokens_per_sec", _tokens(batch) / dt if dt == dt and dt > 0 else math.nan)
     return metrics
 
+  def jitted(self, *args) -> Any:
+    """The ``jax.jit`` function this step runs for ``args`` (e.g. for ``jax.export`` or
+    ``.trace``): called as ``f(state, batch, *rest)``, for NNX as ``f(nnx.state((model,
+    optimizer)), batch, *rest)``."""
+    kind, lead, batch, rest = self._dispatch(args)
+    if kind == "nnx":
+      return self._nnx(*lead, batch, rest)[0]
+    return self._linen(lead[0], batch, rest)
+
   def lower(self, *args):
     """Lowers the step for ``args`` (arrays or ShapeDtypeStructs), e.g. to inspect memory."""
     kind, lead, batch, rest = self._dispatch(args)
