@@ -120,8 +120,12 @@ class ZeroTrainState(train_state.TrainState):
     s = self.settings
     grads = _grads_on_device(grads)
     norm = optax.tree.norm(grads).astype(jnp.float32)
-    if s.checks_finite:  # on the gradient as computed: clipping could turn inf into 0
+    if s.skips:  # on the gradient as computed: clipping could turn inf into 0
       finite = jnp.all(jnp.asarray([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
+    elif s.checks_finite:
+      # 'halt' only reports: the global norm it computes anyway is NaN/inf whenever an element
+      # is (a per-leaf check measured 9.8 KB of temporaries more than hand-written FSDP).
+      finite = jnp.isfinite(norm)
     if s.gradient_clipping is not None:
       grads, _ = optax.clip_by_global_norm(s.gradient_clipping).update(grads, optax.EmptyState())
     new = super().apply_gradients(grads=grads, **kwargs)
