@@ -116,7 +116,8 @@ def wrap_tx(tx: optax.GradientTransformation, plan: Any, clip: float | None = No
   cfg = plan.config
 
   def constrain(grads):
-    grads = _constrain_like(grads, plan.grads_reduced)
+    if not plan.gathers_per_use:  # per use, each use's backward already laid its gradient out
+      grads = _constrain_like(grads, plan.grads_reduced)
     if clip is not None:
       grads, _ = optax.clip_by_global_norm(clip).update(grads, optax.EmptyState())
     return grads
