@@ -187,7 +187,8 @@ def test_tied_head_through_variables_with_explicit_gathering():
 # -- NNX is first-class: accumulation, clipping, offload, loss scaling --------------------------
 
 
-def _nnx_run(stage, steps=2, **kw):
+def _nnx_setup(stage, **kw):
+  """An NNX (model, optimizer) from `create_nnx` and the README's step over it."""
   from flax import nnx
   cfg = zerojax.ZeroConfig(stage=stage, **kw)
   model, opt, plan = zerojax.create_nnx(lambda: pt._nnx_model(SIZE, "e", nnx.Rngs(0)),
@@ -200,6 +201,11 @@ def _nnx_run(stage, steps=2, **kw):
     optimizer.update(model, grads)
     return {"loss": loss}
 
+  return model, opt, step, plan
+
+
+def _nnx_run(stage, steps=2, **kw):
+  model, opt, step, plan = _nnx_setup(stage, **kw)
   losses = [float(step(model, opt, b)["loss"]) for b in pt.batches(SIZE, "e", steps)]
   return losses, model, opt, plan
 
@@ -248,16 +254,7 @@ def test_nnx_dynamic_loss_scaling_skips_overflow_and_matches(stage):
   np.testing.assert_allclose(losses, ref, rtol=TOL, atol=TOL)  # scaled and unscaled exactly
   assert float(opt.loss_scaling.scale[...]) == 2.0 ** 4
   # An overflowing step (inf in the batch) is skipped: params and optimizer state unchanged.
-  cfg = zerojax.ZeroConfig(stage=stage, loss_scale=0, initial_scale_power=4, hysteresis=1)
-  model, opt, plan = zerojax.create_nnx(lambda: pt._nnx_model(SIZE, "e", nnx.Rngs(0)),
-                                        pt.make_tx(), config=cfg)
-
-  @zerojax.zero_step(plan)
-  def step(model, optimizer, batch):
-    loss, grads = zerojax.value_and_grad(
-        lambda m, b: pt.loss_of("e", m(b["x"]), b["y"]))(model, batch)
-    optimizer.update(model, grads)
-    return {"loss": loss}
+  model, opt, step, _ = _nnx_setup(stage, loss_scale=0, initial_scale_power=4, hysteresis=1)
 
   # (nnx.Optimizer.step counts every call, as DeepSpeed's global step and ZeroTrainState.step)
   snapshot = lambda: [np.asarray(x) for x in jax.tree.leaves(nnx.state(model, nnx.Param))
