@@ -63,7 +63,9 @@ def wrap_apply_fn(apply_fn: Callable, plan: ShardingPlan, per_use: bool | None =
   def apply(variables, *args, **kwargs):
     params = variables.get("params") if hasattr(variables, "get") else None
     if params is None or jax.tree.structure(params) != treedef:
-      if not warned:
+      # Not linen's {"params": ...}: a pure function of its own (a plain pytree model). Only a
+      # per-use setting needs the boxes; otherwise XLA's partitioner does the gathers anyway.
+      if plan.gathers_per_use and not warned:
         warned.append(True)
         warnings.warn("zerojax: apply_fn was called with variables whose 'params' do not match "
                       "the plan's tree; parameters are not gathered per layer for this call")
