@@ -8,12 +8,13 @@ keeping gathered weights alive.
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+import contextlib
+from typing import Any, Callable, Iterator
 
 import jax
 
 __all__ = ["ORIGINAL_SCAN", "REMAT_PRIMITIVE_NAMES", "name_p", "sharding_constraint_p",
-           "jaxpr_has_primitive", "subjaxprs"]
+           "jaxpr_has_primitive", "subjaxprs", "eval_jaxpr"]
 
 # ``jax.lax.scan`` as JAX defines it, captured before zerojax installs its per-thread dispatcher
 # (`zerojax.gather.scan_remat`); zerojax's own loops call this one directly.
@@ -52,6 +53,30 @@ def jaxpr_has_primitive(jaxpr: Any, names: frozenset[str]) -> bool:
   return False
 
 
+def eval_jaxpr(closed: Any, args: list[Any],
+               rewrite: Callable[[Any, list[Any]], list[Any] | None]) -> list[Any]:
+  """Evaluates a closed jaxpr on ``args`` (tracers welcome), as ``jax.core.eval_jaxpr`` does,
+  except that ``rewrite(eqn, invals)`` may answer an equation itself (its outputs as a list);
+  ``None`` binds the equation as written. Only top-level equations are offered."""
+  from jax.extend.core import Literal
+  jaxpr = closed.jaxpr
+  env: dict[Any, Any] = {}
+  read = lambda v: v.val if isinstance(v, Literal) else env[v]
+  env.update(zip(jaxpr.constvars, closed.consts))
+  env.update(zip(jaxpr.invars, args))
+  for eqn in jaxpr.eqns:
+    invals = [read(v) for v in eqn.invars]
+    outs = rewrite(eqn, invals)
+    if outs is None:
+      ctx = getattr(getattr(eqn, "ctx", None), "manager", None) or contextlib.nullcontext()
+      with ctx:
+        outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
+      if not eqn.primitive.multiple_results:
+        outs = [outs]
+    env.update(zip(eqn.outvars, outs))
+  return [read(v) for v in jaxpr.outvars]
+
+
 def _self_check() -> None:
   """The checks that keep the remat machinery honest on the installed JAX."""
   body = jax.checkpoint(lambda x: jax.numpy.sin(x))
@@ -65,6 +90,17 @@ def _self_check() -> None:
     raise ImportError(f"zerojax: checkpoint_name on JAX {jax.__version__} no longer binds the "
                       "primitive zerojax's stage-3 remat policy looks for; gathered weights "
                       "would silently be kept. Install the JAX version pinned in pyproject.toml")
+  # Re-evaluating a jaxpr under autodiff must give the same derivative (traced only: no
+  # backend may start at import, the device count is set after it).
+  f = lambda x: jax.numpy.sin(x[1]) * 2.0
+  x = jax.ShapeDtypeStruct((3,), jax.numpy.float32)
+  closed = jax.make_jaxpr(f)(x)
+  want = jax.make_jaxpr(jax.grad(f))(x)
+  got = jax.make_jaxpr(jax.grad(lambda x: eval_jaxpr(closed, [x], lambda *_: None)[0]))(x)
+  prims = lambda j: [e.primitive.name for e in j.jaxpr.eqns]
+  if prims(got) != prims(want):
+    raise ImportError(f"zerojax: re-evaluating a jaxpr on JAX {jax.__version__} changed its "
+                      "derivative; install the JAX version pinned in pyproject.toml")
 
 
 _self_check()

@@ -30,11 +30,11 @@ from flax.training import train_state as ts
 from zerojax import context, memory, offload
 from zerojax.config import ConfigError, ZeroConfig
 from zerojax._compat import REMAT_PRIMITIVE_NAMES, jaxpr_has_primitive
-from zerojax.gather import (box_params, regather_layers, remat_policy, scan_remat,
-                            scanned_layers)
+from zerojax.gather import (box_params, per_layer_reads, regather_layers, remat_policy,
+                            scan_remat, scanned_layers)
 from zerojax.mesh import make_mesh
 from zerojax.plan import ShardingPlan
-from zerojax.grad import accumulation_steps, check_batch
+from zerojax.grad import check_batch
 from zerojax.train_state import StepSettings, ZeroTrainState, nnx_loss_scaling, skip_nonfinite
 
 PyTree = Any
@@ -57,10 +57,14 @@ def wrap_apply_fn(apply_fn: Callable, plan: ShardingPlan, per_use: bool | None =
   forced = per_use
   treedef = jax.tree.structure(plan.params)
   warned = []
+  pure = per_layer_reads(apply_fn, plan)
   decided: list[tuple[bool, bool]] = []  # (per use, has scan), from the first trace
 
   @functools.wraps(apply_fn)
   def apply(variables, *args, **kwargs):
+    if not plan.gathers_per_use and jax.tree.structure(variables) == treedef:
+      # A pure function of the plan's parameters (a plain pytree model).
+      return pure(variables, *args, **kwargs)
     params = variables.get("params") if hasattr(variables, "get") else None
     if params is None or jax.tree.structure(params) != treedef:
       # Not linen's {"params": ...}: a pure function of its own (a plain pytree model). Only a
@@ -85,8 +89,15 @@ def wrap_apply_fn(apply_fn: Callable, plan: ShardingPlan, per_use: bool | None =
       jaxpr = jax.make_jaxpr(lambda p: run(p, False))(shapes)
       has_scan = jaxpr_has_primitive(jaxpr, frozenset({"scan"}))
       remats = jaxpr_has_primitive(jaxpr, REMAT_PRIMITIVE_NAMES)
+      # Which stage-3 models both formulations are compiled for, XLA's memory analysis
+      # choosing. On XLA:CPU the compiler's formulation of scanned or rematerialised layers
+      # measured at or under per-use gathering on every pattern (benchmarks/patterns.py), so
+      # there only unscanned models without remat are compiled twice. XLA:TPU measured the
+      # opposite on a scanned 7.5B GPT (18.2 GiB of temp against 2.5, BENCHMARKS.md), so on
+      # accelerators every stage-3 model is.
+      cpu = next(iter(plan.mesh.devices.flat)).platform == "cpu"
       candidate = (not plan.gathers_per_use and cfg.gather == "auto" and cfg.stage == 3
-                   and cfg.remat == "auto" and not has_scan and not remats
+                   and (not cpu or (cfg.remat == "auto" and not has_scan and not remats))
                    and any(lp.is_sharded for lp in plan.leaves))
       if candidate and seen is not None:
         seen["candidate"] = True
@@ -217,7 +228,7 @@ class ZeroStep:
             "drop the setting")
       # Host-resident NNX parameters come to the device (as the plan shards them) when the
       # step starts and go back when it ends; a linen model fetches each layer's just in time.
-      params_host = offload.is_host(plan.params)
+      params_host = plan.params_on_host
 
       def step(state, batch, *rest):
         m, o = nnx.merge(graphdef, state)
@@ -341,7 +352,7 @@ def zero_step(plan: ShardingPlan, *, donate: bool = True) -> Callable[[Callable]
   """
   if not isinstance(plan, ShardingPlan):
     raise TypeError(f"zero_step(plan) needs a zerojax.ShardingPlan, got {type(plan).__name__}")
-  accumulation_steps(plan.config, plan.data_parallel_size)  # inconsistent batch sizes fail here
+  plan.accumulation_steps  # inconsistent batch sizes fail here
   return lambda fn: ZeroStep(fn, plan, donate)
 
 
@@ -354,7 +365,7 @@ def _step_context(plan: ShardingPlan, state: Any, scale: Any = None):
   if isinstance(state, ZeroTrainState) and state.settings.scaling:
     scale = state.loss_scale
   return context.active(context.StepContext(
-      plan, accumulation_steps(plan.config, plan.data_parallel_size), scale,
+      plan, plan.accumulation_steps, scale,
       linen=state is not None))
 
 
@@ -497,7 +508,7 @@ def state_initializer(model: Any, tx: Any, rng: jax.Array, *init_args: Any,
 
   boxed = jax.eval_shape(init_params, rng, *init_args)
   plan = ShardingPlan.create(config, mesh, _cast_shapes(boxed, pdtype), tx)
-  accumulation_steps(config, plan.data_parallel_size)  # inconsistent batch sizes fail here
+  plan.accumulation_steps  # inconsistent batch sizes fail here
 
   def make_state(rng, *args):
     params = _cast(meta.unbox(init_params(rng, *args)), pdtype)
@@ -660,9 +671,9 @@ def _state_from_params(make_state, plan, abstract, params, rng, init_args):
 
 def _nnx_planned(nnx, abs_model, wrt):
   """Every parameter (trained or frozen) is planned; ``trainable`` marks the ``wrt`` ones."""
-  from zerojax.plan import _path_str
+  from zerojax.plan import path_str
   planned = nnx.state(abs_model, nnx.Any(nnx.Param, wrt))
-  trained = {_path_str(kp) for kp, _ in jax.tree_util.tree_flatten_with_path(
+  trained = {path_str(kp) for kp, _ in jax.tree_util.tree_flatten_with_path(
       _nnx_values(nnx.state(abs_model, wrt)))[0]}
   return planned, lambda path: path in trained
 
