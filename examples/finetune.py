@@ -21,6 +21,8 @@ import sys
 
 HERE = pathlib.Path(__file__).resolve().parent
 
+from zerojax.train import DEFAULT_CORPUS  # the bundled corpus (package data)
+
 
 def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
@@ -35,7 +37,7 @@ def parse_args(argv=None):
   p.add_argument("--batch", type=int, default=16, help="global batch in rows (default 16)")
   p.add_argument("--lr", type=float, default=5e-4, help="peak learning rate (default 5e-4)")
   p.add_argument("--warmup-steps", type=int, default=2)
-  p.add_argument("--corpus", default=str(HERE / "data" / "corpus.txt"),
+  p.add_argument("--corpus", default=str(DEFAULT_CORPUS),
                  help="text to fine-tune on (default: the bundled corpus)")
   p.add_argument("--out-dir", default="runs/finetune")
   p.add_argument("--cpu-devices", type=int, default=8)

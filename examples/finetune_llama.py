@@ -36,6 +36,8 @@ import sys
 
 HERE = pathlib.Path(__file__).resolve().parent
 
+from zerojax.train import DEFAULT_CORPUS  # the bundled corpus (package data)
+
 RANDOM_LLAMA = dict(vocab_size=256, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                     rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False)
@@ -61,7 +63,7 @@ def parse_args(argv=None):
                  help="train LoRA adapters of this rank only (0: full fine-tuning)")
   p.add_argument("--lora-alpha", type=float, default=16.0)
   p.add_argument("--lora-targets", default="q_proj,v_proj")
-  p.add_argument("--corpus", default=str(HERE / "data" / "corpus.txt"))
+  p.add_argument("--corpus", default=str(DEFAULT_CORPUS))
   p.add_argument("--cpu-devices", type=int, default=8)
   p.add_argument("--no-export", action="store_true")
   return p.parse_args(argv)

@@ -24,7 +24,8 @@ import sys
 import time
 
 HERE = pathlib.Path(__file__).resolve().parent
-DEFAULT_CORPUS = HERE / "data" / "corpus.txt"
+
+from zerojax.train import DEFAULT_CORPUS  # the bundled corpus (package data)
 
 
 def parse_args(argv=None):

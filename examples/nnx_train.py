@@ -19,6 +19,8 @@ import time
 
 HERE = pathlib.Path(__file__).resolve().parent
 
+from zerojax.train import DEFAULT_CORPUS  # the bundled corpus (package data)
+
 
 def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
@@ -28,7 +30,7 @@ def parse_args(argv=None):
   p.add_argument("--batch", type=int, default=16, help="global batch in rows (default 16)")
   p.add_argument("--lr", type=float, default=3e-3, help="learning rate (default 3e-3)")
   p.add_argument("--preset", default="tiny", help="model preset (default tiny)")
-  p.add_argument("--corpus", default=str(HERE / "data" / "corpus.txt"))
+  p.add_argument("--corpus", default=str(DEFAULT_CORPUS))
   p.add_argument("--out-dir", default="runs/nnx_train")
   p.add_argument("--cpu-devices", type=int, default=8)
   p.add_argument("--no-progress", action="store_true")

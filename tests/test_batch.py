@@ -9,7 +9,6 @@ import pytest
 
 import zerojax
 from zerojax import ConfigError, ZeroConfig
-from zerojax.grad import accumulation_steps
 from tests import helpers, prec_helpers as ph
 
 
@@ -24,7 +23,9 @@ from tests import helpers, prec_helpers as ph
 ])
 def test_batch_any_two_infer_the_third(given, want):
   assert ZeroConfig(**given).batch_sizes(8) == want
-  assert accumulation_steps(ZeroConfig(**given), 8) == want[2]
+  _, plan = ph.abstract_state_and_plan(ZeroConfig(
+      stage=2, param_persistence_threshold=helpers.THRESHOLD, **given))
+  assert plan.batch_sizes == want and plan.accumulation_steps == want[2]
 
 
 @pytest.mark.parametrize("given", [
@@ -71,8 +72,8 @@ def test_batch_global_batch_must_equal_train_batch_size():
 def test_batch_accumulation_steps_alone_split_the_fed_batch():
   zc = ZeroConfig(stage=2, gradient_accumulation_steps=4,
                   param_persistence_threshold=helpers.THRESHOLD)
-  assert accumulation_steps(zc, 8) == 4
   state, plan = ph.abstract_state_and_plan(zc)
+  assert plan.batch_sizes is None and plan.accumulation_steps == 4
   step = zerojax.zero_step(plan)(ph.zero_train_step)
   b = ph.data(1)[0]  # 16 rows cannot split into 4 micro-batches over 8 devices
   with pytest.raises(ConfigError, match="gradient_accumulation_steps=4 micro-batches over "

@@ -20,6 +20,7 @@ from zerojax import export as zx
 from zerojax.checkpoint import (Checkpointer, CheckpointError, CheckpointNotFoundError,
                                 abstract_train_state, leaf_checksum, numpy_checksum)
 from zerojax.models import GPT
+from zerojax.plan import path_str
 from tests import helpers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -654,7 +655,7 @@ def test_checkpoint_checksum_host_shards_equal_device_path():
   host = C._checksums(item)
   flat = jax.tree_util.tree_flatten_with_path(item)[0]
   dev = C._checksum_fn(tuple(C._device_memory(x) for _, x in flat))([x for _, x in flat])
-  assert {C._path_str(p): [int(v) for v in np.asarray(s)] for (p, _), s in zip(flat, dev)} == host
+  assert {path_str(p): [int(v) for v in np.asarray(s)] for (p, _), s in zip(flat, dev)} == host
   assert host["params/fc/kernel"] == list(numpy_checksum(np.asarray(item["params"]["fc"]["kernel"])))
 
 

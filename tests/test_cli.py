@@ -123,12 +123,8 @@ def test_help(cmd):
 
 def test_export_delegates():
   r = run("export", "--help")
-  try:
-    import zerojax.export  # noqa: F401
-  except ImportError:
-    assert r.returncode == 2 and "zerojax.export is not available" in r.stderr
-  else:
-    assert r.returncode == 0, r.stderr
+  assert r.returncode == 0, r.stderr
+  assert "usage: zerojax export" in r.stdout
 
 
 @pytest.mark.parametrize("args, msg", [

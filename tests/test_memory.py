@@ -129,7 +129,9 @@ def test_memory_persistent_matches_estimate(stage, scanned):
                                            param_persistence_threshold=helpers.THRESHOLD),
                  num_devices=8)
   batch_bytes = 2 * 8 * 16 * 4 // 8
-  assert abs((m.argument - batch_bytes) - est.persistent) <= 0.05 * est.persistent
+  # What the README claims: the estimate is exact up to the train state's scalars (step,
+  # optimizer counters), which it leaves out: 20 bytes.
+  assert 0 <= (m.argument - batch_bytes) - est.persistent <= 20, (m.argument, est.persistent)
 
 
 def test_memory_paper_figure1():

@@ -114,13 +114,16 @@ def test_scale_1024_three_axis_mesh_with_tensor(gpt89m_tp_params):
   assert leaves["blocks/qkv/kernel"].sharded == P(None, "fsdp", "tensor")
   assert leaves["blocks/out/kernel"].sharded == P(None, "tensor", "fsdp")
   assert leaves["blocks/out/kernel"].gathered == P(None, "tensor", None)
-  b = plan.bytes_per_device()
   qkv = leaves["blocks/qkv/kernel"]
   assert plan.data_parallel_size == 256
-  # a tensor-and-fsdp-sharded leaf holds 1/(64*4) of itself per device
-  assert zm.estimate(gpt89m_tp_params, optax.adamw(1e-3), config=zc, mesh=mesh).params == \
-      b["params"]
-  assert qkv.nbytes // 256 * 256 == qkv.nbytes
+  # Counted here from the specs alone: each leaf holds 1/(product of its spec's axis sizes) of
+  # itself per device (a tensor-and-fsdp-sharded leaf 1/(64*4)).
+  size = dict(mesh.shape)
+  held = lambda lp: lp.nbytes // math.prod(
+      size[a] for d in lp.sharded if d for a in (d if isinstance(d, tuple) else (d,)))
+  assert held(qkv) == qkv.nbytes // 256
+  est = zm.estimate(gpt89m_tp_params, optax.adamw(1e-3), config=zc, mesh=mesh)
+  assert est.params == sum(held(lp) for lp in plan.leaves)
 
 
 def test_scale_aot_compile_64_devices_memory_within_estimate():

@@ -43,7 +43,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 
 from zerojax.config import ZeroConfig
-from zerojax.plan import ShardingPlan, _path_str
+from zerojax.plan import ShardingPlan, path_str
 
 PyTree = Any
 
@@ -265,13 +265,13 @@ def _checksums(item: PyTree) -> dict[str, list[int]]:
       sums = [[int(v) % 2**32 for v in row] for row in
               np.asarray(every, np.uint64).sum(axis=0) % 2**32]
     for (p, _), s in zip(dev, sums):
-      out[_path_str(p)] = [int(v) for v in s]
+      out[path_str(p)] = [int(v) for v in s]
   elif dev:
     sums = _checksum_fn(tuple(_device_memory(x) for _, x in dev))([x for _, x in dev])
     for (p, _), s in zip(dev, sums):
-      out[_path_str(p)] = [int(v) for v in np.asarray(s.addressable_data(0))]
+      out[path_str(p)] = [int(v) for v in np.asarray(s.addressable_data(0))]
   for p, x in host:
-    out[_path_str(p)] = list(numpy_checksum(np.asarray(x)))
+    out[path_str(p)] = list(numpy_checksum(np.asarray(x)))
   return out
 
 
@@ -541,7 +541,7 @@ class Checkpointer:
         "config": None if self.config is None else self.config.to_dict(),
         "data": data_json,
         "rng": _rng_to_json(rng),
-        "leaves": {_path_str(p): {"shape": list(_shape_dtype(x)[0]),
+        "leaves": {path_str(p): {"shape": list(_shape_dtype(x)[0]),
                                   "dtype": _shape_dtype(x)[1].name}
                    for p, x in jax.tree_util.tree_flatten_with_path(item)[0]},
         "checksums": _checksums(item),
@@ -632,7 +632,7 @@ class Checkpointer:
     except Exception as e:
       raise CheckpointError(f"checkpoint {self.step_dir(step)!r}: cannot read the array "
                             f"metadata of item {STATE_ITEM!r}: {type(e).__name__}: {e}") from e
-    return {_path_str(p): (tuple(m.shape), np.dtype(m.dtype)) for p, m in flat}
+    return {path_str(p): (tuple(m.shape), np.dtype(m.dtype)) for p, m in flat}
 
   def restore(self, state: Any, plan: ShardingPlan, step: int | None = None
               ) -> tuple[Any, Extras]:
@@ -677,7 +677,7 @@ class Checkpointer:
         stored[path] = (tuple(leaf["shape"]), np.dtype(leaf["dtype"]))
     abstract, problems, empty = [], [], {}
     for i, ((kp, x), sh) in enumerate(zip(t_flat, s_flat)):
-      path = _path_str(kp)
+      path = path_str(kp)
       shape, dtype = _shape_dtype(x)
       if math.prod(shape) == 0 and stored.get(path) == (shape, dtype):
         empty[i] = jax.device_put(np.zeros(shape, dtype), sh)
@@ -690,7 +690,7 @@ class Checkpointer:
         problems.append(f"leaf {path!r} is stored as shape {s_shape} {s_dtype.name}, the "
                         f"target expects shape {shape} {dtype.name}")
       abstract.append(jax.ShapeDtypeStruct(shape, dtype, sharding=sh))
-    names = {_path_str(kp) for kp, _ in t_flat}
+    names = {path_str(kp) for kp, _ in t_flat}
     problems += [f"leaf {p!r} (shape {stored[p][0]} {stored[p][1].name}) is in the checkpoint "
                  "but not in the target" for p in sorted(set(stored) - names)]
     if problems:
@@ -739,7 +739,7 @@ class Checkpointer:
       try:
         read_leaf(item_dir, kp, tree)
       except Exception as e:  # noqa: BLE001 - we only report it
-        bad.append((_path_str(kp), f"{type(e).__name__}: {str(e)[:300]}"))
+        bad.append((path_str(kp), f"{type(e).__name__}: {str(e)[:300]}"))
     return bad
 
 
@@ -848,7 +848,7 @@ def read_leaf(item_dir: str, keypath: Sequence[Any], tree: PyTree | None = None)
   flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
   keys = [tuple(kp) for kp, _ in flat]
   if want not in keys:
-    raise KeyError(f"checkpoint item {item_dir!r} has no leaf {_path_str(want)!r}")
+    raise KeyError(f"checkpoint item {item_dir!r} has no leaf {path_str(want)!r}")
   item = [np.zeros(()) if k == want else ocp.PLACEHOLDER for k in keys]
   args = [ocp.RestoreArgs(restore_type=np.ndarray) if k == want else ocp.PLACEHOLDER
           for k in keys]

@@ -564,12 +564,7 @@ def cmd_config(args) -> int:
 
 
 def cmd_export(argv: list[str]) -> int:
-  try:
-    from zerojax import export
-  except ImportError as e:
-    print(f"{PROG} export: zerojax.export is not available in this installation ({e})",
-          file=sys.stderr)
-    return 2
+  from zerojax import export
   rc = export.main(argv, prog=f"{PROG} export")
   return int(rc or 0)
 

@@ -83,7 +83,7 @@ def export(checkpoint_dir: str | os.PathLike, out_path: str | os.PathLike, *,
   """
   from zerojax.checkpoint import (STATE_ITEM, CheckpointError, Checkpointer, numpy_checksum,
                                   read_leaf)
-  from zerojax.plan import _path_str
+  from zerojax.plan import path_str
   import jax
 
   out_path = os.fspath(out_path)
@@ -117,7 +117,7 @@ def export(checkpoint_dir: str | os.PathLike, out_path: str | os.PathLike, *,
   for kp, m in jax.tree_util.tree_flatten_with_path(tree["params"])[0]:
     sdt = np.dtype(m.dtype)
     odt = _np_dtype(dtype) if np.issubdtype(sdt, np.floating) or sdt.name == "bfloat16" else sdt
-    leaves.append((_path_str(kp), (jax.tree_util.DictKey("params"),) + tuple(kp),
+    leaves.append((path_str(kp), (jax.tree_util.DictKey("params"),) + tuple(kp),
                    tuple(m.shape), sdt, odt))
   checksums = meta.get("checksums") or {}
 

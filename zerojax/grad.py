@@ -59,14 +59,6 @@ PyTree = Any
 F32 = jnp.float32
 
 
-def accumulation_steps(config: ZeroConfig, data_parallel_size: int) -> int:
-  """Micro-batches per optimizer step: from the batch rule when a batch size is given, else
-  ``gradient_accumulation_steps`` (default 1) with the micro-batch taken from the batch."""
-  if config.train_batch_size is None and config.micro_batch_per_device is None:
-    return config.gradient_accumulation_steps or 1
-  return config.batch_sizes(data_parallel_size)[2]
-
-
 def check_batch(plan: Any, batch: PyTree) -> None:
   """Checks the global batch of a step against the config's batch sizes (at trace time)."""
   cfg, dp = plan.config, plan.data_parallel_size
@@ -74,8 +66,8 @@ def check_batch(plan: Any, batch: PyTree) -> None:
   if not rows:
     return
   b = rows[0]
-  if cfg.train_batch_size is not None or cfg.micro_batch_per_device is not None:
-    t, m, g = cfg.batch_sizes(dp)
+  if plan.batch_sizes is not None:
+    t, m, g = plan.batch_sizes
     if b != t:
       raise ConfigError(
           f"the step's batch has {b} rows but the config says train_batch_size={t} "

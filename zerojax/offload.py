@@ -17,7 +17,8 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
 from zerojax.config import ConfigError, ZeroConfig
 
-HOST = "pinned_host"
+from zerojax.plan import HOST
+
 DEVICE = "device"
 
 
@@ -84,11 +85,6 @@ def put_like(tree: Any, shardings: Any) -> Any:
                                       zip(leaves, jax.tree.leaves(shardings), strict=True)])
 
 
-def is_host(shardings: Any) -> bool:
-  """Whether any of ``shardings`` rests in host memory."""
-  return any(s.memory_kind == HOST for s in jax.tree.leaves(shardings))
-
-
 def wrap_tx(tx: optax.GradientTransformation, plan: Any, clip: float | None = None,
             params_fetched: bool = False) -> optax.GradientTransformation:
   """``tx`` whose update moves offloaded state to where the update runs, and back.
@@ -122,8 +118,8 @@ def wrap_tx(tx: optax.GradientTransformation, plan: Any, clip: float | None = No
       grads, _ = optax.clip_by_global_norm(clip).update(grads, optax.EmptyState())
     return grads
 
-  opt_host = plan.opt_state is not None and is_host(plan.opt_state)
-  params_host = is_host(plan.params) and not params_fetched
+  opt_host = plan.opt_state_on_host
+  params_host = plan.params_on_host and not params_fetched
   if not (cfg.offload_optimizer or cfg.offload_params) or not (opt_host or params_host):
     # No offload (or it fell back to device memory): only the gradient layout.
     return optax.GradientTransformationExtraArgs(

@@ -50,8 +50,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from zerojax.config import ConfigError, ZeroConfig
 from zerojax.mesh import axis_size, data_axes
 
+__all__ = ["LeafPlan", "ShardingPlan", "path_str"]
+
 PyTree = Any
-HOST = "pinned_host"
+HOST = "pinned_host"  # the memory kind offloaded state rests in (`zerojax.offload.HOST`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,6 +164,23 @@ class ShardingPlan:
   def data_parallel_size(self) -> int:
     return math.prod(axis_size(self.mesh, a) for a in self.data_axes)
 
+  @property
+  def batch_sizes(self) -> tuple[int, int, int] | None:
+    """``(train_batch_size, micro_batch_per_device, gradient_accumulation_steps)`` over this
+    plan's data-parallel size, or ``None`` when the config sets no batch size (the batch fed
+    to the step then does)."""
+    c = self.config
+    if c.train_batch_size is None and c.micro_batch_per_device is None:
+      return None
+    return c.batch_sizes(self.data_parallel_size)
+
+  @property
+  def accumulation_steps(self) -> int:
+    """Micro-batches per optimizer step: from the batch rule when a batch size is given, else
+    ``gradient_accumulation_steps`` (default 1) with the micro-batch taken from the batch."""
+    b = self.batch_sizes
+    return b[2] if b is not None else (self.config.gradient_accumulation_steps or 1)
+
   def batch(self, batch: PyTree) -> PyTree:
     """Shards the leading (batch) dimension of every leaf over all data-parallel axes."""
     dp, spec = self.data_parallel_size, P(self.data_axes)
@@ -171,7 +190,7 @@ class ShardingPlan:
       if len(shape) == 0:
         return self.replicated
       if shape[0] % dp:
-        raise ConfigError(f"batch leaf {_path_str(path)!r} has leading dimension {shape[0]}, "
+        raise ConfigError(f"batch leaf {path_str(path)!r} has leading dimension {shape[0]}, "
                           f"which does not divide by the data-parallel size {dp} "
                           f"(axes {self.data_axes}); use a multiple of {dp}")
       return NamedSharding(self.mesh, spec)
@@ -203,14 +222,24 @@ class ShardingPlan:
     return state.replace(**changes)
 
   @property
+  def params_on_host(self) -> bool:
+    """Whether any parameter rests in host memory (``offload_params``)."""
+    return any(s.memory_kind == HOST for s in jax.tree.leaves(self.params))
+
+  @property
+  def opt_state_on_host(self) -> bool:
+    """Whether any optimizer-state leaf rests in host memory (``offload_optimizer``)."""
+    return self.opt_state is not None and any(
+        s.memory_kind == HOST for s in jax.tree.leaves(self.opt_state))
+
+  @property
   def gathers_per_use(self) -> bool:
     """Whether the step gathers each parameter where a layer reads it (`zerojax.gather` boxes)
     instead of leaving the gathers to XLA's partitioner: ``config.gather='explicit'``, or a
     feature that acts at each use: parameters resting in host memory (fetched per layer) or a
     ``reduce_dtype`` (the dtype of each layer's gradient reduction)."""
     c = self.config
-    return (c.gather == "explicit" or c.reduce_dtype is not None
-            or any(s.memory_kind == HOST for s in jax.tree.leaves(self.params)))
+    return c.gather == "explicit" or c.reduce_dtype is not None or self.params_on_host
 
   @property
   def grads_reduced(self) -> PyTree:
@@ -380,10 +409,10 @@ def _plan_opt_state(config, mesh, opt_state, params, leaves, kind):
         lp = cand
         break
     if lp is None:
-      lp = _plan_leaf(config, mesh, _path_str(kp), jax.ShapeDtypeStruct(shape, dtype), None)
+      lp = _plan_leaf(config, mesh, path_str(kp), jax.ShapeDtypeStruct(shape, dtype), None)
     spec = lp.sharded if st >= 1 else lp.gathered
     specs.append(NamedSharding(mesh, spec, memory_kind=kind))
-    infos.append((_path_str(kp), shape, dtype, spec))
+    infos.append((path_str(kp), shape, dtype, spec))
   return jax.tree_util.tree_unflatten(treedef, specs), tuple(infos)
 
 
@@ -417,7 +446,7 @@ def _metadata_specs(tree: PyTree, mesh: Mesh) -> dict[str, tuple]:
       continue
     keep = lambda a: a if (a in mesh.axis_names) else (
         tuple(b for b in a if b in mesh.axis_names) or None if isinstance(a, tuple) else None)
-    out[_path_str(kp)] = tuple(keep(a) for a in names)
+    out[path_str(kp)] = tuple(keep(a) for a in names)
   return out
 
 
@@ -436,7 +465,7 @@ def _unbox(tree: PyTree) -> PyTree:
 
 def _flatten(tree):
   flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
-  return [_path_str(kp) for kp, _ in flat], [x for _, x in flat], treedef
+  return [path_str(kp) for kp, _ in flat], [x for _, x in flat], treedef
 
 
 def _key_tuple(kp) -> tuple:
@@ -450,8 +479,9 @@ def _key_name(k) -> str:
   return str(k)
 
 
-def _path_str(kp) -> str:
-  return "/".join(_key_name(k) for k in kp)
+def path_str(kp) -> str:
+  """A key path as the plan names leaves: ``"blocks/fc/kernel"``."""
+  return jax.tree_util.keystr(tuple(kp), simple=True, separator="/")
 
 
 def _as_shape(x):

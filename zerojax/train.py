@@ -47,7 +47,8 @@ from typing import Any, Callable, Iterable, Mapping
 from zerojax.config import ConfigError, ZeroConfig
 
 PACKAGE_DIR = pathlib.Path(__file__).resolve().parent
-DEFAULT_CORPUS = PACKAGE_DIR.parent / "examples" / "data" / "corpus.txt"
+# Shipped as package data, so a non-editable install finds it too.
+DEFAULT_CORPUS = PACKAGE_DIR / "assets" / "corpus.txt"
 
 
 class NonFiniteGradientsError(RuntimeError):
@@ -610,7 +611,7 @@ def make_schedule(opts: TrainOptions, total_steps: int) -> Callable:
   return optax.constant_schedule(opts.lr)
 
 
-def make_optimizer(opts: TrainOptions, config: ZeroConfig, accumulation: int = 1):
+def make_optimizer(opts: TrainOptions):
   """``(tx, schedule)``: the optax optimizer and its learning-rate schedule."""
   import optax
   sched = make_schedule(opts, opts.steps)
@@ -629,7 +630,6 @@ def make_optimizer(opts: TrainOptions, config: ZeroConfig, accumulation: int = 1
     base = optax.sgd(sched, momentum=opts.momentum)
   # Clipping, loss scaling and accumulation happen in the step (`zerojax.ZeroTrainState`,
   # `zerojax.value_and_grad`), so the optimizer is the plain update rule.
-  del accumulation
   return base, sched
 
 
@@ -639,9 +639,9 @@ def make_optimizer(opts: TrainOptions, config: ZeroConfig, accumulation: int = 1
 def flat_params(params: Any) -> dict[str, Any]:
   """``{'blocks/qkv/kernel': leaf, ...}``: the tree flattened with ``/``-joined keys."""
   import jax
-  from zerojax.plan import _path_str
+  from zerojax.plan import path_str
   flat, _ = jax.tree_util.tree_flatten_with_path(params)
-  return {_path_str(kp): x for kp, x in flat}
+  return {path_str(kp): x for kp, x in flat}
 
 
 def save_weights(path: str | os.PathLike, params: Any) -> str:
@@ -927,21 +927,17 @@ def train(config: ZeroConfig, opts: TrainOptions | None = None, *,
   if opts.seq_len:
     mcfg = dataclasses.replace(mcfg, seq_len=opts.seq_len)
   mesh = zerojax.make_mesh(config)
-  from zerojax.mesh import axis_size, data_axes
-  dp = math.prod(axis_size(mesh, a) for a in data_axes(mesh))
   if (config.train_batch_size, config.micro_batch_per_device) == (None, None):
     config = config.replace(train_batch_size=opts.batch)
-  total, micro, accum = config.batch_sizes(dp)
-  rows = total  # rows per optimizer step; zerojax.value_and_grad splits them into micro-batches
-  tx, sched = make_optimizer(opts, config, accum)
+  tx, sched = make_optimizer(opts)
 
   corpus = opts.corpus or os.fspath(DEFAULT_CORPUS)
   if not os.path.isfile(corpus):
     raise ConfigError(f"TrainOptions.corpus={corpus!r} is not a file; pass corpus=PATH to a text "
-                      "file (the bundled corpus is examples/data/corpus.txt in the repository)")
+                      f"file (the bundled corpus is {DEFAULT_CORPUS})")
   tokens = load_bytes(corpus)
   model = GPT(mcfg)
-  sample = jnp.zeros((rows, mcfg.seq_len), jnp.int32)
+  sample = jnp.zeros((1, mcfg.seq_len), jnp.int32)  # shapes for init; the plan sets the batch
   dirs = _prepare_run(opts, config)
   rng = jax.random.key(opts.seed)
   start, data_step = 0, 0
@@ -960,6 +956,9 @@ def train(config: ZeroConfig, opts: TrainOptions | None = None, *,
       raise ConfigError(f"checkpoint {opts.checkpoint_dir!r} step {start} holds a state at "
                         f"optimizer step {int(state.step)}; it was not written by this loop")
 
+  # Rows per optimizer step; zerojax.value_and_grad splits them into micro-batches.
+  total, micro, accum = plan.batch_sizes
+  rows, dp = total, plan.data_parallel_size
   log(f"zerojax: {jax.device_count()} x {jax.devices()[0].platform} devices, "
       f"{jax.process_count()} process(es), mesh {dict(mesh.shape)}, stage {config.stage}")
   log(f"model {opts.model}: {zerojax.memory.num_params(state.params):,} parameters; batch "
@@ -977,7 +976,7 @@ def train(config: ZeroConfig, opts: TrainOptions | None = None, *,
     loss, grads = zerojax.value_and_grad(lf)(state.params, batch)
     return state.apply_gradients(grads=grads), {"loss": loss}
 
-  batch_sh = plan.batch({"x": sample})["x"]
+  batch_sh = plan.batch({"x": jax.ShapeDtypeStruct((rows, mcfg.seq_len), jnp.int32)})["x"]
   batches = TextBatches(tokens, rows, mcfg.seq_len, seed=opts.seed, sharding=batch_sh,
                         step=data_step)
 

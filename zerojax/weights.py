@@ -381,10 +381,10 @@ def place(params: Any, plan: Any) -> Any:
   """
   if hasattr(params, "load") and callable(params.load):
     params = params.load(plan)  # checked below like any tree (its arrays are already placed)
-  from zerojax.plan import _path_str, _unbox
+  from zerojax.plan import _unbox, path_str
   params = _unbox(params)
   flat, _ = jax.tree_util.tree_flatten_with_path(params)
-  by_path = {_path_str(kp): x for kp, x in flat}
+  by_path = {path_str(kp): x for kp, x in flat}
   want = {lp.path for lp in plan.leaves}
   missing = sorted(want - set(by_path))
   extra = sorted(set(by_path) - want)
