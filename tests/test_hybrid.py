@@ -8,8 +8,6 @@ reduced within each fsdp group, and only the shard crosses the replica axis.
 from __future__ import annotations
 
 import dataclasses
-import math
-import re
 
 import jax
 import numpy as np
@@ -17,7 +15,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import zerojax
-from zerojax.memory import _bytes_of
+from zerojax.memory import reductions, replica_groups
 from tests import helpers
 
 HSDP = dict(mesh_shape=(2, 4), mesh_axes=("replica", "fsdp"))
@@ -65,58 +63,6 @@ def _axes(spec) -> tuple:
   return tuple(out)
 
 
-def _iota(dims: list[int], perm: list[int] | None) -> np.ndarray:
-  arr = np.arange(math.prod(dims)).reshape(dims)
-  return (arr.transpose(perm) if perm else arr).reshape(-1)
-
-
-def replica_groups(line: str) -> list[frozenset[int]] | None:
-  """The device groups of one collective, in any of the HLO forms XLA prints:
-  ``mesh['a'=4,'b'=2], device_ids=(...) {'a'}``, ``[G,S]<=[dims]T(perm)`` or ``{{0,1},{2,3}}``.
-  Group members are partition ids: positions in the mesh's flattened device array."""
-  m = re.search(r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\(([^)]*\)?)\))?\s*\{([^}]*)\}",
-                line)
-  if m:
-    names_sizes = re.findall(r"'([^']+)'=(\d+)", m.group(1))
-    names = [n for n, _ in names_sizes]
-    sizes = [int(s) for _, s in names_sizes]
-    total = math.prod(sizes)
-    ids = np.arange(total)
-    if m.group(2):
-      d = re.match(r"\[([\d,]+)\](?:T\(([\d,]+)\))?", m.group(2))
-      ids = _iota([int(x) for x in d.group(1).split(",")],
-                  [int(x) for x in d.group(2).split(",")] if d.group(2) else None)
-    reduced = re.findall(r"'([^']+)'", m.group(3))
-    arr = ids.reshape(sizes)
-    keep = [i for i, n in enumerate(names) if n not in reduced]
-    red = [i for i, n in enumerate(names) if n in reduced]
-    arr = arr.transpose(keep + red).reshape(-1, math.prod(sizes[i] for i in red))
-    return [frozenset(int(v) for v in g) for g in arr]
-  m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line)
-  if m:
-    ids = _iota([int(x) for x in m.group(3).split(",")],
-                [int(x) for x in m.group(4).split(",")] if m.group(4) else None)
-    return [frozenset(int(v) for v in g) for g in ids.reshape(int(m.group(1)), int(m.group(2)))]
-  m = re.search(r"replica_groups=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}", line)
-  if m:
-    return [frozenset(int(v) for v in g.split(",") if v)
-            for g in re.findall(r"\{([\d,]*)\}", m.group(1))]
-  return None
-
-
-def _reductions(hlo: str):
-  """``(kind, groups, bytes of its operands)`` of every all-reduce / reduce-scatter."""
-  out = []
-  for line in hlo.splitlines():
-    m = re.search(r"=\s*(.*?)\s(all-reduce|reduce-scatter)(?:-start)?\(", line)
-    if not m:
-      continue
-    groups = replica_groups(line)
-    assert groups is not None, f"unparsed replica_groups in: {line[:300]}"
-    out.append((m.group(2), groups, _bytes_of(m.group(1))))
-  return out
-
-
 @pytest.mark.parametrize("stage", [2])
 def test_hybrid_hlo_reduces_within_fsdp_group_then_across_replicas(stage, hsdp_runs):
   run = hsdp_runs[stage]
@@ -128,9 +74,10 @@ def test_hybrid_hlo_reduces_within_fsdp_group_then_across_replicas(stage, hsdp_r
   fsdp_groups = {frozenset(p for p in coord if coord[p][0] == r) for r in range(2)}
   replica_groups_ = {frozenset(p for p in coord if coord[p][1] == f) for f in range(4)}
   everything = {frozenset(coord)}
-  red = _reductions(hlo)
+  red = reductions(hlo)
   kinds = {}
   for kind, groups, nbytes in red:
+    assert groups is not None, f"a {kind} without parsed replica groups"
     g = set(groups)
     key = ("fsdp" if g == fsdp_groups else "replica" if g == replica_groups_ else
            "all" if g == everything else "other")

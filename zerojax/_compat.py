@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterator
 import jax
 
 __all__ = ["ORIGINAL_SCAN", "REMAT_PRIMITIVE_NAMES", "name_p", "sharding_constraint_p",
-           "jaxpr_has_primitive", "subjaxprs", "eval_jaxpr"]
+           "jaxpr_has_primitive", "subjaxprs", "eval_jaxpr", "backends_initialized"]
 
 # ``jax.lax.scan`` as JAX defines it, captured before zerojax installs its per-thread dispatcher
 # (`zerojax.gather.scan_remat`); zerojax's own loops call this one directly.
@@ -51,6 +51,17 @@ def jaxpr_has_primitive(jaxpr: Any, names: frozenset[str]) -> bool:
     if any(jaxpr_has_primitive(j, names) for j in subjaxprs(eqn.params)):
       return True
   return False
+
+
+def backends_initialized() -> bool:
+  """Whether JAX has started its backends (device counts and XLA flags are fixed from then on).
+  JAX has no public query; without the internal one this says ``False`` and the checks that
+  ask are skipped (JAX then raises its own, later error)."""
+  try:
+    from jax._src import xla_bridge
+    return bool(xla_bridge.backends_are_initialized())
+  except (ImportError, AttributeError):  # pragma: no cover - depends on the installed JAX
+    return False
 
 
 def eval_jaxpr(closed: Any, args: list[Any],

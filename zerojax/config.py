@@ -204,7 +204,6 @@ class ZeroConfig:
               "'all remaining devices'")
     if sum(1 for s in self.mesh_shape if s == -1) > 1:
       _fail("mesh_shape", self.mesh_shape, "at most one size may be -1")
-    _check_devices(self.mesh_shape)
     if self.param_persistence_threshold is not None and (
         not _is_int(self.param_persistence_threshold) or self.param_persistence_threshold < 0):
       _fail("param_persistence_threshold", self.param_persistence_threshold,
@@ -490,13 +489,3 @@ def _resolve_shape(shape: Sequence[int], n: int, axes: Sequence[str]) -> tuple[i
   return tuple(shape)
 
 
-def _check_devices(shape: tuple[int, ...]) -> None:
-  """Checks the mesh against the device count, if the backend is already up.
-
-  The backend is not initialised here: a config is often built before
-  ``jax.distributed.initialize``, which must come first. `make_mesh` checks again.
-  """
-  from jax._src import xla_bridge
-  if xla_bridge.backends_are_initialized():
-    import jax
-    _resolve_shape(shape, jax.device_count(), ("?",) * len(shape))

@@ -79,8 +79,8 @@ class DeepSpeedMapping:
     if added:
       env["XLA_FLAGS"] = (current + " " + " ".join(added)).strip()
       if environ is None:
-        from jax._src import xla_bridge
-        if xla_bridge.backends_are_initialized():
+        from zerojax._compat import backends_initialized
+        if backends_initialized():
           import warnings
           warnings.warn("zerojax: XLA_FLAGS changed after the JAX backend started; the DeepSpeed "
                         f"flags {added} take effect in the next process only")

@@ -139,7 +139,7 @@ def initialize(coordinator_address: str | None = None,
   global _info
   import jax
   from jax._src import distributed as jdist
-  from jax._src import xla_bridge
+  from zerojax._compat import backends_initialized
 
   if _info is not None or jax.distributed.is_initialized():
     info = _info or _running_info(jdist)
@@ -163,7 +163,7 @@ def initialize(coordinator_address: str | None = None,
   cpu_devices = cpu_devices if cpu_devices is not None else _env_int(ENV_CPU_DEVICES)
 
   if nproc is None or nproc <= 1:  # single process: nothing to start
-    if cpu_devices is not None and not xla_bridge.backends_are_initialized():
+    if cpu_devices is not None and not backends_initialized():
       jax.config.update("jax_num_cpu_devices", cpu_devices)
     _info = DistributedInfo(0, 1, None, "single")
     return _info
@@ -179,7 +179,7 @@ def initialize(coordinator_address: str | None = None,
   _split_address(coord)  # JAX itself fails on a missing port with a bare IndexError
   if not 0 <= pid < nproc:
     raise DistributedInitError(f"process id {pid} is not in 0..{nproc - 1}")
-  if xla_bridge.backends_are_initialized():
+  if backends_initialized():
     raise DistributedInitError(
         "zerojax.distributed.initialize must run before JAX starts its backend (before "
         "jax.devices(), any computation, or zerojax.make_mesh); move the call to the top of "

@@ -505,17 +505,57 @@ def _only_sliced(value: str, lines: list[str], comps: dict[str, list[str]], dept
 
 def _group_size(line: str) -> int:
   """Devices per replica group of a collective, in any of XLA's printed forms."""
-  m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line)
+  groups = replica_groups(line)
+  return len(groups[0]) if groups else 1
+
+
+def _iota(dims: list[int], perm: list[int] | None) -> np.ndarray:
+  arr = np.arange(math.prod(dims)).reshape(dims)
+  return (arr.transpose(perm) if perm else arr).reshape(-1)
+
+
+def replica_groups(line: str) -> list[frozenset[int]] | None:
+  """The device groups of one collective in an HLO line, in any of the forms XLA prints:
+  ``mesh['a'=4,'b'=2], device_ids=(...) {'a'}``, ``[G,S]<=[dims]T(perm)`` or ``{{0,1},{2,3}}``.
+  Group members are partition ids (positions in the mesh's flattened device array); ``None``
+  when the line names no groups."""
+  m = re.search(r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\(([^)]*\)?)\))?\s*\{([^}]*)\}",
+                line)
   if m:
-    sizes = dict(re.findall(r"'([^']+)'=(\d+)", m.group(1)))
-    return math.prod(int(sizes[a]) for a in re.findall(r"'([^']+)'", m.group(2)))
-  m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=", line)
+    names_sizes = re.findall(r"'([^']+)'=(\d+)", m.group(1))
+    names = [n for n, _ in names_sizes]
+    sizes = [int(s) for _, s in names_sizes]
+    ids = np.arange(math.prod(sizes))
+    if m.group(2):
+      d = re.match(r"\[([\d,]+)\](?:T\(([\d,]+)\))?", m.group(2))
+      ids = _iota([int(x) for x in d.group(1).split(",")],
+                  [int(x) for x in d.group(2).split(",")] if d.group(2) else None)
+    reduced = re.findall(r"'([^']+)'", m.group(3))
+    keep = [i for i, n in enumerate(names) if n not in reduced]
+    red = [i for i, n in enumerate(names) if n in reduced]
+    arr = ids.reshape(sizes).transpose(keep + red).reshape(-1, math.prod(sizes[i] for i in red))
+    return [frozenset(int(v) for v in g) for g in arr]
+  m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line)
   if m:
-    return int(m.group(2))
-  m = re.search(r"replica_groups=\{\{([^}]*)\}", line)
+    ids = _iota([int(x) for x in m.group(3).split(",")],
+                [int(x) for x in m.group(4).split(",")] if m.group(4) else None)
+    return [frozenset(int(v) for v in g) for g in ids.reshape(int(m.group(1)), int(m.group(2)))]
+  m = re.search(r"replica_groups=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}", line)
   if m:
-    return len(m.group(1).split(","))
-  return 1
+    return [frozenset(int(v) for v in g.split(",") if v)
+            for g in re.findall(r"\{([\d,]*)\}", m.group(1))]
+  return None
+
+
+def reductions(hlo_text: str) -> list[tuple[str, list[frozenset[int]] | None, int]]:
+  """``(kind, replica groups, bytes)`` of every all-reduce and reduce-scatter in a compiled
+  step's HLO (``compiled.as_text()``), in program order; bytes are the collective's result."""
+  out = []
+  for line in hlo_text.splitlines():
+    m = re.search(r"=\s*(.*?)\s(all-reduce|reduce-scatter)(?:-start)?\(", line)
+    if m:
+      out.append((m.group(2), replica_groups(line), _bytes_of(m.group(1))))
+  return out
 
 
 # -- ahead-of-time compilation for TPU topologies ----------------------------------------------

@@ -210,8 +210,8 @@ def setup_cpu_devices(n: int) -> None:
 
   Only the CPU backend reads the setting, so it is harmless on accelerators.
   """
-  from jax._src import xla_bridge
-  if xla_bridge.backends_are_initialized():
+  from zerojax._compat import backends_initialized
+  if backends_initialized():
     return
   if "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
     return
