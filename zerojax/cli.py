@@ -17,6 +17,9 @@ from typing import Any, Mapping, Sequence
 from zerojax.config import (ConfigError, ZeroConfig, did_you_mean, in_file, read_config_file,
                             unknown_key_error)
 
+__all__ = ["load_config", "fmt_bytes", "paper_options", "model_options", "recommend",
+           "step_peak", "build_parser", "main"]
+
 PROG = "zerojax"
 
 EPILOG_OVERRIDES = """\

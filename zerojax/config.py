@@ -20,6 +20,10 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 
+__all__ = ["STAGES", "MESH_AXES", "DTYPES", "REMAT_POLICIES", "GATHER_MODES",
+           "OFFLOAD_FALLBACKS", "NONFINITE_POLICIES", "ConfigError", "did_you_mean",
+           "unknown_key_error", "BOOL_FIELDS", "ZeroConfig", "in_file", "read_config_file"]
+
 STAGES = (0, 1, 2, 3)
 MESH_AXES = ("replica", "fsdp", "tensor")
 DTYPES = ("float32", "bfloat16", "float16")

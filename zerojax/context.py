@@ -16,6 +16,8 @@ import contextvars
 import dataclasses
 from typing import Any, Iterator
 
+__all__ = ["StepContext", "current", "active"]
+
 _ACTIVE: contextvars.ContextVar["StepContext | None"] = contextvars.ContextVar(
     "zerojax_step", default=None)
 

@@ -13,6 +13,8 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
+__all__ = ["VOCAB_SIZE", "load_bytes", "process_rows", "TextBatches"]
+
 VOCAB_SIZE = 256  # bytes
 
 

@@ -37,6 +37,9 @@ from typing import Any, Mapping
 
 from zerojax.config import ConfigError, ZeroConfig, in_file, read_config_file, unknown_key_error
 
+__all__ = ["RS_COMBINE", "AG_COMBINE", "AR_COMBINE", "LHS", "DeepSpeedMapping",
+           "from_deepspeed", "load_deepspeed", "is_deepspeed", "map_deepspeed"]
+
 # XLA flag names (GPU backend; accepted and ignored by the CPU backend).
 RS_COMBINE = "--xla_gpu_reduce_scatter_combine_threshold_bytes"
 AG_COMBINE = "--xla_gpu_all_gather_combine_threshold_bytes"

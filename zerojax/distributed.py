@@ -44,6 +44,13 @@ import threading
 import time
 from typing import Any, Sequence
 
+__all__ = ["ENV_COORDINATOR", "ENV_NUM_PROCESSES", "ENV_PROCESS_ID", "ENV_CPU_DEVICES",
+           "ENV_INIT_TIMEOUT", "ENV_HEARTBEAT_TIMEOUT", "ENV_SHUTDOWN_TIMEOUT",
+           "DEFAULT_INIT_TIMEOUT", "DEFAULT_HEARTBEAT_TIMEOUT", "DEFAULT_SHUTDOWN_TIMEOUT",
+           "DistributedInitError", "DistributedInfo", "initialize", "ProcessMismatchError",
+           "ENV_AGREEMENT_TIMEOUT", "DEFAULT_AGREEMENT_TIMEOUT", "fingerprint",
+           "check_agreement", "info", "shutdown"]
+
 ENV_COORDINATOR = "ZEROJAX_COORDINATOR_ADDRESS"
 ENV_NUM_PROCESSES = "ZEROJAX_NUM_PROCESSES"
 ENV_PROCESS_ID = "ZEROJAX_PROCESS_ID"

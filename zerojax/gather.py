@@ -45,6 +45,10 @@ from zerojax._compat import (ORIGINAL_SCAN, REMAT_PRIMITIVE_NAMES, eval_jaxpr,
                              jaxpr_has_primitive, name_p, sharding_constraint_p)
 from zerojax.plan import HOST
 
+__all__ = ["GATHERED", "zerojax_gather", "gather", "fetch", "after", "ZeroParam",
+           "regather_layers", "box_params", "per_layer_reads", "save_all_but_gathered",
+           "ScanRemat", "scan_remat", "remat_policy", "scanned_layers"]
+
 GATHERED = "zerojax_gathered"
 
 

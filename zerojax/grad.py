@@ -55,6 +55,8 @@ from zerojax._compat import ORIGINAL_SCAN
 from zerojax.gather import after
 from zerojax.config import ConfigError, ZeroConfig
 
+__all__ = ["F32", "check_batch", "value_and_grad"]
+
 PyTree = Any
 F32 = jnp.float32
 

@@ -45,6 +45,13 @@ from jax.sharding import AbstractMesh, AxisType
 from zerojax.config import ZeroConfig
 from zerojax.plan import ShardingPlan
 
+__all__ = ["PAPER_K", "paper_bytes", "Estimate", "num_params", "estimate", "Measured",
+           "measure", "collective_bytes", "GatherSchedule", "gather_schedule", "replica_groups",
+           "reductions", "GiB", "HBM_PER_CHIP", "TOPOLOGY_EXAMPLES", "TPU_EXTRA",
+           "tpu_topology", "hbm_available", "TopologyCompile", "lm_train_step",
+           "compile_for_topology", "DeviceMemoryError", "bytes_limit", "compiled_peak",
+           "check_fits", "check_state_fits"]
+
 PAPER_K = 12
 
 

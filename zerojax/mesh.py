@@ -17,6 +17,8 @@ from jax.sharding import AxisType, Mesh
 
 from zerojax.config import ZeroConfig
 
+__all__ = ["make_mesh", "data_axes", "axis_size"]
+
 
 def make_mesh(config: ZeroConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
   """Builds the mesh over all devices (of every process) or over ``devices``.

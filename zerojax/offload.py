@@ -19,6 +19,9 @@ from zerojax.config import ConfigError, ZeroConfig
 
 from zerojax.plan import HOST
 
+__all__ = ["DEVICE", "supported_memory_kinds", "memory_kinds", "on_device", "on_host",
+           "put_like", "wrap_tx"]
+
 DEVICE = "device"
 
 

@@ -37,6 +37,9 @@ from zerojax.plan import ShardingPlan
 from zerojax.grad import check_batch
 from zerojax.train_state import StepSettings, ZeroTrainState, nnx_loss_scaling, skip_nonfinite
 
+__all__ = ["wrap_apply_fn", "compiler_options", "ZeroStep", "zero_step", "create_train_state",
+           "state_initializer", "create_nnx", "nnx_state_shardings", "existing_params"]
+
 PyTree = Any
 
 

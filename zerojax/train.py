@@ -46,6 +46,13 @@ from typing import Any, Callable, Iterable, Mapping
 
 from zerojax.config import ConfigError, ZeroConfig
 
+__all__ = ["PACKAGE_DIR", "DEFAULT_CORPUS", "NonFiniteGradientsError", "TrainOptions",
+           "apply_deepspeed_train", "deepspeed_train_fields", "is_main_process", "log",
+           "setup_cpu_devices", "crc32c", "masked_crc32c", "EventWriter", "read_run_events",
+           "read_events", "MetricsWriter", "read_jsonl", "plot_loss", "nothing_sharded_note",
+           "StepClock", "make_schedule", "make_optimizer", "flat_params", "save_weights",
+           "infer_model", "load_weights", "TrainResult", "train"]
+
 PACKAGE_DIR = pathlib.Path(__file__).resolve().parent
 # Shipped as package data, so a non-editable install finds it too.
 DEFAULT_CORPUS = PACKAGE_DIR / "assets" / "corpus.txt"

@@ -37,6 +37,9 @@ from flax.training import train_state
 
 from zerojax.config import ZeroConfig
 
+__all__ = ["StepSettings", "ZeroTrainState", "update_scale", "learning_rate", "skip_nonfinite",
+           "nnx_loss_scaling"]
+
 
 @dataclasses.dataclass(frozen=True)
 class StepSettings:

@@ -15,6 +15,8 @@ import jax.numpy as jnp
 import flax.linen as nn
 from jax.ad_checkpoint import checkpoint_name
 
+__all__ = ["GPTConfig", "PRESETS", "Block", "GPT", "loss_fn", "nnx_gpt"]
+
 
 @dataclasses.dataclass(frozen=True)
 class GPTConfig:
