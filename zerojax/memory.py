@@ -668,6 +668,7 @@ class TopologyCompile:
   batch_bytes: int = 0  # the batch's share of the arguments
   error: str | None = None
   required: int | None = None
+  formulation: str | None = None  # how the step gathers parameters (`ZeroStep.formulation`)
   compiled: Any = dataclasses.field(default=None, repr=False, compare=False)
 
   @property
@@ -688,6 +689,8 @@ class TopologyCompile:
              f"compiled ahead of time in {self.compile_seconds:.1f} s (nothing allocated)",
              f"  HBM per chip {g(self.chip_hbm)} (documented); the compiler allows "
              f"{g(self.hbm_available)} per device"]
+    if self.formulation is not None:
+      lines.append(f"  parameters gathered: {self.formulation} (see ZeroConfig.gather)")
     if self.measured is None:
       need = f" it needs {g(self.required)}" if self.required is not None else ""
       lines += [f"  DOES NOT FIT: the compiler refused the step:{need}",
@@ -793,6 +796,7 @@ def compile_for_topology(config: ZeroConfig | str | Any, model: Any, batch: Any,
                 hbm_available=hbm_available(devices[0]), estimate=est, batch_bytes=batch_bytes)
   t0 = time.perf_counter()
   lowered = step.lower(state, batch)
+  common["formulation"] = next(iter(step.formulation.values()), None)
   try:
     compiled = lowered.compile(compiler_options) if compiler_options else lowered.compile()
   except Exception as e:  # XLA:TPU refuses programs that exceed HBM

@@ -196,10 +196,9 @@ class ZeroStep:
       if seen.get("candidate"):
         # Both formulations are valid for this model: keep the one XLA says needs less.
         alt = make(False, {})
-        per_use_temp = _temp_bytes(lowered.compile())
-        compiler_temp = _temp_bytes(alt.lower(state, batch, *rest).compile())
-        if per_use_temp is not None and compiler_temp is not None and (
-            compiler_temp < per_use_temp):
+        per_use_temp = _temp_bytes(lowered)
+        compiler_temp = _temp_bytes(alt.lower(state, batch, *rest))
+        if compiler_temp is not None and (per_use_temp is None or compiler_temp < per_use_temp):
           jitted = alt
         else:
           self.formulation[key] = "per use"
@@ -392,8 +391,14 @@ def _check_state_features(plan: ShardingPlan, state: Any) -> None:
                       f"zerojax.create_train_state); {kind} would silently ignore it")
 
 
-def _temp_bytes(compiled: Any) -> int | None:
-  analysis = compiled.memory_analysis()
+def _temp_bytes(lowered: Any) -> int | None:
+  """Temp bytes of ``lowered`` compiled, or None where it does not compile (an accelerator
+  compiler refuses a step over its memory: then the other formulation is taken, and where
+  neither compiles the caller's own compile reports the error)."""
+  try:
+    analysis = lowered.compile().memory_analysis()
+  except Exception:  # noqa: BLE001 - XLA raises its own error types (RESOURCE_EXHAUSTED)
+    return None
   return None if analysis is None else int(analysis.temp_size_in_bytes)
 
 
