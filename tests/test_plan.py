@@ -146,3 +146,30 @@ def test_abstract_mesh_planning_without_devices():
   mesh = AbstractMesh((512,), ("fsdp",), axis_types=(AxisType.Auto,))
   plan = ShardingPlan.create(cfg, mesh, {"w": S((4096, 4096), jnp.float32)}, optax.adam(1e-3))
   assert plan.bytes_per_device()["params"] == 4096 * 4096 * 4 // 512
+
+
+@pytest.mark.parametrize("tx, mirrored, own", [
+    # optax.tree_map_params knows these states: the moments mirror their parameters.
+    (optax.adamw(1e-3), {"0/mu/big": "big", "0/nu/stack": "stack"}, ["0/count"]),
+    (optax.MultiSteps(optax.adam(1e-3), 2), {"inner_opt_state/0/mu/big": "big",
+                                             "acc_grads/tall": "tall"}, ["mini_step"]),
+    # Factored statistics are parameter-structured but not parameter-shaped: a plan of their own.
+    (optax.adafactor(1e-3), {"0/v/big": "big"}, ["0/v_row/big", "0/v_col/big"]),
+    # A state optax cannot map (masked): the key path decides, and the shape must agree.
+    (optax.masked(optax.adam(1e-3), {k: k != "odd" for k in PARAMS}),
+     {"inner_state/0/mu/big": "big"}, ["inner_state/0/count"]),
+])
+def test_optimizer_state_leaves_index_their_parameters(tx, mirrored, own):
+  plan = plan_for(3, tx=tx)
+  index = {path: (None if i is None else plan.leaves[i].path)
+           for (path, *_), i in zip(plan.opt_leaves, plan.opt_param)}
+  assert len(plan.opt_param) == len(plan.opt_leaves)
+  for path, param in mirrored.items():
+    assert index[path] == param, (path, index)
+  for path in own:
+    assert index[path] is None, (path, index)
+  # A mirroring leaf is sharded exactly as its parameter is at stage >= 1.
+  specs_by_path = {path: spec for path, _, _, spec in plan.opt_leaves}
+  leaf = {lp.path: lp for lp in plan.leaves}
+  for path, param in mirrored.items():
+    assert specs_by_path[path] == leaf[param].sharded

@@ -90,6 +90,8 @@ class ShardingPlan:
     opt_state: `NamedSharding` tree of the optimizer state at rest.
     leaves: one `LeafPlan` per parameter leaf, in tree order.
     opt_leaves: ``(path, shape, dtype, spec)`` per optimizer-state leaf.
+    opt_param: per optimizer-state leaf, the index in ``leaves`` of the parameter it mirrors
+      (same shape: Adam's moments, momentum), or ``None`` (step counts, factored statistics).
   """
 
   config: ZeroConfig
@@ -100,6 +102,7 @@ class ShardingPlan:
   opt_state: PyTree
   leaves: tuple[LeafPlan, ...]
   opt_leaves: tuple[tuple[str, tuple[int, ...], Any, P], ...]
+  opt_param: tuple[int | None, ...] = ()
 
   # -- construction ---------------------------------------------------------------------------
 
@@ -144,11 +147,13 @@ class ShardingPlan:
 
     if opt_state is None and tx is not None:
       opt_state = jax.eval_shape(tx.init, jax.tree.map(_as_shape, params))
-    opt_sh, opt_leaves = (None, ())
+    opt_sh, opt_leaves, opt_param = (None, (), ())
     if opt_state is not None:
-      opt_sh, opt_leaves = _plan_opt_state(config, mesh, opt_state, params, leaves, opt_kind)
+      opt_param = _opt_param_index(tx, opt_state, params, leaves)
+      opt_sh, opt_leaves = _plan_opt_state(config, mesh, opt_state, leaves, opt_param, opt_kind)
     _warn_nothing_to_shard(config, mesh)
-    return cls(config, mesh, params_sh, params_gathered, grads_sh, opt_sh, leaves, opt_leaves)
+    return cls(config, mesh, params_sh, params_gathered, grads_sh, opt_sh, leaves, opt_leaves,
+               opt_param)
 
   # -- shardings for other trees --------------------------------------------------------------
 
@@ -391,23 +396,50 @@ def _plan_leaf(config: ZeroConfig, mesh: Mesh, path: str, x: Any,
   return LeafPlan(path, shape, dtype, P(*spec), gathered, reason or "sharded")
 
 
-def _plan_opt_state(config, mesh, opt_state, params, leaves, kind):
+def _opt_param_index(tx: Any, opt_state: PyTree, params: PyTree,
+                     leaves: tuple[LeafPlan, ...]) -> tuple[int | None, ...]:
+  """Per optimizer-state leaf, the index of the parameter leaf it mirrors, or ``None``.
+
+  ``optax.tree_map_params`` says which state leaves are parameter-shaped, from the
+  transformation itself; where it cannot (no ``tx``, or a state it does not recognise, such as
+  ``optax.masked``'s), a leaf whose key path ends with a parameter's path is taken. Either way
+  the shapes must agree: factored statistics (Adafactor's row and column factors) are
+  parameter-structured but not parameter-shaped, and get a plan of their own.
+  """
+  flat = jax.tree_util.tree_flatten_with_path(opt_state)[0]
+  found: list[int | None] | None = None
+  if tx is not None:
+    try:
+      import optax
+      idx = jax.tree.unflatten(jax.tree.structure(params), list(range(len(leaves))))
+      mapped = optax.tree_map_params(tx, lambda _, i: i, opt_state, idx,
+                                     transform_non_params=lambda _: -1)
+      got = jax.tree.leaves(mapped)
+      if len(got) == len(flat):
+        found = [None if i == -1 else i for i in got]
+    except Exception:  # noqa: BLE001 - a state optax cannot map: match by path below
+      found = None
+  if found is None:
+    by_keys = {_key_tuple(kp): i for i, (kp, _) in
+               enumerate(jax.tree_util.tree_flatten_with_path(params)[0])}
+    found = []
+    for kp, x in flat:
+      keys = _key_tuple(kp)
+      found.append(next((by_keys[keys[j:]] for j in range(len(keys))
+                         if keys[j:] in by_keys
+                         and leaves[by_keys[keys[j:]]].shape == tuple(np.shape(x))), None))
+  return tuple(i if i is not None and leaves[i].shape == tuple(np.shape(x)) else None
+               for i, (_, x) in zip(found, flat))
+
+
+def _plan_opt_state(config, mesh, opt_state, leaves, opt_param, kind):
   """Optimizer-state shardings: mirror a parameter's plan where the leaf mirrors a parameter."""
-  by_keys = {}
-  for (kp, _), lp in zip(jax.tree_util.tree_flatten_with_path(params)[0], leaves):
-    by_keys[_key_tuple(kp)] = lp
   st = config.stage
   flat, treedef = jax.tree_util.tree_flatten_with_path(opt_state)
   specs, infos = [], []
-  for kp, x in flat:
+  for (kp, x), i in zip(flat, opt_param):
     shape, dtype = tuple(np.shape(x)), getattr(x, "dtype", np.dtype(type(x)))
-    keys = _key_tuple(kp)
-    lp = None
-    for i in range(len(keys)):
-      cand = by_keys.get(keys[i:])
-      if cand is not None and cand.shape == shape:
-        lp = cand
-        break
+    lp = leaves[i] if i is not None else None
     if lp is None:
       lp = _plan_leaf(config, mesh, path_str(kp), jax.ShapeDtypeStruct(shape, dtype), None)
     spec = lp.sharded if st >= 1 else lp.gathered
@@ -542,14 +574,13 @@ def _fmt_bytes(n: float) -> str:
 
 
 def _opt_specs_by_param(plan: ShardingPlan) -> dict[str, NamedSharding]:
-  """First optimizer-state sharding whose path ends with a parameter's path."""
-  out = {}
+  """The first optimizer-state sharding that mirrors each parameter (`ShardingPlan.opt_param`)."""
+  out: dict[str, NamedSharding] = {}
   if plan.opt_state is None:
     return out
-  for (path, shape, _, _), sh in zip(plan.opt_leaves, jax.tree.leaves(plan.opt_state)):
-    for lp in plan.leaves:
-      if lp.path not in out and path.endswith(lp.path) and shape == lp.shape:
-        out[lp.path] = sh
+  for i, sh in zip(plan.opt_param, jax.tree.leaves(plan.opt_state)):
+    if i is not None:
+      out.setdefault(plan.leaves[i].path, sh)
   return out
 
 
