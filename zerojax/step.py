@@ -579,32 +579,34 @@ def _with_loss_scaling(optimizer: Any, config: ZeroConfig) -> Any:
 
 
 def nnx_state_shardings(plan: ShardingPlan, state: Any) -> Any:
-  """Shardings for ``nnx.state((model, optimizer))``: params and optimizer state from the
-  plan (matched by path), everything else (step counters, RNG state) replicated."""
-  from zerojax.plan import _key_tuple
-  flat, treedef = jax.tree_util.tree_flatten_with_path(state)
-  p_flat = jax.tree.leaves(plan.params)
-  o_flat = jax.tree.leaves(plan.opt_state) if plan.opt_state is not None else []
-  p_paths = [lp.path.split("/") for lp in plan.leaves]
-  o_paths = [o[0].split("/") for o in plan.opt_leaves]
-  out = []
-  for kp, x in flat:
-    keys = list(_key_tuple(kp))
-    sh = None
-    if keys[:1] == ["0"]:  # the model
-      sh = _match(keys[1:], p_paths, p_flat)
-    elif keys[:1] == ["1"] and "opt_state" in keys:
-      sh = _match(keys[keys.index("opt_state") + 1:], o_paths, o_flat)
-    out.append(sh if sh is not None else plan.replicated)
-  return jax.tree_util.tree_unflatten(treedef, out)
-
-
-def _match(keys, paths, shardings):
-  keys = [k for k in keys if k != "value"]
-  for p, s in zip(paths, shardings):
-    if [k for k in p if k != "value"] == keys:
-      return s
-  return None
+  """Shardings for ``nnx.state((model, optimizer))``: the model's ``nnx.Param`` variables take
+  the plan's parameter shardings and the optimizer's ``opt_state`` variables the plan's
+  optimizer-state shardings, both in tree order (the plan was made from the same trees, so
+  shapes must agree leaf for leaf); everything else (step counters, RNG state, batch
+  statistics) is replicated."""
+  from flax import nnx
+  flat = list(state.flat_state())
+  leaves, treedef = jax.tree.flatten(state)
+  if len(flat) != len(leaves):
+    raise ValueError(f"nnx_state_shardings: {len(flat)} variables but {len(leaves)} leaves")
+  is_param = [p[0] == 0 and isinstance(v, nnx.Param) for p, v in flat]
+  is_opt = [p[0] == 1 and len(p) > 1 and p[1] == "opt_state" for p, _ in flat]
+  out = [plan.replicated] * len(leaves)
+  for mask, shardings, what in ((is_param, plan.params, "parameters"),
+                                (is_opt, plan.opt_state, "optimizer state")):
+    want = jax.tree.leaves(shardings) if shardings is not None else []
+    at = [i for i, m in enumerate(mask) if m]
+    shapes = [jnp.shape(leaves[i]) for i in at]
+    planned = ([lp.shape for lp in plan.leaves] if what == "parameters"
+               else [o[1] for o in plan.opt_leaves])
+    if len(at) != len(want) or [tuple(x) for x in shapes] != [tuple(x) for x in planned]:
+      raise ValueError(
+          f"nnx_state_shardings: the state's {what} ({len(at)} leaves) are not the tree the "
+          f"plan was made for ({len(want)} leaves); build the plan from the same model and "
+          "optimizer (zerojax.create_nnx)")
+    for i, sh in zip(at, want):
+      out[i] = sh
+  return jax.tree.unflatten(treedef, out)
 
 
 def _nnx_values(tree):
