@@ -1,4 +1,4 @@
-"""The training loop: metrics files, TensorBoard encoding, loss scaling, weights round trip."""
+"""The training loop: metrics files, TensorBoard event files, loss scaling, weights round trip."""
 
 import json
 import os
@@ -12,18 +12,14 @@ from zerojax import train as zt
 from zerojax.config import ZeroConfig
 
 
-def test_crc32c_and_masking():
-  assert zt.crc32c(b"123456789") == 0xE3069283  # the standard CRC-32C check value
-  assert zt.crc32c(b"") == 0
-  c = zt.crc32c(b"abc")
-  assert zt.masked_crc32c(b"abc") == (((c >> 15) | (c << 17)) + 0xA282EAD8) & 0xFFFFFFFF
-
-
 def test_event_file_round_trip(tmp_path):
   w = zt.EventWriter(tmp_path)
   w.scalars(1, {"train/loss": 2.5, "train/lr": 1e-3})
   w.scalars(300, {"train/loss": 1.25})
   w.close()
+  again = zt.EventWriter(tmp_path)  # opened within the same second: a file of its own, later
+  again.close()
+  assert again.path != w.path and sorted([w.path, again.path])[0] == w.path
   assert os.path.basename(w.path).startswith("events.out.tfevents.")
   events = zt.read_events(w.path)
   assert events == [(1, "train/loss", 2.5), (1, "train/lr", pytest.approx(1e-3)),

@@ -301,7 +301,8 @@ def format_table(options: Sequence[Option], title: str) -> str:
 def plot_options(options: Sequence[Option], path: str, title: str,
                  budget: float | None = None) -> str:
   """Stacked bars (params, grads, optimizer state) of device memory per option."""
-  import matplotlib
+  from zerojax.train import require
+  matplotlib = require("matplotlib", "zerojax estimate --plot")
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   names = [o.name.replace(" + ", "\n+ ") for o in options]

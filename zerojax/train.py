@@ -37,7 +37,6 @@ import math
 import os
 import pathlib
 import queue
-import socket
 import struct
 import sys
 import threading
@@ -48,7 +47,7 @@ from zerojax.config import ConfigError, ZeroConfig
 
 __all__ = ["PACKAGE_DIR", "DEFAULT_CORPUS", "NonFiniteGradientsError", "TrainOptions",
            "apply_deepspeed_train", "deepspeed_train_fields", "is_main_process", "log",
-           "setup_cpu_devices", "crc32c", "masked_crc32c", "EventWriter", "read_run_events",
+           "setup_cpu_devices", "require", "EventWriter", "read_run_events",
            "read_events", "MetricsWriter", "read_jsonl", "plot_loss", "nothing_sharded_note",
            "StepClock", "make_schedule", "make_optimizer", "flat_params", "save_weights",
            "infer_model", "load_weights", "TrainResult", "train"]
@@ -228,97 +227,47 @@ def setup_cpu_devices(n: int) -> None:
 
 # -- TensorBoard event files ------------------------------------------------------------------
 
-_CRC_TABLE: list[int] = []
-
-
-def crc32c(data: bytes) -> int:
-  """CRC-32C (Castagnoli), as TFRecord framing uses."""
-  if not _CRC_TABLE:
-    for i in range(256):
-      c = i
-      for _ in range(8):
-        c = (c >> 1) ^ 0x82F63B78 if c & 1 else c >> 1
-      _CRC_TABLE.append(c)
-  crc = 0xFFFFFFFF
-  for b in data:
-    crc = _CRC_TABLE[(crc ^ b) & 0xFF] ^ (crc >> 8)
-  return crc ^ 0xFFFFFFFF
-
-
-def masked_crc32c(data: bytes) -> int:
-  c = crc32c(data)
-  return (((c >> 15) | (c << 17)) + 0xA282EAD8) & 0xFFFFFFFF
-
-
-def _varint(n: int) -> bytes:
-  out = bytearray()
-  n &= (1 << 64) - 1
-  while True:
-    b = n & 0x7F
-    n >>= 7
-    if n:
-      out.append(b | 0x80)
-    else:
-      out.append(b)
-      return bytes(out)
-
-
-def _field(num: int, wire: int) -> bytes:
-  return _varint((num << 3) | wire)
-
-
-def _event(wall_time: float, step: int, *, file_version: str | None = None,
-           scalars: Mapping[str, float] | None = None, session_start: bool = False) -> bytes:
-  """Serialises a ``tensorflow.Event`` protobuf (wall_time=1, step=2, file_version=3,
-  summary=5 with Summary.value=1: Value.tag=1, Value.simple_value=2; session_log=6 with
-  SessionLog.status=1, START=1)."""
-  msg = _field(1, 1) + struct.pack("<d", wall_time) + _field(2, 0) + _varint(step)
-  if file_version is not None:
-    v = file_version.encode()
-    msg += _field(3, 2) + _varint(len(v)) + v
-  if session_start:
-    msg += _field(6, 2) + _varint(2) + _field(1, 0) + _varint(1)
-  if scalars:
-    summary = b""
-    for tag, value in scalars.items():
-      t = tag.encode()
-      val = _field(1, 2) + _varint(len(t)) + t + _field(2, 5) + struct.pack("<f", float(value))
-      summary += _field(1, 2) + _varint(len(val)) + val
-    msg += _field(5, 2) + _varint(len(summary)) + summary
-  return msg
+def require(module: str, what: str) -> Any:
+  """``import module``, or an error that names the extra that installs it."""
+  import importlib
+  try:
+    return importlib.import_module(module)
+  except ImportError as e:
+    raise ImportError(f"{what} needs the {module!r} package, which the train extra installs: "
+                      "pip install 'zerojax[train]'") from e
 
 
 class EventWriter:
-  """Writes scalar summaries to a TensorBoard event file (TFRecord of Event protos)."""
+  """Scalar summaries in a TensorBoard event file, written by ``tensorboardX``."""
 
   def __init__(self, logdir: str | os.PathLike, purge_step: int | None = None):
+    tbx = require("tensorboardX", "writing TensorBoard event files")
+    logdir = os.fspath(logdir)
     os.makedirs(logdir, exist_ok=True)
-    name = f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}"
-    path = os.path.join(os.fspath(logdir), name)
-    n = 1
-    while os.path.exists(path):  # a resumed run restarted within the same second
-      path, n = os.path.join(os.fspath(logdir), f"{name}.{n}"), n + 1
-    self.path = path
-    self._f = open(self.path, "wb")
-    self._write(_event(time.time(), 0, file_version="brain.Event:2"))
-    if purge_step is not None:
-      # A resumed run redoes the steps after its checkpoint: SessionLog START at purge_step
-      # makes TensorBoard drop the earlier files' events from that step on.
-      self._write(_event(time.time(), purge_step, session_start=True))
-
-  def _write(self, data: bytes) -> None:
-    header = struct.pack("<Q", len(data))
-    self._f.write(header + struct.pack("<I", masked_crc32c(header)) + data
-                  + struct.pack("<I", masked_crc32c(data)))
+    before = set(_event_files(logdir))
+    # Files are named by the second they were opened; a numbered suffix keeps a resumed run
+    # restarted within the same second apart, in order (see `read_run_events`).
+    # ``purge_step``: a resumed run redoes the steps after its checkpoint; the SessionLog START
+    # tensorboardX writes at that step makes TensorBoard drop the earlier files' events from it.
+    self._w = tbx.SummaryWriter(logdir=logdir, purge_step=purge_step, flush_secs=10,
+                                filename_suffix=f".{len(before):04d}")
+    self._w.flush()
+    new = sorted(set(_event_files(logdir)) - before)
+    self.path = os.path.join(logdir, new[-1]) if new else None
 
   def scalars(self, step: int, values: Mapping[str, float], wall_time: float | None = None):
-    self._write(_event(time.time() if wall_time is None else wall_time, step, scalars=values))
+    for tag, v in values.items():
+      self._w.add_scalar(tag, float(v), int(step), walltime=wall_time)
 
   def flush(self) -> None:
-    self._f.flush()
+    self._w.flush()
 
   def close(self) -> None:
-    self._f.close()
+    self._w.close()
+
+
+def _event_files(logdir: str | os.PathLike) -> list[str]:
+  return [f for f in os.listdir(logdir) if f.startswith("events.out.tfevents.")]
 
 
 def read_run_events(logdir: str | os.PathLike) -> list[tuple[int, str, float]]:
@@ -326,26 +275,38 @@ def read_run_events(logdir: str | os.PathLike) -> list[tuple[int, str, float]]:
   files in order, where a ``SessionLog START`` at step ``s`` (a resumed run) drops the earlier
   files' events from step ``s`` on."""
   out: list[tuple[int, str, float]] = []
-  files = sorted((f for f in os.listdir(logdir) if f.startswith("events.out.tfevents.")),
-                 key=lambda f: (int(f.split(".")[3]), f))
+  files = sorted(_event_files(logdir), key=lambda f: (int(f.split(".")[3]), f))
   for f in files:
-    for purge in _session_starts(os.path.join(logdir, f)):
-      out = [e for e in out if e[0] < purge]
-    out += read_events(os.path.join(logdir, f))
+    events = list(_events(os.path.join(logdir, f)))
+    for e in events:
+      if e.HasField("session_log") and e.session_log.status == e.session_log.START:
+        out = [x for x in out if x[0] < e.step]
+    out += _scalars(events)
   return out
 
 
-def _session_starts(path: str | os.PathLike) -> list[int]:
-  return [step for step, fields in _records(path)
-          if any(_parse(sl).get(1, [0])[0] == 1 for sl in fields.get(6, []))]
+def read_events(path: str | os.PathLike) -> list[tuple[int, str, float]]:
+  """``(step, tag, value)`` of every scalar in one event file (both CRCs of every record are
+  checked)."""
+  return _scalars(_events(path))
 
 
-def _records(path: str | os.PathLike):
-  """``(step, fields)`` of every Event record of a file; checks both CRCs of each record."""
+def _scalars(events: Iterable[Any]) -> list[tuple[int, str, float]]:
+  return [(e.step, v.tag, v.simple_value) for e in events for v in e.summary.value
+          if v.HasField("simple_value")]
+
+
+def _events(path: str | os.PathLike) -> Iterable[Any]:
+  """The ``Event`` protos of a TFRecord event file, read with tensorboardX's own protobuf
+  classes and CRC."""
+  from tensorboardX.proto import event_pb2
+  from tensorboardX.record_writer import masked_crc32c
   data = pathlib.Path(path).read_bytes()
   i = 0
   while i < len(data):
     header = data[i:i + 8]
+    if len(header) < 8:
+      raise ValueError(f"{path}: truncated record at byte {i}")
     (n,) = struct.unpack("<Q", header)
     (hcrc,) = struct.unpack("<I", data[i + 8:i + 12])
     if hcrc != masked_crc32c(header):
@@ -355,54 +316,7 @@ def _records(path: str | os.PathLike):
     if dcrc != masked_crc32c(rec):
       raise ValueError(f"{path}: bad data CRC at byte {i}")
     i += 16 + n
-    fields = _parse(rec)
-    yield fields.get(2, [0])[0], fields
-
-
-def read_events(path: str | os.PathLike) -> list[tuple[int, str, float]]:
-  """``(step, tag, value)`` of every scalar in an event file; checks both CRCs of each record.
-
-  A minimal protobuf reader for what `EventWriter` writes (and TensorBoard's simple scalars).
-  """
-  out = []
-  for step, fields in _records(path):
-    for summary in fields.get(5, []):
-      for val in _parse(summary).get(1, []):
-        v = _parse(val)
-        out.append((step, v[1][0].decode(), struct.unpack("<f", v[2][0])[0]))
-  return out
-
-
-def _parse(buf: bytes) -> dict[int, list]:
-  fields: dict[int, list] = {}
-  i = 0
-  while i < len(buf):
-    key, i = _read_varint(buf, i)
-    num, wire = key >> 3, key & 7
-    if wire == 0:
-      v, i = _read_varint(buf, i)
-    elif wire == 1:
-      v, i = buf[i:i + 8], i + 8
-    elif wire == 5:
-      v, i = buf[i:i + 4], i + 4
-    elif wire == 2:
-      n, i = _read_varint(buf, i)
-      v, i = buf[i:i + n], i + n
-    else:
-      raise ValueError(f"unsupported protobuf wire type {wire}")
-    fields.setdefault(num, []).append(v)
-  return fields
-
-
-def _read_varint(buf: bytes, i: int) -> tuple[int, int]:
-  shift = result = 0
-  while True:
-    b = buf[i]
-    i += 1
-    result |= (b & 0x7F) << shift
-    if not b & 0x80:
-      return result, i
-    shift += 7
+    yield event_pb2.Event.FromString(rec)
 
 
 # -- metrics ----------------------------------------------------------------------------------
@@ -472,7 +386,7 @@ def read_jsonl(path: str | os.PathLike) -> list[dict]:
 def plot_loss(records: Iterable[Mapping[str, Any]], png_path: str | os.PathLike,
               title: str = "zerojax training loss") -> str:
   """Draws the loss curve of ``records`` (``step``/``loss``) to a PNG; returns its path."""
-  import matplotlib
+  matplotlib = require("matplotlib", "the loss plot")
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   records = list(records)
@@ -1014,7 +928,7 @@ def train(config: ZeroConfig, opts: TrainOptions | None = None, *,
 
   bar = None
   if opts.progress and is_main_process():
-    from tqdm.auto import tqdm
+    tqdm = require("tqdm.auto", "the progress bar (progress=False goes without)").tqdm
     bar = tqdm(total=opts.steps, initial=start, desc="train", unit="step", dynamic_ncols=True,
                file=sys.stdout)
 
