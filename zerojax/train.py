@@ -7,9 +7,8 @@
   the step's own (`StepClock`: from the step's completion on the device), and the first step's
   ``tokens_per_sec`` is ``null`` (it carries compilation and warm-up);
 * ``tb/<run id>/events.out.tfevents.*``: the same scalars as TensorBoard event files
-  (``train/loss``, ...), one run directory per training run, written by a small built-in
-  TFRecord/Event encoder, so neither TensorFlow nor TensorBoard is needed to write them
-  (``tensorboard --logdir out_dir`` reads them);
+  (``train/loss``, ...), one run directory per training run, written by ``tensorboardX`` (no
+  TensorFlow needed; ``tensorboard --logdir out_dir`` reads them);
 * ``loss.png``: the loss curve, drawn at the end;
 * ``run.json``: the run id, the resolved `ZeroConfig` and `TrainOptions`.
 
