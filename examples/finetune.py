@@ -48,7 +48,7 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
   args = parse_args(argv)
   from zerojax import train as zt
-  from zerojax.cli import load_config
+  from zerojax import load_config
   if not os.path.exists(args.init):
     print(f"finetune: --init {args.init!r} does not exist", file=sys.stderr)
     return 2

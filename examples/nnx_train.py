@@ -40,7 +40,7 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
   args = parse_args(argv)
   from zerojax import train as zt
-  from zerojax.cli import load_config
+  from zerojax import load_config
   loaded = load_config(args.config, [] if args.stage is None else [f"stage={args.stage}"])
   zt.setup_cpu_devices(args.cpu_devices)
   import jax

@@ -86,12 +86,20 @@ def test_full_config_key_by_key():
   assert "XLA flags set:" in m.summary()
 
 
-def test_zeroconfig_from_dict_and_file_dispatch(tmp_path):
+def test_one_loader_for_deepspeed_files_keeps_everything(tmp_path):
   p = tmp_path / "ds_config.json"
   p.write_text(json.dumps(FULL))
-  assert zerojax.ZeroConfig.from_file(p) == ds.map_deepspeed(FULL).config
-  assert zerojax.ZeroConfig.from_dict(FULL) == ds.from_deepspeed(FULL)
-  assert ds.load_deepspeed(p).xla_flags == ds.map_deepspeed(FULL).xla_flags
+  loaded = zerojax.load_config(p, apply_xla_flags=False)
+  m = ds.map_deepspeed(FULL)
+  assert loaded.deepspeed and loaded.config == m.config
+  assert loaded.xla_flags == list(m.xla_flags) and loaded.train["log_every"] == 7
+  # ZeroConfig.from_file reads zerojax files only: a DeepSpeed file is sent to the loader
+  # rather than losing its XLA flags and training options.
+  with pytest.raises(zerojax.ConfigError, match="zerojax.load_config"):
+    zerojax.ZeroConfig.from_file(p)
+  with pytest.raises(zerojax.ConfigError, match="zerojax.load_config"):
+    zerojax.ZeroConfig.from_dict(FULL)
+  assert ds.load_deepspeed(p).xla_flags == m.xla_flags
 
 
 def test_fp16_dynamic_and_static_loss_scale():
@@ -189,7 +197,7 @@ def test_apply_xla_flags_keeps_user_flags():
 
 
 def test_shipped_configs_load():
-  from zerojax.cli import load_config
+  from zerojax import load_config
   files = sorted((ROOT / "configs").glob("*.*"))
   assert any(f.name.startswith("ds_") for f in files) and any(f.suffix == ".yaml" for f in files)
   for f in files:

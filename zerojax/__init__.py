@@ -4,6 +4,7 @@ Data flows one way: `ZeroConfig` -> `make_mesh` -> `ShardingPlan` -> `zero_step`
 """
 
 from zerojax.config import ConfigError, ZeroConfig
+from zerojax.config_file import load_config
 from zerojax.mesh import make_mesh
 from zerojax.plan import LeafPlan, ShardingPlan
 from zerojax.grad import value_and_grad
@@ -15,5 +16,5 @@ __version__ = "0.1.0"
 __all__ = [
     "ConfigError", "ZeroConfig", "make_mesh", "LeafPlan", "ShardingPlan", "create_nnx",
     "create_train_state", "zero_step", "ZeroStep", "value_and_grad", "ZeroTrainState",
-    "StepSettings",
+    "StepSettings", "load_config",
 ]

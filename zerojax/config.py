@@ -324,9 +324,15 @@ class ZeroConfig:
   def from_dict(cls, d: Mapping[str, Any]) -> "ZeroConfig":
     if not isinstance(d, Mapping):
       raise ConfigError(f"a ZeroConfig must be a mapping of fields, got {type(d).__name__}")
-    if "zero_optimization" in d:  # a DeepSpeed config
-      from zerojax.deepspeed import from_deepspeed
-      return from_deepspeed(d)
+    if "zero_optimization" in d:
+      raise ConfigError(
+          "this is a DeepSpeed config (it has 'zero_optimization'): load it with "
+          "zerojax.load_config(path), which also keeps its XLA flags and training options, or "
+          "zerojax.deepspeed.from_deepspeed(d) for the ZeroConfig alone")
+    if "train" in d:
+      raise ConfigError(
+          "the config has a 'train' section of training options: load it with "
+          "zerojax.load_config(path), which returns them with the ZeroConfig")
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = set(d) - known
     if unknown:

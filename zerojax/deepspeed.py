@@ -25,7 +25,7 @@ Example::
   m = zerojax.deepspeed.map_deepspeed(json.load(open("ds_config.json")))
   m.apply_xla_flags()        # before the first JAX computation
   print(m.summary())
-  config = m.config          # a ZeroConfig; ZeroConfig.from_file("ds_config.json") is the same
+  config = m.config          # a ZeroConfig; zerojax.load_config("ds_config.json") gives the same
 """
 
 from __future__ import annotations

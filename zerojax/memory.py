@@ -761,7 +761,7 @@ def compile_for_topology(config: ZeroConfig | str | Any, model: Any, batch: Any,
   from zerojax.mesh import make_mesh
   from zerojax.step import zero_step
   if not isinstance(config, ZeroConfig):
-    from zerojax.cli import load_config
+    from zerojax.config_file import load_config
     config = load_config(config, apply_xla_flags=False).config
   topo = tpu_topology(topology)
   devices = list(topo.devices)

@@ -1,0 +1,131 @@
+"""Config files, for the library and the CLI alike: one loader for zerojax and DeepSpeed files.
+
+``zerojax.load_config(path, overrides)`` reads a ``.json``/``.yaml`` file, tells DeepSpeed's
+format (``zero_optimization``) from zerojax's, and returns everything the file says: the
+`ZeroConfig`, training options (a zerojax file's ``train:`` section, DeepSpeed's optimizer,
+scheduler and ``steps_per_print``), the XLA flags DeepSpeed keys map to, and a note per
+DeepSpeed key. `ZeroConfig.from_file` reads zerojax files only and sends DeepSpeed files here,
+so nothing a file says is dropped silently.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Mapping, Sequence
+
+from zerojax.config import (ConfigError, ZeroConfig, did_you_mean, in_file, read_config_file,
+                            unknown_key_error)
+
+__all__ = ["LoadedConfig", "load_config", "parse_overrides", "parse_value"]
+
+
+@dataclasses.dataclass
+class LoadedConfig:
+  """A config file resolved for a run.
+
+  Attributes:
+    config: the `ZeroConfig` (overrides applied).
+    train: `zerojax.train.TrainOptions` fields from the file (a ``train:`` section of a
+      zerojax file, or DeepSpeed's optimizer/scheduler/steps_per_print) and the overrides.
+    notes: what each DeepSpeed key became (empty for zerojax files).
+    xla_flags: XLA flags set for DeepSpeed keys.
+    deepspeed: whether the file was in DeepSpeed format.
+  """
+
+  config: ZeroConfig
+  train: dict[str, Any]
+  notes: list[str]
+  xla_flags: list[str]
+  deepspeed: bool = False
+
+
+def parse_value(text: str) -> Any:
+  """An override's value: int, float, or YAML (``[2,4]``, ``true``, ``null``, strings)."""
+  for conv in (int, float):
+    try:
+      return conv(text)
+    except ValueError:
+      pass
+  import yaml
+  try:
+    return yaml.safe_load(text)
+  except yaml.YAMLError:
+    return text
+
+
+def parse_overrides(pairs: Sequence[str]) -> tuple[dict[str, Any], dict[str, Any]]:
+  """Splits ``key=value`` pairs into (`ZeroConfig` fields, `TrainOptions` fields)."""
+  from zerojax.train import TrainOptions
+  zfields = {f.name for f in dataclasses.fields(ZeroConfig)}
+  tfields = set(TrainOptions.fields())
+  zc, tr = {}, {}
+  for pair in pairs:
+    if "=" not in pair:
+      raise ConfigError(f"override {pair!r} is not key=value (e.g. stage=2 or steps=100)")
+    key, _, text = pair.partition("=")
+    key = key.strip().lstrip("-").replace("-", "_")
+    value = parse_value(text)
+    if key.startswith("train."):
+      key = key[len("train."):]
+      if key not in tfields:
+        raise ConfigError(f"override {pair!r}: unknown training option {key!r}"
+                          f"{did_you_mean(key, tfields)}; allowed are {sorted(tfields)}")
+      tr[key] = value
+    elif key in zfields:
+      zc[key] = value
+    elif key in tfields:
+      tr[key] = value
+    else:
+      raise ConfigError(f"override {pair!r}: unknown key {key!r}"
+                        f"{did_you_mean(key, zfields | tfields)}; allowed are ZeroConfig fields "
+                        f"{sorted(zfields)} and training options {sorted(tfields)}")
+  return zc, tr
+
+
+def load_config(path: str | os.PathLike | None, overrides: Sequence[str] = (), *,
+                apply_xla_flags: bool = True) -> LoadedConfig:
+  """Loads a zerojax or DeepSpeed config file (or defaults when ``path`` is None).
+
+  A zerojax file holds `ZeroConfig` fields and optionally a ``train:`` section of
+  `TrainOptions`; a file with ``zero_optimization`` is a DeepSpeed config. DeepSpeed keys that
+  map to XLA flags are added to ``XLA_FLAGS`` when ``apply_xla_flags`` (call before JAX starts).
+  """
+  from zerojax import deepspeed
+  from zerojax.train import TrainOptions, deepspeed_train_fields
+  d: dict[str, Any] = {}
+  if path is not None:
+    try:
+      d = read_config_file(path)
+    except FileNotFoundError as e:  # the CLI reports config problems as ConfigError
+      raise ConfigError(str(e)) from None
+  zover, tover = parse_overrides(overrides)
+  notes, flags, train = [], [], {}
+  with in_file(path):  # errors from the file's contents name the file
+    if deepspeed.is_deepspeed(d):
+      m = deepspeed.map_deepspeed(d)
+      config, notes, flags = m.config, list(m.notes), list(m.xla_flags)
+      train = deepspeed_train_fields(m.train)
+    else:
+      train = d.pop("train", None)
+      if train is None:
+        train = {}
+      if not isinstance(train, Mapping):
+        raise ConfigError(f"'train'={train!r} is invalid: a mapping of training options")
+      train = dict(train)
+      unknown = set(train) - set(TrainOptions.fields())
+      if unknown:
+        raise unknown_key_error("unknown training option", unknown, TrainOptions.fields(),
+                                " in 'train'")
+      config = ZeroConfig.from_dict(d)
+    TrainOptions(**train)  # a bad value in the file is reported against the file
+  if deepspeed.is_deepspeed(d) and apply_xla_flags:
+    m.apply_xla_flags()
+  if zover:
+    try:
+      config = config.replace(**zover)
+    except TypeError as e:
+      raise ConfigError(str(e)) from None
+  train.update(tover)
+  return LoadedConfig(config, train, notes, flags, bool(notes or flags) or
+                      deepspeed.is_deepspeed(d))
