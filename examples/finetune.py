@@ -48,7 +48,7 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
   args = parse_args(argv)
   from zerojax import train as zt
-  from zerojax import load_config
+  from zerojax import ConfigError, load_config
   if not os.path.exists(args.init):
     print(f"finetune: --init {args.init!r} does not exist", file=sys.stderr)
     return 2
@@ -59,7 +59,7 @@ def main(argv=None) -> int:
   if args.preset is None:  # the weights say which model they are (shapes; no arrays read)
     try:
       model["model"], model["seq_len"] = zt.infer_model(args.init)
-    except zt.ConfigError as e:
+    except ConfigError as e:
       print(f"finetune: {e}", file=sys.stderr)
       return 2
   opts = zt.TrainOptions(**{

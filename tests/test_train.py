@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from zerojax import train as zt
+from zerojax.config import ConfigError
 from zerojax.config import ZeroConfig
 
 
@@ -34,13 +35,32 @@ def test_event_file_round_trip(tmp_path):
     zt.read_events(tmp_path / "bad")
 
 
+class _Seen(zt.Hook):
+  """A user hook: what the loop hands every hook."""
+
+  def __init__(self):
+    self.steps, self.records, self.closed = [], [], False
+
+  def after_step(self, step, state, flush):
+    self.steps.append(step)
+
+  def on_records(self, records, previous_step):
+    assert records and records[0]["step"] > previous_step
+    self.records += records
+
+  def close(self):
+    self.closed = True
+
+
 def test_train_writes_metrics_events_plot_and_weights(tmp_path):
   config = ZeroConfig(stage=2, micro_batch_per_device=1, gradient_accumulation_steps=2,
                       gradient_clipping=1.0)
   opts = zt.TrainOptions(model="tiny", seq_len=32, steps=4, log_every=2, lr=3e-3,
                          out_dir=str(tmp_path / "run"), progress=False, show_plan=False,
                          save_weights=True)
-  r = zt.train(config, opts)
+  seen = _Seen()
+  r = zt.train(config, opts, hooks=[seen])
+  assert seen.steps == [1, 2, 3, 4] and seen.records == r.history and seen.closed
   assert [h["step"] for h in r.history] == [1, 2, 3, 4]
   assert all(np.isfinite(h["loss"]) for h in r.history)
   assert r.history[0]["tokens_per_sec"] is None  # compilation/warm-up: no throughput
@@ -141,7 +161,7 @@ def test_train_runs_in_one_out_dir_never_mix(tmp_path):
   first = zt.train(config, zt.TrainOptions(out_dir=out, lr=1e-3, **{
       k: v for k, v in kw.items() if k != "lr"}))
   # again into the same out_dir, with no checkpoint to resume: refused, naming both flags
-  with pytest.raises(zt.ConfigError, match=r"previous run \(steps 1\.\.2.*no checkpoint.*"
+  with pytest.raises(ConfigError, match=r"previous run \(steps 1\.\.2.*no checkpoint.*"
                                            r"--no-resume.*--overwrite"):
     zt.train(config, zt.TrainOptions(out_dir=out, **dict(kw, steps=3)))
   second = zt.train(config, zt.TrainOptions(out_dir=out, resume=False, **dict(kw, steps=3)))
@@ -165,7 +185,7 @@ def test_train_runs_in_one_out_dir_never_mix(tmp_path):
   from zerojax.checkpoint import Checkpointer
   with Checkpointer(ck) as c:
     c.save(7, {"params": {"w": jnp.ones(4)}})
-  with pytest.raises(zt.ConfigError, match=r"holds checkpoints.*latest step 7.*--overwrite"):
+  with pytest.raises(ConfigError, match=r"holds checkpoints.*latest step 7.*--overwrite"):
     zt.train(config, zt.TrainOptions(out_dir=out, checkpoint_dir=ck, resume=False, **kw))
   # --overwrite: the previous runs' files and checkpoints are gone, one fresh run remains
   third = zt.train(config, zt.TrainOptions(out_dir=out, checkpoint_dir=ck, overwrite=True,
@@ -179,5 +199,5 @@ def test_train_cli_resume_flags():
   from zerojax import cli
   args = cli.build_parser().parse_args(["train", "--no-resume", "--overwrite", "steps=3"])
   assert args.no_resume and args.overwrite
-  with pytest.raises(zt.ConfigError, match="TrainOptions.resume='no'"):
+  with pytest.raises(ConfigError, match="TrainOptions.resume='no'"):
     zt.TrainOptions(resume="no")

@@ -1,0 +1,529 @@
+"""A reusable training loop for the GPT example: progress bar, metrics files and loss curve.
+
+`train` runs ``ZeroConfig`` + `TrainOptions` end to end and leaves in ``out_dir``:
+
+* ``metrics.jsonl``: one JSON object per optimizer step (``step``, ``loss``, ``grad_norm``,
+  ``lr``, ``tokens_per_sec``, ``elapsed_sec``, and ``loss_scale`` under fp16); the timings are
+  the step's own (`StepClock`: from the step's completion on the device), and the first step's
+  ``tokens_per_sec`` is ``null`` (it carries compilation and warm-up);
+* ``tb/<run id>/events.out.tfevents.*``: the same scalars as TensorBoard event files
+  (``train/loss``, ...), one run directory per training run, written by ``tensorboardX`` (no
+  TensorFlow needed; ``tensorboard --logdir out_dir`` reads them);
+* ``loss.png``: the loss curve, drawn at the end;
+* ``run.json``: the run id, the resolved `ZeroConfig` and `TrainOptions`.
+
+With a ``checkpoint_dir`` that holds checkpoints, the same command resumes the run exactly
+(`TrainOptions.resume`): ``metrics.jsonl`` and the TensorBoard run are continued. Two runs are
+never mixed in one ``out_dir``: a previous run without a checkpoint is refused unless
+``resume=False`` (``--no-resume``: its ``metrics.jsonl`` is moved aside) or
+``overwrite=True`` (``--overwrite``: its files and checkpoints are deleted).
+
+On multi-host runs only process 0 prints, shows the progress bar and writes files; every
+process runs the same loop. The progress bar (tqdm) shows loss, tokens/s and the ETA.
+
+The loop honours the config's batch sizes (``train = micro x accumulation x data parallel``),
+``gradient_clipping`` and fp16 loss scaling through the step's own machinery
+(`zerojax.value_and_grad` splits each global batch into micro-batches with one gradient
+reduction per step; `zerojax.ZeroTrainState` clips, scales and skips overflowing steps on the
+device). Metrics are fetched from the device only every ``log_every`` steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+from typing import Any, Callable, Iterable, Mapping
+
+from zerojax.config import ConfigError, ZeroConfig
+from zerojax.train.options import DEFAULT_CORPUS, NonFiniteGradientsError, TrainOptions
+from zerojax.train.metrics import (MetricsWriter, StepClock, is_main_process, log, plot_loss,
+                                   read_jsonl, require)
+from zerojax.train.schedules import make_optimizer
+from zerojax.train.params_io import load_weights, save_weights
+
+__all__ = ["setup_cpu_devices", "nothing_sharded_note", "Hook", "WriteMetrics", "ProgressBar",
+           "SaveCheckpoints", "TrainResult", "train"]
+
+
+def setup_cpu_devices(n: int) -> None:
+  """Simulates ``n`` CPU devices if JAX has not started yet and none were asked for.
+
+  Only the CPU backend reads the setting, so it is harmless on accelerators.
+  """
+  from zerojax._compat import backends_initialized
+  if backends_initialized():
+    return
+  if "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
+    return
+  import jax
+  jax.config.update("jax_num_cpu_devices", n)
+
+
+def nothing_sharded_note(plan: Any) -> str | None:
+  """Why a stage >= 1 plan shards no parameter leaf over ``fsdp`` (``None`` if it shards one).
+
+  Such a run is plain data parallelism whatever its stage says; the line names the cause
+  (leaves below ``param_persistence_threshold``, no dimension divisible by the ``fsdp`` size,
+  an ``fsdp`` axis of size 1) and what to change.
+  """
+  if plan.config.stage < 1 or not plan.leaves or any(lp.is_sharded for lp in plan.leaves):
+    return None
+  from zerojax.mesh import axis_size
+  counts: dict[str, int] = {}
+  for lp in plan.leaves:
+    counts[lp.reason] = counts.get(lp.reason, 0) + 1
+  f, t = axis_size(plan.mesh, "fsdp"), plan.config.persistence_threshold
+  largest = max(math.prod(lp.shape) for lp in plan.leaves)
+  why = {"threshold": f"below param_persistence_threshold={t:,} elements (largest leaf: "
+                      f"{largest:,})",
+         "indivisible": f"with no dimension divisible by the fsdp size {f}",
+         "fsdp=1": "on an fsdp axis of size 1"}
+  parts = [f"{n} {why.get(r, f'replicated by {r}')}" for r, n in sorted(counts.items())]
+  fixes = []
+  if "threshold" in counts:
+    fixes.append(f"param_persistence_threshold below {largest:,} or a larger model")
+  if "fsdp=1" in counts:
+    fixes.append("more devices on the fsdp axis")
+  return (f"note: stage {plan.config.stage} shards nothing here: all {len(plan.leaves)} "
+          f"parameter leaves stay replicated ({'; '.join(parts)}), so this run is plain data "
+          "parallelism" + (f"; for ZeRO sharding use {' or '.join(fixes)}" if fixes else ""))
+
+
+# Options that may change when a run is resumed; any other difference is another run.
+_RESUMABLE_CHANGES = {"steps", "log_every", "progress", "show_plan", "plot", "save_weights",
+                      "checkpoint_every", "cpu_devices", "resume", "overwrite", "tensorboard"}
+
+
+@dataclasses.dataclass
+class _RunDirs:
+  run_id: str
+  tb_dir: str
+  resume_step: int | None  # the checkpoint step to resume from
+  notes: list[str]
+
+
+def _previous_run(out_dir: str) -> tuple[dict | None, list[dict]]:
+  run_json = os.path.join(out_dir, "run.json")
+  run = None
+  if os.path.isfile(run_json):
+    try:
+      with open(run_json) as f:
+        run = json.load(f)
+    except ValueError:
+      run = None
+  metrics = os.path.join(out_dir, "metrics.jsonl")
+  records = read_jsonl(metrics) if os.path.isfile(metrics) else []
+  return run, records
+
+
+def _prepare_run(opts: TrainOptions, config: ZeroConfig) -> _RunDirs:
+  """Decides whether this run resumes, starts beside a previous one or overwrites it, and
+  arranges ``out_dir`` and ``checkpoint_dir`` for it (process 0 moves or deletes files; every
+  process decides from the same files before anything changes)."""
+  import jax
+  out_dir, ckdir = opts.out_dir, opts.checkpoint_dir
+  latest = None
+  if ckdir and os.path.isdir(ckdir):
+    from zerojax.checkpoint import Checkpointer
+    with Checkpointer(ckdir, read_only=True) as ck:
+      latest = ck.latest_step()
+  run, records = _previous_run(out_dir)
+  flags = ("pass --no-resume (resume=false) to start a new run beside it, or --overwrite "
+           "(overwrite=true) to delete it first")
+  notes: list[str] = []
+  if jax.process_count() > 1:  # nobody changes a file before every process has read them
+    from jax.experimental import multihost_utils
+    multihost_utils.sync_global_devices("zerojax.train: run directories read")
+
+  if opts.overwrite:
+    if is_main_process():
+      _delete_previous(out_dir, ckdir, run)
+    notes.append(f"--overwrite: deleted the previous run's files in {out_dir!r}"
+                 + (f" and its checkpoints in {ckdir!r}" if ckdir else ""))
+    run, records, latest = None, [], None
+  elif opts.resume and latest is not None:
+    if run is not None:
+      old = run.get("options", {})
+      new = json.loads(json.dumps(dataclasses.asdict(opts)))
+      diff = sorted(k for k in set(old) | set(new)
+                    if k not in _RESUMABLE_CHANGES and old.get(k) != new.get(k))
+      if diff:
+        what = ", ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in diff[:6])
+        raise ConfigError(
+            f"checkpoint_dir {ckdir!r} holds a run (latest step {latest}) with other training "
+            f"options than this one ({what}); resuming it would mix two runs. Pass "
+            "--no-resume (resume=false) with another checkpoint_dir to start a new run, or "
+            "--overwrite (overwrite=true) to delete the old one first")
+      old_cfg, new_cfg = run.get("config") or {}, json.loads(json.dumps(config.to_dict()))
+      changed = sorted(k for k in set(old_cfg) | set(new_cfg) if old_cfg.get(k) != new_cfg.get(k))
+      if changed:  # e.g. another stage or mesh: the checkpoint restores into the new plan
+        notes.append("resuming with a changed ZeroConfig: " + ", ".join(
+            f"{k}: {old_cfg.get(k)!r} -> {new_cfg.get(k)!r}" for k in changed))
+    run_id = (run or {}).get("run_id") or _new_run_id()
+    notes.append(f"resuming from checkpoint step {latest} in {ckdir!r} (run {run_id}; "
+                 "--no-resume or --overwrite for a new run)")
+    return _RunDirs(run_id, os.path.join(out_dir, "tb", run_id), latest, notes)
+  elif latest is not None:  # --no-resume with checkpoints: the new run's would mix with them
+    raise ConfigError(
+        f"checkpoint_dir {ckdir!r} holds checkpoints of a previous run (latest step {latest}); "
+        "--no-resume (resume=false) would mix this run's checkpoints with them. Resume it "
+        "(drop --no-resume), delete it with --overwrite (overwrite=true), or choose another "
+        "checkpoint_dir")
+  elif records:
+    if opts.resume:
+      steps = f"steps {records[0].get('step')}..{records[-1].get('step')}"
+      raise ConfigError(
+          f"out_dir {opts.out_dir!r} holds the metrics of a previous run ({steps}"
+          + (f", run {run['run_id']}" if run and run.get("run_id") else "")
+          + ") and there is no checkpoint to resume it from"
+          + (f" in checkpoint_dir {ckdir!r}" if ckdir else " (checkpoint_dir is not set)")
+          + "; " + flags)
+    old_id = (run or {}).get("run_id") or time.strftime(
+        "%Y%m%d-%H%M%S", time.localtime(os.path.getmtime(os.path.join(out_dir, "metrics.jsonl"))))
+    moved = os.path.join(out_dir, f"metrics.{old_id}.jsonl")
+    if is_main_process():
+      os.replace(os.path.join(out_dir, "metrics.jsonl"), moved)
+    notes.append(f"--no-resume: the previous run's metrics were moved to {moved!r}")
+  run_id, n = _new_run_id(), 1
+  base = run_id
+  while os.path.exists(os.path.join(out_dir, "tb", run_id)) or (
+      run is not None and run.get("run_id") == run_id):  # two runs within a second
+    run_id, n = f"{base}-{n}", n + 1
+  return _RunDirs(run_id, os.path.join(out_dir, "tb", run_id), None, notes)
+
+
+def _new_run_id() -> str:
+  return time.strftime("%Y%m%d-%H%M%S")
+
+
+def _delete_previous(out_dir: str, ckdir: str | None, run: dict | None) -> None:
+  import shutil
+  if os.path.isdir(out_dir):
+    for name in os.listdir(out_dir):
+      path = os.path.join(out_dir, name)
+      ours = name in ("metrics.jsonl", "run.json", "loss.png", "weights.npz") or (
+          name.startswith("events.out.tfevents.")) or (
+          name.startswith("metrics.") and name.endswith(".jsonl"))  # moved-aside runs
+      if ours and os.path.isfile(path):
+        os.remove(path)
+    shutil.rmtree(os.path.join(out_dir, "tb"), ignore_errors=True)
+  if ckdir and os.path.isdir(ckdir):
+    for name in os.listdir(ckdir):  # only what zerojax.checkpoint writes: numbered steps
+      if name.split(".")[0].isdigit():
+        path = os.path.join(ckdir, name)
+        shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.remove(path)
+
+
+class Hook:
+  """What the loop calls besides the step: progress, metrics and checkpointing are hooks.
+
+  ``after_step(step, state, flush)`` runs after each step is dispatched (``flush()`` fetches
+  the metrics of the steps still on the device and hands them to every hook first);
+  ``on_records(records, previous_step)`` receives the records fetched since
+  ``previous_step``; ``close()`` runs once at the end, also after an error.
+  """
+
+  def after_step(self, step: int, state: Any, flush: Callable[[], None]) -> None:
+    pass
+
+  def on_records(self, records: list[dict], previous_step: int) -> None:
+    pass
+
+  def close(self) -> None:
+    pass
+
+
+class WriteMetrics(Hook):
+  """``metrics.jsonl`` and the TensorBoard run (`MetricsWriter`)."""
+
+  def __init__(self, writer: MetricsWriter):
+    self.writer = writer
+
+  def on_records(self, records: list[dict], previous_step: int) -> None:
+    for rec in records:
+      self.writer.write(rec)
+    self.writer.flush()
+
+  def close(self) -> None:
+    self.writer.close()
+
+
+class ProgressBar(Hook):
+  """A tqdm bar with the latest loss and tokens/s."""
+
+  def __init__(self, total: int, initial: int):
+    tqdm = require("tqdm.auto", "the progress bar (progress=False goes without)").tqdm
+    self.bar = tqdm(total=total, initial=initial, desc="train", unit="step",
+                    dynamic_ncols=True, file=sys.stdout)
+
+  def on_records(self, records: list[dict], previous_step: int) -> None:
+    last, tps = records[-1], records[-1]["tokens_per_sec"]
+    self.bar.set_postfix(loss=f"{last['loss'] or float('nan'):.4f}",
+                         tok_s="-" if tps is None else f"{tps:,.0f}", refresh=False)
+    self.bar.update(last["step"] - previous_step)
+
+  def close(self) -> None:
+    self.bar.close()
+
+
+class SaveCheckpoints(Hook):
+  """An asynchronous checkpoint every ``every`` steps and at the last step."""
+
+  def __init__(self, checkpointer: Any, every: int | None, last: int, rng: Any,
+               data: Callable[[], dict]):
+    self.checkpointer, self.every, self.last, self.rng, self.data = (
+        checkpointer, every, last, rng, data)
+
+  def after_step(self, step: int, state: Any, flush: Callable[[], None]) -> None:
+    if step == self.last or (self.every and step % self.every == 0):
+      # Metrics up to a checkpoint are on disk before it exists: a resumed run's
+      # metrics.jsonl then has every step.
+      flush()
+      self.checkpointer.save(step, state, rng=self.rng, data=self.data())  # async
+
+  def close(self) -> None:
+    self.checkpointer.close()  # waits for the pending save
+
+
+@dataclasses.dataclass
+class TrainResult:
+  """What `train` returns."""
+
+  state: Any
+  plan: Any
+  history: list[dict]
+  out_dir: str
+  files: dict[str, str]
+
+
+def train(config: ZeroConfig, opts: TrainOptions | None = None, *,
+          xla_notes: Iterable[str] = (), hooks: Iterable[Hook] = ()) -> TrainResult:
+  """Trains the GPT preset ``opts.model`` on ``opts.corpus`` with ZeRO ``config``.
+
+  ``hooks`` run after the loop's own (metrics files, progress bar, checkpoints); see `Hook`.
+
+  Returns:
+    a `TrainResult` with the final state, the plan, the per-step metrics and the files written.
+  """
+  opts = opts or TrainOptions()
+  setup_cpu_devices(opts.cpu_devices)
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  import zerojax
+  import zerojax.memory
+  from zerojax.data import TextBatches, load_bytes, VOCAB_SIZE
+  from zerojax.models import GPT, PRESETS, loss_fn
+
+  if opts.model not in PRESETS:
+    raise ConfigError(f"TrainOptions.model={opts.model!r} is invalid: one of {sorted(PRESETS)}")
+  mcfg = dataclasses.replace(PRESETS[opts.model], vocab_size=VOCAB_SIZE,
+                             dtype=jnp.dtype(config.compute_dtype))
+  if opts.seq_len:
+    mcfg = dataclasses.replace(mcfg, seq_len=opts.seq_len)
+  mesh = zerojax.make_mesh(config)
+  if (config.train_batch_size, config.micro_batch_per_device) == (None, None):
+    config = config.replace(train_batch_size=opts.batch)
+  tx, sched = make_optimizer(opts)
+
+  corpus = opts.corpus or os.fspath(DEFAULT_CORPUS)
+  if not os.path.isfile(corpus):
+    raise ConfigError(f"TrainOptions.corpus={corpus!r} is not a file; pass corpus=PATH to a text "
+                      f"file (the bundled corpus is {DEFAULT_CORPUS})")
+  tokens = load_bytes(corpus)
+  model = GPT(mcfg)
+  sample = jnp.zeros((1, mcfg.seq_len), jnp.int32)  # shapes for init; the plan sets the batch
+  dirs = _prepare_run(opts, config)
+  rng = jax.random.key(opts.seed)
+  start, data_step = 0, 0
+  if dirs.resume_step is None:
+    state, plan = zerojax.create_train_state(model, tx, rng, sample, config=config, mesh=mesh)
+    if opts.init_from:
+      state = state.replace(params=load_weights(opts.init_from, state.params, plan.params))
+  else:  # read straight into the plan's layout: nothing is initialised
+    from zerojax.checkpoint import Checkpointer, abstract_train_state
+    state, plan = abstract_train_state(model, tx, rng, sample, config=config, mesh=mesh)
+    with Checkpointer(opts.checkpoint_dir, read_only=True) as ck:
+      state, extras = ck.restore(state, plan, step=dirs.resume_step)
+    start = int(extras.step)
+    data_step = int((extras.data or {}).get("batches_step", start))
+    if int(state.step) != start:
+      raise ConfigError(f"checkpoint {opts.checkpoint_dir!r} step {start} holds a state at "
+                        f"optimizer step {int(state.step)}; it was not written by this loop")
+
+  # Rows per optimizer step; zerojax.value_and_grad splits them into micro-batches.
+  total, micro, accum = plan.batch_sizes
+  rows, dp = total, plan.data_parallel_size
+  log(f"zerojax: {jax.device_count()} x {jax.devices()[0].platform} devices, "
+      f"{jax.process_count()} process(es), mesh {dict(mesh.shape)}, stage {config.stage}")
+  log(f"model {opts.model}: {zerojax.memory.num_params(state.params):,} parameters; batch "
+      f"{total} rows x {mcfg.seq_len} tokens = {micro} per device x {accum} accumulation x "
+      f"{dp} data parallel")
+  for n in list(xla_notes) + dirs.notes:
+    log(n)
+  if (note := nothing_sharded_note(plan)) is not None:
+    log(note)
+
+  @zerojax.zero_step(plan)
+  def train_step(state, batch):
+    def lf(params, batch):
+      return loss_fn(state.apply_fn({"params": params}, batch["x"]), batch["y"])
+    loss, grads = zerojax.value_and_grad(lf)(state.params, batch)
+    return state.apply_gradients(grads=grads), {"loss": loss}
+
+  batch_sh = plan.batch({"x": jax.ShapeDtypeStruct((rows, mcfg.seq_len), jnp.int32)})["x"]
+  batches = TextBatches(tokens, rows, mcfg.seq_len, seed=opts.seed, sharding=batch_sh,
+                        step=data_step)
+
+  def next_batch():
+    return next(batches)
+
+  if opts.show_plan:
+    log(plan.table())
+    m = zerojax.memory.measure(train_step.lower(state, next_batch()).compile())
+    batches.step = data_step
+    mib = lambda b: f"{b / 2**20:.2f} MiB"
+    log(f"per-device memory (XLA): arguments {mib(m.argument)}, temp {mib(m.temp)}, "
+        f"peak {mib(m.peak)}; collectives/step {mib(m.collective_total)}")
+
+  out_dir = opts.out_dir
+  writer = MetricsWriter(out_dir, tensorboard=opts.tensorboard, tb_dir=dirs.tb_dir,
+                         resume_after=dirs.resume_step)
+  if is_main_process():
+    run_json = os.path.join(out_dir, "run.json")
+    resumes = []
+    if dirs.resume_step is not None and os.path.isfile(run_json):
+      with open(run_json) as f:
+        resumes = json.load(f).get("resumed_from", [])
+      resumes.append(dirs.resume_step)
+    with open(run_json, "w") as f:
+      json.dump({"run_id": dirs.run_id, "config": config.to_dict(),
+                 "options": dataclasses.asdict(opts), "resumed_from": resumes}, f, indent=1)
+
+  user_hooks = list(hooks)
+  hooks = [WriteMetrics(writer)]
+  if opts.progress and is_main_process():
+    hooks.append(ProgressBar(opts.steps, start))
+
+  history: list[dict] = list(writer.previous)
+  pending: list[tuple[int, Any]] = []
+  scaling = config.loss_scale is not None
+  policy = config.nonfinite_policy
+  count_skips = policy == "skip"
+  warned_skip = False
+  tokens_per_step = total * mcfg.seq_len
+  t_start = time.perf_counter()
+  clock = StepClock()  # per-step completion times; the loop never waits for the device
+  last_fetched = start
+
+  def drain():
+    nonlocal last_fetched, warned_skip
+    if not pending:
+      return
+    fetched = jax.device_get([m for _, m in pending])
+    for (step, _), m in zip(pending, fetched):
+      finite = lambda v: v if math.isfinite(v) else None  # JSON has no NaN/inf
+      dt = clock.step_time(step)  # None for the run's first step (compilation, warm-up)
+      rec = {"step": step, "loss": finite(float(np.mean(m["loss"]))),
+             "grad_norm": finite(float(np.mean(m["grad_norm"]))),
+             "lr": float(sched(step - 1)),
+             "tokens_per_sec": None if not dt else round(tokens_per_step / dt, 1),
+             "elapsed_sec": round(clock.done(step) - t_start, 6)}
+      if scaling:
+        rec["loss_scale"] = float(m["loss_scale"])
+      if count_skips:
+        rec["skipped_steps"] = int(m["skipped_steps"])
+      if not scaling and count_skips and bool(m["overflow"]) and not warned_skip:
+        # fp16 overflows are routine while the loss scale settles; a NaN without loss scaling
+        # is not, and must not go unnoticed.
+        warned_skip = True
+        log(f"zerojax: WARNING: step {step}: the gradient is not finite (loss "
+            f"{float(np.mean(m['loss'])):g}, grad_norm {float(np.mean(m['grad_norm'])):g}); the "
+            "step was skipped: params and optimizer state are unchanged "
+            "(nonfinite_grads='skip'). Further skipped steps are counted in "
+            "skipped_steps (metrics.jsonl); nonfinite_grads='halt' stops the run instead.")
+      history.append(rec)
+    new = history[len(history) - len(pending):]
+    pending.clear()
+    for h in hooks:
+      h.on_records(new, last_fetched)
+    last_fetched = history[-1]["step"]
+
+  ckpt = None
+  halt = policy == "halt"
+  try:
+    if opts.checkpoint_dir:
+      from zerojax.checkpoint import Checkpointer
+      ckpt = Checkpointer(opts.checkpoint_dir, config=config)
+      hooks.append(SaveCheckpoints(ckpt, opts.checkpoint_every, opts.steps, rng,
+                                   lambda: {"batches_step": batches.step}))
+    hooks += user_hooks
+    for step in range(start + 1, opts.steps + 1):
+      state, m = train_step(state, next_batch())  # no host sync: metrics are fetched in drain()
+      pending.append((step, m))
+      clock.add(step, m["loss"])
+      if halt and bool(jax.device_get(m["overflow"])):  # the one per-step sync 'halt' costs
+        drain()
+        _halt(step, history[-1], ckpt)
+      for h in hooks:
+        h.after_step(step, state, drain)
+      if step % opts.log_every == 0 or step == opts.steps or step == start + 1:
+        drain()
+    drain()
+  finally:  # also on an error: what was written stays consistent and is closed
+    clock.close()
+    for h in hooks:
+      h.close()  # the checkpoint hook waits for the pending save
+
+  files = {"metrics": writer.jsonl_path, "run": os.path.join(out_dir, "run.json")}
+  if opts.save_weights:
+    files["weights"] = save_weights(os.path.join(out_dir, "weights.npz"), state.params)
+  if writer.tb is not None:
+    files["tensorboard"] = writer.tb.path
+  if ckpt is not None:
+    files["checkpoint"] = opts.checkpoint_dir
+  if opts.plot and is_main_process() and history:
+    files["loss_png"] = plot_loss(history, os.path.join(out_dir, "loss.png"),
+                                  f"{opts.model}, ZeRO-{config.stage}, {jax.device_count()} "
+                                  "devices")
+  if history:
+    first, last = history[0], history[-1]
+    nan = float("nan")
+    timed = len(history) - 1  # steps after the first (which carries compilation)
+    speed = (f"{tokens_per_step * timed / (last['elapsed_sec'] - first['elapsed_sec']):,.0f} "
+             "tokens/s after the first step" if timed and last["elapsed_sec"] > first[
+                 "elapsed_sec"] else "1 step: no throughput (compilation)")
+    log(f"done: {opts.steps} steps, loss {first['loss'] or nan:.4f} -> {last['loss'] or nan:.4f}, "
+        f"{speed}"
+        + (f", {history[-1].get('skipped_steps', 0)} "
+           f"{'overflow' if scaling else 'non-finite'} step(s) skipped"
+           if history[-1].get("skipped_steps") else ""))
+    log("wrote " + ", ".join(files.values()))
+  return TrainResult(state, plan, history, out_dir, files)
+
+
+def _num(v: float | None) -> str:
+  return "nan or inf" if v is None else f"{v:g}"  # records hold None for non-finite values
+
+
+def _halt(step: int, rec: Mapping[str, Any], ckpt: Any) -> None:
+  """Stops the loop at a non-finite step (``nonfinite_grads='halt'``), naming the last
+  checkpoint that holds finite state (the caller's ``finally`` closes the writers)."""
+  where = None
+  if ckpt is not None:
+    ckpt.wait()
+    steps = [s for s in ckpt.all_steps() if s < step]
+    where = ckpt.step_dir(max(steps)) if steps else None
+  resume = (f"the last good checkpoint is {where!r}" if where else
+            "no checkpoint was saved before it" + ("" if ckpt is not None else
+                                                   " (checkpoint_dir is not set)"))
+  raise NonFiniteGradientsError(
+      f"step {step}: the gradient is not finite (loss {_num(rec.get('loss'))}, grad_norm "
+      f"{_num(rec.get('grad_norm'))}); nonfinite_grads='halt' stops the run here (its update "
+      f"made the parameters non-finite); {resume}. Lower the learning rate, enable "
+      "gradient_clipping, or check the data; nonfinite_grads='skip' skips such steps instead",
+      step, where)

@@ -1,0 +1,253 @@
+"""What a training run reports: ``metrics.jsonl``, TensorBoard event files (tensorboardX),
+the loss curve, per-step timing (`StepClock`), and logging on the main process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import queue
+import struct
+import threading
+import time
+from typing import Any, Iterable, Mapping
+
+__all__ = ["is_main_process", "log", "require", "EventWriter", "read_run_events", "read_events",
+           "MetricsWriter", "read_jsonl", "plot_loss", "StepClock"]
+
+
+def is_main_process() -> bool:
+  import jax
+  return jax.process_index() == 0
+
+
+def log(*args: Any, **kwargs: Any) -> None:
+  """``print`` on process 0 only (multi-host logs stay readable)."""
+  if is_main_process():
+    print(*args, **kwargs, flush=True)
+
+
+def require(module: str, what: str) -> Any:
+  """``import module``, or an error that names the extra that installs it."""
+  import importlib
+  try:
+    return importlib.import_module(module)
+  except ImportError as e:
+    raise ImportError(f"{what} needs the {module!r} package, which the train extra installs: "
+                      "pip install 'zerojax[train]'") from e
+
+
+class EventWriter:
+  """Scalar summaries in a TensorBoard event file, written by ``tensorboardX``."""
+
+  def __init__(self, logdir: str | os.PathLike, purge_step: int | None = None):
+    tbx = require("tensorboardX", "writing TensorBoard event files")
+    logdir = os.fspath(logdir)
+    os.makedirs(logdir, exist_ok=True)
+    before = set(_event_files(logdir))
+    # Files are named by the second they were opened; a numbered suffix keeps a resumed run
+    # restarted within the same second apart, in order (see `read_run_events`).
+    # ``purge_step``: a resumed run redoes the steps after its checkpoint; the SessionLog START
+    # tensorboardX writes at that step makes TensorBoard drop the earlier files' events from it.
+    self._w = tbx.SummaryWriter(logdir=logdir, purge_step=purge_step, flush_secs=10,
+                                filename_suffix=f".{len(before):04d}")
+    self._w.flush()
+    new = sorted(set(_event_files(logdir)) - before)
+    self.path = os.path.join(logdir, new[-1]) if new else None
+
+  def scalars(self, step: int, values: Mapping[str, float], wall_time: float | None = None):
+    for tag, v in values.items():
+      self._w.add_scalar(tag, float(v), int(step), walltime=wall_time)
+
+  def flush(self) -> None:
+    self._w.flush()
+
+  def close(self) -> None:
+    self._w.close()
+
+
+def _event_files(logdir: str | os.PathLike) -> list[str]:
+  return [f for f in os.listdir(logdir) if f.startswith("events.out.tfevents.")]
+
+
+def read_run_events(logdir: str | os.PathLike) -> list[tuple[int, str, float]]:
+  """``(step, tag, value)`` of a TensorBoard run directory, as TensorBoard shows it: its event
+  files in order, where a ``SessionLog START`` at step ``s`` (a resumed run) drops the earlier
+  files' events from step ``s`` on."""
+  out: list[tuple[int, str, float]] = []
+  files = sorted(_event_files(logdir), key=lambda f: (int(f.split(".")[3]), f))
+  for f in files:
+    events = list(_events(os.path.join(logdir, f)))
+    for e in events:
+      if e.HasField("session_log") and e.session_log.status == e.session_log.START:
+        out = [x for x in out if x[0] < e.step]
+    out += _scalars(events)
+  return out
+
+
+def read_events(path: str | os.PathLike) -> list[tuple[int, str, float]]:
+  """``(step, tag, value)`` of every scalar in one event file (both CRCs of every record are
+  checked)."""
+  return _scalars(_events(path))
+
+
+def _scalars(events: Iterable[Any]) -> list[tuple[int, str, float]]:
+  return [(e.step, v.tag, v.simple_value) for e in events for v in e.summary.value
+          if v.HasField("simple_value")]
+
+
+def _events(path: str | os.PathLike) -> Iterable[Any]:
+  """The ``Event`` protos of a TFRecord event file, read with tensorboardX's own protobuf
+  classes and CRC."""
+  from tensorboardX.proto import event_pb2
+  from tensorboardX.record_writer import masked_crc32c
+  data = pathlib.Path(path).read_bytes()
+  i = 0
+  while i < len(data):
+    header = data[i:i + 8]
+    if len(header) < 8:
+      raise ValueError(f"{path}: truncated record at byte {i}")
+    (n,) = struct.unpack("<Q", header)
+    (hcrc,) = struct.unpack("<I", data[i + 8:i + 12])
+    if hcrc != masked_crc32c(header):
+      raise ValueError(f"{path}: bad length CRC at byte {i}")
+    rec = data[i + 12:i + 12 + n]
+    (dcrc,) = struct.unpack("<I", data[i + 12 + n:i + 16 + n])
+    if dcrc != masked_crc32c(rec):
+      raise ValueError(f"{path}: bad data CRC at byte {i}")
+    i += 16 + n
+    yield event_pb2.Event.FromString(rec)
+
+
+class MetricsWriter:
+  """Writes per-step metrics to ``metrics.jsonl`` and TensorBoard event files (process 0).
+
+  Args:
+    out_dir: the run's output directory.
+    tensorboard: write event files, into ``tb_dir``.
+    tb_dir: the run's own TensorBoard run directory (default: ``out_dir``).
+    resume_after: continue a run resumed from the checkpoint of this step: ``metrics.jsonl``
+      keeps its records up to this step and is appended to, and the event files' later steps
+      are dropped by TensorBoard (`EventWriter` ``purge_step``). ``None``: a new file.
+  """
+
+  def __init__(self, out_dir: str | os.PathLike, tensorboard: bool = True,
+               tb_dir: str | os.PathLike | None = None, resume_after: int | None = None):
+    self.enabled = is_main_process()
+    self.out_dir = os.fspath(out_dir)
+    self.jsonl_path = os.path.join(self.out_dir, "metrics.jsonl")
+    self.tb = None
+    self.previous: list[dict] = []
+    if self.enabled:
+      os.makedirs(self.out_dir, exist_ok=True)
+      if resume_after is not None and os.path.exists(self.jsonl_path):
+        self.previous = [r for r in read_jsonl(self.jsonl_path) if r["step"] <= resume_after]
+        tmp = self.jsonl_path + ".tmp"
+        with open(tmp, "w") as f:  # the records up to the checkpoint, then appended to
+          f.writelines(json.dumps(r) + "\n" for r in self.previous)
+        os.replace(tmp, self.jsonl_path)
+        self._f = open(self.jsonl_path, "a")
+      else:
+        self._f = open(self.jsonl_path, "w")
+      if tensorboard:
+        self.tb = EventWriter(tb_dir if tb_dir is not None else self.out_dir,
+                              purge_step=None if resume_after is None else resume_after + 1)
+
+  def write(self, record: Mapping[str, Any]) -> None:
+    if not self.enabled:
+      return
+    self._f.write(json.dumps(dict(record)) + "\n")
+    if self.tb is not None:
+      self.tb.scalars(int(record["step"]), {
+          f"train/{k}": v for k, v in record.items()
+          if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)})
+
+  def flush(self) -> None:
+    if self.enabled:
+      self._f.flush()
+      if self.tb is not None:
+        self.tb.flush()
+
+  def close(self) -> None:
+    if self.enabled:
+      self._f.close()
+      if self.tb is not None:
+        self.tb.close()
+
+
+def read_jsonl(path: str | os.PathLike) -> list[dict]:
+  with open(path) as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def plot_loss(records: Iterable[Mapping[str, Any]], png_path: str | os.PathLike,
+              title: str = "zerojax training loss") -> str:
+  """Draws the loss curve of ``records`` (``step``/``loss``) to a PNG; returns its path."""
+  matplotlib = require("matplotlib", "the loss plot")
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  records = list(records)
+  fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
+  ax.plot([r["step"] for r in records],
+          [r["loss"] if r["loss"] is not None else float("nan") for r in records], lw=1.5)
+  ax.set_xlabel("step")
+  ax.set_ylabel("loss")
+  ax.set_title(title)
+  ax.grid(alpha=0.3)
+  fig.tight_layout()
+  fig.savefig(png_path)
+  plt.close(fig)
+  return os.fspath(png_path)
+
+
+class StepClock:
+  """When each dispatched step finished on the device, without the loop waiting for it.
+
+  A background thread waits, in step order, until one output of each step is ready and
+  records the time. The interval between two completions is that step's own time: while the
+  host dispatches ahead the device runs steps back to back, and a host-bound loop shows its
+  own pace. The first step of a run has no previous completion (and carries compilation and
+  warm-up), so it gets no step time.
+  """
+
+  def __init__(self):
+    self._queue: queue.Queue = queue.Queue()
+    self._done: dict[int, float] = {}
+    self._cv = threading.Condition()
+    self._thread = threading.Thread(target=self._run, name="zerojax-step-clock", daemon=True)
+    self._thread.start()
+
+  def add(self, step: int, output: Any) -> None:
+    """Times ``step`` by ``output`` (any array the step returned)."""
+    self._queue.put((step, output))
+
+  def _run(self) -> None:
+    import jax
+    while (item := self._queue.get()) is not None:
+      step, output = item
+      try:
+        jax.block_until_ready(output)
+      except Exception:  # noqa: BLE001 - the loop's own fetch of the metrics raises it
+        pass
+      now = time.perf_counter()
+      with self._cv:
+        self._done[step] = now
+        self._cv.notify_all()
+
+  def done(self, step: int) -> float:
+    """``time.perf_counter()`` when ``step`` finished (waits for it)."""
+    with self._cv:
+      self._cv.wait_for(lambda: step in self._done)
+      return self._done[step]
+
+  def step_time(self, step: int) -> float | None:
+    """Seconds between the completions of ``step - 1`` and ``step``; ``None`` for the first."""
+    end = self.done(step)
+    with self._cv:
+      start = self._done.get(step - 1)
+    return None if start is None else end - start
+
+  def close(self) -> None:
+    self._queue.put(None)
+    self._thread.join()

@@ -1,0 +1,159 @@
+"""What a training run is asked to do: `TrainOptions` (and DeepSpeed's training keys),
+the bundled corpus, and the error a non-finite gradient stops the loop with.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+from typing import Any, Mapping
+
+from zerojax.config import ConfigError, ZeroConfig
+
+__all__ = ["PACKAGE_DIR", "DEFAULT_CORPUS", "NonFiniteGradientsError", "TrainOptions",
+           "apply_deepspeed_train", "deepspeed_train_fields"]
+
+
+PACKAGE_DIR = pathlib.Path(__file__).resolve().parent.parent  # zerojax/
+
+
+# Shipped as package data, so a non-editable install finds it too.
+DEFAULT_CORPUS = PACKAGE_DIR / "assets" / "corpus.txt"
+
+
+class NonFiniteGradientsError(RuntimeError):
+  """A step's gradient had a NaN or infinity under ``nonfinite_grads='halt'``.
+
+  Attributes:
+    step: the optimizer step (1-based) whose gradient was not finite; it was not applied.
+    checkpoint: the directory of the last checkpoint saved before it, or ``None``.
+  """
+
+  def __init__(self, message: str, step: int, checkpoint: str | None):
+    super().__init__(message)
+    self.step, self.checkpoint = step, checkpoint
+
+
+@dataclasses.dataclass
+class TrainOptions:
+  """Options of the training loop (everything that is not a `ZeroConfig` field).
+
+  Attributes:
+    model: GPT preset (``tiny``, ``small``, ``gpt-89m``; see ``zerojax.models.PRESETS``); the
+      vocabulary is always 256 (bytes).
+    seq_len: tokens per row (``None``: the preset's).
+    steps: optimizer steps.
+    batch: global rows per optimizer step, used when the config sets no batch size.
+    optimizer: ``adamw``, ``adam``, ``sgd``, ``lamb`` or ``adagrad``.
+    lr: peak learning rate.
+    warmup_steps: linear warmup steps.
+    decay: ``constant`` or ``cosine`` (to 10% of ``lr`` at ``steps``).
+    scheduler: a DeepSpeed scheduler mapping (from `zerojax.deepspeed`); overrides warmup/decay.
+    b1, b2, eps, weight_decay, momentum: optimizer hyperparameters.
+    seed: initialisation and data seed.
+    corpus: text file to train on (bytes are tokens); default: the bundled corpus.
+    out_dir: where metrics, event files, plot and run.json go.
+    log_every: steps between metric fetches/progress-bar updates.
+    progress: show the progress bar.
+    tensorboard: write TensorBoard event files.
+    plot: draw ``loss.png`` at the end.
+    init_from: weights to start from (fine-tuning): a ``.npz`` of consolidated weights or a
+      checkpoint directory (consolidated with ``zerojax.export``).
+    cpu_devices: simulated CPU devices when no accelerator is present (set before JAX starts).
+    show_plan: print the sharding table and the per-device memory XLA measured.
+    save_weights: write the final parameters to ``out_dir/weights.npz`` (consolidated, float32
+      keys as in `flat_params`), e.g. for ``examples/finetune.py --init``. Sharded,
+      resumable checkpoints are `zerojax.checkpoint`'s job.
+    checkpoint_dir: save sharded checkpoints there (`zerojax.checkpoint.Checkpointer`: async,
+      each process writes its own shards) every ``checkpoint_every`` steps and at the end,
+      with the data position; ``examples/finetune.py --init`` accepts the directory.
+    checkpoint_every: steps between checkpoints (0: only at the end).
+    resume: continue the run found in ``out_dir``/``checkpoint_dir`` from its latest complete
+      checkpoint (params, optimizer, step, RNG, data position, learning-rate schedule;
+      ``metrics.jsonl`` and the TensorBoard run are continued). ``False`` (``--no-resume``):
+      start a new run at step 1; a previous run's ``metrics.jsonl`` is moved aside, and
+      existing checkpoints are refused (they would be mixed with the new run's).
+    overwrite: delete the previous run's files in ``out_dir`` and its checkpoints in
+      ``checkpoint_dir`` first, then start a new run (``--overwrite``).
+  """
+
+  model: str = "small"
+  seq_len: int | None = None
+  steps: int = 30
+  batch: int = 32
+  optimizer: str = "adamw"
+  lr: float = 3e-3
+  warmup_steps: int = 0
+  decay: str = "constant"
+  scheduler: dict | None = None
+  b1: float = 0.9
+  b2: float = 0.95
+  eps: float = 1e-8
+  weight_decay: float = 0.1
+  momentum: float = 0.9
+  seed: int = 0
+  corpus: str | None = None
+  out_dir: str = "runs/gpt"
+  log_every: int = 10
+  progress: bool = True
+  tensorboard: bool = True
+  plot: bool = True
+  init_from: str | None = None
+  cpu_devices: int = 8
+  show_plan: bool = True
+  save_weights: bool = False
+  checkpoint_dir: str | None = None
+  checkpoint_every: int = 0
+  resume: bool = True
+  overwrite: bool = False
+
+  def __post_init__(self):
+    for f in ("progress", "tensorboard", "plot", "show_plan", "save_weights", "resume",
+              "overwrite"):
+      if not isinstance(getattr(self, f), bool):
+        raise ConfigError(f"TrainOptions.{f}={getattr(self, f)!r} is invalid: true or false (a "
+                          "boolean; strings such as 'false' are not booleans)")
+    for f in ("steps", "batch", "log_every", "cpu_devices"):
+      v = getattr(self, f)
+      if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ConfigError(f"TrainOptions.{f}={v!r} is invalid: a positive integer")
+    if isinstance(self.checkpoint_every, bool) or not isinstance(self.checkpoint_every, int) \
+        or self.checkpoint_every < 0:
+      raise ConfigError(f"TrainOptions.checkpoint_every={self.checkpoint_every!r} is invalid: "
+                        "an integer >= 0 (0: only at the end)")
+    if self.decay not in ("constant", "cosine"):
+      raise ConfigError(f"TrainOptions.decay={self.decay!r} is invalid: 'constant' or 'cosine'")
+    if self.optimizer not in ("adamw", "adam", "sgd", "lamb", "adagrad"):
+      raise ConfigError(f"TrainOptions.optimizer={self.optimizer!r} is invalid: one of adamw, "
+                        "adam, sgd, lamb, adagrad")
+    if not isinstance(self.lr, (int, float)) or isinstance(self.lr, bool) or self.lr <= 0:
+      raise ConfigError(f"TrainOptions.lr={self.lr!r} is invalid: a positive number")
+
+  @classmethod
+  def fields(cls) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls)]
+
+
+def apply_deepspeed_train(opts: TrainOptions, train: Mapping[str, Any]) -> TrainOptions:
+  """Folds a `DeepSpeedMapping.train` dict (optimizer, scheduler, ...) into ``opts``."""
+  return dataclasses.replace(opts, **deepspeed_train_fields(train))
+
+
+def deepspeed_train_fields(train: Mapping[str, Any]) -> dict[str, Any]:
+  """`TrainOptions` fields of a `DeepSpeedMapping.train` dict."""
+  changes: dict[str, Any] = {}
+  o = train.get("optimizer")
+  if o:
+    changes["optimizer"] = o["name"]
+    for k in ("lr", "eps", "weight_decay", "momentum"):
+      if k in o:
+        changes[k] = float(o[k])
+    if "betas" in o:
+      changes["b1"], changes["b2"] = (float(b) for b in o["betas"])
+  if train.get("scheduler"):
+    changes["scheduler"] = dict(train["scheduler"])
+  for k in ("log_every", "tensorboard", "out_dir"):
+    if k in train:
+      changes[k] = train[k]
+  return changes
