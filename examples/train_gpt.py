@@ -8,7 +8,7 @@ With no accelerator present it runs on 8 simulated CPU devices. Usage::
 
 It prints the sharding plan and the per-device memory XLA measured, shows a progress bar
 (loss, tokens/s, ETA) and leaves metrics.jsonl, TensorBoard event files and loss.png in
---out-dir. The same loop is `zerojax train CONFIG key=value ...` (see zerojax/train.py).
+--out-dir. The same loop is `zerojax train CONFIG key=value ...` (see zerojax/train/).
 """
 
 from __future__ import annotations
