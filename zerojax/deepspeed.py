@@ -168,7 +168,8 @@ _OFFLOAD_KEYS = {"device", "pin_memory", "buffer_count", "fast_init", "pipeline"
                  "pipeline_read", "pipeline_write", "nvme_path", "ratio", "buffer_size",
                  "max_in_cpu"}
 _FP16_KEYS = {"enabled", "auto_cast", "loss_scale", "initial_scale_power", "loss_scale_window",
-              "hysteresis", "consecutive_hysteresis", "min_loss_scale", "fp16_master_weights_and_grads"}
+              "hysteresis", "consecutive_hysteresis", "min_loss_scale",
+              "fp16_master_weights_and_grads"}
 _BF16_KEYS = {"enabled", "immediate_grad_update", "check_grad_overflow",
               "bf16_master_weights_and_grads", "bf16_optimizer_states"}
 _TOP_KEYS = ({"zero_optimization", "train_batch_size", "train_micro_batch_size_per_gpu",
@@ -233,6 +234,19 @@ def _bool(key: str, v: Any) -> bool:
   return v
 
 
+@dataclasses.dataclass
+class _Mapped:
+  """What `map_deepspeed` builds up, section by section."""
+
+  kw: dict[str, Any] = dataclasses.field(default_factory=dict)  # ZeroConfig fields
+  flags: dict[str, str] = dataclasses.field(default_factory=dict)  # XLA flags
+  train: dict[str, Any] = dataclasses.field(default_factory=dict)  # training-loop options
+  notes: list[str] = dataclasses.field(default_factory=list)
+
+  def note(self, key: str, text: str) -> None:
+    self.notes.append(f"{key}: {text}")
+
+
 def map_deepspeed(d: Mapping[str, Any]) -> DeepSpeedMapping:
   """Maps a DeepSpeed config dict to a `DeepSpeedMapping` (config, XLA flags, notes).
 
@@ -243,15 +257,30 @@ def map_deepspeed(d: Mapping[str, Any]) -> DeepSpeedMapping:
   if not isinstance(d, Mapping):
     raise ConfigError(f"a DeepSpeed config must be a mapping, got {type(d).__name__}")
   _unknown("", set(d), _TOP_KEYS)
-  kw: dict[str, Any] = {}
-  flags: dict[str, str] = {}
-  notes: list[str] = []
-  train: dict[str, Any] = {}
+  m = _Mapped()
+  _map_batch(d, m)
+  _map_precision(d, m)
+  z = _section(d, "zero_optimization")
+  _unknown("zero_optimization", set(z), _ZERO_KEYS)
+  _map_partitioning(z, m)
+  _map_collectives(z, m)
+  _map_training(d, m)
+  # zerojax extras: ZeroConfig fields DeepSpeed has no key for, applied last.
+  extra = _section(d, "zerojax")
+  _unknown("zerojax", set(extra), {f.name for f in dataclasses.fields(ZeroConfig)})
+  m.kw.update(extra)
+  # Offload in DeepSpeed implies ZeRO; zerojax validates the combination.
+  try:
+    config = ZeroConfig(**m.kw)
+  except ConfigError as e:
+    raise ConfigError(f"DeepSpeed config maps to an invalid ZeroConfig: {e}") from None
+  return DeepSpeedMapping(config, tuple(f"{k}={v}" for k, v in m.flags.items()),
+                          tuple(m.notes), m.train)
 
-  def note(key, text):
-    notes.append(f"{key}: {text}")
 
-  # -- batch sizes, clipping ------------------------------------------------------------------
+def _map_batch(d: Mapping[str, Any], m: _Mapped) -> None:
+  """Batch sizes and gradient clipping."""
+  kw, note = m.kw, m.note
   for ds_key, field in (("train_batch_size", "train_batch_size"),
                         ("train_micro_batch_size_per_gpu", "micro_batch_per_device"),
                         ("gradient_accumulation_steps", "gradient_accumulation_steps")):
@@ -271,7 +300,10 @@ def map_deepspeed(d: Mapping[str, Any]) -> DeepSpeedMapping:
     else:
       raise _err("gradient_clipping", v, "a number >= 0 (0 = no clipping)")
 
-  # -- precision ------------------------------------------------------------------------------
+
+def _map_precision(d: Mapping[str, Any], m: _Mapped) -> None:
+  """bf16 / fp16 (loss scaling) and the reduction dtype."""
+  kw, note = m.kw, m.note
   if "bf16" in d and "bfloat16" in d:
     raise ConfigError(f"DeepSpeed config sets both 'bf16'={d['bf16']!r} and "
                       f"'bfloat16'={d['bfloat16']!r}; they are aliases of one setting, give "
@@ -318,9 +350,10 @@ def map_deepspeed(d: Mapping[str, Any]) -> DeepSpeedMapping:
     kw["reduce_dtype"] = _DTYPE_NAMES[v.lower()]
     note("communication_data_type", f"reduce_dtype={kw['reduce_dtype']!r}")
 
-  # -- zero_optimization ----------------------------------------------------------------------
-  z = _section(d, "zero_optimization")
-  _unknown("zero_optimization", set(z), _ZERO_KEYS)
+
+def _map_partitioning(z: Mapping[str, Any], m: _Mapped) -> None:
+  """``zero_optimization``: stage, offload, persistence threshold, prefetch."""
+  kw, note = m.kw, m.note
   stage = z.get("stage", 0)
   if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
     raise _err("zero_optimization.stage", stage, "0, 1, 2 or 3")
@@ -341,8 +374,9 @@ def map_deepspeed(d: Mapping[str, Any]) -> DeepSpeedMapping:
   for key in ("stage3_param_persistence_threshold", "param_persistence_threshold"):
     if key in z and not _auto(z[key]):
       kw["param_persistence_threshold"] = _int(f"zero_optimization.{key}", z[key])
-      note(f"zero_optimization.{key}", f"param_persistence_threshold={kw['param_persistence_threshold']}"
-           " (leaves with fewer elements stay replicated)")
+      note(f"zero_optimization.{key}",
+           f"param_persistence_threshold={kw['param_persistence_threshold']} (leaves with "
+           "fewer elements stay replicated)")
   for key in ("stage3_prefetch_bucket_size", "prefetch_bucket_size"):
     if key in z and not _auto(z[key]):
       v = _num(f"zero_optimization.{key}", z[key])
@@ -353,11 +387,17 @@ def map_deepspeed(d: Mapping[str, Any]) -> DeepSpeedMapping:
   for key in ("stage3_max_live_parameters", "max_live_parameters"):
     if key in z:
       v = z[key] if _auto(z[key]) else _num(f"zero_optimization.{key}", z[key])
-      note(f"zero_optimization.{key}", f"{v if _auto(v) else format(v, 'g')} is a parameter count; zerojax bounds gathered "
-           "weights in whole layers (max_live_layers), set by the prefetch bucket size")
+      note(f"zero_optimization.{key}",
+           f"{v if _auto(v) else format(v, 'g')} is a parameter count; zerojax bounds "
+           "gathered weights in whole layers (max_live_layers), set by the prefetch bucket size")
   if "max_reuse_distance" in z:
     note("zero_optimization.max_reuse_distance", _ZERO_IGNORED["stage3_max_reuse_distance"])
 
+
+def _map_collectives(z: Mapping[str, Any], m: _Mapped) -> None:
+  """``zero_optimization`` keys whose job XLA does (combining, overlap), hpZ/MiCS groups,
+  and the quantized collectives zerojax refuses."""
+  kw, flags, note = m.kw, m.flags, m.note
   # Keys whose job XLA does: collective combining and overlap.
   grad_dtype = kw.get("reduce_dtype") or "float32"
   param_bytes = _BYTES["float32"]
@@ -403,7 +443,10 @@ def map_deepspeed(d: Mapping[str, Any]) -> DeepSpeedMapping:
     if key in z:
       note(f"zero_optimization.{key}", why)
 
-  # -- training-loop settings -----------------------------------------------------------------
+
+def _map_training(d: Mapping[str, Any], m: _Mapped) -> None:
+  """Optimizer, scheduler, logging and TensorBoard: training-loop options."""
+  train, note = m.train, m.note
   if "optimizer" in d:
     train["optimizer"] = _optimizer(d["optimizer"])
     note("optimizer", f"-> optax.{train['optimizer']['name']} (training loop)")
@@ -422,20 +465,6 @@ def map_deepspeed(d: Mapping[str, Any]) -> DeepSpeedMapping:
   for key, why in _TOP_IGNORED.items():
     if key in d:
       note(key, why)
-
-  # -- zerojax extras -------------------------------------------------------------------------
-  extra = _section(d, "zerojax")
-  known = {f.name for f in dataclasses.fields(ZeroConfig)}
-  _unknown("zerojax", set(extra), known)
-  kw.update(extra)
-
-  # Offload in DeepSpeed implies ZeRO; zerojax validates the combination.
-  try:
-    config = ZeroConfig(**kw)
-  except ConfigError as e:
-    raise ConfigError(f"DeepSpeed config maps to an invalid ZeroConfig: {e}") from None
-  return DeepSpeedMapping(config, tuple(f"{k}={v}" for k, v in flags.items()), tuple(notes),
-                          train)
 
 
 def _enabled(name: str, sect: Mapping) -> bool:
