@@ -291,3 +291,12 @@ def test_estimate_fit_uses_the_compiled_peak(capsys):
           f"{cli.fmt_bytes(peak0)} per device (XLA) does not fit") in out
   assert f"recommendation: {best}" in out
   assert "batch of 8 rows x 32 tokens over 8 devices" in out
+
+
+def test_estimate_fit_without_seq_uses_the_presets_length(capsys):
+  # Without --seq the compiled step takes the preset's sequence length (this path once named
+  # an undefined variable).
+  cli.main(["estimate", "--model", "tiny", "--devices", "8", "--fit", "1GB", "--batch", "8"])
+  out = capsys.readouterr().out
+  from zerojax.models import PRESETS
+  assert f"batch of 8 rows x {PRESETS['tiny'].seq_len} tokens over 8 devices" in out

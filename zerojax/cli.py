@@ -12,7 +12,7 @@ import math
 import os
 import re
 import sys
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
 from zerojax.config import ConfigError, ZeroConfig
 from zerojax.config_file import load_config
@@ -295,7 +295,6 @@ def cmd_plan(args) -> int:
   model_name = args.model or loaded.train.get("model", "small")
   n = args.devices
   zt.setup_cpu_devices(n)
-  import jax
   import optax
   from jax.sharding import AbstractMesh, AxisType
   from zerojax.plan import ShardingPlan
@@ -376,8 +375,10 @@ def cmd_estimate(args) -> int:
     if compile_note:
       print(compile_note)
     elif args.model is not None:
+      from zerojax.models import PRESETS
+      seq = args.seq or PRESETS[args.model].seq_len
       print(f"compiled peaks: the real training step (AdamW) for a batch of {args.batch or n} "
-            f"rows x {args.seq or mcfg.seq_len} tokens over {n} devices, compiled only")
+            f"rows x {seq} tokens over {n} devices, compiled only")
     print(f"\n--fit {fmt_bytes(args.fit)} per device, lowest communication first:")
     for w in why:
       print(f"  {w}")

@@ -460,7 +460,6 @@ def remat_policy(config: Any, per_use: bool):
   """The ``jax.checkpoint`` policy around a whole model *without* scans (linen ``apply_fn``),
   or ``None`` for none. Per-use gathering needs one (else autodiff keeps every gathered weight
   as a residual); otherwise only an explicit ``config.remat`` asks for one."""
-  cp = jax.checkpoint_policies
   if config.remat in ("full", "dots", "offload"):
     return scan_remat(config, per_use).policy
   return save_all_but_gathered if per_use else None

@@ -53,7 +53,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from zerojax import context
 from zerojax._compat import ORIGINAL_SCAN
 from zerojax.gather import after
-from zerojax.config import ConfigError, ZeroConfig
+from zerojax.config import ConfigError
 
 __all__ = ["F32", "check_batch", "value_and_grad"]
 

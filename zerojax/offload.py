@@ -7,13 +7,12 @@ host where the output sharding says so.
 
 from __future__ import annotations
 
-import functools
 import warnings
 from typing import Any
 
 import jax
 import optax
-from jax.sharding import AbstractMesh, Mesh, NamedSharding
+from jax.sharding import AbstractMesh, Mesh
 
 from zerojax.config import ConfigError, ZeroConfig
 

@@ -39,10 +39,9 @@ import dataclasses
 import math
 import re
 import warnings
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax.core import meta
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P

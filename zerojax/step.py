@@ -13,7 +13,6 @@ updates ``model``/``optimizer`` in place, as under ``nnx.jit``.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import math
 import time

@@ -5,11 +5,10 @@ the bundled corpus, and the error a non-finite gradient stops the loop with.
 from __future__ import annotations
 
 import dataclasses
-import json
 import pathlib
 from typing import Any, Mapping
 
-from zerojax.config import ConfigError, ZeroConfig
+from zerojax.config import ConfigError
 
 __all__ = ["PACKAGE_DIR", "DEFAULT_CORPUS", "NonFiniteGradientsError", "TrainOptions",
            "apply_deepspeed_train", "deepspeed_train_fields"]
