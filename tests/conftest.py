@@ -92,6 +92,7 @@ SLOW = (
     "tests/test_nonfinite.py::test_nonfinite_step_is_skipped_bitwise[bfloat16]",
     "tests/test_nonfinite.py::test_nonfinite_ignore_applies_the_update",
     "tests/test_cli.py::test_estimate_fit_uses_the_compiled_peak",
+    "tests/test_cli.py::test_estimate_fit_without_seq_uses_the_presets_length",
     "tests/test_reporting.py::test_train_reports_each_steps_own_throughput",
     "tests/test_memory_limit.py::test_nnx_step_over_the_limit_fails_before_it_runs",
     "tests/test_memory_limit.py::test_nothing_fits_says_so",

@@ -11,6 +11,8 @@ import tempfile
 import pytest
 
 from zerojax import cli
+from zerojax import estimate as est
+from zerojax.config import ZeroConfig
 from zerojax.memory import paper_bytes
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -39,7 +41,7 @@ def run(*args, script=None, cwd=None, timeout=300):
 def test_figure1_numbers():
   for stage, gb in FIG1.items():
     assert round(paper_bytes(7.5e9, stage, 64) / 1e9, 1) == gb
-  opts = cli.paper_options(7.5e9, 64)
+  opts = est.paper_options(7.5e9, 64)
   assert [round(o.device / 1e9, 1) for o in opts[:4]] == list(FIG1.values())
 
 
@@ -59,10 +61,10 @@ def test_estimate_prints_figure1():
     (1e9, "stage 3 + offload_optimizer"),
     (0.3e9, "stage 3 + offload_optimizer + offload_params"), (0.1e9, None)])
 def test_fit_picks_lowest_communication_option(budget, expect):
-  best, why = cli.recommend(cli.paper_options(7.5e9, 64), budget)
+  best, why = est.recommend(est.paper_options(7.5e9, 64), budget)
   assert (best.name if best else None) == expect
-  assert len(why) == (len(cli.paper_options(7.5e9, 64)) if best is None else
-                      [o.name for o in cli.paper_options(7.5e9, 64)].index(expect) + 1)
+  assert len(why) == (len(est.paper_options(7.5e9, 64)) if best is None else
+                      [o.name for o in est.paper_options(7.5e9, 64)].index(expect) + 1)
 
 
 def test_estimate_fit_and_plot_subprocess(tmp_path):
@@ -270,10 +272,10 @@ def test_deepspeed_typo_in_file_names_file_and_suggestion(tmp_path, capsys):
 
 def test_estimate_fit_uses_the_compiled_peak(capsys):
   import optax
-  cfg = cli.ZeroConfig(param_persistence_threshold=64)
-  _, _, shapes = cli._model_shapes("tiny", cfg)
-  opts = {o.name: o for o in cli.model_options(shapes, optax.adamw(1e-3), cfg, 8)}
-  peak0 = cli.step_peak("tiny", cfg.replace(stage=0), batch=8, seq=32)
+  cfg = ZeroConfig(param_persistence_threshold=64)
+  _, _, shapes = est.model_shapes("tiny", cfg)
+  opts = {o.name: o for o in est.model_options(shapes, optax.adamw(1e-3), cfg, 8)}
+  peak0 = est.step_peak("tiny", cfg.replace(stage=0), batch=8, seq=32)
   state0 = opts["stage 0"].device
   assert peak0 > state0  # activations and temporaries come on top
   budget = (peak0 + state0) / 2  # the model-state estimate alone would pick stage 0
@@ -287,8 +289,8 @@ def test_estimate_fit_uses_the_compiled_peak(capsys):
   assert fit["compiled_peak"][best] <= budget < peak0
   cli.main(args)
   out = capsys.readouterr().out
-  assert (f"stage 0: model state {cli.fmt_bytes(state0)} (estimate), compiled step peak "
-          f"{cli.fmt_bytes(peak0)} per device (XLA) does not fit") in out
+  assert (f"stage 0: model state {est.fmt_bytes(state0)} (estimate), compiled step peak "
+          f"{est.fmt_bytes(peak0)} per device (XLA) does not fit") in out
   assert f"recommendation: {best}" in out
   assert "batch of 8 rows x 32 tokens over 8 devices" in out
 

@@ -18,7 +18,7 @@ PKG = pathlib.Path(zerojax.__file__).parent
 CORE = {"config", "mesh", "plan", "gather", "grad", "step", "train_state", "offload", "context",
         "_compat"}
 RUNTIME = {"checkpoint", "distributed", "data", "memory", "weights"}
-TOOLS = {"cli", "launch", "export", "deepspeed", "config_file", "train"}
+TOOLS = {"cli", "launch", "export", "deepspeed", "config_file", "estimate", "train"}
 ALLOWED = {("memory", "config_file")}  # compile_for_topology(config="ds.json")
 
 

@@ -1,0 +1,226 @@
+"""Will it fit, and which stage: ZeRO model-state estimates per option, the lowest-communication
+option that fits a per-device budget (by the estimate, or by the compiled step's peak), and
+the table and plot `zerojax estimate` prints. The numbers come from `zerojax.memory`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+from zerojax.config import ConfigError, ZeroConfig
+
+__all__ = ["fmt_bytes", "Option", "COMM", "SHARDS", "paper_options", "model_options",
+           "recommend", "recommend_compiled", "format_table", "plot_options", "model_shapes",
+           "step_peak"]
+
+
+def fmt_bytes(n: float) -> str:
+  """Decimal units as in the ZeRO paper (GB = 1e9 bytes)."""
+  for unit, div in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+    if abs(n) >= div:
+      return f"{n / div:.1f} {unit}"
+  return f"{n:.0f} B"
+
+
+@dataclasses.dataclass(frozen=True)
+class Option:
+  """One memory/communication option of `estimate_options`."""
+
+  name: str
+  stage: int
+  offload_optimizer: bool
+  offload_params: bool
+  params: float
+  grads: float
+  opt_state: float
+  host: float
+  comm: str  # communication volume per step, in the paper's units
+  comm_rank: int  # order by communication (lower is less)
+
+  @property
+  def device(self) -> float:
+    return self.params + self.grads + self.opt_state
+
+
+COMM = {0: "2Ψ all-reduce", 1: "2Ψ (reduce-scatter + all-gather)",
+        2: "2Ψ (reduce-scatter + all-gather)", 3: "3Ψ (2 all-gathers + reduce-scatter)"}
+SHARDS = {0: "nothing", 1: "optimizer state", 2: "+ gradients", 3: "+ parameters"}
+
+
+def paper_options(psi: float, n: int, k: int = 12) -> list[Option]:
+  """The ZeRO paper's per-device model-state bytes (fp16 params/grads, K bytes of optimizer
+  state per parameter), for stages 0-3 and stage 3 with offload."""
+  from zerojax.memory import paper_bytes
+  opts = []
+  for s in range(4):
+    total = paper_bytes(psi, s, n, k)
+    p = 2 * psi / (n if s >= 3 else 1)
+    g = 2 * psi / (n if s >= 2 else 1)
+    o = total - p - g
+    opts.append(Option(f"stage {s}", s, False, False, p, g, o, 0.0, COMM[s], s))
+  p, g, o = 2 * psi / n, 2 * psi / n, k * psi / n
+  opts.append(Option("stage 3 + offload_optimizer", 3, True, False, p, g, 0.0, o,
+                     COMM[3] + " + optimizer shard over PCIe", 4))
+  opts.append(Option("stage 3 + offload_optimizer + offload_params", 3, True, True, 0.0, g, 0.0,
+                     o + p, COMM[3] + " + optimizer and parameter shards over PCIe", 5))
+  return opts
+
+
+def model_options(params: Any, tx: Any, config: ZeroConfig, n: int) -> list[Option]:
+  """`paper_options` for a real parameter tree and optimizer (`zerojax.memory.estimate`)."""
+  from zerojax.memory import estimate
+  out = []
+  variants = [(f"stage {s}", s, False, False) for s in range(4)]
+  variants += [("stage 3 + offload_optimizer", 3, True, False),
+               ("stage 3 + offload_optimizer + offload_params", 3, True, True)]
+  for rank, (name, s, oo, op) in enumerate(variants):
+    cfg = config.replace(stage=s, offload_optimizer=oo, offload_params=op,
+                         optimizer_on_host=False)
+    e = estimate(params, tx, config=cfg, num_devices=n)
+    comm = COMM[s] + ("" if not oo else " + optimizer shard over PCIe" if not op else
+                      " + optimizer and parameter shards over PCIe")
+    out.append(Option(name, s, oo, op, e.params, e.grads, e.opt_state, e.host, comm, rank))
+  return out
+
+
+def recommend(options: Sequence[Option], budget: float) -> tuple[Option | None, list[str]]:
+  """The lowest-communication option whose device-resident model state fits ``budget``.
+
+  Order: stage 0 < 1 < 2 (2Ψ each; at equal communication the lower stage wins, it has fewer
+  collectives and no per-layer scheduling) < 3 (3Ψ) < 3 + offload_optimizer < + offload_params
+  (host transfers each step). Returns the option (None if nothing fits) and the reasoning.
+  """
+  why = []
+  for o in sorted(options, key=lambda o: o.comm_rank):
+    if o.device <= budget:
+      why.append(f"{o.name}: {fmt_bytes(o.device)} per device fits {fmt_bytes(budget)} "
+                 f"({fmt_bytes(budget - o.device)} left for activations and temporaries)")
+      return o, why
+    why.append(f"{o.name}: {fmt_bytes(o.device)} per device does not fit "
+               f"({fmt_bytes(o.device - budget)} over)")
+  return None, why
+
+
+def recommend_compiled(options: Sequence[Option], budget: float,
+                       peak: Any) -> tuple[Option | None, list[str], dict[str, int]]:
+  """`recommend` by the compiled step's peak: the lowest-communication option whose model
+  state fits ``budget`` *and* whose compiled step (``peak(option) -> bytes``) fits too.
+
+  Options whose model state alone exceeds the budget are not compiled. Returns the option,
+  the reasoning and the compiled peaks measured (by option name).
+  """
+  why, peaks = [], {}
+  for o in sorted(options, key=lambda o: o.comm_rank):
+    if o.device > budget:
+      why.append(f"{o.name}: model state {fmt_bytes(o.device)} per device does not fit "
+                 f"({fmt_bytes(o.device - budget)} over); not compiled")
+      continue
+    p = peaks[o.name] = peak(o)
+    head = (f"{o.name}: model state {fmt_bytes(o.device)} (estimate), compiled step peak "
+            f"{fmt_bytes(p)} per device (XLA)")
+    if p <= budget:
+      why.append(f"{head} fits ({fmt_bytes(budget - p)} left)")
+      return o, why, peaks
+    why.append(f"{head} does not fit ({fmt_bytes(p - budget)} over: activations and "
+               "temporaries come on top of the model state)")
+  return None, why, peaks
+
+
+def format_table(options: Sequence[Option], title: str) -> str:
+  rows = [("option", "shards", "params", "grads", "optimizer", "device total", "host",
+           "communication/step")]
+  for o in options:
+    shards = SHARDS[o.stage] if not (o.offload_optimizer or o.offload_params) else "offload"
+    rows.append((o.name, shards, fmt_bytes(o.params), fmt_bytes(o.grads), fmt_bytes(o.opt_state),
+                 fmt_bytes(o.device), fmt_bytes(o.host) if o.host else "-", o.comm))
+  widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+  right = {2, 3, 4, 5, 6}
+  line = lambda r: "  ".join(c.rjust(w) if i in right else c.ljust(w)
+                             for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+  return "\n".join([title, line(rows[0]), line(tuple("-" * w for w in widths))]
+                   + [line(r) for r in rows[1:]])
+
+
+def plot_options(options: Sequence[Option], path: str, title: str,
+                 budget: float | None = None) -> str:
+  """Stacked bars (params, grads, optimizer state) of device memory per option."""
+  from zerojax.train import require
+  matplotlib = require("matplotlib", "zerojax estimate --plot")
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  names = [o.name.replace(" + ", "\n+ ") for o in options]
+  gb = lambda xs: [x / 1e9 for x in xs]
+  p, g, s = gb([o.params for o in options]), gb([o.grads for o in options]), \
+      gb([o.opt_state for o in options])
+  fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(options)), 4.2), dpi=120)
+  x = range(len(options))
+  ax.bar(x, p, label="parameters", color="#4477aa")
+  ax.bar(x, g, bottom=p, label="gradients", color="#66ccee")
+  ax.bar(x, s, bottom=[a + b for a, b in zip(p, g)], label="optimizer state", color="#ee6677")
+  for i, o in enumerate(options):
+    ax.text(i, o.device / 1e9, f"{o.device / 1e9:.1f} GB", ha="center", va="bottom", fontsize=8)
+  if budget is not None:
+    ax.axhline(budget / 1e9, color="k", ls="--", lw=1, label=f"budget {fmt_bytes(budget)}")
+  ax.set_xticks(list(x), names, fontsize=7)
+  ax.set_ylabel("model state per device (GB)")
+  ax.set_title(title, fontsize=9)
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path)
+  plt.close(fig)
+  return path
+
+
+def model_shapes(preset: str, config: ZeroConfig):
+  import jax
+  import jax.numpy as jnp
+  from flax.core import meta
+  from zerojax.models import GPT, PRESETS
+  if preset not in PRESETS:
+    raise ConfigError(f"--model {preset!r} is unknown; presets are {sorted(PRESETS)}")
+  mcfg = dataclasses.replace(PRESETS[preset], dtype=jnp.dtype(config.compute_dtype))
+  model = GPT(mcfg)
+  tokens = jax.ShapeDtypeStruct((1, mcfg.seq_len), jnp.int32)
+  shapes = jax.eval_shape(lambda t: model.init(jax.random.key(0), t)["params"], tokens)
+  pdtype = jnp.dtype(config.param_dtype)
+  shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, pdtype)
+                        if jnp.issubdtype(x.dtype, jnp.floating) else x, meta.unbox(shapes))
+  return model, mcfg, shapes
+
+
+def step_peak(preset: str, config: ZeroConfig, batch: int, seq: int | None = None) -> int:
+  """Per-device peak of the GPT training step (`zerojax.train`'s step: AdamW, the config's
+  stage, offload, remat and batch sizes) for ``batch`` rows of ``seq`` tokens, from XLA's
+  memory analysis of the compiled step (arguments + outputs - aliased + temporaries).
+
+  The step is lowered and compiled on abstract state: nothing is allocated. The mesh is
+  ``config``'s over this machine's devices.
+  """
+  import jax
+  import jax.numpy as jnp
+  import optax
+  import zerojax
+  from zerojax.checkpoint import abstract_train_state
+  from zerojax.memory import compiled_peak
+  from zerojax.models import loss_fn
+  model, mcfg, _ = model_shapes(preset, config)
+  seq = seq or mcfg.seq_len
+  if seq > mcfg.seq_len:
+    raise ConfigError(f"--seq {seq} is longer than the {preset} model's seq_len {mcfg.seq_len}")
+  if (config.train_batch_size, config.micro_batch_per_device) == (None, None):
+    config = config.replace(train_batch_size=batch)
+  tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
+  state, plan = abstract_train_state(model, optax.adamw(1e-3), jax.random.key(0), tokens,
+                                     config=config)
+
+  @zerojax.zero_step(plan)
+  def train_step(state, batch):
+    def lf(params, batch):
+      return loss_fn(state.apply_fn({"params": params}, batch["x"]), batch["y"])
+    loss, grads = zerojax.value_and_grad(lf)(state.params, batch)
+    return state.apply_gradients(grads=grads), {"loss": loss}
+
+  b = plan.bytes_per_device()
+  compiled = train_step.lower(state, {"x": tokens, "y": tokens}).compile()
+  return compiled_peak(compiled, host_resident=b["params_host"] + b["opt_state_host"])[0]
