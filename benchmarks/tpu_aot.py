@@ -116,6 +116,8 @@ def base_config(**kw):
 
 
 def verdict(r) -> str:
+  if r.compiler_failed:
+    return "compiler error"
   if r.measured is None:
     return f"refused: needs {gib(r.required)} GiB"
   return "fits" if r.fits else "over"

@@ -213,7 +213,7 @@ def cmd_compile(args) -> int:
   print(r.table())
   for note in loaded.notes:
     print(f"DeepSpeed {note}")
-  return 0 if r.fits else 1
+  return 2 if r.compiler_failed else (0 if r.fits else 1)
 
 
 def _compile_note(args, n: int) -> str | None:

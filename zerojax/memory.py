@@ -650,8 +650,9 @@ def _oom_bytes(message: str) -> tuple[int, int] | None:
 class TopologyCompile:
   """One train step compiled ahead of time for a TPU topology; bytes are per device.
 
-  ``measured`` is None when the compiler refused the step for lack of HBM; then ``error``
-  holds its message and ``required`` the bytes it said the step needs.
+  ``measured`` is None when the compiler did not produce the step: for lack of HBM
+  (``required`` holds the bytes it said the step needs) or because the compiler itself failed
+  (``compiler_failed``; ``required`` is None). ``error`` holds its message either way.
   """
 
   topology: str
@@ -670,6 +671,11 @@ class TopologyCompile:
   required: int | None = None
   formulation: str | None = None  # how the step gathers parameters (`ZeroStep.formulation`)
   compiled: Any = dataclasses.field(default=None, repr=False, compare=False)
+
+  @property
+  def compiler_failed(self) -> bool:
+    """The compiler failed for a reason other than memory (not a verdict on fitting)."""
+    return self.measured is None and self.required is None
 
   @property
   def fits(self) -> bool:
@@ -691,6 +697,11 @@ class TopologyCompile:
              f"{g(self.hbm_available)} per device"]
     if self.formulation is not None:
       lines.append(f"  parameters gathered: {self.formulation} (see ZeroConfig.gather)")
+    if self.compiler_failed:
+      lines += ["  COMPILER ERROR: XLA failed to compile the step for a reason other than "
+                "memory, so this says nothing about whether it fits",
+                f"  compiler: {self.error}"]
+      return "\n".join(lines)
     if self.measured is None:
       need = f" it needs {g(self.required)}" if self.required is not None else ""
       lines += [f"  DOES NOT FIT: the compiler refused the step:{need}",
@@ -799,12 +810,12 @@ def compile_for_topology(config: ZeroConfig | str | Any, model: Any, batch: Any,
   common["formulation"] = next(iter(step.formulation.values()), None)
   try:
     compiled = lowered.compile(compiler_options) if compiler_options else lowered.compile()
-  except Exception as e:  # XLA:TPU refuses programs that exceed HBM
+  except jax.errors.JaxRuntimeError as e:  # XLA:TPU refuses programs that exceed HBM
     found = _oom_bytes(str(e))
-    if found is None:
-      raise
+    # Anything else is the compiler's own failure (seen: a RET_CHECK in libtpu 0.0.42.1 for
+    # one 512-chip case), reported as such, not as a memory verdict.
     return TopologyCompile(compile_seconds=time.perf_counter() - t0, error=str(e).strip(),
-                           required=found[0], **common)
+                           required=None if found is None else found[0], **common)
   dt = time.perf_counter() - t0
   ma = compiled.memory_analysis()
   return TopologyCompile(
