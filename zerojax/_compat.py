@@ -14,7 +14,8 @@ from typing import Any, Callable, Iterator
 import jax
 
 __all__ = ["ORIGINAL_SCAN", "REMAT_PRIMITIVE_NAMES", "name_p", "sharding_constraint_p",
-           "jaxpr_has_primitive", "subjaxprs", "eval_jaxpr", "backends_initialized"]
+           "jaxpr_has_primitive", "subjaxprs", "eval_jaxpr", "backends_initialized",
+           "distributed_state", "detect_cluster"]
 
 # ``jax.lax.scan`` as JAX defines it, captured before zerojax installs its per-thread dispatcher
 # (`zerojax.gather.scan_remat`); zerojax's own loops call this one directly.
@@ -62,6 +63,30 @@ def backends_initialized() -> bool:
     return bool(xla_bridge.backends_are_initialized())
   except (ImportError, AttributeError):  # pragma: no cover - depends on the installed JAX
     return False
+
+
+def distributed_state() -> Any:
+  """JAX's distributed-runtime state (``process_id``, ``num_processes``,
+  ``coordinator_address``, ``client``: the coordination service's key-value store), or
+  ``None`` where this JAX keeps it elsewhere (callers then use public APIs only)."""
+  try:
+    from jax._src import distributed
+    return distributed.global_state
+  except (ImportError, AttributeError):  # pragma: no cover - depends on the installed JAX
+    return None
+
+
+def detect_cluster(coordinator: Any, num_processes: Any, process_id: Any, local_device_ids: Any,
+                   method: Any, timeout: Any) -> tuple[Any, Any, Any, Any]:
+  """JAX's own scheduler detection (SLURM, Open MPI, Kubernetes, TPU) for the settings still
+  unset, as ``jax.distributed.initialize`` does it; the settings unchanged where this JAX does
+  not expose it."""
+  try:
+    from jax._src import clusters
+    detect = clusters.ClusterEnv.auto_detect_unset_distributed_params
+  except (ImportError, AttributeError):  # pragma: no cover - depends on the installed JAX
+    return coordinator, num_processes, process_id, local_device_ids
+  return detect(coordinator, num_processes, process_id, local_device_ids, method, timeout)
 
 
 def eval_jaxpr(closed: Any, args: list[Any],

@@ -145,11 +145,10 @@ def initialize(coordinator_address: str | None = None,
   """
   global _info
   import jax
-  from jax._src import distributed as jdist
   from zerojax._compat import backends_initialized
 
   if _info is not None or jax.distributed.is_initialized():
-    info = _info or _running_info(jdist)
+    info = _info or _running_info()
     _check_same(info, coordinator_address, num_processes, process_id)
     _info = info
     return info
@@ -218,7 +217,7 @@ def initialize(coordinator_address: str | None = None,
         heartbeat_timeout_seconds=max(1, int(round(beat_t))),
         shutdown_timeout_seconds=max(1, int(round(down_t))))
   except Exception as e:  # noqa: BLE001 - re-raised with the address and the knobs
-    _reset(jdist)
+    _reset()
     waited = time.monotonic() - t0
     raise DistributedInitError(
         f"zerojax: process {pid} of {nproc} could not join the coordinator at {coord!r} "
@@ -375,20 +374,20 @@ def _exchange(key: str, value: str, me: int, n: int, timeout: float) -> list[str
   # Process 0 hosts the coordination service: it acts on the result (an error may end it at
   # once) only after every other process has read every fingerprint.
   if me != 0:
-    client.key_value_set(f"{key}/read/{me}", "1")
+    try:
+      client.key_value_set(f"{key}/read/{me}", "1")
+    except Exception:  # noqa: BLE001 - process 0 may act on the acknowledgement, and exit,
+      pass  # before its reply arrives ("Socket closed"); every fingerprint is already read
   else:
     get_all("read/", "acknowledgement", range(1, n))
   return out
 
 
 def _kv_client():
-  """JAX's distributed-runtime client (private API: ``jax._src.distributed.global_state``),
-  or ``None`` if this JAX does not expose it."""
-  try:
-    from jax._src import distributed as jdist
-    client = jdist.global_state.client
-  except Exception:  # noqa: BLE001
-    return None
+  """JAX's distributed-runtime client (`zerojax._compat.distributed_state`), or ``None`` if
+  this JAX does not expose it."""
+  from zerojax._compat import distributed_state
+  client = getattr(distributed_state(), "client", None)
   if client is None or not all(hasattr(client, m) for m in ("key_value_set",
                                                               "blocking_key_value_get")):
     return None
@@ -502,9 +501,8 @@ def info() -> DistributedInfo:
   if _info is not None:
     return _info
   import jax
-  from jax._src import distributed as jdist
   if jax.distributed.is_initialized():
-    return _running_info(jdist)
+    return _running_info()
   return DistributedInfo(0, 1, None, "single")
 
 
@@ -533,9 +531,9 @@ def _resolve(coord, nproc, pid, method):
     pid = pid if pid is not None else i
   if method != "deactivate" and (nproc is None or nproc > 1) and None in (coord, nproc, pid):
     # JAX's own detectors (SLURM, Open MPI, Kubernetes, TPU) fill what is still unset.
-    from jax._src import clusters
-    c, n, i, _ = clusters.ClusterEnv.auto_detect_unset_distributed_params(
-        coord, nproc, pid, None, method, _timeout(None, ENV_INIT_TIMEOUT, DEFAULT_INIT_TIMEOUT))
+    from zerojax._compat import detect_cluster
+    c, n, i, _ = detect_cluster(coord, nproc, pid, None, method,
+                                _timeout(None, ENV_INIT_TIMEOUT, DEFAULT_INIT_TIMEOUT))
     if (c, n, i) != (coord, nproc, pid) and source is None:
       source = "cluster"
     coord, nproc, pid = c, n, i
@@ -551,14 +549,17 @@ def _detected_local_device_ids(method):
   of its local rank; ``None`` (all devices) elsewhere or when ``JAX_LOCAL_DEVICE_IDS`` is set."""
   if os.environ.get("JAX_LOCAL_DEVICE_IDS"):
     return None
-  from jax._src import clusters
-  _, _, _, ids = clusters.ClusterEnv.auto_detect_unset_distributed_params(
-      "unused:0", 0, 0, None, method, 1)
-  return ids
+  from zerojax._compat import detect_cluster
+  return detect_cluster("unused:0", 0, 0, None, method, 1)[3]
 
 
-def _running_info(jdist) -> DistributedInfo:
-  s = jdist.global_state
+def _running_info() -> DistributedInfo:
+  from zerojax._compat import distributed_state
+  s = distributed_state()
+  if s is None:  # pragma: no cover - depends on the installed JAX
+    import jax
+    return DistributedInfo(jax.process_index(), jax.process_count(), None,
+                           "already-initialized")
   return DistributedInfo(s.process_id, s.num_processes, s.coordinator_address,
                          "already-initialized")
 
@@ -573,9 +574,12 @@ def _check_same(info: DistributedInfo, coord, nproc, pid) -> None:
           f"be changed to {want!r} in a running process")
 
 
-def _reset(jdist) -> None:
+def _reset() -> None:
   """Forgets a half-started runtime so the error is the only effect of a failed call."""
-  s = jdist.global_state
+  from zerojax._compat import distributed_state
+  s = distributed_state()
+  if s is None:  # pragma: no cover - depends on the installed JAX
+    return
   for attr in ("preemption_sync_manager", "client", "service"):
     obj = getattr(s, attr, None)
     if obj is not None and attr == "service":
