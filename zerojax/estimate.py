@@ -202,8 +202,7 @@ def step_peak(preset: str, config: ZeroConfig, batch: int, seq: int | None = Non
   import optax
   import zerojax
   from zerojax.checkpoint import abstract_train_state
-  from zerojax.memory import compiled_peak
-  from zerojax.models import loss_fn
+  from zerojax.memory import compiled_peak, lm_train_step
   model, mcfg, _ = model_shapes(preset, config)
   seq = seq or mcfg.seq_len
   if seq > mcfg.seq_len:
@@ -214,12 +213,7 @@ def step_peak(preset: str, config: ZeroConfig, batch: int, seq: int | None = Non
   state, plan = abstract_train_state(model, optax.adamw(1e-3), jax.random.key(0), tokens,
                                      config=config)
 
-  @zerojax.zero_step(plan)
-  def train_step(state, batch):
-    def lf(params, batch):
-      return loss_fn(state.apply_fn({"params": params}, batch["x"]), batch["y"])
-    loss, grads = zerojax.value_and_grad(lf)(state.params, batch)
-    return state.apply_gradients(grads=grads), {"loss": loss}
+  train_step = zerojax.zero_step(plan)(lm_train_step)
 
   b = plan.bytes_per_device()
   compiled = train_step.lower(state, {"x": tokens, "y": tokens}).compile()

@@ -317,7 +317,7 @@ def train(config: ZeroConfig, opts: TrainOptions | None = None, *,
   import zerojax
   import zerojax.memory
   from zerojax.data import TextBatches, load_bytes, VOCAB_SIZE
-  from zerojax.models import GPT, PRESETS, loss_fn
+  from zerojax.models import GPT, PRESETS
 
   if opts.model not in PRESETS:
     raise ConfigError(f"TrainOptions.model={opts.model!r} is invalid: one of {sorted(PRESETS)}")
@@ -368,12 +368,7 @@ def train(config: ZeroConfig, opts: TrainOptions | None = None, *,
   if (note := nothing_sharded_note(plan)) is not None:
     log(note)
 
-  @zerojax.zero_step(plan)
-  def train_step(state, batch):
-    def lf(params, batch):
-      return loss_fn(state.apply_fn({"params": params}, batch["x"]), batch["y"])
-    loss, grads = zerojax.value_and_grad(lf)(state.params, batch)
-    return state.apply_gradients(grads=grads), {"loss": loss}
+  train_step = zerojax.zero_step(plan)(zerojax.memory.lm_train_step)
 
   batch_sh = plan.batch({"x": jax.ShapeDtypeStruct((rows, mcfg.seq_len), jnp.int32)})["x"]
   batches = TextBatches(tokens, rows, mcfg.seq_len, seed=opts.seed, sharding=batch_sh,
