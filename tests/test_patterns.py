@@ -137,8 +137,9 @@ def test_pytree_stacked_rows_reach_the_bound_at_depth():
 
 
 def test_pytree_rows_read_by_a_model_keep_its_values():
-  """The rewrite touches only ``w[i]`` reads: a model that also reads the whole stack, indexes
-  a row twice and takes a non-array argument computes exactly what it computes unwrapped."""
+  """The rewrite touches only whole-row ``w[i]`` reads: a model that also reads the whole stack
+  and part of a row, indexes a row twice and takes a non-array argument computes exactly what
+  it computes unwrapped."""
   from zerojax.gather import per_layer_reads
   mesh = zerojax.make_mesh(zerojax.ZeroConfig(stage=2))
   params = {"w": jax.random.normal(jax.random.key(0), (3, 8, 8)), "b": jnp.ones((8,))}
@@ -147,7 +148,7 @@ def test_pytree_rows_read_by_a_model_keep_its_values():
   def model(p, x, *, scale):
     for i in range(3):
       x = jnp.tanh(x @ p["w"][i] + p["w"][i][0] + p["b"])
-    return scale * x.sum() + p["w"].sum()
+    return scale * x.sum() + p["w"].sum() + p["w"][1, :4].sum()  # a part of a row, as written
 
   x = jnp.ones((4, 8))
   f = lambda p: model(p, x, scale=2.0)
@@ -159,7 +160,8 @@ def test_pytree_rows_read_by_a_model_keep_its_values():
     return sum(e.primitive.name == "pad" and e.outvars[0].aval.shape == (3, 8, 8)
                for e in jax.make_jaxpr(jax.grad(fn))(params).jaxpr.eqns)
   # Rows' cotangents are added in place into one stacked gradient, not zero-padded and summed.
-  assert stacked_pads(f) == 6 and stacked_pads(wrapped) == 0  # two reads of each of 3 rows
+  # Two reads of each of 3 rows, and the part of a row (run as written, its own pad).
+  assert stacked_pads(f) == 7 and stacked_pads(wrapped) == 1
 
 
 # -- how the step is called -----------------------------------------------------------------------

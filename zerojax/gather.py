@@ -263,20 +263,18 @@ def box_params(params: Any, plan: Any) -> Any:
   return jax.tree.map(one, params, plan.params, plan.params_gathered, plan.grads)
 
 
-def _layer_reads(closed: Any, n_params: int) -> dict[int, set[int]]:
-  """Leaf index -> the rows ``i`` read as ``leaf[i]`` (a unit ``slice`` along axis 0)."""
-  invars = {v: k for k, v in enumerate(closed.jaxpr.invars[:n_params])}
-  reads: dict[int, set[int]] = {}
-  for eqn in closed.jaxpr.eqns:
-    k = invars.get(eqn.invars[0]) if eqn.primitive.name == "slice" else None
-    if k is None:
-      continue
-    start, limit = eqn.params["start_indices"], eqn.params["limit_indices"]
-    shape, strides = eqn.invars[0].aval.shape, eqn.params.get("strides")
-    if (limit[0] - start[0] == 1 and tuple(start[1:]) == (0,) * (len(shape) - 1)
-        and tuple(limit[1:]) == tuple(shape[1:]) and (strides is None or set(strides) <= {1})):
-      reads.setdefault(k, set()).add(start[0])
-  return reads
+def _row_read(eqn: Any, index: dict[Any, int]) -> tuple[int, int] | None:
+  """``(leaf, i)`` when ``eqn`` reads a whole row ``leaf[i]`` of a parameter (a unit ``slice``
+  along axis 0, full along the others), else None."""
+  k = index.get(eqn.invars[0]) if eqn.primitive.name == "slice" else None
+  if k is None:
+    return None
+  start, limit = eqn.params["start_indices"], eqn.params["limit_indices"]
+  shape, strides = eqn.invars[0].aval.shape, eqn.params.get("strides")
+  if (limit[0] - start[0] == 1 and tuple(start[1:]) == (0,) * (len(shape) - 1)
+      and tuple(limit[1:]) == tuple(shape[1:]) and (strides is None or set(strides) <= {1})):
+    return k, start[0]
+  return None
 
 
 def per_layer_reads(apply_fn: Callable, plan: Any) -> Callable:
@@ -317,27 +315,26 @@ def per_layer_reads(apply_fn: Callable, plan: Any) -> Callable:
     arrays = [x for x, d in zip(flat, dyn) if d]
     closed, out_shape = jax.make_jaxpr(model, return_shape=True)(
         [spec(x) for x in leaves], [spec(x) for x in arrays])
-    split = {k: rows for k, rows in _layer_reads(closed, len(leaves)).items()
-             if len(rows) >= 2 and _rows_stay_whole(per_leaf[k], jnp.ndim(leaves[k]))}
+    index = {v: k for k, v in enumerate(closed.jaxpr.invars[:len(leaves)])}
+    rows: dict[int, set[int]] = {}
+    for eqn in closed.jaxpr.eqns:
+      if (read := _row_read(eqn, index)) is not None:
+        rows.setdefault(read[0], set()).add(read[1])
+    split = {k for k, r in rows.items()
+             if len(r) >= 2 and _rows_stay_whole(per_leaf[k], jnp.ndim(leaves[k]))}
     if not split:
       return apply_fn(params, *args, **kwargs)
-    index = {v: k for k, v in enumerate(closed.jaxpr.invars[:len(leaves)])}
+    carried: dict[int, jax.Array] = {}  # leaf -> the stacked value the next row is read from
 
-    def run(leaves, arrays):
-      carried: dict[int, jax.Array] = {}  # leaf -> the stacked value the next row is read from
+    def rewrite(eqn, invals):
+      read = _row_read(eqn, index)
+      if read is None or read[0] not in split:
+        return None  # other reads of the leaf (w[i, :4], the whole stack) run as written
+      k, i = read
+      row, carried[k] = _read_row(carried.get(k, invals[0]), i, _bare(per_leaf[k][1]))
+      return [row]
 
-      def rewrite(eqn, invals):
-        k = index.get(eqn.invars[0]) if eqn.primitive.name == "slice" else None
-        if k not in split or (eqn.params["limit_indices"][0]
-                              - eqn.params["start_indices"][0] != 1):
-          return None
-        row, carried[k] = _read_row(carried.get(k, invals[0]), eqn.params["start_indices"][0],
-                                    _bare(per_leaf[k][1]))
-        return [row]
-
-      return eval_jaxpr(closed, [*leaves, *arrays], rewrite)
-
-    outs = run(leaves, arrays)
+    outs = eval_jaxpr(closed, [*leaves, *arrays], rewrite)
     return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
 
   return apply
