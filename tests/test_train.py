@@ -52,6 +52,11 @@ class _Seen(zt.Hook):
     self.closed = True
 
 
+def test_train_refuses_a_hook_that_is_not_one(tmp_path):
+  with pytest.raises(TypeError, match=r"hooks\[0\]=<object .*is not a zerojax.train.Hook"):
+    zt.train(ZeroConfig(), zt.TrainOptions(out_dir=str(tmp_path)), hooks=[object()])
+
+
 def test_train_writes_metrics_events_plot_and_weights(tmp_path):
   config = ZeroConfig(stage=2, micro_batch_per_device=1, gradient_accumulation_steps=2,
                       gradient_clipping=1.0)

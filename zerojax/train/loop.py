@@ -310,6 +310,11 @@ def train(config: ZeroConfig, opts: TrainOptions | None = None, *,
     a `TrainResult` with the final state, the plan, the per-step metrics and the files written.
   """
   opts = opts or TrainOptions()
+  hooks = list(hooks)
+  for i, h in enumerate(hooks):
+    if not isinstance(h, Hook):
+      raise TypeError(f"train: hooks[{i}]={h!r} is not a zerojax.train.Hook; subclass it and "
+                      "override after_step, on_records or close")
   setup_cpu_devices(opts.cpu_devices)
   import jax
   import jax.numpy as jnp
