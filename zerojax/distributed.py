@@ -669,6 +669,8 @@ def _install_exit_on_error(pid: int, nproc: int) -> None:
   def hook(kind, value, tb):
     try:
       previous(kind, value, tb)
+      if isinstance(value, ProcessMismatchError):
+        _wait_for_peers_to_report(pid, nproc)
       print(f"zerojax: process {pid} of {nproc} failed with {kind.__name__}; exiting now "
             "(code 1) without waiting for the other processes at JAX's shutdown barrier",
             file=sys.stderr, flush=True)
@@ -678,6 +680,30 @@ def _install_exit_on_error(pid: int, nproc: int) -> None:
 
   hook._zerojax = True  # type: ignore[attr-defined]
   sys.excepthook = hook
+
+
+_REPORTED_GRACE = 30.0
+
+
+def _wait_for_peers_to_report(pid: int, nproc: int) -> None:
+  """A `ProcessMismatchError` is raised on every process. Process 0 hosts the coordination
+  service, and when it exits JAX aborts every other process at once, so process 0 waits (at
+  most ``_REPORTED_GRACE`` s) until the others have printed their own error."""
+  client = _kv_client()
+  if client is None:
+    return
+  try:
+    if pid != 0:
+      client.key_value_set(f"zerojax/reported/{pid}", "1")
+      return
+    deadline = time.monotonic() + _REPORTED_GRACE
+    for i in range(1, nproc):
+      left = deadline - time.monotonic()
+      if left <= 0:
+        return
+      client.blocking_key_value_get(f"zerojax/reported/{i}", int(left * 1000))
+  except Exception:  # noqa: BLE001 - a peer already gone: nothing left to wait for
+    return
 
 
 def _env_int(name: str) -> int | None:
