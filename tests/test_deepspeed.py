@@ -177,13 +177,32 @@ def test_nvme_says_what_to_use_instead(which):
      "both 'bf16' and 'fp16'"),
     ({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}},
      "offload_params=True.*needs stage 3"),
-    ({"zero_optimization": {"stage": 3, "zero_quantized_weights": True}}, "does not quantize"),
+    ({"zero_optimization": {"stage": 2, "zero_quantized_weights": True}},
+     "quantize_weights='int8'.*needs stage 3"),
+    ({"zero_optimization": {"stage": 1, "zero_quantized_gradients": True}},
+     "quantize_gradients='int8'.*needs stage 2 or 3"),
+    ({"zero_optimization": {"stage": 3, "zero_quantized_nontrainable_weights": True}},
+     "frozen weights"),
     ({"zero_optimization": {"stage": 2, "reduce_bucket_size": -1}}, "reduce_bucket_size"),
     ({"zero_optimization": {"stage": 2}, "optimizer": {"type": "Adafactor"}}, "Adafactor"),
 ])
 def test_invalid_values(d, match):
   with pytest.raises(ConfigError, match=match):
     ds.map_deepspeed(d)
+
+
+def test_zeropp_keys_map_to_quantised_collectives():
+  m = ds.map_deepspeed({"zero_optimization": {"stage": 3, "zero_quantized_weights": True,
+                                              "zero_quantized_gradients": True,
+                                              "zero_hpz_partition_size": 4}})
+  c = m.config
+  assert (c.quantize_weights, c.quantize_gradients) == ("int8", "int8")
+  assert c.mesh_axes == ("replica", "fsdp") and not c.quantize_weights_backward
+  notes = dict(n.split(": ", 1) for n in m.notes)
+  assert "qwZ" in notes["zero_optimization.zero_quantized_weights"]
+  assert "qgZ" in notes["zero_optimization.zero_quantized_gradients"]
+  off = ds.map_deepspeed({"zero_optimization": {"stage": 3, "zero_quantized_weights": False}})
+  assert off.config.quantize_weights is None
 
 
 def test_apply_xla_flags_keeps_user_flags():

@@ -1,6 +1,7 @@
 """The direction of imports: core -> nothing above it; tools are on top.
 
-core: what a step needs (config, mesh, plan, gather, grad, step, train state, offload);
+core: what a step needs (config, mesh, plan, gather, quantize, zeropp, grad, step, train state,
+offload);
 runtime: what runs beside it (checkpoint, distributed, data, memory measurement, weights);
 tools: what a person drives (CLI, launcher, export, DeepSpeed mapping, config files, the
 training loop). Core never imports tools, not even inside a function; runtime imports no tools
@@ -16,6 +17,7 @@ import zerojax
 
 PKG = pathlib.Path(zerojax.__file__).parent
 CORE = {"config", "mesh", "plan", "gather", "grad", "step", "train_state", "offload", "context",
+        "quantize", "zeropp",
         "_compat"}
 RUNTIME = {"checkpoint", "distributed", "data", "memory", "weights"}
 TOOLS = {"cli", "launch", "export", "deepspeed", "config_file", "estimate", "train"}

@@ -240,6 +240,12 @@ def cmd_config(args) -> int:
     print("DeepSpeed keys:")
     for n in loaded.notes:
       print(f"  {n}")
+  from zerojax.zeropp import explain
+  lines = explain(loaded.config)
+  if lines:
+    print("ZeRO++ (quantised collectives):")
+    for line in lines:
+      print(f"  {line}")
   return 0
 
 

@@ -20,7 +20,7 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 
-__all__ = ["STAGES", "MESH_AXES", "DTYPES", "REMAT_POLICIES", "GATHER_MODES",
+__all__ = ["STAGES", "MESH_AXES", "DTYPES", "REMAT_POLICIES", "GATHER_MODES", "QUANTIZED_DTYPES",
            "OFFLOAD_FALLBACKS", "NONFINITE_POLICIES", "ConfigError", "did_you_mean",
            "unknown_key_error", "BOOL_FIELDS", "ZeroConfig", "in_file", "read_config_file"]
 
@@ -58,7 +58,9 @@ def unknown_key_error(what: str, unknown: Any, allowed: Any, where: str = "",
 
 
 # Fields that must hold a real bool: a string such as "false" is truthy in Python.
-BOOL_FIELDS = ("offload_optimizer", "offload_params", "optimizer_on_host")
+BOOL_FIELDS = ("offload_optimizer", "offload_params", "optimizer_on_host",
+               "quantize_weights_backward")
+QUANTIZED_DTYPES = ("int8", "int4")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,6 +105,22 @@ class ZeroConfig:
     max_live_layers: stage 3, scanned layers: how many gathered layers may be live at once;
       1 gathers each layer just before use, 2 lets the next layer's gather overlap the current
       layer. Unscanned linen layers always gather just before use (see `zerojax.gather`).
+    quantize_weights: ZeRO++ qwZ, stage 3: ``'int8'`` (or ``'int4'``) moves each forward
+      all-gather as block-quantised values plus one float32 scale per block, dequantised to
+      the compute dtype after the gather; the master parameters and the optimizer update stay
+      in ``param_dtype``. ``None`` (default): off. Like ``quantize_gradients``, it runs the
+      model per device on its batch shard inside ``jax.shard_map`` with zerojax's own
+      collectives (a linen model called through ``state.apply_fn``; no ``tensor`` axis, no
+      ``offload_params``).
+    quantize_weights_backward: with ``quantize_weights``, the backward pass's re-gather of each
+      layer's weights is quantised too (``True``) or moves in full precision (``False``,
+      default; DeepSpeed's qwZ quantises the forward gather).
+    quantize_gradients: ZeRO++ qgZ, stages 2-3: ``'int8'`` (or ``'int4'``) reduces each
+      gradient by quantising the chunk every other device owns per block, exchanging them in
+      one all-to-all, then dequantising and summing in float32 on the owner; the result has
+      the reduce-scatter's layout. ``None`` (default): off.
+    quantize_block_size: elements per scale of both (default 256, even). Each shard or chunk
+      is blocked on its own and its last block zero-padded (the plan's table shows padding).
     train_batch_size: global batch per optimizer step.
     micro_batch_per_device: batch per device per micro-step.
     gradient_accumulation_steps: micro-steps per optimizer step.
@@ -141,6 +159,10 @@ class ZeroConfig:
   remat_offload_names: tuple[str, ...] = ()
   gather: str = "auto"
   max_live_layers: int = 1
+  quantize_weights: str | None = None
+  quantize_weights_backward: bool = False
+  quantize_gradients: str | None = None
+  quantize_block_size: int = 256
   train_batch_size: int | None = None
   micro_batch_per_device: int | None = None
   gradient_accumulation_steps: int | None = None
@@ -171,8 +193,13 @@ class ZeroConfig:
     if self.param_persistence_threshold is not None:
       return self.param_persistence_threshold
     per_use = (self.gather == "explicit" or self.reduce_dtype is not None
-               or self.offload_params)
+               or self.offload_params or self.quantized)
     return 4096 if per_use else 0
+
+  @property
+  def quantized(self) -> bool:
+    """Whether ZeRO++ quantised collectives are on (``quantize_weights``/``_gradients``)."""
+    return self.quantize_weights is not None or self.quantize_gradients is not None
 
   @property
   def nonfinite_policy(self) -> str:
@@ -236,6 +263,28 @@ class ZeroConfig:
             "remat='offload' needs the checkpoint_name names of the residuals to offload")
     if not _is_int(self.max_live_layers) or self.max_live_layers < 1:
       _fail("max_live_layers", self.max_live_layers, "an integer >= 1")
+    for f in ("quantize_weights", "quantize_gradients"):
+      if getattr(self, f) is not None and getattr(self, f) not in QUANTIZED_DTYPES:
+        _fail(f, getattr(self, f), f"None (off) or one of {QUANTIZED_DTYPES}")
+    if self.quantize_weights is not None and self.stage != 3:
+      _fail("quantize_weights", self.quantize_weights, f"needs stage 3 (stage is {self.stage}): "
+            "below stage 3 the parameters are replicated and never gathered")
+    if self.quantize_gradients is not None and self.stage < 2:
+      _fail("quantize_gradients", self.quantize_gradients, f"needs stage 2 or 3 (stage is "
+            f"{self.stage}): below stage 2 the gradient is all-reduced, not reduce-scattered")
+    if self.quantize_weights_backward and self.quantize_weights is None:
+      _fail("quantize_weights_backward", True, "needs quantize_weights")
+    if not _is_int(self.quantize_block_size) or self.quantize_block_size < 2 or (
+        self.quantize_block_size % 2):
+      _fail("quantize_block_size", self.quantize_block_size, "an even integer >= 2")
+    if self.quantized and self.offload_params:
+      _fail("offload_params", True, "cannot be combined with quantize_weights/"
+            "quantize_gradients: the quantised formulation gathers from device memory")
+    if self.quantized and "tensor" in self.mesh_axes and (
+        self.mesh_shape[self.mesh_axes.index("tensor")] != 1):
+      _fail("mesh_axes", self.mesh_axes, "a 'tensor' axis larger than 1 cannot be combined with "
+            "quantize_weights/quantize_gradients: the quantised formulation runs the model per "
+            "device over the data axes ('replica', 'fsdp')")
     for f in ("train_batch_size", "micro_batch_per_device", "gradient_accumulation_steps"):
       v = getattr(self, f)
       if v is not None and (not _is_int(v) or v < 1):

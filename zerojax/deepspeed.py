@@ -396,7 +396,7 @@ def _map_partitioning(z: Mapping[str, Any], m: _Mapped) -> None:
 
 def _map_collectives(z: Mapping[str, Any], m: _Mapped) -> None:
   """``zero_optimization`` keys whose job XLA does (combining, overlap), hpZ/MiCS groups,
-  and the quantized collectives zerojax refuses."""
+  and ZeRO++'s quantised collectives (qwZ, qgZ)."""
   kw, flags, note = m.kw, m.flags, m.note
   # Keys whose job XLA does: collective combining and overlap.
   grad_dtype = kw.get("reduce_dtype") or "float32"
@@ -433,12 +433,28 @@ def _map_collectives(z: Mapping[str, Any], m: _Mapped) -> None:
              "'fsdp'] (shard within groups, data parallel across them)")
       else:
         note(f"zero_optimization.{key}", f"{v}: no hierarchical partitioning")
-  for key in ("zero_quantized_weights", "zero_quantized_gradients",
-              "zero_quantized_nontrainable_weights"):
-    if key in z and _bool(f"zero_optimization.{key}", z[key]):
-      raise _err(f"zero_optimization.{key}", True, "zerojax does not quantize collectives; "
-                 "set it to false (or remove it) and use bf16 / communication_data_type to "
-                 "halve collective volume")
+  # ZeRO++ qwZ / qgZ: zerojax's own quantised collectives (zerojax.zeropp).
+  for key, field, what in (
+      ("zero_quantized_weights", "quantize_weights", "qwZ: each stage-3 forward all-gather "
+       "moves int8 values plus a float32 scale per 256-element block, dequantised after the "
+       "gather; master weights and the update stay in full precision; the backward re-gather "
+       "stays in full precision unless quantize_weights_backward=true"),
+      ("zero_quantized_gradients", "quantize_gradients", "qgZ: each gradient is reduced by a "
+       "quantised all-to-all (int8 per 256-element block) and summed in float32 on its owner, "
+       "in place of the reduce-scatter")):
+    if key in z:
+      if _bool(f"zero_optimization.{key}", z[key]):
+        kw[field] = "int8"
+        note(f"zero_optimization.{key}", f"{field}='int8' ({what}); the model then runs per "
+             "device inside jax.shard_map")
+      else:
+        note(f"zero_optimization.{key}", "false: full-precision collectives")
+  if "zero_quantized_nontrainable_weights" in z and _bool(
+      "zero_optimization.zero_quantized_nontrainable_weights",
+      z["zero_quantized_nontrainable_weights"]):
+    raise _err("zero_optimization.zero_quantized_nontrainable_weights", True,
+               "zerojax keeps frozen weights in their dtype at rest; set it to false (or remove "
+               "it), and use zero_quantized_weights to quantise their all-gather")
   for key, why in _ZERO_IGNORED.items():
     if key in z:
       note(f"zero_optimization.{key}", why)

@@ -46,7 +46,7 @@ from zerojax._compat import (ORIGINAL_SCAN, REMAT_PRIMITIVE_NAMES, eval_jaxpr,
 from zerojax.plan import HOST
 
 __all__ = ["GATHERED", "zerojax_gather", "gather", "fetch", "after", "ZeroParam",
-           "regather_layers", "box_params", "per_layer_reads", "save_all_but_gathered",
+           "ManualGather", "recompute_in_backward", "regather_layers", "box_params", "per_layer_reads", "save_all_but_gathered",
            "ScanRemat", "scan_remat", "remat_policy", "scanned_layers"]
 
 GATHERED = "zerojax_gathered"
@@ -135,8 +135,12 @@ class ZeroParam(struct.PyTreeNode, meta.AxisMetadata):
   grad: tuple = struct.field(pytree_node=False)
   reduce_dtype: Any = struct.field(pytree_node=False, default=None)
   offloaded: bool = struct.field(pytree_node=False, default=False)
+  # Inside the quantised formulation's shard_map: zerojax's own collectives (`ManualGather`).
+  manual: Any = struct.field(pytree_node=False, default=None)
 
   def unbox(self) -> jax.Array:
+    if self.manual is not None:
+      return self.manual(self)
     v = self.value
     if not isinstance(v, jax.Array) or not jnp.issubdtype(v.dtype, jnp.inexact):
       return v
@@ -178,6 +182,135 @@ class ZeroParam(struct.PyTreeNode, meta.AxisMetadata):
   def remove_axis(self, index: int, params: dict[Any, Any]) -> "ZeroParam":
     rm = lambda s: s[:index] + s[index + 1:]
     return self.replace(at_rest=rm(self.at_rest), compute=rm(self.compute), grad=rm(self.grad))
+
+
+# Set while a layer's backward pass re-runs it (`regather_layers`, `recompute_in_backward`): the
+# quantised formulation's re-gather then moves full-precision weights unless
+# ``quantize_weights_backward``.
+_BACKWARD: contextvars.ContextVar[bool] = contextvars.ContextVar("zerojax_backward",
+                                                                 default=False)
+
+
+def _fsdp_dim(spec: tuple, axis: str) -> int | None:
+  for d, s in enumerate(spec):
+    if s == axis or (isinstance(s, tuple) and axis in s):
+      return d
+  return None
+
+
+@dataclasses.dataclass(frozen=True)
+class ManualGather:
+  """How a `ZeroParam` reaches its layer inside ``jax.shard_map`` (the quantised formulation,
+  `zerojax.zeropp`), where each device computes on its own batch shard and every collective
+  is written out. By the box's layouts:
+
+  * sharded at rest (stage 3): all-gather over ``axis`` (qwZ: quantised), and its gradient
+    reduce-scattered back to the shard (qgZ: quantised all-to-all, summed in float32);
+  * replicated at rest, sharded gradient (stage 2; stage-3 leaves under the persistence
+    threshold): the box holds ``(weight, sink)``, the sink being the gradient's shard; the
+    gradient is reduce-scattered into the sink (qgZ: quantised);
+  * replicated gradient: used as it is; ``shard_map`` sums its gradient over the devices.
+  """
+
+  axis: str = "fsdp"
+  weights: str | None = None
+  weights_backward: bool = False
+  gradients: str | None = None
+  block_size: int = 256
+
+  def __call__(self, box: "ZeroParam") -> jax.Array:
+    rest_dim = _fsdp_dim(box.at_rest, self.axis)
+    grad_dim = _fsdp_dim(box.grad, self.axis)
+    if rest_dim is not None and _fsdp_dim(box.compute, self.axis) is None:
+      if grad_dim != rest_dim:
+        raise ValueError(f"zerojax: a parameter sharded at rest as {box.at_rest} needs its "
+                         f"gradient sharded on the same dimension, not {box.grad}")
+      quantize = self.weights if (self.weights_backward or not _BACKWARD.get()) else None
+      v = after(box.value, _AFTER.get())
+      out = _manual_gather(v, self, rest_dim, quantize, box.reduce_dtype)
+      return checkpoint_name(out, GATHERED)
+    if isinstance(box.value, tuple):
+      w, sink = box.value
+      return _into_sink(w, sink, self, grad_dim, box.reduce_dtype)
+    return box.value
+
+  def reduce(self, ct: jax.Array, dim: int, reduce_dtype: Any) -> jax.Array:
+    """This device's shard of the sum of every device's ``ct``."""
+    from zerojax import quantize as q
+    dtype = ct.dtype
+    if self.gradients is not None:
+      return q.reduce_scatter(ct, self.axis, dim, self.gradients, self.block_size, dtype)
+    if reduce_dtype is not None:
+      ct = ct.astype(reduce_dtype)
+    return jax.lax.psum_scatter(ct, self.axis, scatter_dimension=dim, tiled=True).astype(dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
+def _manual_gather(w, how: ManualGather, dim: int, quantize: str | None, reduce_dtype):
+  if quantize is None:
+    return jax.lax.all_gather(w, how.axis, axis=dim, tiled=True)
+  from zerojax import quantize as q
+  return q.all_gather(w, how.axis, dim, quantize, how.block_size, w.dtype)
+
+
+def _manual_gather_fwd(w, how, dim, quantize, reduce_dtype):
+  return _manual_gather(w, how, dim, quantize, reduce_dtype), None
+
+
+def _manual_gather_bwd(how, dim, quantize, reduce_dtype, _, ct):
+  return (how.reduce(ct, dim, reduce_dtype),)
+
+
+_manual_gather.defvjp(_manual_gather_fwd, _manual_gather_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _into_sink(w, sink, how: ManualGather, dim: int, reduce_dtype):
+  return w
+
+
+def _into_sink_fwd(w, sink, how, dim, reduce_dtype):
+  return w, None
+
+
+def _into_sink_bwd(how, dim, reduce_dtype, _, ct):
+  return None, how.reduce(ct, dim, reduce_dtype)
+
+
+_into_sink.defvjp(_into_sink_fwd, _into_sink_bwd)
+
+
+def recompute_in_backward(f: Callable) -> Callable:
+  """``f`` (a scan body ``(carry, x) -> (carry, y)``) keeping only its inputs for the backward
+  pass, which re-runs it as traced with `_BACKWARD` set (so a quantised formulation may
+  re-gather in full precision); as ``jax.checkpoint`` with ``nothing_saveable``, but with the
+  re-run marked."""
+
+  def g(carry, x):
+    # Both versions are traced here, where f's closed-over values are in scope; the backward
+    # one is only evaluated in the backward pass.
+    # (closure_convert caches its trace by function: each trace gets a function of its own)
+    forward, consts = jax.closure_convert(lambda c, a: f(c, a), carry, x)
+    with _setting(_BACKWARD, True):
+      backward, bconsts = jax.closure_convert(lambda c, a: f(c, a), carry, x)
+
+    @jax.custom_vjp
+    def body(carry, x, consts, bconsts):
+      return forward(carry, x, *consts)
+
+    def body_fwd(carry, x, consts, bconsts):
+      return forward(carry, x, *consts), (carry, x, consts, bconsts)
+
+    def body_bwd(res, ct):
+      carry, x, consts, bconsts = res
+      _, vjp = jax.vjp(lambda c, a, k: backward(c, a, *k), carry, x, bconsts)
+      dc, dx, dk = vjp(ct)
+      return dc, dx, [None] * len(consts), dk
+
+    body.defvjp(body_fwd, body_bwd)
+    return body(carry, x, list(consts), list(bconsts))
+
+  return g
 
 
 def regather_layers(next_fun: Callable, args: tuple, kwargs: dict,
@@ -236,8 +369,9 @@ def regather_layers(next_fun: Callable, args: tuple, kwargs: dict,
   def layer_bwd(res, ct):
     shards, arrays = res
     token = _token_of(ct)
-    _, vjp = jax.vjp(lambda s, a: run(s, a, token), shards, arrays)
-    return vjp(ct)
+    with _setting(_BACKWARD, True):
+      _, vjp = jax.vjp(lambda s, a: run(s, a, token), shards, arrays)
+      return vjp(ct)
 
   layer.defvjp(layer_fwd, layer_bwd)
   arrays = [x for x, isa in zip(leaves, is_array) if isa]
@@ -401,10 +535,12 @@ def save_all_but_gathered(prim, *_, **params) -> bool:
 
 
 def _only_resharding(jaxpr: Any) -> bool:
-  """Whether a ``custom_vjp_call``'s primal is `gather`: only resharding (or nothing)."""
+  """Whether a ``custom_vjp_call``'s primal is a gather: only resharding (or nothing), or a
+  written-out all-gather (the quantised formulation's `ManualGather`)."""
   inner = getattr(jaxpr, "jaxpr", jaxpr)
   eqns = getattr(inner, "eqns", None)
-  return eqns is not None and all(e.primitive is sharding_constraint_p for e in eqns)
+  return eqns is not None and (all(e.primitive is sharding_constraint_p for e in eqns)
+                               or any(e.primitive.name == "all_gather" for e in eqns))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -418,6 +554,7 @@ class ScanRemat:
   policy: Any = None
   only_unremated: bool = True
   live_layers: int = 1
+  marked_backward: bool = False  # `recompute_in_backward` instead of jax.checkpoint
 
 
 def scan_remat(config: Any, per_use: bool) -> ScanRemat:
@@ -435,9 +572,17 @@ def scan_remat(config: Any, per_use: bool) -> ScanRemat:
   * ``'none'``: scanned layers as written (per-use gathering still never saves gathered
     weights: that is the point of stage 3).
   * ``'full'``, ``'dots'``, ``'offload'``: that policy on every scanned layer.
+
+  With ``quantize_weights`` and a full-precision backward re-gather (the default), every
+  scanned layer keeps only its inputs and is re-run whole in its backward pass
+  (`recompute_in_backward`), whatever ``remat`` says.
   """
   cp = jax.checkpoint_policies
   live = config.max_live_layers
+  if per_use and config.quantize_weights is not None and not config.quantize_weights_backward:
+    # The backward pass re-gathers in full precision: each layer is re-run whole in its
+    # backward pass, marked as such (a rematerialised forward would repeat the quantised one).
+    return ScanRemat(None, False, live, marked_backward=True)
   if config.remat == "full":
     return ScanRemat(cp.nothing_saveable, False, live)
   if config.remat == "dots":
@@ -493,7 +638,9 @@ def _dispatch_scan(f, init, xs=None, length=None, **kwargs):
     unroll = kwargs.get("unroll", 1)
     if not isinstance(unroll, bool) and unroll < rs.live_layers:
       kwargs["unroll"] = rs.live_layers
-  if rs.policy is not None and not (rs.only_unremated and _body_rematerialises(f, init, xs)):
+  if rs.marked_backward:
+    f = recompute_in_backward(f)
+  elif rs.policy is not None and not (rs.only_unremated and _body_rematerialises(f, init, xs)):
     f = jax.checkpoint(f, policy=rs.policy, prevent_cse=False)
   return ORIGINAL_SCAN(f, init, xs, length, **kwargs)
 

@@ -46,7 +46,7 @@ from zerojax.config import ZeroConfig
 from zerojax.plan import ShardingPlan
 
 __all__ = ["PAPER_K", "paper_bytes", "Estimate", "num_params", "estimate", "Measured",
-           "measure", "collective_bytes", "GatherSchedule", "gather_schedule", "replica_groups",
+           "measure", "collective_bytes", "collective_bytes_by_dtype", "GatherSchedule", "gather_schedule", "replica_groups",
            "reductions", "GiB", "HBM_PER_CHIP", "TOPOLOGY_EXAMPLES", "TPU_EXTRA",
            "tpu_topology", "hbm_available", "TopologyCompile", "lm_train_step",
            "compile_for_topology", "DeviceMemoryError", "bytes_limit", "compiled_peak",
@@ -197,6 +197,7 @@ _SHAPE = re.compile(r"\b(" + "|".join(_DTYPE_BYTES) + r")\[([0-9,]*)\]")
 _COMP = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 _OP = re.compile(r"=\s*(.*?)\s(all-gather|all-reduce|reduce-scatter|all-to-all|"
                  r"collective-permute)(-start)?\(")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
 _WHILE = re.compile(r"\swhile\(.*body=%?([\w.\-]+)")
 _CHANNEL = re.compile(r"\bchannel_id=(\d+)")
 _TRIP = re.compile(r'known_trip_count":\{"n":"(\d+)"')
@@ -226,13 +227,25 @@ def collective_bytes(hlo_text: str) -> dict[str, int]:
 
   An op inside a ``while`` body counts once per iteration (the loop's known trip count).
   """
+  out = {k: 0 for k in _KINDS}
+  for (kind, _), b in collective_bytes_by_dtype(hlo_text).items():
+    out[kind] += b
+  return out
+
+
+_KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+
+
+def collective_bytes_by_dtype(hlo_text: str) -> dict[tuple[str, str], int]:
+  """`collective_bytes` split by element type: ``{(kind, dtype): bytes}`` with HLO's dtype
+  names (``'f32'``, ``'bf16'``, ``'s8'``, ...); e.g. ZeRO++'s int8 gathers are
+  ``('all-gather', 's8')`` plus their ``f32`` scales."""
   comps, mult = _parse_hlo(hlo_text)
-  out = {"all-gather": 0, "reduce-scatter": 0, "all-reduce": 0, "all-to-all": 0,
-         "collective-permute": 0}
+  out: dict[tuple[str, str], int] = {}
   # XLA:TPU runs a collective asynchronously as a start fusion, continuation fusions that
   # compute while it is in flight, and a done fusion; each fused computation holds a copy of
   # the collective with the same channel_id. One channel is one collective: count it once.
-  channels: dict[tuple[str, int], tuple[str, int]] = {}
+  channels: dict[tuple[str, int, str, str], tuple[str, str, int]] = {}
   for name, lines in comps.items():
     k = mult.get(name, 0)
     if not k:
@@ -245,23 +258,32 @@ def collective_bytes(hlo_text: str) -> dict[str, int]:
       ch = _CHANNEL.search(line)
       if kind == "all-reduce":
         parts = []
-        for n, sliced in _all_reduce_parts(line, m.group(1), lines, comps):
+        for n, sliced, dt in _all_reduce_parts(line, m.group(1), lines, comps):
           # CPU lowering of reduce-scatter: all-reduce, then each device keeps its slice.
-          parts.append(("reduce-scatter", k * n) if sliced else ("all-reduce", k * 2 * n))
+          parts.append(("reduce-scatter", dt, k * n) if sliced else ("all-reduce", dt, k * 2 * n))
       else:
-        n = _bytes_of(m.group(1))
-        if kind == "reduce-scatter":
-          n *= _group_size(line)
-        parts = [(kind, k * n)]
-      for i, (kind, b) in enumerate(parts):
+        scale = _group_size(line) if kind == "reduce-scatter" else 1
+        parts = [(kind, dt, k * n * scale) for dt, n in _bytes_by_dtype(m.group(1)).items()]
+      for i, (kind, dt, b) in enumerate(parts):
         if ch is None:
-          out[kind] += b
+          out[(kind, dt)] = out.get((kind, dt), 0) + b
         else:
-          key = (ch.group(1), i)
-          if key not in channels or channels[key][1] < b:
-            channels[key] = (kind, b)
-  for kind, b in channels.values():
-    out[kind] += b
+          # Collectives written out in shard_map may all carry channel_id=1: the op's
+          # metadata name and shape tell them apart, and are shared by a fused copy.
+          op = _OP_NAME.search(line)
+          key = (ch.group(1), i, m.group(1), op.group(1) if op else "")
+          if key not in channels or channels[key][2] < b:
+            channels[key] = (kind, dt, b)
+  for kind, dt, b in channels.values():
+    out[(kind, dt)] = out.get((kind, dt), 0) + b
+  return out
+
+
+def _bytes_by_dtype(shapes: str) -> dict[str, int]:
+  out: dict[str, int] = {}
+  for dt, dims in _SHAPE.findall(shapes):
+    n = math.prod(int(d) for d in dims.split(",") if d) if dims else 1
+    out[dt] = out.get(dt, 0) + n * _DTYPE_BYTES[dt]
   return out
 
 
@@ -451,20 +473,22 @@ def gather_schedule(hlo_text: str) -> GatherSchedule:
 
 
 def _all_reduce_parts(line, shapes, lines, comps):
-  """``(bytes, only_sliced)`` per operand of a (possibly tuple-shaped, combined) all-reduce."""
+  """``(bytes, only_sliced, dtype)`` per operand of a (possibly tuple-shaped, combined)
+  all-reduce."""
   name = _name_of(line)
   parts = _SHAPE.findall(shapes)
   sizes = [math.prod(int(d) for d in dims.split(",") if d) * _DTYPE_BYTES[dt]
            for dt, dims in parts]
+  dts = [dt for dt, _ in parts]
   if len(sizes) <= 1:
-    return [(sum(sizes), _only_sliced(name, lines, comps))]
+    return [(sum(sizes), _only_sliced(name, lines, comps), dts[0] if dts else "f32")]
   ref = re.compile(r"get-tuple-element\(%" + re.escape(name) + r"\), index=(\d+)")
   gtes = {}
   for l in lines:
     g = ref.search(l)
     if g:
       gtes.setdefault(int(g.group(1)), []).append(_name_of(l))
-  return [(n, bool(gtes.get(i)) and all(_only_sliced(v, lines, comps) for v in gtes[i]))
+  return [(n, bool(gtes.get(i)) and all(_only_sliced(v, lines, comps) for v in gtes[i]), dts[i])
           for i, n in enumerate(sizes)]
 
 

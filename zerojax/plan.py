@@ -240,10 +240,12 @@ class ShardingPlan:
   def gathers_per_use(self) -> bool:
     """Whether the step gathers each parameter where a layer reads it (`zerojax.gather` boxes)
     instead of leaving the gathers to XLA's partitioner: ``config.gather='explicit'``, or a
-    feature that acts at each use: parameters resting in host memory (fetched per layer) or a
-    ``reduce_dtype`` (the dtype of each layer's gradient reduction)."""
+    feature that acts at each use: parameters resting in host memory (fetched per layer), a
+    ``reduce_dtype`` (the dtype of each layer's gradient reduction) or ZeRO++ quantisation
+    (`zerojax.zeropp`)."""
     c = self.config
-    return c.gather == "explicit" or c.reduce_dtype is not None or self.params_on_host
+    return (c.gather == "explicit" or c.reduce_dtype is not None or self.params_on_host
+            or c.quantized)
 
   @property
   def grads_reduced(self) -> PyTree:
@@ -255,6 +257,26 @@ class ShardingPlan:
     treedef = jax.tree.structure(self.grads)
     return jax.tree.unflatten(treedef, [NamedSharding(self.mesh, lp.sharded)
                                         for lp in self.leaves])
+
+  def quantization(self) -> list[dict[str, tuple[int, int]]]:
+    """Per parameter leaf, what ZeRO++ quantises (`zerojax.quantize`): ``{"weights": (blocks,
+    padding), "gradients": (blocks, padding)}`` with the entries that apply (qwZ: the leaf is
+    gathered; qgZ: its gradient is reduce-scattered). Blocks and padding are per device: the
+    shard each device sends (qwZ), or each chunk it sends to its owner (qgZ), is blocked on its
+    own and its last block zero-padded; a leaf smaller than a block is one padded block."""
+    from zerojax import quantize as q
+    c = self.config
+    bs, n = c.quantize_block_size, axis_size(self.mesh, "fsdp")
+    out = []
+    for lp, gs in zip(self.leaves, jax.tree.leaves(self.grads)):
+      d: dict[str, tuple[int, int]] = {}
+      per_device = math.prod(lp.shape) // n
+      if c.quantize_weights is not None and lp.is_sharded and c.stage == 3:
+        d["weights"] = (q.num_blocks(per_device, bs), q.padding(per_device, bs))
+      if c.quantize_gradients is not None and lp.trainable and "fsdp" in _axes_of(gs.spec):
+        d["gradients"] = (q.num_blocks(per_device, bs), q.padding(per_device, bs))
+      out.append(d)
+    return out
 
   # -- reporting ------------------------------------------------------------------------------
 
@@ -285,14 +307,16 @@ class ShardingPlan:
     """The plan as a readable text table with totals."""
     rows = [("path", "shape", "dtype", "param spec", "opt spec", "bytes/device", "note")]
     opt_by_param = _opt_specs_by_param(self)
-    for lp, ps in zip(self.leaves, jax.tree.leaves(self.params)):
+    quant = self.quantization() if self.config.quantized else [{}] * len(self.leaves)
+    for lp, ps, qz in zip(self.leaves, jax.tree.leaves(self.params), quant):
       host = " (host)" if ps.memory_kind == HOST else ""
       opt = opt_by_param.get(lp.path)
       rows.append((lp.path, str(lp.shape), np.dtype(lp.dtype).name, _spec_str(ps.spec) + host,
                    "-" if opt is None else _spec_str(opt.spec)
                    + (" (host)" if opt.memory_kind == HOST else ""),
                    _fmt_bytes(_shard_bytes(lp.shape, lp.dtype, ps.spec, self.mesh)),
-                   _table_note(lp, self.config.stage) + ("" if lp.trainable else ", frozen")))
+                   _table_note(lp, self.config.stage) + ("" if lp.trainable else ", frozen")
+                   + _quant_note(qz, self.config)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     line = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()
     out = [f"zerojax plan: stage {self.config.stage}, mesh {dict(self.mesh.shape)}",
@@ -585,6 +609,24 @@ def _opt_specs_by_param(plan: ShardingPlan) -> dict[str, NamedSharding]:
 
 _STAGE_NOTES = {0: "replicated (stage 0)", 1: "opt state sharded",
                 2: "grads, opt state sharded", 3: "sharded"}
+
+
+def _quant_note(qz: dict[str, tuple[int, int]], cfg: ZeroConfig) -> str:
+  """The ZeRO++ part of a leaf's note: what travels quantised, in how many blocks, padded."""
+  if not cfg.quantized:
+    return ""
+  parts = []
+  for key, name, dtype in (("weights", "qwZ", cfg.quantize_weights),
+                           ("gradients", "qgZ", cfg.quantize_gradients)):
+    if dtype is None:
+      continue
+    if key in qz:
+      blocks, pad = qz[key]
+      parts.append(f"{name} {dtype} {blocks} block{'s' * (blocks != 1)}"
+                   + (f" +{pad} pad" if pad else ""))
+    else:
+      parts.append(f"{name} off (not {'gathered' if key == 'weights' else 'reduce-scattered'})")
+  return "; " + ", ".join(parts)
 
 
 def _table_note(lp: LeafPlan, stage: int) -> str:

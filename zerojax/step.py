@@ -34,6 +34,7 @@ from zerojax.gather import (box_params, per_layer_reads, regather_layers, remat_
 from zerojax.mesh import make_mesh
 from zerojax.plan import ShardingPlan
 from zerojax.grad import check_batch
+from zerojax.zeropp import shard_map_apply
 from zerojax.train_state import StepSettings, ZeroTrainState, nnx_loss_scaling, skip_nonfinite
 
 __all__ = ["wrap_apply_fn", "compiler_options", "ZeroStep", "zero_step", "create_train_state",
@@ -71,6 +72,11 @@ def wrap_apply_fn(apply_fn: Callable, plan: ShardingPlan, per_use: bool | None =
     if params is None or jax.tree.structure(params) != treedef:
       # Not linen's {"params": ...}: a pure function of its own (a plain pytree model). Only a
       # per-use setting needs the boxes; otherwise XLA's partitioner does the gathers anyway.
+      if cfg.quantized:
+        raise ConfigError(
+            f"{_per_use_reason(plan)} runs a linen model called as state.apply_fn({{'params': "
+            "params}, ...) per device; apply_fn was called with variables whose 'params' do "
+            "not match the plan's tree (a plain pytree model cannot use it)")
       if plan.gathers_per_use and not warned:
         warned.append(True)
         warnings.warn("zerojax: apply_fn was called with variables whose 'params' do not match "
@@ -105,20 +111,31 @@ def wrap_apply_fn(apply_fn: Callable, plan: ShardingPlan, per_use: bool | None =
         seen["candidate"] = True
       decided.append((plan.gathers_per_use or (candidate and forced is not False), has_scan))
     per_use, has_scan = decided[0]
-    policy = remat_policy(cfg, per_use)
-    if has_scan or policy is None:
-      # Scanned layers get their policy inside each layer (the step's scan hook); a
-      # whole-model checkpoint on top would override it (measured: its residuals are saved
-      # again), so it is only for models without scans.
-      return run(params, per_use)
-    # Stage 3, per use, no scans: nothing orders the layers' gathers but data dependencies, so
-    # each layer gathers after its input and re-gathers after its output's cotangent.
-    layers = (nn.intercept_methods(regather_layers) if per_use and cfg.stage == 3
-              else contextlib.nullcontext())
-    with layers:
-      return jax.checkpoint(lambda p: run(p, per_use), policy=policy)(params)
+    if cfg.quantized:  # ZeRO++: per device, zerojax's own (quantised) collectives
+      def body(boxed, a, kw):
+        def run_boxed(b):
+          return apply_fn({**variables, "params": b}, *a, **kw)
+        return _layers(run_boxed, boxed, cfg, True, has_scan)
+      return shard_map_apply(body, plan, params, args, kwargs)
+    return _layers(lambda p: run(p, per_use), params, cfg, per_use, has_scan)
 
   return apply
+
+
+def _layers(run: Callable, params: Any, cfg: ZeroConfig, per_use: bool, has_scan: bool) -> Any:
+  """``run(params)`` under the formulation's remat (see `wrap_apply_fn`)."""
+  policy = remat_policy(cfg, per_use)
+  if has_scan or policy is None:
+    # Scanned layers get their policy inside each layer (the step's scan hook); a
+    # whole-model checkpoint on top would override it (measured: its residuals are saved
+    # again), so it is only for models without scans.
+    return run(params)
+  # Stage 3, per use, no scans: nothing orders the layers' gathers but data dependencies, so
+  # each layer gathers after its input and re-gathers after its output's cotangent.
+  layers = (nn.intercept_methods(regather_layers) if per_use and cfg.stage == 3
+            else contextlib.nullcontext())
+  with layers:
+    return jax.checkpoint(run, policy=policy)(params)
 
 
 def compiler_options(plan: ShardingPlan) -> dict[str, str] | None:
@@ -222,7 +239,7 @@ class ZeroStep:
       check_batch(plan, batch)
       _check_processes_agree(plan, getattr(optimizer, "tx", None), None)
       cfg = plan.config
-      if cfg.gather == "explicit" or cfg.reduce_dtype is not None:
+      if cfg.gather == "explicit" or cfg.reduce_dtype is not None or cfg.quantized:
         raise ConfigError(
             f"{_per_use_reason(plan)} needs per-use gathering, which zerojax does through a "
             "linen model's state.apply_fn; an NNX step cannot honour it. Use a linen model, or "
@@ -415,6 +432,10 @@ def _replicated(plan: ShardingPlan, tree: Any) -> Any:
 
 def _per_use_reason(plan: ShardingPlan) -> str:
   cfg = plan.config
+  if cfg.quantize_weights is not None:
+    return f"quantize_weights={cfg.quantize_weights!r}"
+  if cfg.quantize_gradients is not None:
+    return f"quantize_gradients={cfg.quantize_gradients!r}"
   if cfg.gather == "explicit":
     return "gather='explicit'"
   if cfg.reduce_dtype is not None:
