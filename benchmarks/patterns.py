@@ -287,6 +287,35 @@ def zero_runner(pattern: str, size: Size, stage: int, mesh=None, **config_kw) ->
   return Runner(compiled, run, params, plan)
 
 
+def pytree_compiled(size: Size, stage: int, devices) -> Any:
+  """Pattern g's zerojax step at ``ZeroConfig(stage=stage)``, compiled ahead of time over
+  ``devices`` (e.g. a TPU topology's, `zerojax.memory.tpu_topology`) from abstract state:
+  nothing is allocated, so it runs on a machine without those devices."""
+  import jax
+  import zerojax
+  from zerojax.plan import ShardingPlan
+  config = zerojax.ZeroConfig(stage=stage)
+  mesh = zerojax.make_mesh(config, devices=list(devices))
+  tx = make_tx()
+  init = jax.eval_shape(lambda: _pytree_init(size, jax.random.key(0)))
+  plan = ShardingPlan.create(config, mesh, init, tx)
+  state = jax.eval_shape(lambda p: zerojax.ZeroTrainState.create(
+      apply_fn=_pytree_apply, params=p, tx=tx, config=config), init)
+  abstract = lambda tree, sh: jax.tree.map(
+      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, sh)
+  state = abstract(state, plan.state(state)).replace(apply_fn=_pytree_apply)
+  data = batches(size, "g", 1)[0]
+  batch = abstract(data, plan.batch(data))
+
+  def train_step(state, batch):
+    def lf(p, batch):
+      return loss_of("g", state.apply_fn(p, batch["x"]), batch["y"])
+    loss, grads = zerojax.value_and_grad(lf)(state.params, batch)
+    return state.apply_gradients(grads=grads), {"loss": loss}
+
+  return zerojax.zero_step(plan)(train_step).lower(state, batch).compile(), plan
+
+
 def _fsdp_spec(shape, n):
   """The hand-written rule: shard the largest dimension that divides by the device count."""
   from jax.sharding import PartitionSpec as P

@@ -71,3 +71,31 @@ def _losses(stage, steps=3):
 def test_stage3_layers_with_rngs_and_plain_layers_match_stage0():
   # `inp` and `ln` run as per-layer custom VJPs; `noisy` draws random numbers and runs as is.
   np.testing.assert_allclose(_losses(3), _losses(0), rtol=1e-5)
+
+
+def test_scan_remat_does_not_reach_other_threads():
+  """zerojax's scan hook acts only in the thread (and context) tracing a step: a scan traced
+  by another thread at the same moment gets JAX's own scan, untouched."""
+  import threading
+  from zerojax._compat import REMAT_PRIMITIVE_NAMES, jaxpr_has_primitive
+  from zerojax.gather import ScanRemat, scanned_layers
+
+  def traced_scan():
+    body = lambda c, x: (c + jnp.sin(x), None)
+    return jax.make_jaxpr(lambda xs: jax.lax.scan(body, 0.0, xs))(jnp.ones(4))
+
+  inside, done, seen = threading.Event(), threading.Event(), {}
+
+  def step_thread():
+    with scanned_layers(ScanRemat(jax.checkpoint_policies.nothing_saveable, False)):
+      seen["step"] = jaxpr_has_primitive(traced_scan(), REMAT_PRIMITIVE_NAMES)
+      inside.set()
+      done.wait(30)  # still inside the step's trace while the other thread traces
+
+  t = threading.Thread(target=step_thread)
+  t.start()
+  assert inside.wait(30)
+  seen["other"] = jaxpr_has_primitive(traced_scan(), REMAT_PRIMITIVE_NAMES)
+  done.set()
+  t.join(30)
+  assert seen == {"step": True, "other": False}

@@ -198,3 +198,42 @@ def test_config_command_explains_zeropp(tmp_path, capsys):
   assert "ZeRO++ (quantised collectives):" in out
   assert "qwZ quantize_weights='int8'" in out and "qgZ quantize_gradients='int8'" in out
   assert "zero_optimization.zero_quantized_weights: quantize_weights='int8'" in out
+
+
+def test_bf16_compute_gets_weights_dequantised_to_bf16():
+  """qwZ dequantises straight to the compute dtype; the gradient still reaches the fp32
+  master weights, reduced in fp32."""
+  cfg = dataclasses.replace(helpers.TINY, dtype=jnp.bfloat16)
+  zc = zerojax.ZeroConfig(stage=3, compute_dtype="bfloat16", quantize_weights="int8",
+                          param_persistence_threshold=helpers.THRESHOLD)
+  b = helpers.batches(cfg, 1)[0]
+  state, plan = zerojax.create_train_state(GPT(cfg), helpers.make_tx(), jax.random.key(0),
+                                           jnp.asarray(b["x"]), config=zc)
+  step = zerojax.zero_step(plan)(helpers.train_step)
+  before = jax.tree.map(np.asarray, state.params)  # the step donates the state
+  new, m = step(state, b)
+  assert np.isfinite(float(m["loss"]))
+  assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(new.params))
+  assert all(not np.array_equal(np.asarray(a), c)
+             for a, c in zip(jax.tree.leaves(new.params), jax.tree.leaves(before)))
+
+
+def test_manual_gather_dtypes():
+  from jax.sharding import PartitionSpec as P
+  from zerojax.gather import ZeroParam
+  mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
+  how = ManualGather(weights="int8", compute_dtype=jnp.dtype(jnp.bfloat16))
+  w = jnp.asarray(np.random.default_rng(0).standard_normal((16, 64)), jnp.float32)
+
+  def f(w):
+    def body(shard):
+      box = ZeroParam(shard, mesh, (None, "fsdp"), (None, None), (None, "fsdp"), manual=how)
+      full = box.unbox()
+      assert full.dtype == jnp.bfloat16 and full.shape == (16, 64)
+      return jnp.sum(full.astype(jnp.float32) ** 2)[None]
+    return jax.shard_map(body, mesh=mesh, in_specs=P(None, "fsdp"), out_specs=P("fsdp"),
+                         check_vma=False)(w).sum() / 8
+
+  g = jax.jit(jax.grad(f))(w)
+  assert g.dtype == jnp.float32
+  np.testing.assert_allclose(np.asarray(g), 2 * np.asarray(w), rtol=0.05, atol=0.05)

@@ -45,7 +45,7 @@ from zerojax._compat import (ORIGINAL_SCAN, REMAT_PRIMITIVE_NAMES, eval_jaxpr,
                              jaxpr_has_primitive, name_p, sharding_constraint_p)
 from zerojax.plan import HOST
 
-__all__ = ["GATHERED", "zerojax_gather", "gather", "fetch", "after", "ZeroParam",
+__all__ = ["GATHERED", "GATHER_SCOPE", "REGATHER_SCOPE", "REDUCE_SCOPE", "zerojax_gather", "gather", "fetch", "after", "ZeroParam",
            "ManualGather", "recompute_in_backward", "regather_layers", "box_params", "per_layer_reads", "save_all_but_gathered",
            "ScanRemat", "scan_remat", "remat_policy", "scanned_layers"]
 
@@ -198,6 +198,10 @@ def _fsdp_dim(spec: tuple, axis: str) -> int | None:
   return None
 
 
+# Name scopes of `ManualGather`'s collectives (in the HLO's op_name metadata).
+GATHER_SCOPE, REGATHER_SCOPE, REDUCE_SCOPE = "zerojax_gather", "zerojax_regather", "zerojax_reduce"
+
+
 @dataclasses.dataclass(frozen=True)
 class ManualGather:
   """How a `ZeroParam` reaches its layer inside ``jax.shard_map`` (the quantised formulation,
@@ -217,6 +221,7 @@ class ManualGather:
   weights_backward: bool = False
   gradients: str | None = None
   block_size: int = 256
+  compute_dtype: Any = None  # what a quantised gather dequantises to (None: the param's)
 
   def __call__(self, box: "ZeroParam") -> jax.Array:
     rest_dim = _fsdp_dim(box.at_rest, self.axis)
@@ -225,9 +230,13 @@ class ManualGather:
       if grad_dim != rest_dim:
         raise ValueError(f"zerojax: a parameter sharded at rest as {box.at_rest} needs its "
                          f"gradient sharded on the same dimension, not {box.grad}")
-      quantize = self.weights if (self.weights_backward or not _BACKWARD.get()) else None
+      backward = _BACKWARD.get()
+      quantize = self.weights if (self.weights_backward or not backward) else None
       v = after(box.value, _AFTER.get())
-      out = _manual_gather(v, self, rest_dim, quantize, box.reduce_dtype)
+      # Named so that HLO metadata tells the forward gather from the backward re-gather.
+      with jax.named_scope(REGATHER_SCOPE if backward else GATHER_SCOPE):
+        out = _manual_gather(v, self, rest_dim, quantize, box.reduce_dtype,
+                             jnp.dtype(v.dtype))
       return checkpoint_name(out, GATHERED)
     if isinstance(box.value, tuple):
       w, sink = box.value
@@ -238,27 +247,34 @@ class ManualGather:
     """This device's shard of the sum of every device's ``ct``."""
     from zerojax import quantize as q
     dtype = ct.dtype
-    if self.gradients is not None:
-      return q.reduce_scatter(ct, self.axis, dim, self.gradients, self.block_size, dtype)
-    if reduce_dtype is not None:
-      ct = ct.astype(reduce_dtype)
-    return jax.lax.psum_scatter(ct, self.axis, scatter_dimension=dim, tiled=True).astype(dtype)
+    with jax.named_scope(REDUCE_SCOPE):
+      if self.gradients is not None:
+        return q.reduce_scatter(ct, self.axis, dim, self.gradients, self.block_size, dtype)
+      if reduce_dtype is not None:
+        ct = ct.astype(reduce_dtype)
+      return jax.lax.psum_scatter(ct, self.axis, scatter_dimension=dim,
+                                  tiled=True).astype(dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
-def _manual_gather(w, how: ManualGather, dim: int, quantize: str | None, reduce_dtype):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5))
+def _manual_gather(w, how: ManualGather, dim: int, quantize: str | None, reduce_dtype,
+                   dtype: Any):
+  """All-gather of ``w`` (of ``dtype``) along ``dim``: in full precision, or quantised and
+  dequantised straight to ``how.compute_dtype`` (no full-size copy in ``dtype``)."""
   if quantize is None:
     return jax.lax.all_gather(w, how.axis, axis=dim, tiled=True)
   from zerojax import quantize as q
-  return q.all_gather(w, how.axis, dim, quantize, how.block_size, w.dtype)
+  return q.all_gather(w, how.axis, dim, quantize, how.block_size, how.compute_dtype or dtype)
 
 
-def _manual_gather_fwd(w, how, dim, quantize, reduce_dtype):
-  return _manual_gather(w, how, dim, quantize, reduce_dtype), None
+def _manual_gather_fwd(w, how, dim, quantize, reduce_dtype, dtype):
+  return _manual_gather(w, how, dim, quantize, reduce_dtype, dtype), None
 
 
-def _manual_gather_bwd(how, dim, quantize, reduce_dtype, _, ct):
-  return (how.reduce(ct, dim, reduce_dtype),)
+def _manual_gather_bwd(how, dim, quantize, reduce_dtype, dtype, _, ct):
+  # The gradient is reduced in the parameter's dtype (or reduce_dtype), whatever the compute
+  # dtype the weight was dequantised to.
+  return (how.reduce(ct.astype(dtype), dim, reduce_dtype).astype(dtype),)
 
 
 _manual_gather.defvjp(_manual_gather_fwd, _manual_gather_bwd)

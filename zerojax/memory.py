@@ -236,10 +236,12 @@ def collective_bytes(hlo_text: str) -> dict[str, int]:
 _KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 
 
-def collective_bytes_by_dtype(hlo_text: str) -> dict[tuple[str, str], int]:
+def collective_bytes_by_dtype(hlo_text: str, scope: str | None = None
+                              ) -> dict[tuple[str, str], int]:
   """`collective_bytes` split by element type: ``{(kind, dtype): bytes}`` with HLO's dtype
   names (``'f32'``, ``'bf16'``, ``'s8'``, ...); e.g. ZeRO++'s int8 gathers are
-  ``('all-gather', 's8')`` plus their ``f32`` scales."""
+  ``('all-gather', 's8')`` plus their ``f32`` scales. ``scope``: count only collectives whose
+  metadata ``op_name`` contains it (a ``jax.named_scope``, e.g. `zerojax.gather.GATHER_SCOPE`)."""
   comps, mult = _parse_hlo(hlo_text)
   out: dict[tuple[str, str], int] = {}
   # XLA:TPU runs a collective asynchronously as a start fusion, continuation fusions that
@@ -250,12 +252,16 @@ def collective_bytes_by_dtype(hlo_text: str) -> dict[tuple[str, str], int]:
     k = mult.get(name, 0)
     if not k:
       continue
+    here: dict[tuple[str, int, str, str], tuple[str, str, int]] = {}
     for line in lines:
       m = _OP.search(line)
       if not m:
         continue
       kind = m.group(2)
       ch = _CHANNEL.search(line)
+      op = _OP_NAME.search(line)
+      if scope is not None and (op is None or scope not in op.group(1)):
+        continue
       if kind == "all-reduce":
         parts = []
         for n, sliced, dt in _all_reduce_parts(line, m.group(1), lines, comps):
@@ -268,12 +274,15 @@ def collective_bytes_by_dtype(hlo_text: str) -> dict[tuple[str, str], int]:
         if ch is None:
           out[(kind, dt)] = out.get((kind, dt), 0) + b
         else:
-          # Collectives written out in shard_map may all carry channel_id=1: the op's
-          # metadata name and shape tell them apart, and are shared by a fused copy.
-          op = _OP_NAME.search(line)
-          key = (ch.group(1), i, m.group(1), op.group(1) if op else "")
-          if key not in channels or channels[key][2] < b:
-            channels[key] = (kind, dt, b)
+          # Collectives written out in shard_map may all carry channel_id=1, so within one
+          # computation every op counts; a copy of one op in another (fused) computation
+          # has the same channel, metadata name and element type.
+          key = (ch.group(1), i, op.group(1) if op else "", dt)
+          prev = here.get(key, (kind, dt, 0))
+          here[key] = (kind, dt, prev[2] + b)
+    for key, v in here.items():
+      if key not in channels or channels[key][2] < v[2]:
+        channels[key] = v
   for kind, dt, b in channels.values():
     out[(kind, dt)] = out.get((kind, dt), 0) + b
   return out
@@ -695,6 +704,7 @@ class TopologyCompile:
   required: int | None = None
   formulation: str | None = None  # how the step gathers parameters (`ZeroStep.formulation`)
   compiled: Any = dataclasses.field(default=None, repr=False, compare=False)
+  plan: Any = dataclasses.field(default=None, repr=False, compare=False)  # over the topology
 
   @property
   def compiler_failed(self) -> bool:
@@ -828,7 +838,8 @@ def compile_for_topology(config: ZeroConfig | str | Any, model: Any, batch: Any,
   step = zero_step(plan)(train_step or lm_train_step)
   common = dict(topology=topology, device_kind=devices[0].device_kind, num_devices=n,
                 chip_hbm=HBM_PER_CHIP[topology.split(":")[0]],
-                hbm_available=hbm_available(devices[0]), estimate=est, batch_bytes=batch_bytes)
+                hbm_available=hbm_available(devices[0]), estimate=est, batch_bytes=batch_bytes,
+                plan=plan)
   t0 = time.perf_counter()
   lowered = step.lower(state, batch)
   common["formulation"] = next(iter(step.formulation.values()), None)

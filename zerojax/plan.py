@@ -263,7 +263,9 @@ class ShardingPlan:
     padding), "gradients": (blocks, padding)}`` with the entries that apply (qwZ: the leaf is
     gathered; qgZ: its gradient is reduce-scattered). Blocks and padding are per device: the
     shard each device sends (qwZ), or each chunk it sends to its owner (qgZ), is blocked on its
-    own and its last block zero-padded; a leaf smaller than a block is one padded block."""
+    own and its last block zero-padded; a leaf smaller than a block is one padded block. This
+    counts a leaf gathered whole; a stacked leaf that ``nn.scan`` gathers one layer at a time
+    is blocked per layer (the compiled HLO's s8 bytes say what moved)."""
     from zerojax import quantize as q
     c = self.config
     bs, n = c.quantize_block_size, axis_size(self.mesh, "fsdp")

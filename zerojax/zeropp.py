@@ -64,7 +64,7 @@ def manual_gather(plan: ShardingPlan) -> ManualGather:
   """The plan's quantisation settings as the boxes' collective."""
   c = plan.config
   return ManualGather("fsdp", c.quantize_weights, c.quantize_weights_backward,
-                      c.quantize_gradients, c.quantize_block_size)
+                      c.quantize_gradients, c.quantize_block_size, jnp.dtype(c.compute_dtype))
 
 
 def _pad(spec: P, ndim: int) -> tuple:
