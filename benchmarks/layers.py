@@ -4,7 +4,7 @@ The model of ``tests/test_memory.py`` (GPT, 8 layers, d_model 256, batch 8×16) 
 CPU devices, compiled (not run) for stages 0-3 and for stage 3 with ``max_live_layers=2``, once
 with ``nn.scan`` layers and once with a Python loop of layers. The step is the README's:
 ``zerojax.value_and_grad`` with the batch as an argument. Per-device temp and all-gather bytes
-come from ``compiled.memory_analysis()`` and the compiled HLO (`zerojax.memory.measure`). Prints a
+come from ``compiled.memory_analysis()`` and the compiled HLO (`zerojax.runtime.memory.measure`). Prints a
 markdown table; nothing is written.
 """
 
@@ -31,7 +31,7 @@ def main(argv=None) -> int:
   import numpy as np
   import optax
   import zerojax
-  from zerojax.memory import measure
+  from zerojax.runtime.memory import measure
   from zerojax.models import GPT, GPTConfig, loss_fn
 
   base = GPTConfig(vocab_size=256, seq_len=16, num_layers=8, num_heads=4, d_model=256)

@@ -3,7 +3,7 @@
 Generates a random Llama-layout safetensors checkpoint (sharded files +
 ``model.safetensors.index.json``, default ~1.2 GB fp32) in a temporary directory, then loads
 it at stage 3 on an 8-device mesh made of 8 processes with one CPU device each
-(``zerojax.launch``, as 8 hosts would), with `zerojax.weights.load_safetensors`. Each process
+(``zerojax.tools.launch``, as 8 hosts would), with `zerojax.runtime.weights.load_safetensors`. Each process
 measures, in a fresh interpreter:
 
 * its idle baseline: RSS after JAX, the distributed runtime and the plan are set up;
@@ -91,12 +91,12 @@ def generate(directory: str, cfg: dict, shard_bytes: int = 400 << 20) -> tuple[i
 
 def child(directory: str) -> None:
   """One process of the 8: set up, take the idle baseline, load, report its peak."""
-  import zerojax.distributed
-  zerojax.distributed.initialize()
+  import zerojax.core.distributed
+  zerojax.core.distributed.initialize()
   import jax
   from flax import nnx
   import zerojax
-  from zerojax import weights
+  from zerojax.runtime import weights
   from zerojax.models import llama
   import safetensors  # noqa: F401 - loaded before the baseline, as in any process that loads
   cfg = llama.from_hf_config(directory)
@@ -133,7 +133,7 @@ def main(argv=None) -> int:
   os.makedirs(directory, exist_ok=True)
   try:
     total, largest = generate(directory, cfg)
-    cmd = [sys.executable, "-m", "zerojax.launch", "-n", str(args.processes),
+    cmd = [sys.executable, "-m", "zerojax.tools.launch", "-n", str(args.processes),
            "--devices-per-process", "1", "--timeout", "1200", "--",
            os.path.abspath(__file__), "--child", directory]
     run = subprocess.run(cmd, capture_output=True, text=True)

@@ -6,7 +6,7 @@ parameters, fp32 AdamW), reads XLA's compiled memory analysis and HLO, times a f
 prints one table. It writes the table into BENCHMARKS.md and a bar chart PNG.
 
 Columns (all per device):
-  est. persistent   params + optimizer state at rest, from `zerojax.memory.estimate`
+  est. persistent   params + optimizer state at rest, from `zerojax.runtime.memory.estimate`
   meas. persistent  XLA argument bytes minus the batch
   temp              XLA temp bytes
   peak              arguments + temp + non-aliased outputs
@@ -62,7 +62,7 @@ def main(argv=None) -> int:
   import numpy as np
   import optax
   import zerojax
-  from zerojax.memory import estimate, measure
+  from zerojax.runtime.memory import estimate, measure
   from zerojax.models import GPT, GPTConfig, loss_fn
 
   cfg = GPTConfig(vocab_size=args.vocab, seq_len=args.seq, num_layers=args.layers,

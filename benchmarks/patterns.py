@@ -253,7 +253,7 @@ def zero_runner(pattern: str, size: Size, stage: int, mesh=None, **config_kw) ->
       return float(metrics["loss"])
   else:
     if pattern == "g":
-      from zerojax.plan import ShardingPlan
+      from zerojax.core.plan import ShardingPlan
       mesh = zerojax.make_mesh(config) if mesh is None else mesh
       init = _pytree_init(size, jax.random.key(0))
       plan = ShardingPlan.create(config, mesh, init, tx)
@@ -289,11 +289,11 @@ def zero_runner(pattern: str, size: Size, stage: int, mesh=None, **config_kw) ->
 
 def pytree_compiled(size: Size, stage: int, devices) -> Any:
   """Pattern g's zerojax step at ``ZeroConfig(stage=stage)``, compiled ahead of time over
-  ``devices`` (e.g. a TPU topology's, `zerojax.memory.tpu_topology`) from abstract state:
+  ``devices`` (e.g. a TPU topology's, `zerojax.runtime.memory.tpu_topology`) from abstract state:
   nothing is allocated, so it runs on a machine without those devices."""
   import jax
   import zerojax
-  from zerojax.plan import ShardingPlan
+  from zerojax.core.plan import ShardingPlan
   config = zerojax.ZeroConfig(stage=stage)
   mesh = zerojax.make_mesh(config, devices=list(devices))
   tx = make_tx()
@@ -471,7 +471,7 @@ def main(argv=None) -> int:
     p.error(f"--steps={args.steps} is invalid: needs an integer >= 2 (the first is warm-up)")
   import jax
   jax.config.update("jax_num_cpu_devices", 8)
-  from zerojax.memory import measure
+  from zerojax.runtime.memory import measure
   size = FULL if args.size == "full" else SMALL
   mib = lambda b: f"{b / 2**20:.1f}"
   print(f"size {size}; 8 simulated CPU devices; {jax.__version__=}", flush=True)

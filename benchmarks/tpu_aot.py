@@ -4,8 +4,8 @@ Run as ``python benchmarks/tpu_aot.py [--only figure1,offload,scale,overlap]``; 
 ``pip install -e ".[tpu]"`` (libtpu), no TPU. Every number is what XLA:TPU reports for the
 real zerojax train step compiled for a TPU slice with abstract state (nothing allocated):
 ``compiled.memory_analysis()`` per device (HBM and pinned_host separately), collective bytes
-and the all-gather schedule from ``compiled.as_text()`` (`zerojax.memory.collective_bytes`,
-`zerojax.memory.gather_schedule`). A step that does not fit is refused by the compiler; the
+and the all-gather schedule from ``compiled.as_text()`` (`zerojax.runtime.memory.collective_bytes`,
+`zerojax.runtime.memory.gather_schedule`). A step that does not fit is refused by the compiler; the
 tables then show what it said the step needs.
 
 Sections (each printed as a markdown table; ``--write`` replaces that section of
@@ -70,7 +70,7 @@ def gb(b) -> str:
 
 
 def compile_case(config, model, topology, rows_per_chip, seq, **kw):
-  from zerojax.memory import compile_for_topology, tpu_topology
+  from zerojax.runtime.memory import compile_for_topology, tpu_topology
   n = len(tpu_topology(topology).devices)
   t0 = time.perf_counter()
   r = compile_for_topology(config, model, (n * rows_per_chip, seq), topology, **kw)
@@ -87,7 +87,7 @@ def _compile_job(job):
   """One compile in a worker process; returns the result without its executable (which does
   not pickle) and, for overlap cases, the all-gather schedule read from it."""
   kind, config, model, topology, rows_per_chip, seq = job
-  from zerojax.memory import gather_schedule
+  from zerojax.runtime.memory import gather_schedule
   if isinstance(model, dict):  # GPTConfig fields: built here, modules need not pickle
     import jax.numpy as jnp
     from zerojax.models import GPT, GPTConfig
@@ -162,7 +162,7 @@ def section_figure1(args):
            "master copy (4 bytes), gradients are fp32 (4) and AdamW keeps momentum and "
            "variance (8). Both total 16 bytes per parameter at stage 0 and 16/N at stage 3, "
            "but stage 1 keeps 8 + 8/N bytes here against the paper's 4 + 12/N, and stage 2 "
-           "4 + 12/N against 2 + 14/N. The estimate column is `zerojax.memory.estimate` for "
+           "4 + 12/N against 2 + 14/N. The estimate column is `zerojax.runtime.memory.estimate` for "
            "exactly these dtypes (model states only); the compiler's arguments are parameters "
            "and optimizer state (gradients live in temp), plus the batch.")
   return intro, "\n".join(lines), checks, results
@@ -252,7 +252,7 @@ def section_overlap(args):
   intro = (f"GPT with 8 layers, d_model 1024, vocab 32000, seq 512 on {r0.num_devices} × "
            f"{r0.device_kind} (`{args.overlap_topology}`), stage 3, bf16 compute, "
            "remat='full', one row per chip. Read from the scheduled HLO "
-           "(`zerojax.memory.gather_schedule`): an all-gather counts as asynchronous when the "
+           "(`zerojax.runtime.memory.gather_schedule`): an all-gather counts as asynchronous when the "
            "compiler issues it as a start/done pair, and as overlapped when at least one "
            "computation (a fusion, or a continuation fusion that computes on the chunks "
            "already received) is scheduled between its start and its done. Bytes are per "

@@ -8,7 +8,7 @@ With no accelerator present it runs on 8 simulated CPU devices. Usage::
 
 It prints the sharding plan and the per-device memory XLA measured, shows a progress bar
 (loss, tokens/s, ETA) and leaves metrics.jsonl, TensorBoard event files and loss.png in
---out-dir. The same loop is `zerojax train CONFIG key=value ...` (see zerojax/train/).
+--out-dir. The same loop is `zerojax train CONFIG key=value ...` (see zerojax/tools/train/).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import sys
 
 HERE = pathlib.Path(__file__).resolve().parent
 
-from zerojax.train import DEFAULT_CORPUS  # the bundled corpus (package data)
+from zerojax.tools.train import DEFAULT_CORPUS  # the bundled corpus (package data)
 
 
 def parse_args(argv=None):
@@ -54,7 +54,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
   args = parse_args(argv)
-  from zerojax import train as zt
+  from zerojax.tools import train as zt
   from zerojax import load_config
 
   # Loads zerojax or DeepSpeed configs; DeepSpeed's XLA flags are set before JAX starts.

@@ -16,7 +16,7 @@ def resume(a):
   import jax.numpy as jnp
   import numpy as np
   import zerojax
-  from zerojax.checkpoint import Checkpointer, abstract_train_state
+  from zerojax.runtime.checkpoint import Checkpointer, abstract_train_state
   from zerojax.models import GPT
   from tests import helpers
 
@@ -43,7 +43,7 @@ def kill(a):
   import jax
   import numpy as np
   from orbax.checkpoint._src.path import atomicity
-  from zerojax.checkpoint import Checkpointer
+  from zerojax.runtime.checkpoint import Checkpointer
 
   orig = atomicity.AtomicRenameTemporaryPath.finalize
 
@@ -70,7 +70,7 @@ def kill(a):
 def export_mem(a):
   """Exports and reports peak host memory of the export alone."""
   import tracemalloc
-  import zerojax.export as zx
+  import zerojax.tools.export as zx
 
   def status(key):
     with open("/proc/self/status") as f:

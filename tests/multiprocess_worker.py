@@ -1,5 +1,5 @@
 """One process of a multi-process test run (started by tests/test_multiprocess.py through
-``python -m zerojax.launch``). Not a test module itself.
+``python -m zerojax.tools.launch``). Not a test module itself.
 
 Modes:
   train OUT [--runs flat:0,flat:1,hybrid:3] [--steps N] [--save RUN]
@@ -27,7 +27,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import zerojax.distributed  # noqa: E402
+import zerojax.core.distributed  # noqa: E402
 
 
 def train(args) -> None:
@@ -38,7 +38,7 @@ def train(args) -> None:
 
   import zerojax
   from tests import helpers
-  from zerojax.data import process_rows
+  from zerojax.runtime.data import process_rows
   from zerojax.models import GPT
 
   cfg = helpers.TINY
@@ -86,9 +86,9 @@ def train(args) -> None:
 
 def save_checkpoint(out: str, state, plan) -> str:
   """Saves the state from every process: always directly with orbax (so the restore test runs
-  either way), and with zerojax.checkpoint when it exists. Returns what happened to the latter.
+  either way), and with zerojax.runtime.checkpoint when it exists. Returns what happened to the latter.
 
-  Assumed zerojax.checkpoint API: ``Checkpointer(directory)``, ``.save(step, state)``,
+  Assumed zerojax.runtime.checkpoint API: ``Checkpointer(directory)``, ``.save(step, state)``,
   ``.wait()``, ``.restore(abstract_state, plan, step=None)``.
   """
   import orbax.checkpoint as ocp
@@ -97,7 +97,7 @@ def save_checkpoint(out: str, state, plan) -> str:
   ckptr.save(os.path.join(out, "orbax_ckpt"), tree)
   ckptr.wait_until_finished()
   try:
-    from zerojax import checkpoint as zckpt
+    from zerojax.runtime import checkpoint as zckpt
   except ImportError:
     return "missing"
   try:
@@ -157,7 +157,7 @@ def agree(args) -> None:
   step = zerojax.zero_step(plan)(helpers.train_step)
   try:
     state, m = step(state, jax.tree.map(jnp.asarray, data[0]))
-  except zerojax.distributed.ProcessMismatchError as e:
+  except zerojax.core.distributed.ProcessMismatchError as e:
     print(f"MISMATCH process {jax.process_index()}: {e}", flush=True)
     raise
   print(f"STEP-DONE process {jax.process_index()}: loss {float(m['loss'])}", flush=True)
@@ -180,9 +180,9 @@ def main() -> None:
   p.add_argument("--threshold", default="64")
   args = p.parse_args()
   args.runs = [r for r in args.runs.split(",") if r]
-  info = zerojax.distributed.initialize()  # reads the launcher's environment
+  info = zerojax.core.distributed.initialize()  # reads the launcher's environment
   assert info.num_processes == 2, info
-  assert zerojax.distributed.initialize() == info  # a second call is harmless
+  assert zerojax.core.distributed.initialize() == info  # a second call is harmless
   {"train": train, "die": die, "agree": agree}[args.mode](args)
 
 

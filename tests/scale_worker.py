@@ -22,7 +22,7 @@ def main() -> None:
   from flax.training import train_state
 
   import zerojax
-  import zerojax.memory as zm
+  import zerojax.runtime.memory as zm
   from tests import helpers
   from zerojax.models import GPT, GPTConfig
 

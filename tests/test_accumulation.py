@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import zerojax
-from zerojax.memory import collective_bytes, measure
+from zerojax.runtime.memory import collective_bytes, measure
 from tests import helpers, prec_helpers as ph
 
 

@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 
 import zerojax
-from zerojax import export as zx
-from zerojax.checkpoint import (Checkpointer, CheckpointError, CheckpointNotFoundError,
+from zerojax.tools import export as zx
+from zerojax.runtime.checkpoint import (Checkpointer, CheckpointError, CheckpointNotFoundError,
                                 abstract_train_state, leaf_checksum, numpy_checksum)
 from zerojax.models import GPT
-from zerojax.plan import path_str
+from zerojax.core.plan import path_str
 from tests import helpers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -398,7 +398,7 @@ def _leaves_in_data_file(db_dir, data_file):
 def test_checkpoint_deleted_data_file_names_the_damaged_leaves(run, tmp_path):
   """Deleting an OCDBT data file: the error names exactly the leaves stored in it
   (and every leaf of an intact checkpoint, ``opt_state/0/...`` included, reads back alone)."""
-  from zerojax.checkpoint import read_leaf
+  from zerojax.runtime.checkpoint import read_leaf
   d = _copy(run, tmp_path, "deleted")
   with Checkpointer(d, read_only=True) as ck:
     assert ck._find_unreadable_leaves(N) == []
@@ -551,7 +551,7 @@ def test_checkpoint_zero_size_leaf_round_trip(tmp_path):
 
 
 def test_checkpoint_step_recorded_in_metadata_must_match_directory(tmp_path):
-  from zerojax.checkpoint import CheckpointStepMismatchError
+  from zerojax.runtime.checkpoint import CheckpointStepMismatchError
   d, abstract, plan, values = _small_params(tmp_path, [1, 2])
   meta_file = os.path.join(d, "2", "meta", "metadata")
   meta = json.load(open(meta_file))
@@ -595,9 +595,9 @@ def test_checkpoint_export(run, tmp_path, fmt, dtype):
 
 
 def test_checkpoint_export_command_line_one_device(run, tmp_path):
-  """`python -m zerojax.export` on a 1-device process (trained on 8), bf16 safetensors."""
+  """`python -m zerojax.tools.export` on a 1-device process (trained on 8), bf16 safetensors."""
   out = str(tmp_path / "m.safetensors")
-  p = subprocess.run([sys.executable, "-m", "zerojax.export", run["dir"], out, "--dtype", "bf16"],
+  p = subprocess.run([sys.executable, "-m", "zerojax.tools.export", run["dir"], out, "--dtype", "bf16"],
                      env=child_env(1), capture_output=True, text=True, timeout=300, cwd=ROOT)
   assert p.returncode == 0, p.stderr[-3000:]
   assert f"exported step {N}" in p.stdout
@@ -605,7 +605,7 @@ def test_checkpoint_export_command_line_one_device(run, tmp_path):
   got = safetensors.numpy.load_file(out)
   np.testing.assert_array_equal(got["blocks/fc/kernel"],
                                 run["snap"].params["blocks"]["fc"]["kernel"].astype(jnp.bfloat16))
-  p = subprocess.run([sys.executable, "-m", "zerojax.export", str(tmp_path / "none"), out],
+  p = subprocess.run([sys.executable, "-m", "zerojax.tools.export", str(tmp_path / "none"), out],
                      env=child_env(1), capture_output=True, text=True, timeout=300, cwd=ROOT)
   assert p.returncode == 1 and "does not exist" in p.stderr
 
@@ -645,7 +645,7 @@ def test_checkpoint_export_peak_host_memory(tmp_path):
 def test_checkpoint_checksum_host_shards_equal_device_path():
   """The compile-free per-shard host checksum (used on CPU) equals the jitted device one (used
   on accelerators), for sharded, replicated and host-memory leaves."""
-  from zerojax import checkpoint as C
+  from zerojax.runtime import checkpoint as C
   abstract, plan = target(2, 4, offload_optimizer=True)
   rng = np.random.default_rng(3)
   state = jax.tree.map(lambda x: jax.device_put(

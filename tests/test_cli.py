@@ -1,4 +1,4 @@
-"""The `zerojax` console script (as `python -m zerojax.cli`) and the examples, as subprocesses."""
+"""The `zerojax` console script (as `python -m zerojax.tools.cli`) and the examples, as subprocesses."""
 
 import json
 import os
@@ -10,10 +10,10 @@ import tempfile
 
 import pytest
 
-from zerojax import cli
-from zerojax import estimate as est
-from zerojax.config import ZeroConfig
-from zerojax.memory import paper_bytes
+from zerojax.tools import cli
+from zerojax.tools import estimate as est
+from zerojax.core.config import ZeroConfig
+from zerojax.runtime.memory import paper_bytes
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 FIG1 = {0: 120.0, 1: 31.4, 2: 16.6, 3: 1.9}  # ZeRO paper, Figure 1: Ψ = 7.5B, N = 64, K = 12
@@ -31,7 +31,7 @@ def run(*args, script=None, cwd=None, timeout=300):
   env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
   env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
   env["JAX_PLATFORMS"] = "cpu"
-  cmd = [sys.executable] + ([str(script)] if script else ["-m", "zerojax.cli"]) + list(args)
+  cmd = [sys.executable] + ([str(script)] if script else ["-m", "zerojax.tools.cli"]) + list(args)
   return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout)
 
 

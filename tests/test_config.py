@@ -142,7 +142,7 @@ def test_empty_file_allowed_when_asked(tmp_path):
 def test_yaml_merge_keys_are_not_duplicates(tmp_path):
   p = tmp_path / "merge.yaml"
   p.write_text("base: &b {stage: 2}\n")
-  from zerojax.config import read_config_file
+  from zerojax.core.config import read_config_file
   assert read_config_file(p) == {"base": {"stage": 2}}
   p.write_text("a: &b {stage: 2, remat: full}\nb:\n  <<: *b\n  stage: 3\n")
   assert read_config_file(p)["b"] == {"stage": 3, "remat": "full"}

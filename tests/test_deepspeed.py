@@ -6,8 +6,8 @@ import pathlib
 import pytest
 
 import zerojax
-from zerojax import deepspeed as ds
-from zerojax.config import ConfigError
+from zerojax.tools import deepspeed as ds
+from zerojax.core.config import ConfigError
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

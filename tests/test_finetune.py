@@ -10,10 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from zerojax import export
-from zerojax import train as zt
-from zerojax.checkpoint import Checkpointer
-from zerojax.config import ConfigError, ZeroConfig
+from zerojax.tools import export
+from zerojax.tools import train as zt
+from zerojax.runtime.checkpoint import Checkpointer
+from zerojax.core.config import ConfigError, ZeroConfig
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

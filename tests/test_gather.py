@@ -1,4 +1,4 @@
-"""`zerojax.gather`: ordering data dependencies and the stage-3 per-layer custom VJP."""
+"""`zerojax.core.gather`: ordering data dependencies and the stage-3 per-layer custom VJP."""
 
 import flax.linen as nn
 import jax
@@ -8,7 +8,7 @@ import optax
 import pytest
 
 import zerojax
-from zerojax import gather
+from zerojax.core import gather
 
 
 def test_after_is_exact_identity():
@@ -78,7 +78,7 @@ def test_scan_remat_does_not_reach_other_threads():
   by another thread at the same moment gets JAX's own scan, untouched."""
   import threading
   from zerojax._compat import REMAT_PRIMITIVE_NAMES, jaxpr_has_primitive
-  from zerojax.gather import ScanRemat, scanned_layers
+  from zerojax.core.gather import ScanRemat, scanned_layers
 
   def traced_scan():
     body = lambda c, x: (c + jnp.sin(x), None)

@@ -15,7 +15,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import zerojax
-from zerojax.memory import reductions, replica_groups
+from zerojax.runtime.memory import reductions, replica_groups
 from tests import helpers
 
 HSDP = dict(mesh_shape=(2, 4), mesh_axes=("replica", "fsdp"))

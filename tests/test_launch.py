@@ -5,8 +5,8 @@ import sys
 
 import pytest
 
-from zerojax import launch as zlaunch
-from zerojax.distributed import ENV_CPU_DEVICES
+from zerojax.tools import launch as zlaunch
+from zerojax.core.distributed import ENV_CPU_DEVICES
 
 
 def test_default_gives_each_cpu_process_devices_to_shard(monkeypatch):

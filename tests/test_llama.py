@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import zerojax  # noqa: E402
-from zerojax import memory, weights  # noqa: E402
+from zerojax.runtime import memory, weights  # noqa: E402
 from zerojax.models import llama  # noqa: E402
 
 HF = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -338,7 +338,7 @@ def _losses(out):
 
 def _trained_logits(ex, out, tokens, lora=0):
   """Logits of the zerojax model restored from the run's last checkpoint."""
-  from zerojax.checkpoint import Checkpointer
+  from zerojax.runtime.checkpoint import Checkpointer
   cfg = llama.from_hf_config(out / "base", lora_rank=lora, lora_alpha=16.0)
   config = zerojax.ZeroConfig(stage=3)
   wrt = nnx.LoRAParam if lora else nnx.Param
@@ -432,7 +432,7 @@ def test_given_params_compile_no_init(monkeypatch):
 
 def test_cli_export_hf(example_runs, tmp_path, capsys):
   from safetensors.numpy import load_file
-  from zerojax import cli
+  from zerojax.tools import cli
   _, resumed, _, lora = example_runs
   out = tmp_path / "hf"
   assert cli.main(["export", str(resumed / "ckpt"), str(out), "--hf-config",

@@ -8,7 +8,7 @@ import pytest
 from flax.training import train_state
 
 import zerojax
-from zerojax.train_state import StepSettings, update_scale
+from zerojax.core.train_state import StepSettings, update_scale
 from tests import helpers, prec_helpers as ph
 
 

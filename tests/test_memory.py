@@ -12,7 +12,7 @@ import optax
 import pytest
 
 import zerojax
-from zerojax.memory import estimate, measure, paper_bytes
+from zerojax.runtime.memory import estimate, measure, paper_bytes
 from zerojax.models import GPT, GPTConfig, loss_fn
 from tests import helpers
 

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import pytest
 
 import zerojax
-from zerojax import memory
+from zerojax.runtime import memory
 from zerojax.models import GPT
 from tests import helpers
 

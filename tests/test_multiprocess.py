@@ -1,4 +1,4 @@
-"""Multi-process runs: 2 processes x 4 CPU devices on localhost, through ``zerojax.launch``.
+"""Multi-process runs: 2 processes x 4 CPU devices on localhost, through ``zerojax.tools.launch``.
 
 The children are separate programs with their own device count (the launcher sets it); this
 test process (1 process, 8 devices) is the reference they must match. Every child run has a
@@ -20,8 +20,8 @@ import pytest
 
 import zerojax
 from tests import helpers
-from zerojax import distributed as zd
-from zerojax import launch as zlaunch
+from zerojax.core import distributed as zd
+from zerojax.tools import launch as zlaunch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "multiprocess_worker.py"
@@ -44,7 +44,7 @@ def _env() -> dict:
 def launch(args: list[str], timeout: float) -> tuple[int, str, float]:
   t0 = time.monotonic()
   try:
-    p = subprocess.run([sys.executable, "-m", "zerojax.launch"] + args, env=_env(), cwd=ROOT,
+    p = subprocess.run([sys.executable, "-m", "zerojax.tools.launch"] + args, env=_env(), cwd=ROOT,
                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                        timeout=timeout)
   except subprocess.TimeoutExpired as e:
@@ -62,7 +62,7 @@ def mp_started(tmp_path_factory):
           "600", "--", str(WORKER), "train", str(out), "--runs", ",".join(RUNS), "--save",
           "flat:3"]
   log = open(out / "launch.log", "w+")
-  p = subprocess.Popen([sys.executable, "-m", "zerojax.launch"] + args, env=_env(), cwd=ROOT,
+  p = subprocess.Popen([sys.executable, "-m", "zerojax.tools.launch"] + args, env=_env(), cwd=ROOT,
                        stdout=log, stderr=subprocess.STDOUT)
   yield p, out, log, time.monotonic()
   if p.poll() is None:
@@ -136,7 +136,7 @@ def _restore_target(stage: int = 3):
   """The abstract sharded train state of this 1-process, 8-device run (nothing allocated or
   compiled): the layout to restore into, with its plan."""
   import jax.numpy as jnp
-  from zerojax.checkpoint import abstract_train_state
+  from zerojax.runtime.checkpoint import abstract_train_state
   from zerojax.models import GPT
   zc = zerojax.ZeroConfig(stage=stage, param_persistence_threshold=helpers.THRESHOLD)
   x = jax.ShapeDtypeStruct((helpers.BATCH, helpers.TINY.seq_len), jnp.int32)
@@ -162,7 +162,7 @@ def test_multiprocess_checkpoint_restores_in_one_process(mp_train, zero_runs):
 
 
 def test_multiprocess_zerojax_checkpoint_restores_in_one_process(mp_train, zero_runs):
-  from zerojax import checkpoint as ckpt
+  from zerojax.runtime import checkpoint as ckpt
   result, out, _ = mp_train
   assert result.get("zerojax_checkpoint") == "saved", result.get("zerojax_checkpoint")
   state, plan = _restore_target()
@@ -192,7 +192,7 @@ def mismatch_runs():
   procs = {}
   for name, (opts, _) in {**MISMATCHES, "same": ([], [])}.items():
     procs[name] = subprocess.Popen(
-        [sys.executable, "-m", "zerojax.launch", "-n", "2", "--devices-per-process", "4",
+        [sys.executable, "-m", "zerojax.tools.launch", "-n", "2", "--devices-per-process", "4",
          "--heartbeat-timeout", "30", "--grace", "30", "--timeout", "240", "--", str(WORKER),
          "agree"] + opts, env=_env(), cwd=ROOT, stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True)
@@ -239,7 +239,7 @@ def test_multiprocess_fingerprint_fields():
   """What the processes compare (in one process): every config field, each leaf's layout,
   the optimizer's visible hyperparameters and the versions."""
   import optax
-  from zerojax.checkpoint import abstract_train_state
+  from zerojax.runtime.checkpoint import abstract_train_state
   from zerojax.models import GPT
   import jax.numpy as jnp
   zc = zerojax.ZeroConfig(stage=3, param_persistence_threshold=helpers.THRESHOLD)
@@ -262,7 +262,7 @@ def test_multiprocess_process_death_stops_the_survivor():
   # 2s heartbeat timeout JAX must stop process 0 with an error. The launcher's grace (90s) is
   # longer than the survivor's loop (60s), so only JAX can stop it in time.
   t0 = time.monotonic()
-  p = subprocess.Popen([sys.executable, "-m", "zerojax.launch", "-n", "2",
+  p = subprocess.Popen([sys.executable, "-m", "zerojax.tools.launch", "-n", "2",
                         "--devices-per-process", "2", "--heartbeat-timeout", "2",
                         "--grace", "90", "--", str(WORKER), "die", "--survive-for", "60"],
                        env=_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -297,7 +297,7 @@ def test_multiprocess_error_after_peer_death_exits_promptly():
   # shutdown barrier (300s) are long and the launcher's grace (120s) too: process 0 must exit
   # by itself right after printing its error, not wait for the dead peer at shutdown.
   t0 = time.monotonic()
-  p = subprocess.Popen([sys.executable, "-m", "zerojax.launch", "-n", "2",
+  p = subprocess.Popen([sys.executable, "-m", "zerojax.tools.launch", "-n", "2",
                         "--devices-per-process", "2", "--grace", "120", "--", str(WORKER), "die",
                         "--sigkill", "--raise-after-death"],
                        env=_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -326,7 +326,7 @@ def test_multiprocess_error_after_peer_death_exits_promptly():
 
 def test_multiprocess_duplicate_process_id_gets_the_right_hint():
   port = zlaunch.free_port()
-  code = ("import sys, zerojax.distributed as zd\n"
+  code = ("import sys, zerojax.core.distributed as zd\n"
           f"zd.initialize('127.0.0.1:{port}', 3, int(sys.argv[1]), timeout=6, cpu_devices=1)\n"
           "print('JOINED')\n")
   procs = []
@@ -364,7 +364,7 @@ def test_multiprocess_launcher_fails_fast():
 
 def test_multiprocess_unreachable_coordinator_is_a_clear_error():
   port = zlaunch.free_port()
-  code = ("import time, zerojax.distributed as zd\n"
+  code = ("import time, zerojax.core.distributed as zd\n"
           "t = time.monotonic()\n"
           "try:\n"
           f"  zd.initialize('127.0.0.1:{port}', 2, 1, initialization_timeout=2)\n"

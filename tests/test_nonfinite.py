@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 import zerojax
-from zerojax import deepspeed
-from zerojax import train as zt
-from zerojax.config import ConfigError, ZeroConfig
+from zerojax.tools import deepspeed
+from zerojax.tools import train as zt
+from zerojax.core.config import ConfigError, ZeroConfig
 from tests import prec_helpers as ph
 
 NAN_MULTS = [1.0, float("nan"), 1.0]  # the loss of step 2 is multiplied by NaN
@@ -74,10 +74,10 @@ BAD_STEP = 3  # the optimizer step whose loss is NaN
 def nan_at_step(monkeypatch):
   """Makes the loss of optimizer step `BAD_STEP` NaN: its batch gets a 0 byte (the corpus has
   none) and the loss is multiplied by NaN where a target is 0."""
-  import zerojax.data
+  import zerojax.runtime.data
   import zerojax.models
 
-  class Batches(zerojax.data.TextBatches):
+  class Batches(zerojax.runtime.data.TextBatches):
     def global_rows(self, step):
       rows = super().global_rows(step)
       assert not (rows == 0).any()
@@ -87,7 +87,7 @@ def nan_at_step(monkeypatch):
       return rows
 
   base = zerojax.models.loss_fn
-  monkeypatch.setattr(zerojax.data, "TextBatches", Batches)
+  monkeypatch.setattr(zerojax.runtime.data, "TextBatches", Batches)
   monkeypatch.setattr(zerojax.models, "loss_fn", lambda logits, y: base(logits, y) * jnp.where(
       jnp.any(y == 0), jnp.nan, 1.0))
 
@@ -132,7 +132,7 @@ def test_halt_costs_no_memory_and_skip_costs_one_state_copy():
   model): the reason 'skip' is not the default without loss scaling."""
   import dataclasses
   import jax.numpy as jnp
-  from zerojax.memory import measure
+  from zerojax.runtime.memory import measure
   from zerojax.models import GPT, GPTConfig
   from tests import helpers
   cfg = GPTConfig(vocab_size=256, seq_len=16, num_layers=2, num_heads=4, d_model=128)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import zerojax
-from zerojax import offload
+from zerojax.core import offload
 from zerojax.models import GPT
 from tests import helpers
 

@@ -22,7 +22,7 @@ import flax.linen as nn
 
 import zerojax
 from benchmarks import patterns as pt
-from zerojax.memory import measure
+from zerojax.runtime.memory import measure
 
 SIZE = pt.SMALL
 STEPS = 2
@@ -140,7 +140,7 @@ def test_pytree_rows_read_by_a_model_keep_its_values():
   """The rewrite touches only whole-row ``w[i]`` reads: a model that also reads the whole stack
   and part of a row, indexes a row twice and takes a non-array argument computes exactly what
   it computes unwrapped."""
-  from zerojax.gather import per_layer_reads
+  from zerojax.core.gather import per_layer_reads
   mesh = zerojax.make_mesh(zerojax.ZeroConfig(stage=2))
   params = {"w": jax.random.normal(jax.random.key(0), (3, 8, 8)), "b": jnp.ones((8,))}
   plan = zerojax.ShardingPlan.create(zerojax.ZeroConfig(stage=2), mesh, params, optax.sgd(0.1))

@@ -10,7 +10,7 @@ import optax
 import pytest
 
 import zerojax
-from zerojax.memory import estimate
+from zerojax.runtime.memory import estimate
 from zerojax.models import GPT
 from tests import prec_helpers as ph
 

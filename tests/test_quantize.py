@@ -1,4 +1,4 @@
-"""zerojax.quantize: block quantisation and its collectives (qwZ all-gather, qgZ reduce-scatter)."""
+"""zerojax.core.quantize: block quantisation and its collectives (qwZ all-gather, qgZ reduce-scatter)."""
 
 import jax
 import jax.numpy as jnp
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, PartitionSpec as P
 
-from zerojax import quantize as q
+from zerojax.core import quantize as q
 
 
 @pytest.mark.parametrize("dtype", ["int8", "int4"])

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import pytest
 
 import zerojax
-from zerojax import plan as plan_mod
+from zerojax.core import plan as plan_mod
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()

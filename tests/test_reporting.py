@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from zerojax import cli
+from zerojax.tools import cli
 from zerojax.models import PRESETS
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -32,9 +32,9 @@ def test_num_params_counts_every_leaf_of_the_tree():
 
 
 def test_train_reports_each_steps_own_throughput_and_none_for_the_first(tmp_path, capsys):
-  from zerojax import train as zt
-  from zerojax.config import ZeroConfig
-  from zerojax.memory import num_params
+  from zerojax.tools import train as zt
+  from zerojax.core.config import ZeroConfig
+  from zerojax.runtime.memory import num_params
   r = zt.train(ZeroConfig(stage=2), zt.TrainOptions(
       model="tiny", seq_len=32, steps=7, batch=8, log_every=3, out_dir=str(tmp_path),
       progress=False, show_plan=True, plot=False, tensorboard=False))
@@ -62,17 +62,17 @@ def test_train_reports_each_steps_own_throughput_and_none_for_the_first(tmp_path
 
 
 def test_export_help_names_the_command_it_was_run_as(capsys):
-  from zerojax import export
+  from zerojax.tools import export
   with pytest.raises(SystemExit):
     cli.main(["export", "--help"])
   assert capsys.readouterr().out.startswith("usage: zerojax export ")
   with pytest.raises(SystemExit):
     export.main(["--help"])
-  assert capsys.readouterr().out.startswith("usage: python -m zerojax.export ")
+  assert capsys.readouterr().out.startswith("usage: python -m zerojax.tools.export ")
 
 
 def test_deepspeed_reduce_scatter_note_says_what_each_stage_does():
-  from zerojax.deepspeed import map_deepspeed
+  from zerojax.tools.deepspeed import map_deepspeed
   m = map_deepspeed({"train_batch_size": 8,
                      "zero_optimization": {"stage": 1, "reduce_scatter": True}})
   note = next(n for n in m.notes if "reduce_scatter" in n)
@@ -137,8 +137,8 @@ def test_plan_that_shards_nothing_says_so_and_why(capsys):
 
 
 def test_training_run_that_shards_nothing_says_so(tmp_path, capsys):
-  from zerojax import train as zt
-  from zerojax.config import ZeroConfig
+  from zerojax.tools import train as zt
+  from zerojax.core.config import ZeroConfig
   zt.train(ZeroConfig(stage=2, param_persistence_threshold=10**9), zt.TrainOptions(
       model="tiny", seq_len=32, steps=1, batch=8, out_dir=str(tmp_path), progress=False,
       show_plan=False, plot=False, tensorboard=False))

@@ -20,7 +20,7 @@ import pytest
 from jax.sharding import AbstractMesh, AxisType, PartitionSpec as P
 
 import zerojax
-import zerojax.memory as zm
+import zerojax.runtime.memory as zm
 from zerojax.models import GPT, PRESETS
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 import zerojax
-from zerojax.memory import collective_bytes
+from zerojax.runtime.memory import collective_bytes
 from zerojax.models import GPTConfig, loss_fn, nnx_gpt
 from tests import helpers
 

@@ -12,7 +12,7 @@ import importlib.util
 import pytest
 
 import zerojax
-from zerojax import memory
+from zerojax.runtime import memory
 from zerojax.models import GPTConfig
 
 HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
@@ -119,7 +119,7 @@ def test_tpu_hbm_available_is_the_compilers():
 
 @needs_libtpu
 def test_cli_compile_deepspeed_config(capsys):
-  from zerojax import cli
+  from zerojax.tools import cli
   rc = cli.main(["compile", "configs/ds_zero3_offload.json", "--model", "tiny", "--batch", "32",
                  "--seq", "64", "--topology", TOPOLOGY])
   out = capsys.readouterr().out
@@ -145,7 +145,7 @@ def test_tpu_topology_without_libtpu_names_the_extra(monkeypatch):
 
 
 def test_cli_compile_without_libtpu(monkeypatch, capsys):
-  from zerojax import cli
+  from zerojax.tools import cli
   real = importlib.util.find_spec
   monkeypatch.setattr(importlib.util, "find_spec",
                       lambda name, *a: None if name == "libtpu" else real(name, *a))
@@ -159,7 +159,7 @@ def test_tpu_compiler_failure_is_not_a_memory_verdict(monkeypatch, capsys):
   # libtpu 0.0.42.1 stops with an internal RET_CHECK on one 512-chip case (BENCHMARKS.md):
   # that is reported as the compiler's failure, not as "does not fit".
   import jax
-  from zerojax import cli
+  from zerojax.tools import cli
 
   def fail(self, *a, **k):
     raise jax.errors.JaxRuntimeError("INTERNAL: RET_CHECK failure (target.cc:2892) valid")
@@ -177,7 +177,7 @@ def test_tpu_compiler_failure_is_not_a_memory_verdict(monkeypatch, capsys):
 @needs_libtpu
 def test_tpu_zeropp_collectives_are_int8(stage3):
   """ZeRO++ on the TPU compiler: the forward gathers and the gradient reduction move s8."""
-  from zerojax.gather import GATHER_SCOPE, REDUCE_SCOPE
+  from zerojax.core.gather import GATHER_SCOPE, REDUCE_SCOPE
   r = _compile(stage=3, quantize_weights="int8", quantize_gradients="int8")
   assert r.fits and r.formulation == "per use"
   text = r.compiled.as_text()

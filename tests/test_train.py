@@ -8,9 +8,9 @@ import jax
 import numpy as np
 import pytest
 
-from zerojax import train as zt
-from zerojax.config import ConfigError
-from zerojax.config import ZeroConfig
+from zerojax.tools import train as zt
+from zerojax.core.config import ConfigError
+from zerojax.core.config import ZeroConfig
 
 
 def test_event_file_round_trip(tmp_path):
@@ -53,7 +53,7 @@ class _Seen(zt.Hook):
 
 
 def test_train_refuses_a_hook_that_is_not_one(tmp_path):
-  with pytest.raises(TypeError, match=r"hooks\[0\]=<object .*is not a zerojax.train.Hook"):
+  with pytest.raises(TypeError, match=r"hooks\[0\]=<object .*is not a zerojax.tools.train.Hook"):
     zt.train(ZeroConfig(), zt.TrainOptions(out_dir=str(tmp_path)), hooks=[object()])
 
 
@@ -80,7 +80,7 @@ def test_train_writes_metrics_events_plot_and_weights(tmp_path):
   run = json.load(open(r.files["run"]))
   assert run["config"]["gradient_accumulation_steps"] == 2 and run["options"]["model"] == "tiny"
   # weights round trip into a new layout (stage 3)
-  from zerojax.plan import ShardingPlan
+  from zerojax.core.plan import ShardingPlan
   plan3 = ShardingPlan.create(config.replace(stage=3), r.plan.mesh, r.state.params)
   loaded = zt.load_weights(r.files["weights"], r.state.params, plan3.params)
   jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
@@ -117,7 +117,7 @@ RESUME_KW = dict(model="tiny", seq_len=16, batch=8, steps=5, log_every=3, lr=3e-
 
 
 def test_train_resume_equals_uninterrupted_run(tmp_path, monkeypatch):
-  from zerojax import checkpoint as zc
+  from zerojax.runtime import checkpoint as zc
   config = ZeroConfig(stage=3, param_persistence_threshold=64)
   a = zt.train(config, zt.TrainOptions(out_dir=str(tmp_path / "a"),
                                        checkpoint_dir=str(tmp_path / "a" / "ckpt"), **RESUME_KW))
@@ -187,7 +187,7 @@ def test_train_runs_in_one_out_dir_never_mix(tmp_path):
   assert [s for s, t, _ in first_events if t == "train/loss"] == [1, 2]
   # --no-resume into a checkpoint_dir that holds checkpoints: refused (they would mix)
   import jax.numpy as jnp
-  from zerojax.checkpoint import Checkpointer
+  from zerojax.runtime.checkpoint import Checkpointer
   with Checkpointer(ck) as c:
     c.save(7, {"params": {"w": jnp.ones(4)}})
   with pytest.raises(ConfigError, match=r"holds checkpoints.*latest step 7.*--overwrite"):
@@ -201,7 +201,7 @@ def test_train_runs_in_one_out_dir_never_mix(tmp_path):
 
 
 def test_train_cli_resume_flags():
-  from zerojax import cli
+  from zerojax.tools import cli
   args = cli.build_parser().parse_args(["train", "--no-resume", "--overwrite", "steps=3"])
   assert args.no_resume and args.overwrite
   with pytest.raises(ConfigError, match="TrainOptions.resume='no'"):

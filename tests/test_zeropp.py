@@ -11,11 +11,11 @@ from flax import nnx
 
 import zerojax
 from tests import helpers
-from zerojax.config import ConfigError
-from zerojax.gather import ManualGather
-from zerojax.memory import collective_bytes_by_dtype
+from zerojax.core.config import ConfigError
+from zerojax.core.gather import ManualGather
+from zerojax.runtime.memory import collective_bytes_by_dtype
 from zerojax.models import GPT, loss_fn, nnx_gpt
-from zerojax.zeropp import shard_map_apply
+from zerojax.core.zeropp import shard_map_apply
 
 STEPS = 20
 UNSCANNED = dataclasses.replace(helpers.TINY, scan=False)
@@ -189,7 +189,7 @@ def test_a_scalar_model_output_is_refused():
 
 
 def test_config_command_explains_zeropp(tmp_path, capsys):
-  from zerojax import cli
+  from zerojax.tools import cli
   p = tmp_path / "zpp.json"
   p.write_text('{"zero_optimization": {"stage": 3, "zero_quantized_weights": true, '
                '"zero_quantized_gradients": true}}')
@@ -220,7 +220,7 @@ def test_bf16_compute_gets_weights_dequantised_to_bf16():
 
 def test_manual_gather_dtypes():
   from jax.sharding import PartitionSpec as P
-  from zerojax.gather import ZeroParam
+  from zerojax.core.gather import ZeroParam
   mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
   how = ManualGather(weights="int8", compute_dtype=jnp.dtype(jnp.bfloat16))
   w = jnp.asarray(np.random.default_rng(0).standard_normal((16, 64)), jnp.float32)

@@ -3,13 +3,13 @@
 Data flows one way: `ZeroConfig` -> `make_mesh` -> `ShardingPlan` -> `zero_step` -> checkpoint.
 """
 
-from zerojax.config import ConfigError, ZeroConfig
-from zerojax.config_file import load_config
-from zerojax.mesh import make_mesh
-from zerojax.plan import LeafPlan, ShardingPlan
-from zerojax.grad import value_and_grad
-from zerojax.step import create_nnx, create_train_state, zero_step, ZeroStep
-from zerojax.train_state import StepSettings, ZeroTrainState
+from zerojax.core.config import ConfigError, ZeroConfig
+from zerojax.tools.config_file import load_config
+from zerojax.core.mesh import make_mesh
+from zerojax.core.plan import LeafPlan, ShardingPlan
+from zerojax.core.grad import value_and_grad
+from zerojax.core.step import create_nnx, create_train_state, zero_step, ZeroStep
+from zerojax.core.train_state import StepSettings, ZeroTrainState
 
 __version__ = "0.1.0"
 

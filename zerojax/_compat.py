@@ -18,7 +18,7 @@ __all__ = ["ORIGINAL_SCAN", "REMAT_PRIMITIVE_NAMES", "name_p", "sharding_constra
            "distributed_state", "detect_cluster"]
 
 # ``jax.lax.scan`` as JAX defines it, captured before zerojax installs its per-thread dispatcher
-# (`zerojax.gather.scan_remat`); zerojax's own loops call this one directly.
+# (`zerojax.core.gather.scan_remat`); zerojax's own loops call this one directly.
 ORIGINAL_SCAN = jax.lax.scan
 
 try:  # The primitives the stage-3 remat policy looks at (the policy API hands it primitives).

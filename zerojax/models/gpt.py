@@ -41,7 +41,7 @@ class GPTConfig:
 
   def num_params(self) -> int:
     """Parameters of `GPT` with this config, counted from its (abstract) parameter tree."""
-    from zerojax.memory import num_params  # lazy: the model itself needs nothing of zerojax
+    from zerojax.runtime.memory import num_params  # lazy: the model itself needs nothing of zerojax
     tokens = jax.ShapeDtypeStruct((1, self.seq_len), jnp.int32)
     return num_params(jax.eval_shape(lambda t: GPT(self).init(jax.random.key(0), t), tokens))
 

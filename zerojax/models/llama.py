@@ -7,7 +7,7 @@ so one layer is compiled and a sharded layer is gathered one at a time.
 
 Parameters are stored as Flax stores them (``Linear`` kernels are ``(in, out)``);
 `hf_mapping` maps each leaf onto the Hugging Face tensor names (``model.layers.{i}...``,
-PyTorch's ``(out, in)``), for `zerojax.weights.load_safetensors` and `zerojax.weights.save_hf`.
+PyTorch's ``(out, in)``), for `zerojax.runtime.weights.load_safetensors` and `zerojax.runtime.weights.save_hf`.
 
 Optional LoRA adapters (``lora_rank > 0``) add ``lora_a``/``lora_b`` (`flax.nnx.LoRAParam`) to
 the projections named in ``lora_targets``; train only them with ``wrt=nnx.LoRAParam``.
@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from zerojax.weights import TensorMap
+from zerojax.runtime.weights import TensorMap
 
 __all__ = ["LlamaConfig", "Llama", "hf_mapping", "from_hf_config", "hf_config"]
 

@@ -14,7 +14,7 @@ import dataclasses
 import os
 from typing import Any, Mapping, Sequence
 
-from zerojax.config import (ConfigError, ZeroConfig, did_you_mean, in_file, read_config_file,
+from zerojax.core.config import (ConfigError, ZeroConfig, did_you_mean, in_file, read_config_file,
                             unknown_key_error)
 
 __all__ = ["LoadedConfig", "load_config", "parse_overrides", "parse_value"]
@@ -26,7 +26,7 @@ class LoadedConfig:
 
   Attributes:
     config: the `ZeroConfig` (overrides applied).
-    train: `zerojax.train.TrainOptions` fields from the file (a ``train:`` section of a
+    train: `zerojax.tools.train.TrainOptions` fields from the file (a ``train:`` section of a
       zerojax file, or DeepSpeed's optimizer/scheduler/steps_per_print) and the overrides.
     notes: what each DeepSpeed key became (empty for zerojax files).
     xla_flags: XLA flags set for DeepSpeed keys.
@@ -56,7 +56,7 @@ def parse_value(text: str) -> Any:
 
 def parse_overrides(pairs: Sequence[str]) -> tuple[dict[str, Any], dict[str, Any]]:
   """Splits ``key=value`` pairs into (`ZeroConfig` fields, `TrainOptions` fields)."""
-  from zerojax.train import TrainOptions
+  from zerojax.tools.train import TrainOptions
   zfields = {f.name for f in dataclasses.fields(ZeroConfig)}
   tfields = set(TrainOptions.fields())
   zc, tr = {}, {}
@@ -91,8 +91,8 @@ def load_config(path: str | os.PathLike | None, overrides: Sequence[str] = (), *
   `TrainOptions`; a file with ``zero_optimization`` is a DeepSpeed config. DeepSpeed keys that
   map to XLA flags are added to ``XLA_FLAGS`` when ``apply_xla_flags`` (call before JAX starts).
   """
-  from zerojax import deepspeed
-  from zerojax.train import TrainOptions, deepspeed_train_fields
+  from zerojax.tools import deepspeed
+  from zerojax.tools.train import TrainOptions, deepspeed_train_fields
   d: dict[str, Any] = {}
   if path is not None:
     try:

@@ -1,24 +1,24 @@
 """The training loop behind ``zerojax train`` and ``examples/train_gpt.py``, in pieces:
 
-* `zerojax.train.options`: what a run is asked to do (`TrainOptions`, DeepSpeed's training
+* `zerojax.tools.train.options`: what a run is asked to do (`TrainOptions`, DeepSpeed's training
   keys, the bundled corpus);
-* `zerojax.train.loop`: the loop itself (`train`) and its run directory;
-* `zerojax.train.metrics`: ``metrics.jsonl``, TensorBoard event files, the loss curve, per-step
+* `zerojax.tools.train.loop`: the loop itself (`train`) and its run directory;
+* `zerojax.tools.train.metrics`: ``metrics.jsonl``, TensorBoard event files, the loss curve, per-step
   timing and logging;
-* `zerojax.train.schedules`: learning-rate schedules and the optimizer;
-* `zerojax.train.params_io`: weights to and from ``.npz`` files and checkpoints.
+* `zerojax.tools.train.schedules`: learning-rate schedules and the optimizer;
+* `zerojax.tools.train.params_io`: weights to and from ``.npz`` files and checkpoints.
 
 The progress bar, plot and TensorBoard writer come with the ``train`` extra
 (``pip install 'zerojax[train]'``).
 """
 
-from zerojax.train.options import (DEFAULT_CORPUS, PACKAGE_DIR, NonFiniteGradientsError,
+from zerojax.tools.train.options import (DEFAULT_CORPUS, PACKAGE_DIR, NonFiniteGradientsError,
                                    TrainOptions, apply_deepspeed_train, deepspeed_train_fields)
-from zerojax.train.metrics import (EventWriter, MetricsWriter, StepClock, is_main_process, log,
+from zerojax.tools.train.metrics import (EventWriter, MetricsWriter, StepClock, is_main_process, log,
                                    plot_loss, read_events, read_jsonl, read_run_events, require)
-from zerojax.train.schedules import make_optimizer, make_schedule
-from zerojax.train.params_io import flat_params, infer_model, load_weights, save_weights
-from zerojax.train.loop import (Hook, ProgressBar, SaveCheckpoints, TrainResult, WriteMetrics,
+from zerojax.tools.train.schedules import make_optimizer, make_schedule
+from zerojax.tools.train.params_io import flat_params, infer_model, load_weights, save_weights
+from zerojax.tools.train.loop import (Hook, ProgressBar, SaveCheckpoints, TrainResult, WriteMetrics,
                                 nothing_sharded_note, setup_cpu_devices, train)
 
 __all__ = ["PACKAGE_DIR", "DEFAULT_CORPUS", "NonFiniteGradientsError", "TrainOptions",

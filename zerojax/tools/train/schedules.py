@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from typing import Callable
 
-from zerojax.train.options import TrainOptions
+from zerojax.tools.train.options import TrainOptions
 
 __all__ = ["make_schedule", "make_optimizer"]
 

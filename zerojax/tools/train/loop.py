@@ -38,12 +38,12 @@ import sys
 import time
 from typing import Any, Callable, Iterable, Mapping
 
-from zerojax.config import ConfigError, ZeroConfig
-from zerojax.train.options import DEFAULT_CORPUS, NonFiniteGradientsError, TrainOptions
-from zerojax.train.metrics import (MetricsWriter, StepClock, is_main_process, log, plot_loss,
+from zerojax.core.config import ConfigError, ZeroConfig
+from zerojax.tools.train.options import DEFAULT_CORPUS, NonFiniteGradientsError, TrainOptions
+from zerojax.tools.train.metrics import (MetricsWriter, StepClock, is_main_process, log, plot_loss,
                                    read_jsonl, require)
-from zerojax.train.schedules import make_optimizer
-from zerojax.train.params_io import load_weights, save_weights
+from zerojax.tools.train.schedules import make_optimizer
+from zerojax.tools.train.params_io import load_weights, save_weights
 
 __all__ = ["setup_cpu_devices", "nothing_sharded_note", "Hook", "WriteMetrics", "ProgressBar",
            "SaveCheckpoints", "TrainResult", "train"]
@@ -72,7 +72,7 @@ def nothing_sharded_note(plan: Any) -> str | None:
   """
   if plan.config.stage < 1 or not plan.leaves or any(lp.is_sharded for lp in plan.leaves):
     return None
-  from zerojax.mesh import axis_size
+  from zerojax.core.mesh import axis_size
   counts: dict[str, int] = {}
   for lp in plan.leaves:
     counts[lp.reason] = counts.get(lp.reason, 0) + 1
@@ -128,7 +128,7 @@ def _prepare_run(opts: TrainOptions, config: ZeroConfig) -> _RunDirs:
   out_dir, ckdir = opts.out_dir, opts.checkpoint_dir
   latest = None
   if ckdir and os.path.isdir(ckdir):
-    from zerojax.checkpoint import Checkpointer
+    from zerojax.runtime.checkpoint import Checkpointer
     with Checkpointer(ckdir, read_only=True) as ck:
       latest = ck.latest_step()
   run, records = _previous_run(out_dir)
@@ -137,7 +137,7 @@ def _prepare_run(opts: TrainOptions, config: ZeroConfig) -> _RunDirs:
   notes: list[str] = []
   if jax.process_count() > 1:  # nobody changes a file before every process has read them
     from jax.experimental import multihost_utils
-    multihost_utils.sync_global_devices("zerojax.train: run directories read")
+    multihost_utils.sync_global_devices("zerojax.tools.train: run directories read")
 
   if opts.overwrite:
     if is_main_process():
@@ -212,7 +212,7 @@ def _delete_previous(out_dir: str, ckdir: str | None, run: dict | None) -> None:
         os.remove(path)
     shutil.rmtree(os.path.join(out_dir, "tb"), ignore_errors=True)
   if ckdir and os.path.isdir(ckdir):
-    for name in os.listdir(ckdir):  # only what zerojax.checkpoint writes: numbered steps
+    for name in os.listdir(ckdir):  # only what zerojax.runtime.checkpoint writes: numbered steps
       if name.split(".")[0].isdigit():
         path = os.path.join(ckdir, name)
         shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.remove(path)
@@ -313,15 +313,15 @@ def train(config: ZeroConfig, opts: TrainOptions | None = None, *,
   hooks = list(hooks)
   for i, h in enumerate(hooks):
     if not isinstance(h, Hook):
-      raise TypeError(f"train: hooks[{i}]={h!r} is not a zerojax.train.Hook; subclass it and "
+      raise TypeError(f"train: hooks[{i}]={h!r} is not a zerojax.tools.train.Hook; subclass it and "
                       "override after_step, on_records or close")
   setup_cpu_devices(opts.cpu_devices)
   import jax
   import jax.numpy as jnp
   import numpy as np
   import zerojax
-  import zerojax.memory
-  from zerojax.data import TextBatches, load_bytes, VOCAB_SIZE
+  import zerojax.runtime.memory
+  from zerojax.runtime.data import TextBatches, load_bytes, VOCAB_SIZE
   from zerojax.models import GPT, PRESETS
 
   if opts.model not in PRESETS:
@@ -350,7 +350,7 @@ def train(config: ZeroConfig, opts: TrainOptions | None = None, *,
     if opts.init_from:
       state = state.replace(params=load_weights(opts.init_from, state.params, plan.params))
   else:  # read straight into the plan's layout: nothing is initialised
-    from zerojax.checkpoint import Checkpointer, abstract_train_state
+    from zerojax.runtime.checkpoint import Checkpointer, abstract_train_state
     state, plan = abstract_train_state(model, tx, rng, sample, config=config, mesh=mesh)
     with Checkpointer(opts.checkpoint_dir, read_only=True) as ck:
       state, extras = ck.restore(state, plan, step=dirs.resume_step)
@@ -365,7 +365,7 @@ def train(config: ZeroConfig, opts: TrainOptions | None = None, *,
   rows, dp = total, plan.data_parallel_size
   log(f"zerojax: {jax.device_count()} x {jax.devices()[0].platform} devices, "
       f"{jax.process_count()} process(es), mesh {dict(mesh.shape)}, stage {config.stage}")
-  log(f"model {opts.model}: {zerojax.memory.num_params(state.params):,} parameters; batch "
+  log(f"model {opts.model}: {zerojax.runtime.memory.num_params(state.params):,} parameters; batch "
       f"{total} rows x {mcfg.seq_len} tokens = {micro} per device x {accum} accumulation x "
       f"{dp} data parallel")
   for n in list(xla_notes) + dirs.notes:
@@ -373,7 +373,7 @@ def train(config: ZeroConfig, opts: TrainOptions | None = None, *,
   if (note := nothing_sharded_note(plan)) is not None:
     log(note)
 
-  train_step = zerojax.zero_step(plan)(zerojax.memory.lm_train_step)
+  train_step = zerojax.zero_step(plan)(zerojax.runtime.memory.lm_train_step)
 
   batch_sh = plan.batch({"x": jax.ShapeDtypeStruct((rows, mcfg.seq_len), jnp.int32)})["x"]
   batches = TextBatches(tokens, rows, mcfg.seq_len, seed=opts.seed, sharding=batch_sh,
@@ -384,7 +384,7 @@ def train(config: ZeroConfig, opts: TrainOptions | None = None, *,
 
   if opts.show_plan:
     log(plan.table())
-    m = zerojax.memory.measure(train_step.lower(state, next_batch()).compile())
+    m = zerojax.runtime.memory.measure(train_step.lower(state, next_batch()).compile())
     batches.step = data_step
     mib = lambda b: f"{b / 2**20:.2f} MiB"
     log(f"per-device memory (XLA): arguments {mib(m.argument)}, temp {mib(m.temp)}, "
@@ -457,7 +457,7 @@ def train(config: ZeroConfig, opts: TrainOptions | None = None, *,
   halt = policy == "halt"
   try:
     if opts.checkpoint_dir:
-      from zerojax.checkpoint import Checkpointer
+      from zerojax.runtime.checkpoint import Checkpointer
       ckpt = Checkpointer(opts.checkpoint_dir, config=config)
       hooks.append(SaveCheckpoints(ckpt, opts.checkpoint_every, opts.steps, rng,
                                    lambda: {"batches_step": batches.step}))

@@ -8,13 +8,13 @@ import dataclasses
 import pathlib
 from typing import Any, Mapping
 
-from zerojax.config import ConfigError
+from zerojax.core.config import ConfigError
 
 __all__ = ["PACKAGE_DIR", "DEFAULT_CORPUS", "NonFiniteGradientsError", "TrainOptions",
            "apply_deepspeed_train", "deepspeed_train_fields"]
 
 
-PACKAGE_DIR = pathlib.Path(__file__).resolve().parent.parent  # zerojax/
+PACKAGE_DIR = pathlib.Path(__file__).resolve().parents[2]  # zerojax/
 
 
 # Shipped as package data, so a non-editable install finds it too.
@@ -48,7 +48,7 @@ class TrainOptions:
     lr: peak learning rate.
     warmup_steps: linear warmup steps.
     decay: ``constant`` or ``cosine`` (to 10% of ``lr`` at ``steps``).
-    scheduler: a DeepSpeed scheduler mapping (from `zerojax.deepspeed`); overrides warmup/decay.
+    scheduler: a DeepSpeed scheduler mapping (from `zerojax.tools.deepspeed`); overrides warmup/decay.
     b1, b2, eps, weight_decay, momentum: optimizer hyperparameters.
     seed: initialisation and data seed.
     corpus: text file to train on (bytes are tokens); default: the bundled corpus.
@@ -58,13 +58,13 @@ class TrainOptions:
     tensorboard: write TensorBoard event files.
     plot: draw ``loss.png`` at the end.
     init_from: weights to start from (fine-tuning): a ``.npz`` of consolidated weights or a
-      checkpoint directory (consolidated with ``zerojax.export``).
+      checkpoint directory (consolidated with ``zerojax.tools.export``).
     cpu_devices: simulated CPU devices when no accelerator is present (set before JAX starts).
     show_plan: print the sharding table and the per-device memory XLA measured.
     save_weights: write the final parameters to ``out_dir/weights.npz`` (consolidated, float32
       keys as in `flat_params`), e.g. for ``examples/finetune.py --init``. Sharded,
-      resumable checkpoints are `zerojax.checkpoint`'s job.
-    checkpoint_dir: save sharded checkpoints there (`zerojax.checkpoint.Checkpointer`: async,
+      resumable checkpoints are `zerojax.runtime.checkpoint`'s job.
+    checkpoint_dir: save sharded checkpoints there (`zerojax.runtime.checkpoint.Checkpointer`: async,
       each process writes its own shards) every ``checkpoint_every`` steps and at the end,
       with the data position; ``examples/finetune.py --init`` accepts the directory.
     checkpoint_every: steps between checkpoints (0: only at the end).

@@ -14,9 +14,9 @@ import jax
 import optax
 from jax.sharding import AbstractMesh, Mesh
 
-from zerojax.config import ConfigError, ZeroConfig
+from zerojax.core.config import ConfigError, ZeroConfig
 
-from zerojax.plan import HOST
+from zerojax.core.plan import HOST
 
 __all__ = ["DEVICE", "supported_memory_kinds", "memory_kinds", "on_device", "on_host",
            "put_like", "wrap_tx"]

@@ -4,10 +4,10 @@ Under XLA's partitioner a layer's gradient is a partial sum that only the partit
 so no code can quantise what each device sends. With ``quantize_weights`` or
 ``quantize_gradients`` the step therefore runs a linen model per device on its batch shard
 (``jax.shard_map`` over the data axes) and writes out every collective of the parameters
-(`zerojax.gather.ManualGather`): an all-gather of each stage-3 weight where its layer reads it
-(qwZ: int8 values plus a float32 scale per block, `zerojax.quantize.all_gather`), and a
+(`zerojax.core.gather.ManualGather`): an all-gather of each stage-3 weight where its layer reads it
+(qwZ: int8 values plus a float32 scale per block, `zerojax.core.quantize.all_gather`), and a
 reduce-scatter of its gradient where the backward pass makes it (qgZ: a quantised all-to-all
-summed in float32, `zerojax.quantize.reduce_scatter`). Outside the model, the loss and the
+summed in float32, `zerojax.core.quantize.reduce_scatter`). Outside the model, the loss and the
 optimizer run as before; the master parameters and the update stay in full precision.
 
 The model's array arguments are split over the data axes on their leading (batch) dimension,
@@ -25,9 +25,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from zerojax.config import ConfigError
-from zerojax.gather import ManualGather, ZeroParam
-from zerojax.plan import ShardingPlan
+from zerojax.core.config import ConfigError
+from zerojax.core.gather import ManualGather, ZeroParam
+from zerojax.core.plan import ShardingPlan
 
 __all__ = ["explain", "manual_gather", "shard_map_apply"]
 

@@ -46,13 +46,13 @@ import numpy as np
 from flax.core import meta
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from zerojax.config import ConfigError, ZeroConfig
-from zerojax.mesh import axis_size, data_axes
+from zerojax.core.config import ConfigError, ZeroConfig
+from zerojax.core.mesh import axis_size, data_axes
 
 __all__ = ["LeafPlan", "ShardingPlan", "path_str"]
 
 PyTree = Any
-HOST = "pinned_host"  # the memory kind offloaded state rests in (`zerojax.offload.HOST`)
+HOST = "pinned_host"  # the memory kind offloaded state rests in (`zerojax.core.offload.HOST`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,7 +120,7 @@ class ShardingPlan:
       trainable: ``path -> bool``; leaves it rejects are frozen (`LeafPlan.trainable`): laid
         out as the stage says, but counted with no gradient (the table marks them).
     """
-    from zerojax import offload  # late import: offload reads plan types
+    from zerojax.core import offload  # late import: offload reads plan types
     if "fsdp" not in mesh.axis_names:
       raise ConfigError(f"mesh axes {mesh.axis_names} have no 'fsdp' axis to shard over")
     param_kind, opt_kind = offload.memory_kinds(config, mesh)
@@ -238,11 +238,11 @@ class ShardingPlan:
 
   @property
   def gathers_per_use(self) -> bool:
-    """Whether the step gathers each parameter where a layer reads it (`zerojax.gather` boxes)
+    """Whether the step gathers each parameter where a layer reads it (`zerojax.core.gather` boxes)
     instead of leaving the gathers to XLA's partitioner: ``config.gather='explicit'``, or a
     feature that acts at each use: parameters resting in host memory (fetched per layer), a
     ``reduce_dtype`` (the dtype of each layer's gradient reduction) or ZeRO++ quantisation
-    (`zerojax.zeropp`)."""
+    (`zerojax.core.zeropp`)."""
     c = self.config
     return (c.gather == "explicit" or c.reduce_dtype is not None or self.params_on_host
             or c.quantized)
@@ -259,14 +259,14 @@ class ShardingPlan:
                                         for lp in self.leaves])
 
   def quantization(self) -> list[dict[str, tuple[int, int]]]:
-    """Per parameter leaf, what ZeRO++ quantises (`zerojax.quantize`): ``{"weights": (blocks,
+    """Per parameter leaf, what ZeRO++ quantises (`zerojax.core.quantize`): ``{"weights": (blocks,
     padding), "gradients": (blocks, padding)}`` with the entries that apply (qwZ: the leaf is
     gathered; qgZ: its gradient is reduce-scattered). Blocks and padding are per device: the
     shard each device sends (qwZ), or each chunk it sends to its owner (qgZ), is blocked on its
     own and its last block zero-padded; a leaf smaller than a block is one padded block. This
     counts a leaf gathered whole; a stacked leaf that ``nn.scan`` gathers one layer at a time
     is blocked per layer (the compiled HLO's s8 bytes say what moved)."""
-    from zerojax import quantize as q
+    from zerojax.core import quantize as q
     c = self.config
     bs, n = c.quantize_block_size, axis_size(self.mesh, "fsdp")
     out = []

@@ -17,12 +17,12 @@ integration) mean "not set".
 
 Training-loop settings DeepSpeed keeps in the same file (``optimizer``, ``scheduler``,
 ``steps_per_print``, ``tensorboard``) are returned in `DeepSpeedMapping.train` for
-`zerojax.train`. A top-level ``"zerojax"`` mapping may hold `ZeroConfig` fields DeepSpeed has no
+`zerojax.tools.train`. A top-level ``"zerojax"`` mapping may hold `ZeroConfig` fields DeepSpeed has no
 key for (e.g. ``mesh_shape``, ``remat``); they are applied last.
 
 Example::
 
-  m = zerojax.deepspeed.map_deepspeed(json.load(open("ds_config.json")))
+  m = zerojax.tools.deepspeed.map_deepspeed(json.load(open("ds_config.json")))
   m.apply_xla_flags()        # before the first JAX computation
   print(m.summary())
   config = m.config          # a ZeroConfig; zerojax.load_config("ds_config.json") gives the same
@@ -35,7 +35,7 @@ import math
 import os
 from typing import Any, Mapping
 
-from zerojax.config import ConfigError, ZeroConfig, in_file, read_config_file, unknown_key_error
+from zerojax.core.config import ConfigError, ZeroConfig, in_file, read_config_file, unknown_key_error
 
 __all__ = ["RS_COMBINE", "AG_COMBINE", "AR_COMBINE", "LHS", "DeepSpeedMapping",
            "from_deepspeed", "load_deepspeed", "is_deepspeed", "map_deepspeed"]
@@ -61,7 +61,7 @@ class DeepSpeedMapping:
       ``('--xla_gpu_enable_latency_hiding_scheduler=true', ...)``.
     notes: one line per key: what it became, or why it needs nothing.
     train: training-loop settings (``optimizer``, ``scheduler``, ``log_every``,
-      ``tensorboard_dir``) for `zerojax.train`.
+      ``tensorboard_dir``) for `zerojax.tools.train`.
   """
 
   config: ZeroConfig
@@ -109,7 +109,7 @@ def from_deepspeed(d: Mapping[str, Any]) -> ZeroConfig:
 def load_deepspeed(path: str | os.PathLike) -> DeepSpeedMapping:
   """`map_deepspeed` of a ``.json`` (or ``.yaml``) DeepSpeed config file.
 
-  Errors name the file (see `zerojax.config.read_config_file` for what the reader refuses).
+  Errors name the file (see `zerojax.core.config.read_config_file` for what the reader refuses).
   """
   d = read_config_file(path)
   with in_file(path):
@@ -132,12 +132,12 @@ _TOP_IGNORED = {
     "gradient_predivide_factor": "XLA's reduce computes the mean gradient; no predivision is "
                                  "needed",
     "sparse_gradients": "JAX gradients are dense arrays",
-    "memory_breakdown": "use `zerojax estimate` and zerojax.memory.measure for memory numbers",
+    "memory_breakdown": "use `zerojax estimate` and zerojax.runtime.memory.measure for memory numbers",
     "dump_state": "use `zerojax plan` to print the sharding of every leaf",
     "flops_profiler": "use jax.profiler for FLOP/time profiles",
     "wandb": "metrics go to JSONL and TensorBoard event files in the run directory",
     "csv_monitor": "metrics go to JSONL and TensorBoard event files in the run directory",
-    "comms_logger": "collective volumes per step: zerojax.memory.measure(compiled).collectives",
+    "comms_logger": "collective volumes per step: zerojax.runtime.memory.measure(compiled).collectives",
     "activation_checkpointing": "activation checkpointing is ZeroConfig.remat ('full', 'dots', "
                                 "'offload'); set it under the \"zerojax\" key",
     "seed": "the run seed is a training option (seed=...)",
@@ -433,7 +433,7 @@ def _map_collectives(z: Mapping[str, Any], m: _Mapped) -> None:
              "'fsdp'] (shard within groups, data parallel across them)")
       else:
         note(f"zero_optimization.{key}", f"{v}: no hierarchical partitioning")
-  # ZeRO++ qwZ / qgZ: zerojax's own quantised collectives (zerojax.zeropp).
+  # ZeRO++ qwZ / qgZ: zerojax's own quantised collectives (zerojax.core.zeropp).
   for key, field, what in (
       ("zero_quantized_weights", "quantize_weights", "qwZ: each stage-3 forward all-gather "
        "moves int8 values plus a float32 scale per 256-element block, dequantised after the "

@@ -8,7 +8,7 @@ over all devices of all processes and the decorated step is the same program eve
 `initialize` resolves where the coordinator is and who this process is, in this order:
 
 1. explicit arguments;
-2. zerojax's environment variables (set by ``python -m zerojax.launch`` or by hand):
+2. zerojax's environment variables (set by ``python -m zerojax.tools.launch`` or by hand):
    ``ZEROJAX_COORDINATOR_ADDRESS``, ``ZEROJAX_NUM_PROCESSES``, ``ZEROJAX_PROCESS_ID``;
 3. JAX's own variables: ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES``,
    ``JAX_PROCESS_ID``;
@@ -155,7 +155,7 @@ def initialize(coordinator_address: str | None = None,
 
   if timeout is not None:
     if initialization_timeout is not None and initialization_timeout != timeout:
-      raise DistributedInitError(f"zerojax.distributed.initialize: timeout={timeout!r} and "
+      raise DistributedInitError(f"zerojax.core.distributed.initialize: timeout={timeout!r} and "
                                  f"initialization_timeout={initialization_timeout!r} differ; "
                                  "they are the same setting, pass one")
     initialization_timeout = timeout
@@ -176,18 +176,18 @@ def initialize(coordinator_address: str | None = None,
 
   if pid is None:
     raise DistributedInitError(
-        f"zerojax.distributed.initialize: {nproc} processes but no process id; pass "
+        f"zerojax.core.distributed.initialize: {nproc} processes but no process id; pass "
         f"process_id= or set {ENV_PROCESS_ID}")
   if coord is None:
     raise DistributedInitError(
-        f"zerojax.distributed.initialize: {nproc} processes but no coordinator address; pass "
+        f"zerojax.core.distributed.initialize: {nproc} processes but no coordinator address; pass "
         f"coordinator_address='host:port' or set {ENV_COORDINATOR}")
   _split_address(coord)  # JAX itself fails on a missing port with a bare IndexError
   if not 0 <= pid < nproc:
     raise DistributedInitError(f"process id {pid} is not in 0..{nproc - 1}")
   if backends_initialized():
     raise DistributedInitError(
-        "zerojax.distributed.initialize must run before JAX starts its backend (before "
+        "zerojax.core.distributed.initialize must run before JAX starts its backend (before "
         "jax.devices(), any computation, or zerojax.make_mesh); move the call to the top of "
         "the program")
 
@@ -539,7 +539,7 @@ def _resolve(coord, nproc, pid, method):
     coord, nproc, pid = c, n, i
   if nproc is None and coord is not None:
     raise DistributedInitError(
-        f"zerojax.distributed.initialize: a coordinator ({coord!r}) is set but not the number "
+        f"zerojax.core.distributed.initialize: a coordinator ({coord!r}) is set but not the number "
         f"of processes; pass num_processes= or set {ENV_NUM_PROCESSES}")
   return coord, nproc, pid, source or "single"
 
@@ -570,7 +570,7 @@ def _check_same(info: DistributedInfo, coord, nproc, pid) -> None:
                            ("process_id", pid, info.process_id)):
     if want is not None and want != have:
       raise DistributedInitError(
-          f"zerojax.distributed.initialize was already called with {name}={have!r}; it cannot "
+          f"zerojax.core.distributed.initialize was already called with {name}={have!r}; it cannot "
           f"be changed to {want!r} in a running process")
 
 
@@ -615,7 +615,7 @@ def _wait_for_coordinator(address: str, timeout: float, pid: int, nproc: int) ->
       next_note += _progress_interval(timeout)
       print(f"zerojax: process {pid} of {nproc}: waiting for the coordinator at {address!r} "
             f"({time.monotonic() - start:.0f}s of {timeout:g}s; set the limit with "
-            f"initialize(timeout=...), {ENV_INIT_TIMEOUT} or zerojax.launch --init-timeout); "
+            f"initialize(timeout=...), {ENV_INIT_TIMEOUT} or zerojax.tools.launch --init-timeout); "
             f"last error: {last}", file=sys.stderr, flush=True)
     try:
       with socket.create_connection((host, port), timeout=min(2.0, left)):
@@ -645,7 +645,7 @@ def _report_waiting(done: threading.Event, t0: float, coord: str, pid: int, npro
     print(f"zerojax: process {pid} of {nproc} "
           + ("gives up" if last else "is still waiting")
           + f" after {waited:.0f}s of {timeout:g}s (initialization_timeout, {ENV_INIT_TIMEOUT}, "
-          f"zerojax.launch --init-timeout) for the other processes at coordinator {coord!r}. "
+          f"zerojax.tools.launch --init-timeout) for the other processes at coordinator {coord!r}. "
           f"Check that all {nproc} processes are started with num_processes={nproc}, the same "
           "coordinator address, and each process id 0.."
           f"{nproc - 1} exactly once: with a duplicate process id the coordinator drops the "

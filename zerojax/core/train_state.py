@@ -35,7 +35,7 @@ import optax
 from flax import struct
 from flax.training import train_state
 
-from zerojax.config import ZeroConfig
+from zerojax.core.config import ZeroConfig
 
 __all__ = ["StepSettings", "ZeroTrainState", "update_scale", "learning_rate", "skip_nonfinite",
            "nnx_loss_scaling"]
@@ -184,7 +184,7 @@ def learning_rate(opt_state: Any) -> jax.Array | None:
 def _grads_on_device(grads):
   """Gradients of host-offloaded parameters arrive typed as host memory; the norm, clipping and
   update read them on the device (in the plan's gradient layout)."""
-  from zerojax import context, offload
+  from zerojax.core import context, offload
   ctx = context.current()
   if ctx is None or not ctx.plan.config.offload_params:
     return grads

@@ -4,7 +4,7 @@ Use it where a Flax step calls ``jax.value_and_grad``::
 
   loss, grads = zerojax.value_and_grad(loss_fn)(state.params, batch)
 
-Outside a zerojax step it *is* ``jax.value_and_grad``. Inside one (see `zerojax.context`) it
+Outside a zerojax step it *is* ``jax.value_and_grad``. Inside one (see `zerojax.core.context`) it
 
 * splits every argument after the parameters along its leading (batch) axis into
   ``gradient_accumulation_steps`` micro-batches, runs them with ``jax.lax.scan`` and returns the
@@ -29,7 +29,7 @@ moves no data.
 Communication per optimizer step:
 
 * stages 2-3: each micro-batch's gradient is reduce-scattered inside its backward pass by the
-  per-layer gather boxes (`zerojax.gather`); the float32 accumulator is laid out as
+  per-layer gather boxes (`zerojax.core.gather`); the float32 accumulator is laid out as
   ``plan.grads`` (sharded), so no device ever holds a full gradient.
 * stages 0-1: a reduction per micro-batch would multiply the all-reduce volume by the number of
   micro-batches. Instead the micro-batch loss is ``jax.vmap``-ed over the data-parallel groups
@@ -50,10 +50,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from zerojax import context
+from zerojax.core import context
 from zerojax._compat import ORIGINAL_SCAN
-from zerojax.gather import after
-from zerojax.config import ConfigError
+from zerojax.core.gather import after
+from zerojax.core.config import ConfigError
 
 __all__ = ["F32", "check_batch", "value_and_grad"]
 

@@ -15,7 +15,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-from zerojax.config import ZeroConfig
+from zerojax.core.config import ZeroConfig
 
 __all__ = ["make_mesh", "data_axes", "axis_size"]
 

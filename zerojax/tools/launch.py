@@ -1,7 +1,7 @@
-"""Local multi-process launcher: ``python -m zerojax.launch -n 2 -- SCRIPT ARGS...``.
+"""Local multi-process launcher: ``python -m zerojax.tools.launch -n 2 -- SCRIPT ARGS...``.
 
 Starts N copies of a program on this machine as one JAX multi-process run, the way a cluster
-scheduler would on N hosts. Each child gets the environment `zerojax.distributed.initialize`
+scheduler would on N hosts. Each child gets the environment `zerojax.core.distributed.initialize`
 reads (``ZEROJAX_COORDINATOR_ADDRESS``, ``ZEROJAX_NUM_PROCESSES``, ``ZEROJAX_PROCESS_ID``, and
 ``ZEROJAX_CPU_DEVICES`` with ``--devices-per-process``; without it, 4 per process when no
 accelerator is installed, so that a local run has something to shard). Their output is merged
@@ -14,9 +14,9 @@ On a real cluster use the scheduler instead (see docs/multihost.md); the program
 
 Examples::
 
-  python -m zerojax.launch -n 2 -- examples/multihost_train.py   # 2 x 4 CPU devices
-  python -m zerojax.launch -n 2 --devices-per-process 2 -- examples/multihost_train.py
-  python -m zerojax.launch -n 2 -- -m mypackage.train --steps 10
+  python -m zerojax.tools.launch -n 2 -- examples/multihost_train.py   # 2 x 4 CPU devices
+  python -m zerojax.tools.launch -n 2 --devices-per-process 2 -- examples/multihost_train.py
+  python -m zerojax.tools.launch -n 2 -- -m mypackage.train --steps 10
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import threading
 import time
 from typing import Sequence
 
-from zerojax.distributed import (ENV_COORDINATOR, ENV_CPU_DEVICES, ENV_HEARTBEAT_TIMEOUT,
+from zerojax.core.distributed import (ENV_COORDINATOR, ENV_CPU_DEVICES, ENV_HEARTBEAT_TIMEOUT,
                                  ENV_INIT_TIMEOUT, ENV_NUM_PROCESSES, ENV_PROCESS_ID)
 
 __all__ = ["DEFAULT_CPU_DEVICES_PER_PROCESS", "free_port", "parse_args", "command_line",
@@ -277,7 +277,7 @@ def _exit_code(c: int) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-  """Entry point of ``python -m zerojax.launch`` (and of ``zerojax launch``)."""
+  """Entry point of ``python -m zerojax.tools.launch`` (and of ``zerojax launch``)."""
   a = parse_args(argv)
   return launch(a.command, a.num_processes, devices_per_process=a.devices_per_process,
                 host=a.host, port=a.port, heartbeat_timeout=a.heartbeat_timeout,

@@ -8,8 +8,8 @@ import dataclasses
 import os
 from typing import Any, Mapping
 
-from zerojax.config import ConfigError
-from zerojax.train.metrics import is_main_process
+from zerojax.core.config import ConfigError
+from zerojax.tools.train.metrics import is_main_process
 
 __all__ = ["flat_params", "save_weights", "infer_model", "load_weights"]
 
@@ -17,7 +17,7 @@ __all__ = ["flat_params", "save_weights", "infer_model", "load_weights"]
 def flat_params(params: Any) -> dict[str, Any]:
   """``{'blocks/qkv/kernel': leaf, ...}``: the tree flattened with ``/``-joined keys."""
   import jax
-  from zerojax.plan import path_str
+  from zerojax.core.plan import path_str
   flat, _ = jax.tree_util.tree_flatten_with_path(params)
   return {path_str(kp): x for kp, x in flat}
 
@@ -41,7 +41,7 @@ def _stored_shapes(path: str) -> dict[str, tuple[int, ...]]:
   import zipfile
   import numpy as np
   if os.path.isdir(path):
-    from zerojax.checkpoint import Checkpointer
+    from zerojax.runtime.checkpoint import Checkpointer
     ckpt = Checkpointer(path, read_only=True)
     try:
       return {k.removeprefix("params/"): shape for k, (shape, _) in ckpt.stored_leaves().items()
@@ -52,7 +52,7 @@ def _stored_shapes(path: str) -> dict[str, tuple[int, ...]]:
   with zipfile.ZipFile(path) as zf:
     for name in zf.namelist():
       key = name.removesuffix(".npy").removeprefix("params/")
-      if key.startswith("__"):  # zerojax.export's __metadata__ entry
+      if key.startswith("__"):  # zerojax.tools.export's __metadata__ entry
         continue
       with zf.open(name) as f:
         version = np.lib.format.read_magic(f)
@@ -66,7 +66,7 @@ def infer_model(path: str | os.PathLike) -> tuple[str, int]:
   """``(preset, seq_len)`` of the GPT whose weights are at ``path``, from the stored shapes.
 
   ``path`` is a ``.npz`` or a checkpoint directory. Every parameter must match the preset's
-  shape (at vocabulary `zerojax.data.VOCAB_SIZE`) except the position table's length, which
+  shape (at vocabulary `zerojax.runtime.data.VOCAB_SIZE`) except the position table's length, which
   gives ``seq_len``.
 
   Raises:
@@ -74,7 +74,7 @@ def infer_model(path: str | os.PathLike) -> tuple[str, int]:
   """
   import jax
   import jax.numpy as jnp
-  from zerojax.data import VOCAB_SIZE
+  from zerojax.runtime.data import VOCAB_SIZE
   from zerojax.models import GPT, PRESETS
   path = os.fspath(path)
   what = f"checkpoint {path!r}" if os.path.isdir(path) else f"weights file {path!r}"
@@ -101,11 +101,11 @@ def load_weights(path: str | os.PathLike, params: Any, shardings: Any) -> Any:
   """Loads consolidated weights into ``params``' structure, placed with ``shardings``.
 
   ``path`` is a ``.npz`` (keys are leaf paths, with or without a leading ``params/``) or a
-  checkpoint directory, consolidated through ``zerojax.export.export`` into a temporary file.
+  checkpoint directory, consolidated through ``zerojax.tools.export.export`` into a temporary file.
   Errors name ``path`` (the checkpoint, not the temporary file).
   """
   import tempfile
-  from zerojax import export  # lazily: it reads orbax checkpoints
+  from zerojax.tools import export  # lazily: it reads orbax checkpoints
   path = os.fspath(path)
   if os.path.isdir(path):
     with tempfile.TemporaryDirectory(prefix="zerojax_init_") as tmp:

@@ -1,6 +1,6 @@
 """Will it fit, and which stage: ZeRO model-state estimates per option, the lowest-communication
 option that fits a per-device budget (by the estimate, or by the compiled step's peak), and
-the table and plot `zerojax estimate` prints. The numbers come from `zerojax.memory`.
+the table and plot `zerojax estimate` prints. The numbers come from `zerojax.runtime.memory`.
 """
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Sequence
 
-from zerojax.config import ConfigError, ZeroConfig
+from zerojax.core.config import ConfigError, ZeroConfig
 
 __all__ = ["fmt_bytes", "Option", "COMM", "SHARDS", "paper_options", "model_options",
            "recommend", "recommend_compiled", "format_table", "plot_options", "model_shapes",
@@ -51,7 +51,7 @@ SHARDS = {0: "nothing", 1: "optimizer state", 2: "+ gradients", 3: "+ parameters
 def paper_options(psi: float, n: int, k: int = 12) -> list[Option]:
   """The ZeRO paper's per-device model-state bytes (fp16 params/grads, K bytes of optimizer
   state per parameter), for stages 0-3 and stage 3 with offload."""
-  from zerojax.memory import paper_bytes
+  from zerojax.runtime.memory import paper_bytes
   opts = []
   for s in range(4):
     total = paper_bytes(psi, s, n, k)
@@ -68,8 +68,8 @@ def paper_options(psi: float, n: int, k: int = 12) -> list[Option]:
 
 
 def model_options(params: Any, tx: Any, config: ZeroConfig, n: int) -> list[Option]:
-  """`paper_options` for a real parameter tree and optimizer (`zerojax.memory.estimate`)."""
-  from zerojax.memory import estimate
+  """`paper_options` for a real parameter tree and optimizer (`zerojax.runtime.memory.estimate`)."""
+  from zerojax.runtime.memory import estimate
   out = []
   variants = [(f"stage {s}", s, False, False) for s in range(4)]
   variants += [("stage 3 + offload_optimizer", 3, True, False),
@@ -145,7 +145,7 @@ def format_table(options: Sequence[Option], title: str) -> str:
 def plot_options(options: Sequence[Option], path: str, title: str,
                  budget: float | None = None) -> str:
   """Stacked bars (params, grads, optimizer state) of device memory per option."""
-  from zerojax.train import require
+  from zerojax.tools.train import require
   matplotlib = require("matplotlib", "zerojax estimate --plot")
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
@@ -190,7 +190,7 @@ def model_shapes(preset: str, config: ZeroConfig):
 
 
 def step_peak(preset: str, config: ZeroConfig, batch: int, seq: int | None = None) -> int:
-  """Per-device peak of the GPT training step (`zerojax.train`'s step: AdamW, the config's
+  """Per-device peak of the GPT training step (`zerojax.tools.train`'s step: AdamW, the config's
   stage, offload, remat and batch sizes) for ``batch`` rows of ``seq`` tokens, from XLA's
   memory analysis of the compiled step (arguments + outputs - aliased + temporaries).
 
@@ -201,8 +201,8 @@ def step_peak(preset: str, config: ZeroConfig, batch: int, seq: int | None = Non
   import jax.numpy as jnp
   import optax
   import zerojax
-  from zerojax.checkpoint import abstract_train_state
-  from zerojax.memory import compiled_peak, lm_train_step
+  from zerojax.runtime.checkpoint import abstract_train_state
+  from zerojax.runtime.memory import compiled_peak, lm_train_step
   model, mcfg, _ = model_shapes(preset, config)
   seq = seq or mcfg.seq_len
   if seq > mcfg.seq_len:

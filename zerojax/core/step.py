@@ -4,7 +4,7 @@
 step whose input/output shardings come from the plan, whose state buffers are donated, and whose
 batch is split over every data-parallel axis. Inside, ``state.apply_fn`` is wrapped so every
 parameter is gathered just in time and its gradient leaves the backward pass in the stage's
-layout (see `zerojax.gather`). The user's code is unchanged.
+layout (see `zerojax.core.gather`). The user's code is unchanged.
 
 For Flax NNX the same decorator takes ``train_step(model, optimizer, batch) -> metrics`` that
 updates ``model``/``optimizer`` in place, as under ``nnx.jit``.
@@ -26,16 +26,17 @@ from flax import linen as nn
 from flax.core import meta
 from flax.training import train_state as ts
 
-from zerojax import context, memory, offload
-from zerojax.config import ConfigError, ZeroConfig
+from zerojax.core import context, offload
+from zerojax.core import budget
+from zerojax.core.config import ConfigError, ZeroConfig
 from zerojax._compat import REMAT_PRIMITIVE_NAMES, jaxpr_has_primitive
-from zerojax.gather import (box_params, per_layer_reads, regather_layers, remat_policy,
+from zerojax.core.gather import (box_params, per_layer_reads, regather_layers, remat_policy,
                             scan_remat, scanned_layers)
-from zerojax.mesh import make_mesh
-from zerojax.plan import ShardingPlan
-from zerojax.grad import check_batch
-from zerojax.zeropp import shard_map_apply
-from zerojax.train_state import StepSettings, ZeroTrainState, nnx_loss_scaling, skip_nonfinite
+from zerojax.core.mesh import make_mesh
+from zerojax.core.plan import ShardingPlan
+from zerojax.core.grad import check_batch
+from zerojax.core.zeropp import shard_map_apply
+from zerojax.core.train_state import StepSettings, ZeroTrainState, nnx_loss_scaling, skip_nonfinite
 
 __all__ = ["wrap_apply_fn", "compiler_options", "ZeroStep", "zero_step", "create_train_state",
            "state_initializer", "create_nnx", "nnx_state_shardings", "existing_params"]
@@ -378,7 +379,7 @@ def zero_step(plan: ShardingPlan, *, donate: bool = True) -> Callable[[Callable]
 
 
 def _step_context(plan: ShardingPlan, state: Any, scale: Any = None):
-  """The `zerojax.context` of one trace: plan, accumulation steps, the input's loss scale
+  """The `zerojax.core.context` of one trace: plan, accumulation steps, the input's loss scale
   (from a `ZeroTrainState`, or ``scale`` for an NNX step)."""
   if isinstance(state, ZeroTrainState) and state.settings.scaling:
     scale = state.loss_scale
@@ -391,7 +392,7 @@ def _check_processes_agree(plan: ShardingPlan, tx: Any, state: Any) -> None:
   """Multi-process runs: every process must have the same config, plan and optimizer before
   the first compile (a mismatch would hang in a collective or diverge silently)."""
   if jax.process_count() > 1:
-    from zerojax import distributed
+    from zerojax.core import distributed
     distributed.check_agreement(plan.config, plan, tx=tx,
                                 state=state if hasattr(state, "opt_state") else None)
 
@@ -477,14 +478,14 @@ def _tokens(batch: Any) -> int:
 
 def _check_step_memory(plan: ShardingPlan, jitted: Any, *args: Any, **suggest: Any) -> None:
   """Compiles the step ahead of its first call and compares its peak per device with the
-  devices' memory limit (`zerojax.memory.check_fits`), so a step that cannot fit fails with
+  devices' memory limit (`zerojax.core.budget.check_fits`), so a step that cannot fit fails with
   the numbers and a suggestion instead of ``RESOURCE_EXHAUSTED``. Backends that report no
   limit (CPU) skip it: nothing is compiled twice there."""
   devices = list(plan.mesh.devices.flat)
-  if memory.bytes_limit(devices) is None:
+  if budget.bytes_limit(devices) is None:
     return
   compiled = jitted.lower(*args).compile()  # the call after it reuses JAX's compilation cache
-  memory.check_fits(compiled, devices, config=plan.config, **suggest)
+  budget.check_fits(compiled, devices, config=plan.config, **suggest)
 
 
 # -- state creation -----------------------------------------------------------------------------
@@ -513,7 +514,7 @@ def create_train_state(model: Any, tx: Any, rng: jax.Array, *init_args: Any,
   make_state, plan, abstract = state_initializer(model, tx, rng, *init_args, config=config,
                                                  mesh=mesh, state_cls=state_cls, **init_kwargs)
   # A state too big for the devices fails here, named, not as RESOURCE_EXHAUSTED in the init.
-  memory.check_state_fits(plan, params=getattr(abstract, "params", None), tx=tx)
+  budget.check_state_fits(plan, params=getattr(abstract, "params", None), tx=tx)
   if params is not None:
     return _state_from_params(make_state, plan, abstract, params, rng, init_args), plan
   state = jax.jit(make_state, out_shardings=plan.state(abstract))(rng, *init_args)
@@ -524,7 +525,7 @@ def state_initializer(model: Any, tx: Any, rng: jax.Array, *init_args: Any,
                       config: ZeroConfig, mesh: jax.sharding.Mesh | None = None,
                       state_cls: type | None = None, **init_kwargs: Any):
   """``(make_state, plan, abstract_state)``: the pieces `create_train_state` and a checkpoint
-  restore target (`zerojax.checkpoint.abstract_train_state`) share. Nothing is allocated."""
+  restore target (`zerojax.runtime.checkpoint.abstract_train_state`) share. Nothing is allocated."""
   mesh = make_mesh(config) if mesh is None else mesh
   pdtype = jnp.dtype(config.param_dtype)
   state_cls = ZeroTrainState if state_cls is None else state_cls
@@ -662,8 +663,8 @@ def existing_params(params: Any, plan: ShardingPlan) -> tuple[list[jax.Array], t
   """``params=`` of `create_train_state` / `create_nnx`, placed into ``plan.params``' layout.
 
   ``params`` is a pytree of numpy or jax arrays shaped like the model's parameters, or a lazy
-  source with ``load(plan)`` (e.g. `zerojax.weights.safetensors_source`); each leaf goes
-  straight into its shards (`zerojax.weights.place`). ``jax.ShapeDtypeStruct`` leaves mark
+  source with ``load(plan)`` (e.g. `zerojax.runtime.weights.safetensors_source`); each leaf goes
+  straight into its shards (`zerojax.core.placement.place`). ``jax.ShapeDtypeStruct`` leaves mark
   parameters to take from the model's init (e.g. new LoRA adapters). The optimizer state is
   initialised from the given parameters, in its sharded layout, inside one jitted function
   whose random init of the given leaves is dead code that XLA removes (the model is only
@@ -672,7 +673,7 @@ def existing_params(params: Any, plan: ShardingPlan) -> tuple[list[jax.Array], t
   Returns:
     ``(arrays, given)``: the placed arrays, and per plan leaf whether it was given.
   """
-  from zerojax.weights import place
+  from zerojax.core.placement import place
   leaves = jax.tree.leaves(place(params, plan))
   given = tuple(not isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
   return [x for x, g in zip(leaves, given) if g], given
@@ -701,7 +702,7 @@ def _state_from_params(make_state, plan, abstract, params, rng, init_args):
 
 def _nnx_planned(nnx, abs_model, wrt):
   """Every parameter (trained or frozen) is planned; ``trainable`` marks the ``wrt`` ones."""
-  from zerojax.plan import path_str
+  from zerojax.core.plan import path_str
   planned = nnx.state(abs_model, nnx.Any(nnx.Param, wrt))
   trained = {path_str(kp) for kp, _ in jax.tree_util.tree_flatten_with_path(
       _nnx_values(nnx.state(abs_model, wrt)))[0]}

@@ -1,6 +1,6 @@
 """How a sharded parameter reaches the layer that reads it, and its gradient leaves.
 
-Two formulations, chosen per model by `zerojax.step.wrap_apply_fn` (see `ZeroConfig.gather`):
+Two formulations, chosen per model by `zerojax.core.step.wrap_apply_fn` (see `ZeroConfig.gather`):
 
 * **The compiler's** (default for scanned layers, layers the user rematerialises, NNX and plain
   pytrees). The step's inputs, outputs and gradients carry the plan's shardings and XLA's
@@ -43,7 +43,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zerojax._compat import (ORIGINAL_SCAN, REMAT_PRIMITIVE_NAMES, eval_jaxpr,
                              jaxpr_has_primitive, name_p, sharding_constraint_p)
-from zerojax.plan import HOST
+from zerojax.core.plan import HOST
 
 __all__ = ["GATHERED", "GATHER_SCOPE", "REGATHER_SCOPE", "REDUCE_SCOPE", "zerojax_gather", "gather", "fetch", "after", "ZeroParam",
            "ManualGather", "recompute_in_backward", "regather_layers", "box_params", "per_layer_reads", "save_all_but_gathered",
@@ -205,7 +205,7 @@ GATHER_SCOPE, REGATHER_SCOPE, REDUCE_SCOPE = "zerojax_gather", "zerojax_regather
 @dataclasses.dataclass(frozen=True)
 class ManualGather:
   """How a `ZeroParam` reaches its layer inside ``jax.shard_map`` (the quantised formulation,
-  `zerojax.zeropp`), where each device computes on its own batch shard and every collective
+  `zerojax.core.zeropp`), where each device computes on its own batch shard and every collective
   is written out. By the box's layouts:
 
   * sharded at rest (stage 3): all-gather over ``axis`` (qwZ: quantised), and its gradient
@@ -245,7 +245,7 @@ class ManualGather:
 
   def reduce(self, ct: jax.Array, dim: int, reduce_dtype: Any) -> jax.Array:
     """This device's shard of the sum of every device's ``ct``."""
-    from zerojax import quantize as q
+    from zerojax.core import quantize as q
     dtype = ct.dtype
     with jax.named_scope(REDUCE_SCOPE):
       if self.gradients is not None:
@@ -263,7 +263,7 @@ def _manual_gather(w, how: ManualGather, dim: int, quantize: str | None, reduce_
   dequantised straight to ``how.compute_dtype`` (no full-size copy in ``dtype``)."""
   if quantize is None:
     return jax.lax.all_gather(w, how.axis, axis=dim, tiled=True)
-  from zerojax import quantize as q
+  from zerojax.core import quantize as q
   return q.all_gather(w, how.axis, dim, quantize, how.block_size, how.compute_dtype or dtype)
 
 

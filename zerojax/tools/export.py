@@ -21,8 +21,8 @@ Formats:
 
 Command line::
 
-  python -m zerojax.export CKPT_DIR OUT [--step N] [--dtype fp32|bf16] [--format npz|safetensors]
-  python -m zerojax.export CKPT_DIR OUT_DIR --hf-config BASE/config.json [--lora-alpha 16]
+  python -m zerojax.tools.export CKPT_DIR OUT [--step N] [--dtype fp32|bf16] [--format npz|safetensors]
+  python -m zerojax.tools.export CKPT_DIR OUT_DIR --hf-config BASE/config.json [--lora-alpha 16]
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def export(checkpoint_dir: str | os.PathLike, out_path: str | os.PathLike, *,
   """Writes a checkpoint's parameters, unsharded, to ``out_path``.
 
   Args:
-    checkpoint_dir: a `zerojax.checkpoint.Checkpointer` directory.
+    checkpoint_dir: a `zerojax.runtime.checkpoint.Checkpointer` directory.
     out_path: the output file (written to a temporary name, then renamed into place).
     step: the step to export; ``None`` is the latest complete checkpoint.
     dtype: ``'float32'`` (``'fp32'``) or ``'bfloat16'`` (``'bf16'``); floating-point leaves
@@ -81,9 +81,9 @@ def export(checkpoint_dir: str | os.PathLike, out_path: str | os.PathLike, *,
     CheckpointError: a leaf cannot be read or its checksum differs from the recorded one.
     ValueError: an unknown ``dtype`` or ``format``.
   """
-  from zerojax.checkpoint import (STATE_ITEM, CheckpointError, Checkpointer, numpy_checksum,
+  from zerojax.runtime.checkpoint import (STATE_ITEM, CheckpointError, Checkpointer, numpy_checksum,
                                   read_leaf)
-  from zerojax.plan import path_str
+  from zerojax.core.plan import path_str
   import jax
 
   out_path = os.fspath(out_path)
@@ -200,7 +200,7 @@ def _write_safetensors(path, leaves, load, info) -> None:
 def _write_hf(out_dir, leaves, load, info, hf_config, lora_alpha, dtype) -> dict:
   """Hugging Face Llama directory: merged, renamed, transposed tensors and ``config.json``."""
   from zerojax.models import llama
-  from zerojax import weights
+  from zerojax.runtime import weights
   cfg = llama.from_hf_config(hf_config)
   by_path = {leaf[0]: leaf for leaf in leaves}
   adapters = sorted({p.rsplit("/", 1)[0] for p in by_path if p.endswith("/lora_a")})
@@ -246,8 +246,8 @@ def load_npz(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], dict]:
   return params, info
 
 
-def main(argv: Sequence[str] | None = None, prog: str = "python -m zerojax.export") -> int:
-  """Command line: ``python -m zerojax.export CKPT_DIR OUT [--step N] [--dtype bf16]``.
+def main(argv: Sequence[str] | None = None, prog: str = "python -m zerojax.tools.export") -> int:
+  """Command line: ``python -m zerojax.tools.export CKPT_DIR OUT [--step N] [--dtype bf16]``.
 
   ``prog`` is the name usage and error lines show (``zerojax export`` from the console script).
   """
@@ -269,7 +269,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m zerojax.expor
   p.add_argument("--lora-alpha", type=float, default=None,
                  help="LoRA alpha, to merge adapters into their kernels (with --hf-config)")
   args = p.parse_args(argv)
-  from zerojax.checkpoint import CheckpointError
+  from zerojax.runtime.checkpoint import CheckpointError
   try:
     info = export(args.checkpoint_dir, args.out, step=args.step, dtype=args.dtype,
                   format=args.format, hf_config=args.hf_config, lora_alpha=args.lora_alpha)

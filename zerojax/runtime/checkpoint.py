@@ -14,7 +14,7 @@ step. Before anything is loaded, the stored shape and dtype of every leaf are co
 target; after loading, every leaf's checksum is recomputed and compared. The checksum is a sum
 of mixed 32-bit words modulo 2**32, which is exact and independent of the order of summation,
 so it is computed on the devices, in whatever sharding the arrays have, and gives the same
-number for the same values on any topology (and in numpy, for `zerojax.export`).
+number for the same values on any topology (and in numpy, for `zerojax.tools.export`).
 
 Saves are asynchronous: `Checkpointer.save` returns once the device buffers have been copied
 to host, and the files are written in the background while training goes on (the train step
@@ -42,8 +42,8 @@ import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding
 
-from zerojax.config import ZeroConfig
-from zerojax.plan import ShardingPlan, path_str
+from zerojax.core.config import ZeroConfig
+from zerojax.core.plan import ShardingPlan, path_str
 
 PyTree = Any
 
@@ -356,7 +356,7 @@ class Checkpointer:
 
   Example::
 
-    ckpt = zerojax.checkpoint.Checkpointer("/ckpt", config=config, max_to_keep=3,
+    ckpt = zerojax.runtime.checkpoint.Checkpointer("/ckpt", config=config, max_to_keep=3,
                                            keep_every=1000)
     for step in range(start, steps):
       state, metrics = train_step(state, next(data))
@@ -364,7 +364,7 @@ class Checkpointer:
     ckpt.close()  # waits for the last save
 
     # later, on another topology/stage:
-    state, plan = zerojax.checkpoint.abstract_train_state(model, tx, rng, x, config=new_config)
+    state, plan = zerojax.runtime.checkpoint.abstract_train_state(model, tx, rng, x, config=new_config)
     state, extras = ckpt.restore(state, plan)
 
   Args:
@@ -443,7 +443,7 @@ class Checkpointer:
       while os.path.lexists(dest):
         dest, n = f"{path}.incomplete{n}", n + 1
       os.rename(path, dest)
-      warnings.warn(f"zerojax.checkpoint: step directory {path!r} is not a complete checkpoint "
+      warnings.warn(f"zerojax.runtime.checkpoint: step directory {path!r} is not a complete checkpoint "
                     f"({reason}); moved it to {dest!r} so that it is neither listed nor counted "
                     "by retention", stacklevel=3)
 
@@ -586,7 +586,7 @@ class Checkpointer:
     if step is None:
       newer = {s: why for s, why in skipped.items() if s > steps[-1]}
       if newer:
-        warnings.warn(f"zerojax.checkpoint: {self.directory!r}: using step {steps[-1]}, the "
+        warnings.warn(f"zerojax.runtime.checkpoint: {self.directory!r}: using step {steps[-1]}, the "
                       "newest complete checkpoint; skipped " + "; ".join(
                           f"step {s} ({why})" for s, why in sorted(newer.items())),
                       stacklevel=3)
@@ -814,7 +814,7 @@ def _verify(where: str, meta: dict, item: PyTree) -> None:
   want = meta.get("checksums")
   if not want:
     raise CheckpointError(f"checkpoint {where!r} has no leaf checksums in its meta item; "
-                          "it was not written by zerojax.checkpoint")
+                          "it was not written by zerojax.runtime.checkpoint")
   got = _checksums(item)
   for path, g in got.items():
     w = want.get(path)
@@ -879,7 +879,7 @@ def abstract_train_state(model: Any, tx: Any, rng: jax.Array, *init_args: Any,
   Returns ``(abstract_state, plan)``: a train state of ``ShapeDtypeStruct`` leaves carrying
   the plan's shardings, and the plan. Pass both to `Checkpointer.restore`.
   """
-  from zerojax.step import state_initializer
+  from zerojax.core.step import state_initializer
   _, plan, abstract = state_initializer(model, tx, rng, *init_args, config=config, mesh=mesh,
                                         state_cls=state_cls, **init_kwargs)
   shardings = plan.state(abstract)

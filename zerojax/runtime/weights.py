@@ -13,7 +13,7 @@ name stacks per-layer tensors (``model.layers.{i}.mlp.up_proj.weight``) on the l
 (scanned layer) axis: a device's shard is assembled from the slices of the layers it covers.
 ``transpose=True`` reverses the tensor's axes (PyTorch ``Linear`` stores ``(out, in)``, Flax
 ``(in, out)``). Without a mapping a leaf's tensor is named by its path (``blocks/fc/kernel``,
-as `zerojax.export` writes).
+as `zerojax.tools.export` writes).
 
 `save_hf` writes leaves back under the mapping's names (layers unstacked, transposed back),
 one leaf in memory at a time.
@@ -39,15 +39,13 @@ import numpy as np
 __all__ = ["TensorMap", "WeightsError", "SafetensorsSource", "load_safetensors",
            "safetensors_source", "place", "save_hf", "checkpoint_index"]
 
+from zerojax.core.placement import WeightsError, make_array, place
+
 INDEX_FILE = "model.safetensors.index.json"
 _ST_TO_NP = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
              "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
              "BOOL": "bool", "U16": "uint16", "U32": "uint32", "U64": "uint64"}
 _NP_TO_ST = {v: k for k, v in _ST_TO_NP.items()}
-
-
-class WeightsError(ValueError):
-  """Weights do not match the parameters they are loaded into (names the leaf and tensor)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -267,28 +265,6 @@ def _plan_sources(index: dict, leaves: Sequence[tuple[str, tuple[int, ...], np.d
   return out
 
 
-def _make_array(read: Callable[[tuple], np.ndarray], shape, dtype, sharding) -> jax.Array:
-  """``make_array_from_callback`` reading each distinct shard once per process."""
-  cache: dict[Any, np.ndarray] = {}
-
-  def cb(index):
-    key = tuple((s.start, s.stop, s.step) for s in index)
-    if key not in cache:
-      cache[key] = read(index)
-    return cache[key]
-
-  mk = getattr(sharding, "memory_kind", None)
-  if mk is not None and mk != "device":
-    # Build each shard in device memory, then move it: one shard-sized transient per leaf.
-    dev = sharding.with_memory_kind("device")
-    x = jax.make_array_from_callback(tuple(shape), dev, cb, dtype=dtype)
-    x = jax.device_put(x, sharding)
-  else:
-    x = jax.make_array_from_callback(tuple(shape), sharding, cb, dtype=dtype)
-  cache.clear()
-  return x
-
-
 def _plan_leaves(plan) -> list[tuple[str, tuple[int, ...], np.dtype]]:
   return [(lp.path, tuple(lp.shape), np.dtype(lp.dtype)) for lp in plan.leaves]
 
@@ -355,7 +331,7 @@ class SafetensorsSource:
       if src is None:
         out.append(jax.ShapeDtypeStruct(shape, dtype, sharding=sh))
       else:
-        out.append(_make_array(src.read, shape, dtype, sh))
+        out.append(make_array(src.read, shape, dtype, sh))
     return jax.tree.unflatten(treedef, out)
 
 
@@ -367,55 +343,6 @@ def safetensors_source(paths_or_dir: Any, mapping: Mapping[str, TensorMap | str]
 
 
 # -- in-memory trees ------------------------------------------------------------------------------
-
-
-def place(params: Any, plan: Any) -> Any:
-  """Puts existing parameters (numpy/jax arrays, or a lazy source with ``load(plan)``) into
-  ``plan.params``' layout, leaf by leaf; each device receives only its shard.
-
-  ``jax.ShapeDtypeStruct`` leaves stay placeholders (to be initialised from the model).
-
-  Raises:
-    WeightsError: the tree's structure differs from the plan's, or a leaf has another shape or
-      dtype (the message names the leaf and both shapes).
-  """
-  if hasattr(params, "load") and callable(params.load):
-    params = params.load(plan)  # checked below like any tree (its arrays are already placed)
-  from zerojax.plan import _unbox, path_str
-  params = _unbox(params)
-  flat, _ = jax.tree_util.tree_flatten_with_path(params)
-  by_path = {path_str(kp): x for kp, x in flat}
-  want = {lp.path for lp in plan.leaves}
-  missing = sorted(want - set(by_path))
-  extra = sorted(set(by_path) - want)
-  if missing or extra:
-    raise WeightsError(f"params do not match the model's parameters: missing leaves "
-                       f"{missing[:8]}, extra leaves {extra[:8]}")
-  out, problems = [], []
-  for lp, sh in zip(plan.leaves, jax.tree.leaves(plan.params)):
-    x = by_path[lp.path]
-    shape, dtype = tuple(np.shape(x)), np.dtype(x.dtype)
-    if shape != tuple(lp.shape):
-      problems.append(f"leaf {lp.path!r} has shape {shape}, the model needs {tuple(lp.shape)}")
-    elif dtype != np.dtype(lp.dtype):
-      problems.append(f"leaf {lp.path!r} has dtype {dtype.name}, the model needs "
-                      f"{np.dtype(lp.dtype).name}")
-    if problems:
-      continue
-    if isinstance(x, jax.ShapeDtypeStruct):
-      out.append(jax.ShapeDtypeStruct(shape, dtype, sharding=sh))
-    elif isinstance(x, jax.Array):
-      out.append(jax.device_put(x, sh))
-    else:
-      a = np.asarray(x)
-      out.append(_make_array(lambda idx, a=a: np.asarray(a[idx]), shape, dtype, sh))
-  if problems:
-    raise WeightsError(f"params do not match the model ({len(problems)} leaves differ): "
-                       + "; ".join(problems[:6]))
-  return jax.tree.unflatten(jax.tree.structure(plan.params), out)
-
-
-# -- writing -------------------------------------------------------------------------------------
 
 
 def save_hf(leaves: Iterable[tuple[str, Callable[[], np.ndarray], tuple[int, ...], np.dtype]],

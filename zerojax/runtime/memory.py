@@ -1,23 +1,8 @@
 """Memory: the ZeRO paper's estimate, generalised to real trees, and measurement of compiled steps.
 
 Estimate
-  The paper (Rajbhandari et al. 2019) counts model-state bytes per device for Ψ parameters on
-  N data-parallel devices with mixed-precision Adam (K = 12 optimizer bytes per parameter):
-
-  ======  ==========================
-  stage   bytes per device
-  ======  ==========================
-  0       (2 + 2 + K) Ψ
-  1       2Ψ + 2Ψ + KΨ / N
-  2       2Ψ + (2 + K) Ψ / N
-  3       (2 + 2 + K) Ψ / N
-  ======  ==========================
-
-  `paper_bytes` is that formula. `estimate` generalises it: it sums the real leaves of the
-  parameter tree and of the optimizer state (any optax transformation, any dtypes), each
-  divided by the number of devices its plan shards it over. Leaves the plan leaves replicated
-  (small or indivisible) are counted whole. Only shapes are needed: it runs on an
-  ``AbstractMesh`` of any size with no devices.
+  `paper_bytes`, `estimate` and the fit checks live in `zerojax.core.budget` (the step refuses a
+  state or step that does not fit) and are re-exported here.
 
 Measure
   `measure` reads XLA's compiled memory analysis (argument, output, alias, temp bytes per
@@ -40,10 +25,11 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import AbstractMesh, AxisType
 
-from zerojax.config import ZeroConfig
-from zerojax.plan import ShardingPlan
+from zerojax.core.budget import (PAPER_K, DeviceMemoryError, Estimate, bytes_limit,
+                                 check_fits, check_state_fits, compiled_peak, estimate,
+                                 num_params, paper_bytes)
+from zerojax.core.config import ZeroConfig
 
 __all__ = ["PAPER_K", "paper_bytes", "Estimate", "num_params", "estimate", "Measured",
            "measure", "collective_bytes", "collective_bytes_by_dtype", "GatherSchedule", "gather_schedule", "replica_groups",
@@ -51,117 +37,6 @@ __all__ = ["PAPER_K", "paper_bytes", "Estimate", "num_params", "estimate", "Meas
            "tpu_topology", "hbm_available", "TopologyCompile", "lm_train_step",
            "compile_for_topology", "DeviceMemoryError", "bytes_limit", "compiled_peak",
            "check_fits", "check_state_fits"]
-
-PAPER_K = 12
-
-
-def paper_bytes(num_params: float, stage: int, num_devices: int, k: int = PAPER_K) -> float:
-  """Bytes of model state per device from the ZeRO paper (mixed-precision Adam)."""
-  _check_args(stage=stage, num_devices=num_devices)
-  if not num_params >= 0:
-    raise ValueError(f"num_params={num_params!r} is invalid: a number of parameters >= 0")
-  psi, n = float(num_params), num_devices
-  return {0: (2 + 2 + k) * psi,
-          1: 2 * psi + 2 * psi + k * psi / n,
-          2: 2 * psi + (2 + k) * psi / n,
-          3: (2 + 2 + k) * psi / n}[stage]
-
-
-def _check_args(stage: Any = None, num_devices: Any = None) -> None:
-  if stage is not None and (isinstance(stage, bool) or stage not in (0, 1, 2, 3)):
-    raise ValueError(f"stage={stage!r} is invalid: allowed stages are 0, 1, 2 and 3")
-  if num_devices is not None and (isinstance(num_devices, bool) or
-                                  not isinstance(num_devices, (int, np.integer)) or
-                                  num_devices < 1):
-    raise ValueError(f"num_devices={num_devices!r} is invalid: a positive integer")
-
-
-@dataclasses.dataclass(frozen=True)
-class Estimate:
-  """Analytic per-device bytes of one stage (device- and host-resident)."""
-
-  stage: int
-  num_devices: int
-  params: int
-  grads: int
-  opt_state: int
-  params_host: int = 0
-  opt_state_host: int = 0
-  frozen: tuple[str, ...] = ()  # paths of frozen leaves (no gradient, no optimizer state)
-
-  @property
-  def persistent(self) -> int:
-    """Device-resident bytes that live across steps: parameters and optimizer state."""
-    return self.params + self.opt_state
-
-  @property
-  def total(self) -> int:
-    """Device-resident model state: parameters, gradients and optimizer state."""
-    return self.params + self.grads + self.opt_state
-
-  @property
-  def host(self) -> int:
-    return self.params_host + self.opt_state_host
-
-
-def num_params(tree: Any) -> int:
-  """Parameters (elements) in a tree of arrays, ``ShapeDtypeStruct``s or Flax-boxed leaves.
-
-  The one count zerojax prints: run headers, ``zerojax plan``/``estimate`` and
-  `ShardingPlan.table` all count the leaves of the real tree.
-  """
-  from flax.core import meta
-  return sum(math.prod(np.shape(x)) for x in jax.tree.leaves(meta.unbox(tree)))
-
-
-def estimate(params: Any, tx: Any = None, *, config: ZeroConfig | None = None,
-             stage: int | None = None, num_devices: int | None = None,
-             opt_state: Any = None, mesh: Any = None,
-             trainable: Any = None) -> Estimate:
-  """Per-device bytes of params, grads and optimizer state for one stage.
-
-  Args:
-    params: the parameter tree (arrays or ``jax.ShapeDtypeStruct``).
-    tx: the optax transformation (its state shapes come from ``eval_shape``).
-    config: a `ZeroConfig` (defaults to one with ``stage``). When given, floating parameters
-      are counted in ``config.param_dtype`` (the dtype `create_train_state` stores them in),
-      and the optimizer state in whatever dtypes ``tx`` derives from those.
-    stage: overrides ``config.stage``.
-    num_devices: size of the ``fsdp`` axis to plan for (devices need not exist).
-    opt_state: the optimizer state or its shapes, instead of ``tx``.
-    mesh: a mesh to plan on instead of an abstract ``(num_devices,)`` fsdp mesh.
-    trainable: ``path -> bool``: frozen leaves count no gradient (give ``tx``/``opt_state``
-      for the trained leaves only, e.g. ``optax.masked``); `Estimate.frozen` lists them.
-  """
-  if config is not None:
-    # `create_train_state` stores floating parameters in config.param_dtype: count that.
-    from zerojax.step import _cast_shapes
-    params = _cast_shapes(params, np.dtype(config.param_dtype))
-  _check_args(stage=stage, num_devices=num_devices)
-  config = config or ZeroConfig(stage=stage if stage is not None else 3)
-  if stage is not None and stage != config.stage:
-    config = config.replace(stage=stage)
-  if mesh is None:
-    n = num_devices if num_devices is not None else jax.device_count()
-    shape = config.mesh_shape
-    if len(shape) == 1 or -1 in shape:
-      shape = tuple(-1 if a == "fsdp" else (1 if s == -1 else s)
-                    for a, s in zip(config.mesh_axes, shape))
-      if -1 in config.mesh_shape and config.mesh_shape[config.mesh_axes.index("fsdp")] != -1:
-        shape = config.mesh_shape
-    shape = config.replace(mesh_shape=shape).resolved_mesh_shape(n) if -1 in shape else shape
-    mesh = AbstractMesh(tuple(shape), config.mesh_axes,
-                        axis_types=(AxisType.Auto,) * len(shape))
-  plan = ShardingPlan.create(config, mesh, params, tx=tx, opt_state=opt_state,
-                             trainable=trainable)
-  b = plan.bytes_per_device()
-  return Estimate(config.stage, math.prod(mesh.shape.values()), b["params"], b["grads"],
-                  b["opt_state"], b["params_host"], b["opt_state_host"],
-                  tuple(lp.path for lp in plan.leaves if not lp.trainable))
-
-
-# -- measurement ------------------------------------------------------------------------------
-
 
 @dataclasses.dataclass(frozen=True)
 class Measured:
@@ -241,7 +116,7 @@ def collective_bytes_by_dtype(hlo_text: str, scope: str | None = None
   """`collective_bytes` split by element type: ``{(kind, dtype): bytes}`` with HLO's dtype
   names (``'f32'``, ``'bf16'``, ``'s8'``, ...); e.g. ZeRO++'s int8 gathers are
   ``('all-gather', 's8')`` plus their ``f32`` scales. ``scope``: count only collectives whose
-  metadata ``op_name`` contains it (a ``jax.named_scope``, e.g. `zerojax.gather.GATHER_SCOPE`)."""
+  metadata ``op_name`` contains it (a ``jax.named_scope``, e.g. `zerojax.core.gather.GATHER_SCOPE`)."""
   comps, mult = _parse_hlo(hlo_text)
   out: dict[tuple[str, str], int] = {}
   # XLA:TPU runs a collective asynchronously as a start fusion, continuation fusions that
@@ -769,7 +644,7 @@ def _fmt(b: float) -> str:
 def lm_train_step(state: Any, batch: Any) -> tuple[Any, dict[str, Any]]:
   """The next-token step `compile_for_topology` compiles by default (``batch['x']`` tokens,
   ``batch['y']`` targets), with `zerojax.value_and_grad` as `zerojax train` uses."""
-  from zerojax.grad import value_and_grad
+  from zerojax.core.grad import value_and_grad
   from zerojax.models import loss_fn
 
   def lf(params, batch):
@@ -802,11 +677,11 @@ def compile_for_topology(config: ZeroConfig | str | Any, model: Any, batch: Any,
   """
   import time
   import optax
-  from zerojax.checkpoint import abstract_train_state
-  from zerojax.mesh import make_mesh
-  from zerojax.step import zero_step
+  from zerojax.runtime.checkpoint import abstract_train_state
+  from zerojax.core.mesh import make_mesh
+  from zerojax.core.step import zero_step
   if not isinstance(config, ZeroConfig):
-    from zerojax.config_file import load_config
+    from zerojax.tools.config_file import load_config
     config = load_config(config, apply_xla_flags=False).config
   topo = tpu_topology(topology)
   devices = list(topo.devices)
@@ -872,161 +747,3 @@ def _resolve_model(model: Any, config: ZeroConfig, seq_len: Any) -> Any:
   if isinstance(seq_len, (int, np.integer)) and seq_len > 0:  # position table = sequence
     cfg = dataclasses.replace(cfg, seq_len=int(seq_len))
   return GPT(cfg)
-
-
-# -- checking against the device's memory ------------------------------------------------------
-
-
-class DeviceMemoryError(RuntimeError):
-  """A compiled step, or a train state, needs more memory per device than the device has.
-
-  Raised before anything is allocated; the message gives the numbers and the next stage or
-  offload that would fit.
-  """
-
-
-def bytes_limit(devices: Any) -> int | None:
-  """The smallest ``memory_stats()['bytes_limit']`` of ``devices``, or ``None`` where the
-  backend reports none (CPU reports no memory stats)."""
-  limits = []
-  for d in devices:
-    try:
-      stats = d.memory_stats()
-    except Exception:  # noqa: BLE001 - backends without memory stats raise or return None
-      stats = None
-    if stats and stats.get("bytes_limit"):
-      limits.append(int(stats["bytes_limit"]))
-  return min(limits) if limits else None
-
-
-def compiled_peak(compiled: Any, host_resident: int = 0) -> tuple[int, str]:
-  """``(bytes, breakdown)``: a compiled computation's device-memory peak per device,
-  arguments + outputs - aliased (donated) + temporaries, from XLA's memory analysis.
-
-  Backends that place host-offloaded buffers in their own memory space report them in the
-  ``host_*`` fields, apart from these. XLA:CPU reports host (``pinned_host``) arguments as
-  ordinary arguments with every ``host_*`` field 0; there ``host_resident`` (the state's
-  host-resident bytes per device, e.g. from `ShardingPlan.bytes_per_device`) is subtracted.
-  """
-  ma = compiled.memory_analysis()
-  a, o, al, t = (int(ma.argument_size_in_bytes), int(ma.output_size_in_bytes),
-                 int(ma.alias_size_in_bytes), int(ma.temp_size_in_bytes))
-  host_fields = (ma.host_argument_size_in_bytes, ma.host_output_size_in_bytes,
-                 ma.host_alias_size_in_bytes, ma.host_temp_size_in_bytes)
-  h = int(host_resident) if not any(host_fields) else 0
-  parts = (f"arguments {_mib(a)} + outputs {_mib(o)} - aliased {_mib(al)} + temporaries "
-           f"{_mib(t)}" + (f" - host-resident state {_mib(h)}" if h else ""))
-  return a + o - al + t - h, parts
-
-
-def check_fits(compiled: Any, devices: Any, *, limit: int | None = None,
-               config: ZeroConfig | None = None, params: Any = None, tx: Any = None,
-               opt_state: Any = None) -> int | None:
-  """Fails if a compiled step's peak per device exceeds the devices' memory limit.
-
-  Args:
-    compiled: a ``jax.stages.Compiled`` (``jax.jit(f).lower(...).compile()``: nothing is
-      allocated to get it).
-    devices: the devices it runs on (their ``memory_stats()['bytes_limit']`` is the limit).
-    limit: the limit in bytes per device instead of the devices' own.
-    config, params, tx / opt_state: the run's config and its parameter tree and optimizer (or
-      optimizer state): with them the error names the next stage or offload that would fit.
-
-  Returns:
-    the peak in bytes, or ``None`` when no limit is known (then nothing is checked).
-
-  Raises:
-    DeviceMemoryError: the peak exceeds the limit.
-  """
-  limit = bytes_limit(devices) if limit is None else int(limit)
-  if limit is None:
-    return None
-  peak, parts = compiled_peak(compiled)
-  if peak > limit:
-    raise DeviceMemoryError(
-        f"the compiled step needs {_mib(peak)} per device ({parts}), more than the "
-        f"{_mib(limit)} the device has (memory_stats()['bytes_limit']); it would fail with "
-        f"RESOURCE_EXHAUSTED. {_suggest(peak, limit, config, params, tx, opt_state, devices)}")
-  return peak
-
-
-def check_state_fits(plan: ShardingPlan, devices: Any = None, *, limit: int | None = None,
-                     params: Any = None, tx: Any = None) -> int | None:
-  """Fails if the train state of ``plan`` (its device-resident parameters and optimizer
-  state per device) exceeds the devices' memory limit: checked before the state is created.
-
-  Returns the state's bytes per device, or ``None`` when no limit is known.
-  """
-  devices = list(plan.mesh.devices.flat) if devices is None else devices
-  limit = bytes_limit(devices) if limit is None else int(limit)
-  if limit is None:
-    return None
-  b = plan.bytes_per_device()
-  need = b["params"] + b["opt_state"]
-  if need > limit:
-    raise DeviceMemoryError(
-        f"the train state needs {_mib(need)} per device (parameters {_mib(b['params'])} + "
-        f"optimizer state {_mib(b['opt_state'])} at stage {plan.config.stage}), more than the "
-        f"{_mib(limit)} the device has (memory_stats()['bytes_limit']); creating it would fail "
-        "with RESOURCE_EXHAUSTED. "
-        + _suggest(need, limit, plan.config, params, tx, None, devices,
-                   state_only=True))
-  return need
-
-
-# The options in order of communication, as `zerojax estimate --fit` ranks them.
-_OPTIONS = [(s, False, False) for s in range(4)] + [(3, True, False), (3, True, True)]
-
-
-def _option_name(stage: int, oo: bool, op: bool) -> str:
-  return f"stage {stage}" + (" + offload_optimizer" if oo else "") + \
-      (" + offload_params" if op else "")
-
-
-def _suggest(need: int, limit: int, config: ZeroConfig | None, params: Any, tx: Any,
-             opt_state: Any, devices: Any, state_only: bool = False) -> str:
-  """The next (more sharded) option whose estimated need fits ``limit``.
-
-  The estimate keeps everything but the model state as measured (activations and
-  temporaries do not depend on the stage to first order) and swaps the current model state
-  for the option's (`estimate`)."""
-  if config is None or params is None or (tx is None and opt_state is None):
-    return ("Use a higher stage, offload (offload_optimizer / offload_params), remat, a smaller "
-            "batch or more devices; `zerojax estimate --fit` compares the options.")
-  n = len(list(devices))
-  cur = (config.stage, config.offload_optimizer, config.offload_params)
-
-  def model_state(stage, oo, op):
-    cfg = config.replace(stage=stage, offload_optimizer=oo, offload_params=op,
-                         optimizer_on_host=config.optimizer_on_host and oo)
-    e = estimate(params, tx, config=cfg, num_devices=n, opt_state=opt_state)
-    return e.persistent if state_only else e.total
-
-  base = model_state(*cur)
-  tried = []
-  for stage, oo, op in _OPTIONS:
-    oo, op = oo or cur[1], op or cur[2]
-    if (stage, oo, op) == cur or stage < cur[0] or (op and stage != 3) or (oo and stage == 0):
-      continue
-    name = _option_name(stage, oo, op)
-    if name in tried:
-      continue
-    tried.append(name)
-    want = need - base + model_state(stage, oo, op)
-    if want <= limit:
-      flags = f"stage={stage}" + (" offload_optimizer=true" if oo else "") + \
-          (" offload_params=true" if op else "")
-      return (f"{name} would need about {_mib(want)} per device (estimated: the model state "
-              f"from zerojax.memory.estimate, everything else as measured); set {flags}.")
-  last = _option_name(3, True, True)
-  want = need - base + model_state(3, True, True)
-  return (f"Even {last} would need about {_mib(want)} per device (estimated): use more devices, "
-          "a smaller batch per device or remat='full'.")
-
-
-def _mib(n: float) -> str:
-  """Binary units, as XLA and ``memory_stats`` count."""
-  for unit, div in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-    if abs(n) >= div:
-      return f"{n / div:,.1f} {unit}"
-  return f"{n:,.0f} B"

@@ -4,7 +4,7 @@ Every other module reads this frozen dataclass; nothing else holds settings. It 
 at construction so a bad value fails before any device work, with a message that names the
 field, the value and what is allowed.
 
-DeepSpeed ``ds_config.json`` files map into the same dataclass (see `zerojax.deepspeed`).
+DeepSpeed ``ds_config.json`` files map into the same dataclass (see `zerojax.tools.deepspeed`).
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ class ZeroConfig:
       ``reduce_dtype`` (the dtype of that reduction) need and so switch on.
     max_live_layers: stage 3, scanned layers: how many gathered layers may be live at once;
       1 gathers each layer just before use, 2 lets the next layer's gather overlap the current
-      layer. Unscanned linen layers always gather just before use (see `zerojax.gather`).
+      layer. Unscanned linen layers always gather just before use (see `zerojax.core.gather`).
     quantize_weights: ZeRO++ qwZ, stage 3: ``'int8'`` (or ``'int4'``) moves each forward
       all-gather as block-quantised values plus one float32 scale per block, dequantised to
       the compute dtype after the gather; the master parameters and the optimizer update stay
@@ -134,7 +134,7 @@ class ZeroConfig:
     min_loss_scale: the scale never falls below this.
     nonfinite_grads: what a step whose gradient has a NaN or infinity does (DeepSpeed has no
       such key). ``'halt'``: the step reports it (``overflow`` in its metrics) and
-      `zerojax.train` stops there with `zerojax.train.NonFiniteGradientsError`, naming the
+      `zerojax.tools.train` stops there with `zerojax.tools.train.NonFiniteGradientsError`, naming the
       last good checkpoint; it costs no memory. ``'skip'``: params and optimizer state stay
       unchanged (bit-identical) and ``skipped_steps`` counts the step, as an fp16 overflow;
       keeping the old state beside the new one costs one optimizer state of temporaries at
@@ -379,7 +379,7 @@ class ZeroConfig:
       raise ConfigError(
           "this is a DeepSpeed config (it has 'zero_optimization'): load it with "
           "zerojax.load_config(path), which also keeps its XLA flags and training options, or "
-          "zerojax.deepspeed.from_deepspeed(d) for the ZeroConfig alone")
+          "zerojax.tools.deepspeed.from_deepspeed(d) for the ZeroConfig alone")
     if "train" in d:
       raise ConfigError(
           "the config has a 'train' section of training options: load it with "

@@ -1,6 +1,6 @@
 """The ``zerojax`` command line: train, plan, estimate, compile, config, export.
 
-Run ``zerojax COMMAND --help`` for each command. ``python -m zerojax.cli`` is the same program.
+Run ``zerojax COMMAND --help`` for each command. ``python -m zerojax.tools.cli`` is the same program.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import re
 import sys
 from typing import Sequence
 
-from zerojax.config import ConfigError
-from zerojax.config_file import load_config
-from zerojax.estimate import (Option, fmt_bytes, format_table, model_options, model_shapes,
+from zerojax.core.config import ConfigError
+from zerojax.tools.config_file import load_config
+from zerojax.tools.estimate import (Option, fmt_bytes, format_table, model_options, model_shapes,
                               paper_options, plot_options, recommend, recommend_compiled,
                               step_peak)
 
@@ -62,7 +62,7 @@ def parse_count(text: str) -> float:
 
 def cmd_train(args) -> int:
   loaded = load_config(args.config, args.overrides)
-  from zerojax import train as zt
+  from zerojax.tools import train as zt
   opts = zt.TrainOptions(**loaded.train)
   if args.no_progress:
     opts.progress = False
@@ -80,19 +80,19 @@ def cmd_train(args) -> int:
 
 def cmd_plan(args) -> int:
   loaded = load_config(args.config, args.overrides, apply_xla_flags=False)
-  from zerojax import train as zt
+  from zerojax.tools import train as zt
   model_name = args.model or loaded.train.get("model", "small")
   n = args.devices
   zt.setup_cpu_devices(n)
   import optax
   from jax.sharding import AbstractMesh, AxisType
-  from zerojax.plan import ShardingPlan
+  from zerojax.core.plan import ShardingPlan
   config = loaded.config
   shape = config.resolved_mesh_shape(n)
   mesh = AbstractMesh(shape, config.mesh_axes, axis_types=(AxisType.Auto,) * len(shape))
   _, _, shapes = model_shapes(model_name, config)
   plan = ShardingPlan.create(config, mesh, shapes, tx=optax.adamw(1e-3))
-  from zerojax.memory import num_params
+  from zerojax.runtime.memory import num_params
   print(f"model {model_name}: {num_params(shapes):,} parameters, planned for {n} devices "
         "(no devices are used)")
   print(plan.table())
@@ -118,12 +118,12 @@ def cmd_estimate(args) -> int:
     loaded = load_config(args.config, args.overrides, apply_xla_flags=False)
     config = loaded.config
     if args.fit is not None and not args.no_compile:
-      from zerojax import train as zt
+      from zerojax.tools import train as zt
       zt.setup_cpu_devices(n)  # the compiled peak needs the devices (simulated on CPU)
     import optax
     _, _, shapes = model_shapes(args.model, config)
     options = model_options(shapes, optax.adamw(1e-3), config, n)
-    from zerojax.memory import num_params
+    from zerojax.runtime.memory import num_params
     psi = num_params(shapes)
     title = (f"model-state memory per device: {args.model} ({psi:,} parameters, "
              f"param_dtype {config.param_dtype}, optax.adamw), {n} devices; leaves below "
@@ -199,7 +199,7 @@ def cmd_estimate(args) -> int:
 
 def cmd_compile(args) -> int:
   loaded = load_config(args.config, args.overrides, apply_xla_flags=False)
-  from zerojax import memory
+  from zerojax.runtime import memory
   if args.batch < 1 or args.seq < 1:
     raise ConfigError(f"--batch {args.batch} --seq {args.seq}: both must be >= 1")
   try:
@@ -240,7 +240,7 @@ def cmd_config(args) -> int:
     print("DeepSpeed keys:")
     for n in loaded.notes:
       print(f"  {n}")
-  from zerojax.zeropp import explain
+  from zerojax.core.zeropp import explain
   lines = explain(loaded.config)
   if lines:
     print("ZeRO++ (quantised collectives):")
@@ -250,7 +250,7 @@ def cmd_config(args) -> int:
 
 
 def cmd_export(argv: list[str]) -> int:
-  from zerojax import export
+  from zerojax.tools import export
   rc = export.main(argv, prog=f"{PROG} export")
   return int(rc or 0)
 
@@ -323,7 +323,7 @@ def build_parser() -> argparse.ArgumentParser:
           "--params N uses the ZeRO paper's assumptions (mixed-precision Adam: 2+2+K bytes per "
           "parameter, K=12); --params 7.5e9 --devices 64 reproduces the paper's Figure 1 "
           "(120 / 31.4 / 16.6 / 1.9 GB). --model PRESET plans a real model's leaves with their "
-          "dtypes and optax.adamw state (zerojax.memory.estimate). GB = 1e9 bytes, as in the "
+          "dtypes and optax.adamw state (zerojax.runtime.memory.estimate). GB = 1e9 bytes, as in the "
           "paper."),
       epilog="examples:\n  zerojax estimate --params 7.5e9 --devices 64\n"
              "  zerojax estimate --params 7.5B --devices 64 --fit 16GB\n"
@@ -408,7 +408,7 @@ def _wrap(*paragraphs: str) -> str:
 
 
 def _train_options_help() -> str:
-  from zerojax.train import TrainOptions
+  from zerojax.tools.train import TrainOptions
   parts = [f"{f.name}={f.default}" for f in dataclasses.fields(TrainOptions)
            if f.name != "scheduler"]
   import textwrap
@@ -423,10 +423,10 @@ def _version() -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
   argv = list(sys.argv[1:] if argv is None else argv)
-  if argv and argv[0] == "export":  # its own parser lives in zerojax.export
+  if argv and argv[0] == "export":  # its own parser lives in zerojax.tools.export
     return cmd_export(argv[1:])
-  if argv and argv[0] == "launch":  # its own parser lives in zerojax.launch
-    from zerojax import launch
+  if argv and argv[0] == "launch":  # its own parser lives in zerojax.tools.launch
+    from zerojax.tools import launch
     return int(launch.main(argv[1:]) or 0)
   parser = build_parser()
   # key=value overrides may follow options (`train cfg.json --no-progress steps=5`): argparse
