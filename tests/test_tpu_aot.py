@@ -197,7 +197,7 @@ def test_tpu_int4_weights_move_half_and_cost_no_memory():
   """int4 qwZ moves half of int8's bytes, and unpacking costs no more memory than int8: a
   trailing nibble-pair axis used to be padded to TPU tiles (this model: 1051 MiB of temp
   against 7 MiB; the 8192-row embedding is where it showed)."""
-  from zerojax.gather import GATHER_SCOPE
+  from zerojax.core.gather import GATHER_SCOPE
   from zerojax.models import GPT
   cfg = GPTConfig(vocab_size=8192, seq_len=64, num_layers=2, num_heads=8, d_model=512)
   r = {q: memory.compile_for_topology(zerojax.ZeroConfig(stage=3, quantize_weights=q),
