@@ -2,3 +2,5 @@
 of compiled steps (and TPU ahead-of-time compilation), and safetensors `weights`. Runtime
 imports core, never `zerojax.tools` (except that `memory.compile_for_topology` accepts a
 config file path)."""
+
+__all__: list[str] = []  # the modules are the API; `zerojax` re-exports the main names
