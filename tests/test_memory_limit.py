@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import pytest
 
 import zerojax
-from zerojax.runtime import memory
+from zerojax.core import budget
 from zerojax.models import GPT
 from tests import helpers
 
@@ -24,10 +24,10 @@ class _FakeDevice:
 
 
 def test_bytes_limit_reads_memory_stats():
-  assert memory.bytes_limit(jax.devices()) is None  # CPU: no stats, nothing is checked
+  assert budget.bytes_limit(jax.devices()) is None  # CPU: no stats, nothing is checked
   devs = [_FakeDevice({"bytes_limit": 1000, "bytes_in_use": 5}), _FakeDevice({"bytes_limit": 800})]
-  assert memory.bytes_limit(devs) == 800
-  assert memory.bytes_limit([_FakeDevice(None), _FakeDevice(RuntimeError("no stats"))]) is None
+  assert budget.bytes_limit(devs) == 800
+  assert budget.bytes_limit([_FakeDevice(None), _FakeDevice(RuntimeError("no stats"))]) is None
 
 
 @pytest.fixture(scope="module")
@@ -37,22 +37,22 @@ def stage0():
   state, plan = zerojax.create_train_state(GPT(helpers.TINY), helpers.make_tx(),
                                            jax.random.key(0), jnp.asarray(b["x"]), config=zc)
   step = zerojax.zero_step(plan)(helpers.train_step)
-  peak, _ = memory.compiled_peak(step.lower(state, b).compile())
+  peak, _ = budget.compiled_peak(step.lower(state, b).compile())
   return state, plan, b, peak
 
 
-_mib = memory._mib  # the message's unit format
+_mib = budget._mib  # the message's unit format
 
 
 def test_step_over_the_limit_fails_before_it_runs(stage0, monkeypatch):
   state, plan, b, peak = stage0
-  est = {s: memory.estimate(state.params, helpers.make_tx(), config=plan.config.replace(stage=s),
+  est = {s: budget.estimate(state.params, helpers.make_tx(), config=plan.config.replace(stage=s),
                             num_devices=8).total for s in range(4)}
   # Between stage 0's peak and its peak with stage 3's model state instead of stage 0's.
   limit = peak - (est[0] - est[3]) // 2
-  monkeypatch.setattr(memory, "bytes_limit", lambda devices: limit)
+  monkeypatch.setattr(budget, "bytes_limit", lambda devices: limit)
   step = zerojax.zero_step(plan)(helpers.train_step)  # a fresh step: compiles on first call
-  with pytest.raises(memory.DeviceMemoryError) as e:
+  with pytest.raises(budget.DeviceMemoryError) as e:
     step(state, b)
   msg = str(e.value)
   assert f"the compiled step needs {_mib(peak)} per device" in msg
@@ -65,7 +65,7 @@ def test_step_over_the_limit_fails_before_it_runs(stage0, monkeypatch):
   # nothing ran: the donated state is intact
   assert not any(x.is_deleted() for x in jax.tree.leaves(state))
   # with the limit at the peak the same step runs
-  monkeypatch.setattr(memory, "bytes_limit", lambda devices: peak)
+  monkeypatch.setattr(budget, "bytes_limit", lambda devices: peak)
   step2 = zerojax.zero_step(plan)(helpers.train_step)
   _, m = step2(jax.tree.map(jnp.copy, state), b)
   assert jnp.isfinite(m["loss"])
@@ -74,12 +74,12 @@ def test_step_over_the_limit_fails_before_it_runs(stage0, monkeypatch):
 def test_nothing_fits_says_so(stage0):
   state, plan, b, peak = stage0
   compiled = zerojax.zero_step(plan)(helpers.train_step).lower(state, b).compile()
-  with pytest.raises(memory.DeviceMemoryError, match="Even stage 3 \\+ offload_optimizer \\+ "
+  with pytest.raises(budget.DeviceMemoryError, match="Even stage 3 \\+ offload_optimizer \\+ "
                      "offload_params would need about .* use more devices"):
-    memory.check_fits(compiled, jax.devices(), limit=1024, config=plan.config,
+    budget.check_fits(compiled, jax.devices(), limit=1024, config=plan.config,
                       params=state.params, tx=helpers.make_tx())
-  assert memory.check_fits(compiled, jax.devices(), limit=peak) == peak
-  assert memory.check_fits(compiled, jax.devices()) is None  # CPU: no limit, no check
+  assert budget.check_fits(compiled, jax.devices(), limit=peak) == peak
+  assert budget.check_fits(compiled, jax.devices()) is None  # CPU: no limit, no check
 
 
 def test_create_train_state_too_big_fails_early(monkeypatch):
@@ -91,9 +91,9 @@ def test_create_train_state_too_big_fails_early(monkeypatch):
       helpers.make_tx())
   bpd = plan.bytes_per_device()
   need = bpd["params"] + bpd["opt_state"]
-  monkeypatch.setattr(memory, "bytes_limit", lambda devices: need - 1)
+  monkeypatch.setattr(budget, "bytes_limit", lambda devices: need - 1)
   before = len(jax.live_arrays())
-  with pytest.raises(memory.DeviceMemoryError) as e:
+  with pytest.raises(budget.DeviceMemoryError) as e:
     zerojax.create_train_state(GPT(helpers.TINY), helpers.make_tx(), jax.random.key(0),
                                jnp.asarray(b["x"]), config=zc)
   msg = str(e.value)
@@ -117,9 +117,9 @@ def test_nnx_step_over_the_limit_fails_before_it_runs(monkeypatch):
     optimizer.update(model, grads)
     return {"loss": loss}
 
-  monkeypatch.setattr(memory, "bytes_limit", lambda devices: 4096)
+  monkeypatch.setattr(budget, "bytes_limit", lambda devices: 4096)
   before = jax.tree.map(lambda x: x.copy(), nnx.state(model, nnx.Param))
-  with pytest.raises(memory.DeviceMemoryError, match="more than the 4.0 KiB the device has"):
+  with pytest.raises(budget.DeviceMemoryError, match="more than the 4.0 KiB the device has"):
     zerojax.zero_step(plan)(train_step)(model, opt, helpers.batches(cfg, 1)[0])
   jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b), before,
                nnx.state(model, nnx.Param))
