@@ -70,24 +70,35 @@ RUNS = {
 TOLERANCE = {"int8": 1e-3, "int4": 2e-2}
 
 
+def _lazy(make):
+  """A per-key cache, so a test run pays only for the variants its tests ask for."""
+  cache = {}
+
+  def get(key):
+    if key not in cache:
+      cache[key] = make(key)
+    return cache[key]
+  return get
+
+
 @pytest.fixture(scope="module")
 def references():
-  return {scan: helpers.reference_run(dataclasses.replace(helpers.TINY, scan=scan), STEPS)
-          for scan in (True, False)}
+  return _lazy(lambda scan: helpers.reference_run(dataclasses.replace(helpers.TINY, scan=scan),
+                                                  STEPS))
 
 
 @pytest.fixture(scope="module")
 def runs():
-  out = {}
-  for name, (stage, kw, scan) in RUNS.items():
-    out[name] = helpers.zero_run(dataclasses.replace(helpers.TINY, scan=scan), stage, STEPS, **kw)
-  return out
+  def make(name):
+    stage, kw, scan = RUNS[name]
+    return helpers.zero_run(dataclasses.replace(helpers.TINY, scan=scan), stage, STEPS, **kw)
+  return _lazy(make)
 
 
 @pytest.mark.parametrize("name", list(RUNS))
 def test_quantised_training_tracks_the_unsharded_run(name, runs, references):
   stage, kw, scan = RUNS[name]
-  run, ref = runs[name], references[scan]
+  run, ref = runs(name), references(scan)
   dtype = kw.get("quantize_weights") or kw.get("quantize_gradients")
   np.testing.assert_allclose(run.losses, ref.losses, rtol=TOLERANCE[dtype])
   assert run.losses[-1] < run.losses[0] - 0.1  # it learns
@@ -99,31 +110,32 @@ def test_quantised_training_tracks_the_unsharded_run(name, runs, references):
 @pytest.fixture(scope="module")
 def collectives(runs):
   b = helpers.batches(helpers.TINY, 1)[0]
-  return {name: collective_bytes_by_dtype(r.step.lower(r.state, b).compile().as_text())
-          for name, r in runs.items()}
+  return _lazy(lambda name: collective_bytes_by_dtype(
+      runs(name).step.lower(runs(name).state, b).compile().as_text()))
 
 
-def test_hlo_moves_int8_where_the_switches_are_on(collectives):
-  for name, (stage, kw, _) in RUNS.items():
-    c = collectives[name]
-    s8 = {k: v for (k, dt), v in c.items() if dt == "s8"}
-    assert (s8.get("all-gather", 0) > 0) == ("quantize_weights" in kw), (name, c)
-    assert (s8.get("all-to-all", 0) > 0) == ("quantize_gradients" in kw), (name, c)
-    if "quantize_gradients" in kw:  # no full-precision gradient reduce-scatter is left
-      assert not any(k == "reduce-scatter" for k, _ in c), (name, c)
+@pytest.mark.parametrize("name", list(RUNS))
+def test_hlo_moves_int8_where_the_switches_are_on(name, collectives):
+  stage, kw, _ = RUNS[name]
+  c = collectives(name)
+  s8 = {k: v for (k, dt), v in c.items() if dt == "s8"}
+  assert (s8.get("all-gather", 0) > 0) == ("quantize_weights" in kw), (name, c)
+  assert (s8.get("all-to-all", 0) > 0) == ("quantize_gradients" in kw), (name, c)
+  if "quantize_gradients" in kw:  # no full-precision gradient reduce-scatter is left
+    assert not any(k == "reduce-scatter" for k, _ in c), (name, c)
 
 
 def test_quantised_backward_gathers_no_full_precision_weights(collectives):
   # With quantize_weights_backward every all-gather is int8 values plus float32 scales (4
   # bytes per block of 256 values); without it the backward re-gather moves float32 weights.
-  both = collectives["qwZ int8, quantised backward"]
+  both = collectives("qwZ int8, quantised backward")
   assert both[("all-gather", "f32")] <= both[("all-gather", "s8")] * 4 / 256 * 1.01
-  fwd_only = collectives["qwZ+qgZ int8"]
+  fwd_only = collectives("qwZ+qgZ int8")
   assert fwd_only[("all-gather", "f32")] > fwd_only[("all-gather", "s8")]
 
 
 def test_plan_table_reports_blocks_and_padding(runs):
-  plan = runs["qwZ+qgZ int8"].plan
+  plan = runs("qwZ+qgZ int8").plan
   q = dict(zip((lp.path for lp in plan.leaves), plan.quantization()))
   # blocks/fc/kernel (2, 64, 256) over 8 devices: 4096 values a device, 16 blocks, no padding.
   assert q["blocks/fc/kernel"] == {"weights": (16, 0), "gradients": (16, 0)}
