@@ -436,12 +436,18 @@ def per_layer_reads(apply_fn: Callable, plan: Any) -> Callable:
   of the backward pass; XLA keeps all the padded copies for one fused sum (the 12-layer MLP of
   `benchmarks/patterns.py`: 1158 MiB of temp at stage 0, 169 MiB at stage 2 for a 96 MiB
   gradient). Here the model is traced once and each ``w[i]`` of a leaf read that way at least
-  twice runs through `_read_row`, which threads the stacked value from read to read, so the
-  backward pass puts each row's cotangent in the gradient's layout as it is made (all-reduce
-  at stage 0, reduce-scatter at 2-3) and adds it into one gradient in place (248, 150 MiB).
+  twice is threaded from read to read (`_read_row`), so the backward pass puts each row's
+  cotangent in the gradient's layout as it is made (all-reduce at stage 0, reduce-scatter at
+  2-3) and adds it into one gradient in place.
+
+  A row that only feeds one matmul (``x @ params["w"][i]``, the usual case) goes further
+  (`_row_dot`): a slice of a stacked array is a copy, and XLA:CPU issued all 24 row copies of
+  that MLP at the start of the step and kept them for the backward pass (96 MiB, as much as
+  the gradient). There the row is sliced only once the matmul's other operand exists, is not
+  kept, and is sliced again in the backward pass once the matmul's output cotangent exists.
   At stage 3 XLA's partitioner then gathers one row where it is read, not the whole stack
-  (108 MiB against 147 MiB for hand-written FSDP, whose ``w[i]`` gathers every layer). Every
-  other equation runs as written, so values are unchanged.
+  (hand-written FSDP's ``w[i]`` gathers every layer). Every other equation runs as written, so
+  values are unchanged.
   """
   cfg = plan.config
   treedef = jax.tree.structure(plan.params)
@@ -474,9 +480,18 @@ def per_layer_reads(apply_fn: Callable, plan: Any) -> Callable:
              if len(r) >= 2 and _rows_stay_whole(per_leaf[k], jnp.ndim(leaves[k]))}
     if not split:
       return apply_fn(params, *args, **kwargs)
+    matmul = _rows_into_matmuls(closed.jaxpr, index, split)
     carried: dict[int, jax.Array] = {}  # leaf -> the stacked value the next row is read from
 
     def rewrite(eqn, invals):
+      if eqn in matmul.deferred:  # the row's slice and squeeze: made by `_row_dot` instead
+        return [_DEFERRED]
+      if eqn in matmul.dots:
+        k, i, pos = matmul.dots[eqn]
+        other = invals[1 - pos]
+        out, carried[k] = _row_dot(carried.get(k, leaves[k]), other, i, pos,
+                                   _Dot.of(eqn), _bare(per_leaf[k][1]))
+        return [out]
       read = _row_read(eqn, index)
       if read is None or read[0] not in split:
         return None  # other reads of the leaf (w[i, :4], the whole stack) run as written
@@ -488,6 +503,93 @@ def per_layer_reads(apply_fn: Callable, plan: Any) -> Callable:
     return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
 
   return apply
+
+
+_DEFERRED = object()  # stands for a row whose matmul `_row_dot` reads it itself
+
+
+@dataclasses.dataclass(frozen=True)
+class _RowMatmuls:
+  """The row reads that feed exactly one matmul: ``deferred`` holds their slice and squeeze
+  equations, ``dots`` maps each such matmul to ``(leaf, row, operand position)``."""
+  deferred: frozenset
+  dots: dict
+
+
+def _rows_into_matmuls(jaxpr: Any, index: dict[Any, int], split: set[int]) -> _RowMatmuls:
+  """Finds ``dot_general(x, squeeze(w[i:i+1]))`` (either operand) where the row is used by
+  nothing else, for the leaves in ``split``."""
+  from jax.extend.core import Var
+  uses: dict[Any, list[tuple[Any, int]]] = {}
+  for eqn in jaxpr.eqns:
+    for pos, v in enumerate(eqn.invars):
+      if isinstance(v, Var):
+        uses.setdefault(v, []).append((eqn, pos))
+  for v in jaxpr.outvars:
+    if isinstance(v, Var):
+      uses.setdefault(v, []).append((None, -1))
+  deferred, dots = set(), {}
+  for eqn in jaxpr.eqns:
+    read = _row_read(eqn, index)
+    if read is None or read[0] not in split:
+      continue
+    (sq, _), *more = uses.get(eqn.outvars[0], [(None, -1)])
+    if more or sq is None or sq.primitive.name != "squeeze" or tuple(sq.params["dimensions"]) != (0,):
+      continue
+    (dot, pos), *more = uses.get(sq.outvars[0], [(None, -1)])
+    if (more or dot is None or dot.primitive.name != "dot_general" or dot in dots
+        or dot.invars[0] is dot.invars[1]):
+      continue
+    deferred.update((eqn, sq))
+    dots[dot] = (*read, pos)
+  return _RowMatmuls(frozenset(deferred), dots)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Dot:
+  """A ``dot_general`` equation's parameters, hashable (a static argument of `_row_dot`)."""
+  params: tuple
+
+  @classmethod
+  def of(cls, eqn: Any) -> "_Dot":
+    return cls(tuple(sorted(eqn.params.items())))
+
+  def __call__(self, row: jax.Array, other: jax.Array, pos: int) -> jax.Array:
+    a, b = (other, row) if pos == 1 else (row, other)
+    return jax.lax.dot_general_p.bind(a, b, **dict(self.params))
+
+
+def _row(w: jax.Array, i: int, token_of: jax.Array) -> jax.Array:
+  """``w[i]``, sliced only once ``token_of`` (an array the caller is about to use it with)
+  exists: the index is ``i + 0 * token`` (exactly ``i``; the token is finite, `_token_of`), a
+  data dependency that costs one scalar rather than a pass over the row as `after` would."""
+  t = _token_of(token_of)
+  i = i if t is None else i + (t * 0).astype(jnp.int32)
+  return jax.lax.dynamic_index_in_dim(w, i, axis=0, keepdims=False)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def _row_dot(w: jax.Array, other: jax.Array, i: int, pos: int, dot: _Dot,
+             grad: NamedSharding) -> tuple[jax.Array, jax.Array]:
+  """``(dot(w[i], other), w)``: a matmul with a row of ``w``, and ``w`` to read the next row
+  from (threaded as in `_read_row`). The row is sliced after ``other`` exists and not saved:
+  the backward pass slices it again after the output's cotangent exists."""
+  return dot(_row(w, i, other), other, pos), w
+
+
+def _row_dot_fwd(w, other, i, pos, dot, grad):
+  return _row_dot(w, other, i, pos, dot, grad), (w, other)
+
+
+def _row_dot_bwd(i, pos, dot, grad, res, cts):
+  w, other = res
+  ct_out, ct_w = cts
+  _, vjp = jax.vjp(lambda r, o: dot(r, o, pos), _row(w, i, ct_out), other)
+  ct_row, ct_other = vjp(ct_out)
+  return _add_row(ct_w, ct_row, i, grad), ct_other
+
+
+_row_dot.defvjp(_row_dot_fwd, _row_dot_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
@@ -509,15 +611,21 @@ def _read_row_fwd(w, i, grad):
 
 def _read_row_bwd(i, grad, _, cts):
   ct_row, ct_w = cts
-  row = NamedSharding(grad.mesh, P(*tuple(grad.spec)[1:]))
-  ct_w = jax.lax.with_sharding_constraint(ct_w, grad)
-  ct_row = jax.lax.with_sharding_constraint(ct_row[0], row)[None]
-  old = jax.lax.dynamic_slice_in_dim(ct_w, i, 1, axis=0)
-  ct_w = jax.lax.dynamic_update_slice_in_dim(ct_w, old + ct_row.astype(ct_w.dtype), i, axis=0)
-  return (jax.lax.with_sharding_constraint(ct_w, grad),)
+  return (_add_row(ct_w, ct_row[0], i, grad),)
 
 
 _read_row.defvjp(_read_row_fwd, _read_row_bwd)
+
+
+def _add_row(ct_w: jax.Array, ct_row: jax.Array, i: int, grad: NamedSharding) -> jax.Array:
+  """``ct_w`` with ``ct_row`` added into row ``i`` in place, after putting ``ct_row`` in the
+  gradient's layout ``grad`` (reduce-scattered where it is made)."""
+  row = NamedSharding(grad.mesh, P(*tuple(grad.spec)[1:]))
+  ct_w = jax.lax.with_sharding_constraint(ct_w, grad)
+  ct_row = jax.lax.with_sharding_constraint(ct_row, row)[None]
+  old = jax.lax.dynamic_slice_in_dim(ct_w, i, 1, axis=0)
+  ct_w = jax.lax.dynamic_update_slice_in_dim(ct_w, old + ct_row.astype(ct_w.dtype), i, axis=0)
+  return jax.lax.with_sharding_constraint(ct_w, grad)
 
 
 def _rows_stay_whole(shardings: tuple, ndim: int) -> bool:
