@@ -489,8 +489,8 @@ def per_layer_reads(apply_fn: Callable, plan: Any) -> Callable:
       if eqn in matmul.dots:
         k, i, pos = matmul.dots[eqn]
         other = invals[1 - pos]
-        out, carried[k] = _row_dot(carried.get(k, leaves[k]), other, i, pos,
-                                   _Dot.of(eqn), _bare(per_leaf[k][1]))
+        out, carried[k] = _row_dot(carried.get(k, leaves[k]), other, i, pos, _Dot.of(eqn),
+                                   _bare(per_leaf[k][1]), k not in carried)
         return [out]
       read = _row_read(eqn, index)
       if read is None or read[0] not in split:
@@ -568,25 +568,32 @@ def _row(w: jax.Array, i: int, token_of: jax.Array) -> jax.Array:
   return jax.lax.dynamic_index_in_dim(w, i, axis=0, keepdims=False)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
 def _row_dot(w: jax.Array, other: jax.Array, i: int, pos: int, dot: _Dot,
-             grad: NamedSharding) -> tuple[jax.Array, jax.Array]:
+             grad: NamedSharding, first: bool) -> tuple[jax.Array, jax.Array]:
   """``(dot(w[i], other), w)``: a matmul with a row of ``w``, and ``w`` to read the next row
-  from (threaded as in `_read_row`). The row is sliced after ``other`` exists and not saved:
-  the backward pass slices it again after the output's cotangent exists."""
+  from (threaded as in `_read_row`; ``first``: no read of ``w`` came before). The row is
+  sliced after ``other`` exists and not saved: the backward pass slices it again after the
+  output's cotangent exists."""
   return dot(_row(w, i, other), other, pos), w
 
 
-def _row_dot_fwd(w, other, i, pos, dot, grad):
-  return _row_dot(w, other, i, pos, dot, grad), (w, other)
+def _row_dot_fwd(w, other, i, pos, dot, grad, first):
+  return _row_dot(w, other, i, pos, dot, grad, first), (w, other)
 
 
-def _row_dot_bwd(i, pos, dot, grad, res, cts):
+def _row_dot_bwd(i, pos, dot, grad, first, res, cts):
   w, other = res
   ct_out, ct_w = cts
-  _, vjp = jax.vjp(lambda r, o: dot(r, o, pos), _row(w, i, ct_out), other)
+  row = _row(w, i, ct_out)
+  _, vjp = jax.vjp(lambda r, o: dot(r, o, pos), row, other)
   ct_row, ct_other = vjp(ct_out)
-  return _add_row(ct_w, ct_row, i, grad), ct_other
+  # The first read's row feeds only ct_other, which the update of ``w`` need not wait for:
+  # XLA then kept the donated ``w`` alive past its update by copying the whole stack (96 MiB
+  # on pattern g). So there the gradient waits for ct_other (through its index, exactly
+  # ``i``), and every read of ``w`` precedes its update by data dependency. (Later reads'
+  # ct_other flows into the earlier layers' gradients anyway.)
+  return _add_row(ct_w, ct_row, i, grad, ct_other if first else None), ct_other
 
 
 _row_dot.defvjp(_row_dot_fwd, _row_dot_bwd)
@@ -617,9 +624,13 @@ def _read_row_bwd(i, grad, _, cts):
 _read_row.defvjp(_read_row_fwd, _read_row_bwd)
 
 
-def _add_row(ct_w: jax.Array, ct_row: jax.Array, i: int, grad: NamedSharding) -> jax.Array:
+def _add_row(ct_w: jax.Array, ct_row: jax.Array, i: int, grad: NamedSharding,
+             wait_for: jax.Array | None = None) -> jax.Array:
   """``ct_w`` with ``ct_row`` added into row ``i`` in place, after putting ``ct_row`` in the
-  gradient's layout ``grad`` (reduce-scattered where it is made)."""
+  gradient's layout ``grad`` (reduce-scattered where it is made); only once ``wait_for``
+  exists, when given (through the index, exactly ``i``)."""
+  t = None if wait_for is None else _token_of(wait_for)
+  i = i if t is None else i + (t * 0).astype(jnp.int32)
   row = NamedSharding(grad.mesh, P(*tuple(grad.spec)[1:]))
   ct_w = jax.lax.with_sharding_constraint(ct_w, grad)
   ct_row = jax.lax.with_sharding_constraint(ct_row, row)[None]
