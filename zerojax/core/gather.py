@@ -574,26 +574,29 @@ def _row_dot(w: jax.Array, other: jax.Array, i: int, pos: int, dot: _Dot,
   """``(dot(w[i], other), w)``: a matmul with a row of ``w``, and ``w`` to read the next row
   from (threaded as in `_read_row`; ``first``: no read of ``w`` came before). The row is
   sliced after ``other`` exists and not saved: the backward pass slices it again after the
-  output's cotangent exists."""
+  output's cotangent exists.
+
+  Except the first read's row, which is saved: its re-slice would feed only the cotangent of
+  ``other``, which the update of ``w`` need not wait for, so XLA:CPU kept the donated ``w``
+  alive past its update by copying the whole stack (96 MiB on pattern g). Saving one row per
+  leaf instead leaves every read of ``w`` ordered before its update by data dependency.
+  (Ordering that re-slice through a token instead cost XLA:TPU 46 MiB of temp there.)
+  """
   return dot(_row(w, i, other), other, pos), w
 
 
 def _row_dot_fwd(w, other, i, pos, dot, grad, first):
-  return _row_dot(w, other, i, pos, dot, grad, first), (w, other)
+  row = _row(w, i, other)
+  return (dot(row, other, pos), w), (w, other, row if first else None)
 
 
 def _row_dot_bwd(i, pos, dot, grad, first, res, cts):
-  w, other = res
+  w, other, saved = res
   ct_out, ct_w = cts
-  row = _row(w, i, ct_out)
+  row = saved if first else _row(w, i, ct_out)
   _, vjp = jax.vjp(lambda r, o: dot(r, o, pos), row, other)
   ct_row, ct_other = vjp(ct_out)
-  # The first read's row feeds only ct_other, which the update of ``w`` need not wait for:
-  # XLA then kept the donated ``w`` alive past its update by copying the whole stack (96 MiB
-  # on pattern g). So there the gradient waits for ct_other (through its index, exactly
-  # ``i``), and every read of ``w`` precedes its update by data dependency. (Later reads'
-  # ct_other flows into the earlier layers' gradients anyway.)
-  return _add_row(ct_w, ct_row, i, grad, ct_other if first else None), ct_other
+  return _add_row(ct_w, ct_row, i, grad), ct_other
 
 
 _row_dot.defvjp(_row_dot_fwd, _row_dot_bwd)
@@ -624,13 +627,9 @@ def _read_row_bwd(i, grad, _, cts):
 _read_row.defvjp(_read_row_fwd, _read_row_bwd)
 
 
-def _add_row(ct_w: jax.Array, ct_row: jax.Array, i: int, grad: NamedSharding,
-             wait_for: jax.Array | None = None) -> jax.Array:
+def _add_row(ct_w: jax.Array, ct_row: jax.Array, i: int, grad: NamedSharding) -> jax.Array:
   """``ct_w`` with ``ct_row`` added into row ``i`` in place, after putting ``ct_row`` in the
-  gradient's layout ``grad`` (reduce-scattered where it is made); only once ``wait_for``
-  exists, when given (through the index, exactly ``i``)."""
-  t = None if wait_for is None else _token_of(wait_for)
-  i = i if t is None else i + (t * 0).astype(jnp.int32)
+  gradient's layout ``grad`` (reduce-scattered where it is made)."""
   row = NamedSharding(grad.mesh, P(*tuple(grad.spec)[1:]))
   ct_w = jax.lax.with_sharding_constraint(ct_w, grad)
   ct_row = jax.lax.with_sharding_constraint(ct_row, row)[None]
