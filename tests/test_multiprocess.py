@@ -257,28 +257,34 @@ def test_multiprocess_fingerprint_fields():
   assert other != fp and zd.check_agreement(zc, plan, tx=tx) == fp  # 1 process: no exchange
 
 
-def test_multiprocess_process_death_stops_the_survivor():
-  # Process 1 exits abruptly after the first collective; process 0 keeps computing. With a
-  # 2s heartbeat timeout JAX must stop process 0 with an error. The launcher's grace (90s) is
-  # longer than the survivor's loop (60s), so only JAX can stop it in time.
-  t0 = time.monotonic()
+
+def _launch_until_exit(args: list[str], timeout: float):
+  """Runs 2 processes x 2 devices under the launcher with ``args``: ``(lines, when a process
+  printed DYING, when the launcher exited, its exit code)``."""
   p = subprocess.Popen([sys.executable, "-m", "zerojax.tools.launch", "-n", "2",
-                        "--devices-per-process", "2", "--heartbeat-timeout", "2",
-                        "--grace", "90", "--", str(WORKER), "die", "--survive-for", "60"],
-                       env=_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                       text=True)
+                        "--devices-per-process", "2", *args], env=_env(), cwd=ROOT,
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
   lines, died_at = [], None
   try:
     for line in p.stdout:
       lines.append(line)
       if "DYING" in line and died_at is None:
         died_at = time.monotonic()
-    code = p.wait(timeout=120)
+    code = p.wait(timeout=timeout)
   finally:
     if p.poll() is None:
       p.kill()
       p.wait()
-  end = time.monotonic()
+  return lines, died_at, time.monotonic(), code
+
+def test_multiprocess_process_death_stops_the_survivor():
+  # Process 1 exits abruptly after the first collective; process 0 keeps computing. With a
+  # 2s heartbeat timeout JAX must stop process 0 with an error. The launcher's grace (90s) is
+  # longer than the survivor's loop (60s), so only JAX can stop it in time.
+  t0 = time.monotonic()
+  lines, died_at, end, code = _launch_until_exit(
+      ["--heartbeat-timeout", "2", "--grace", "90", "--", str(WORKER), "die", "--survive-for",
+       "60"], timeout=120)
   log = "".join(lines)
   assert died_at is not None, log[-4000:]
   assert "SURVIVED" not in log, log[-4000:]
@@ -297,23 +303,9 @@ def test_multiprocess_error_after_peer_death_exits_promptly():
   # shutdown barrier (300s) are long and the launcher's grace (120s) too: process 0 must exit
   # by itself right after printing its error, not wait for the dead peer at shutdown.
   t0 = time.monotonic()
-  p = subprocess.Popen([sys.executable, "-m", "zerojax.tools.launch", "-n", "2",
-                        "--devices-per-process", "2", "--grace", "120", "--", str(WORKER), "die",
-                        "--sigkill", "--raise-after-death"],
-                       env=_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                       text=True)
-  lines, died_at = [], None
-  try:
-    for line in p.stdout:
-      lines.append(line)
-      if "DYING" in line and died_at is None:
-        died_at = time.monotonic()
-    p.wait(timeout=90)
-  finally:
-    if p.poll() is None:
-      p.kill()
-      p.wait()
-  end = time.monotonic()
+  lines, died_at, end, _ = _launch_until_exit(
+      ["--grace", "120", "--", str(WORKER), "die", "--sigkill", "--raise-after-death"],
+      timeout=90)
   log = "".join(lines)
   assert died_at is not None, log[-4000:]
   p0 = "".join(l for l in lines if l.startswith("[p0]"))

@@ -173,3 +173,37 @@ def test_optimizer_state_leaves_index_their_parameters(tx, mirrored, own):
   leaf = {lp.path: lp for lp in plan.leaves}
   for path, param in mirrored.items():
     assert specs_by_path[path] == leaf[param].sharded
+
+
+def test_state_shardings_for_structs_and_checkpoint_dicts():
+  """One method gives a train state's shardings and a checkpoint item's (a dict of its fields)."""
+  from flax.training import train_state
+  plan = plan_for(3)
+  params = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), PARAMS)
+  state = train_state.TrainState.create(apply_fn=None, params=params, tx=optax.adam(1e-3))
+  as_struct = plan.state(state)
+  as_dict = plan.state({"step": state.step, "params": params, "opt_state": state.opt_state})
+  assert specs(as_dict["params"]) == specs(as_struct.params) == specs(plan.params)
+  assert specs(as_dict["opt_state"]) == specs(as_struct.opt_state)
+  assert as_dict["step"] == plan.replicated
+  with pytest.raises(TypeError, match="got list"):
+    plan.state([params])
+
+
+def test_nnx_state_shardings_by_variable_type_and_order():
+  """NNX states: Params take the plan's parameter shardings, the optimizer's opt_state the
+  plan's optimizer-state shardings, the rest is replicated; another tree is refused."""
+  from flax import nnx
+  import zerojax
+  cfg = ZeroConfig(stage=3, param_persistence_threshold=0)
+  model, opt, plan = zerojax.create_nnx(lambda: nnx.Linear(64, 128, rngs=nnx.Rngs(0)),
+                                        optax.adam(1e-3), config=cfg)
+  sh = plan.nnx_state(nnx.state((model, opt)))
+  got = {jax.tree_util.keystr(p, simple=True, separator="/"): s.spec
+         for p, s in jax.tree_util.tree_flatten_with_path(sh)[0]}
+  assert got["0/kernel/value"] == P(None, "fsdp")
+  assert got["1/opt_state/0/mu/kernel/value"] == P(None, "fsdp")
+  assert got["1/step/value"] == P()
+  other = nnx.Linear(64, 64, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="not the tree the plan was made for"):
+    plan.nnx_state(nnx.state((other, opt)))

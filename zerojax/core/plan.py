@@ -39,9 +39,11 @@ import dataclasses
 import math
 import re
 import warnings
+from collections.abc import Mapping
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax.core import meta
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -206,24 +208,58 @@ class ShardingPlan:
     (step counter, RNG keys, loss scale, ...) replicated.
 
     Works for ``flax.training.train_state.TrainState`` and any subclass or flax struct with
-    ``params``/``opt_state`` fields.
+    ``params``/``opt_state`` fields, and for a dict with those keys (a checkpoint item).
     """
-    if not dataclasses.is_dataclass(state):
+    if isinstance(state, Mapping):
+      fields = {k: v for k, v in state.items()}
+    elif dataclasses.is_dataclass(state):
+      fields = {f.name: getattr(state, f.name) for f in dataclasses.fields(state)
+                if f.metadata.get("pytree_node", True)}
+    else:
       raise TypeError(f"zerojax expects a flax.struct dataclass train state (e.g. "
-                      f"flax.training.train_state.TrainState), got {type(state).__name__}")
+                      f"flax.training.train_state.TrainState) or a dict, got "
+                      f"{type(state).__name__}")
     changes = {}
-    for f in dataclasses.fields(state):
-      if not f.metadata.get("pytree_node", True):
-        continue
-      if f.name == "params":
-        changes[f.name] = self.params
-      elif f.name == "opt_state":
+    for name, value in fields.items():
+      if name == "params":
+        changes[name] = self.params
+      elif name == "opt_state":
         if self.opt_state is None:
           raise ValueError("this ShardingPlan was created without an optimizer (tx)")
-        changes[f.name] = self.opt_state
+        changes[name] = self.opt_state
       else:
-        changes[f.name] = jax.tree.map(lambda _: self.replicated, getattr(state, f.name))
-    return state.replace(**changes)
+        changes[name] = jax.tree.map(lambda _: self.replicated, value)
+    return dict(changes) if isinstance(state, Mapping) else state.replace(**changes)
+
+  def nnx_state(self, state: PyTree) -> PyTree:
+    """Shardings for ``nnx.state((model, optimizer))``: the model's ``nnx.Param`` variables
+    take the plan's parameter shardings and the optimizer's ``opt_state`` variables the plan's
+    optimizer-state shardings, both in tree order (the plan was made from the same trees;
+    shapes are checked leaf for leaf); everything else (step counters, RNG state, batch
+    statistics) is replicated."""
+    from flax import nnx
+    flat = list(state.flat_state())
+    leaves, treedef = jax.tree.flatten(state)
+    if len(flat) != len(leaves):
+      raise ValueError(f"nnx_state: {len(flat)} variables but {len(leaves)} leaves")
+    is_param = [p[0] == 0 and isinstance(v, nnx.Param) for p, v in flat]
+    is_opt = [p[0] == 1 and len(p) > 1 and p[1] == "opt_state" for p, _ in flat]
+    out = [self.replicated] * len(leaves)
+    for mask, shardings, what in ((is_param, self.params, "parameters"),
+                                  (is_opt, self.opt_state, "optimizer state")):
+      want = jax.tree.leaves(shardings) if shardings is not None else []
+      at = [i for i, m in enumerate(mask) if m]
+      shapes = [tuple(jnp.shape(leaves[i])) for i in at]
+      planned = ([tuple(lp.shape) for lp in self.leaves] if what == "parameters"
+                 else [tuple(o[1]) for o in self.opt_leaves])
+      if len(at) != len(want) or shapes != planned:
+        raise ValueError(
+            f"nnx_state: the state's {what} ({len(at)} leaves) are not the tree the plan was "
+            f"made for ({len(want)} leaves); build the plan from the same model and optimizer "
+            "(zerojax.create_nnx)")
+      for i, sh in zip(at, want):
+        out[i] = sh
+    return jax.tree.unflatten(treedef, out)
 
   @property
   def params_on_host(self) -> bool:

@@ -39,7 +39,7 @@ from zerojax.core.zeropp import shard_map_apply
 from zerojax.core.train_state import StepSettings, ZeroTrainState, nnx_loss_scaling, skip_nonfinite
 
 __all__ = ["wrap_apply_fn", "compiler_options", "ZeroStep", "zero_step", "create_train_state",
-           "state_initializer", "create_nnx", "nnx_state_shardings", "existing_params"]
+           "state_initializer", "create_nnx", "existing_params"]
 
 PyTree = Any
 
@@ -230,7 +230,7 @@ class ZeroStep:
     key = ("nnx", graphdef, _shapes_key(batch), _shapes_key(rest))
     if key not in self._jitted:
       plan = self.plan
-      state_sh = nnx_state_shardings(plan, state)
+      state_sh = plan.nnx_state(state)
       scaling = plan.config.loss_scale is not None
       if scaling and not hasattr(optimizer, "loss_scaling"):
         raise ConfigError(
@@ -577,7 +577,7 @@ def create_nnx(model_fn: Callable[[], Any], tx: Any, *, config: ZeroConfig,
   plan = ShardingPlan.create(config, mesh, planned, opt_state=_nnx_values(abs_opt.opt_state),
                              trainable=trainable)
   graphdef, abs_state = nnx.split((abs_model, abs_opt))
-  shardings = nnx_state_shardings(plan, abs_state)
+  shardings = plan.nnx_state(abs_state)
   if params is not None:
     with jax.set_mesh(mesh):
       model, optimizer = nnx.merge(graphdef, _nnx_from_params(
@@ -597,37 +597,6 @@ def _with_loss_scaling(optimizer: Any, config: ZeroConfig) -> Any:
   if config.loss_scale is not None:
     optimizer.loss_scaling = nnx_loss_scaling(config)
   return optimizer
-
-
-def nnx_state_shardings(plan: ShardingPlan, state: Any) -> Any:
-  """Shardings for ``nnx.state((model, optimizer))``: the model's ``nnx.Param`` variables take
-  the plan's parameter shardings and the optimizer's ``opt_state`` variables the plan's
-  optimizer-state shardings, both in tree order (the plan was made from the same trees, so
-  shapes must agree leaf for leaf); everything else (step counters, RNG state, batch
-  statistics) is replicated."""
-  from flax import nnx
-  flat = list(state.flat_state())
-  leaves, treedef = jax.tree.flatten(state)
-  if len(flat) != len(leaves):
-    raise ValueError(f"nnx_state_shardings: {len(flat)} variables but {len(leaves)} leaves")
-  is_param = [p[0] == 0 and isinstance(v, nnx.Param) for p, v in flat]
-  is_opt = [p[0] == 1 and len(p) > 1 and p[1] == "opt_state" for p, _ in flat]
-  out = [plan.replicated] * len(leaves)
-  for mask, shardings, what in ((is_param, plan.params, "parameters"),
-                                (is_opt, plan.opt_state, "optimizer state")):
-    want = jax.tree.leaves(shardings) if shardings is not None else []
-    at = [i for i, m in enumerate(mask) if m]
-    shapes = [jnp.shape(leaves[i]) for i in at]
-    planned = ([lp.shape for lp in plan.leaves] if what == "parameters"
-               else [o[1] for o in plan.opt_leaves])
-    if len(at) != len(want) or [tuple(x) for x in shapes] != [tuple(x) for x in planned]:
-      raise ValueError(
-          f"nnx_state_shardings: the state's {what} ({len(at)} leaves) are not the tree the "
-          f"plan was made for ({len(want)} leaves); build the plan from the same model and "
-          "optimizer (zerojax.create_nnx)")
-    for i, sh in zip(at, want):
-      out[i] = sh
-  return jax.tree.unflatten(treedef, out)
 
 
 def _nnx_values(tree):

@@ -291,17 +291,7 @@ def _state_item(state: Any) -> dict[str, Any]:
 
 def _item_shardings(state: Any, plan: ShardingPlan) -> dict[str, Any]:
   """Target shardings of the ``state`` item, all read from ``plan``."""
-  if dataclasses.is_dataclass(state):
-    return _state_item(plan.state(state))
-  out = {}
-  for k, v in dict(state).items():
-    if k == "params":
-      out[k] = plan.params
-    elif k == "opt_state":
-      out[k] = plan.opt_state
-    else:
-      out[k] = jax.tree.map(lambda _: plan.replicated, v)
-  return out
+  return _state_item(plan.state(state))
 
 
 def _shape_dtype(x: Any) -> tuple[tuple[int, ...], np.dtype]:
