@@ -257,7 +257,6 @@ def test_multiprocess_fingerprint_fields():
   assert other != fp and zd.check_agreement(zc, plan, tx=tx) == fp  # 1 process: no exchange
 
 
-
 def _launch_until_exit(args: list[str], timeout: float):
   """Runs 2 processes x 2 devices under the launcher with ``args``: ``(lines, when a process
   printed DYING, when the launcher exited, its exit code)``."""
@@ -276,6 +275,7 @@ def _launch_until_exit(args: list[str], timeout: float):
       p.kill()
       p.wait()
   return lines, died_at, time.monotonic(), code
+
 
 def test_multiprocess_process_death_stops_the_survivor():
   # Process 1 exits abruptly after the first collective; process 0 keeps computing. With a

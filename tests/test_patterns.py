@@ -206,7 +206,8 @@ def test_pytree_stage2_bound_at_the_benchmark_size():
   assert mem[2].temp <= mem[1].temp - 0.75 * g * 7 / 8, (mem[1].temp, mem[2].temp, g)
   # The donated stacked weights are updated in place: every read of them precedes their
   # update by data dependency, so XLA copies none of them to keep the old value alive.
-  stacked = re.compile(r"= f32\[12,(512,2048|2048,512)\]\S* copy\(%param\.\d+\)")  # an entry parameter
+  # A copy of an entry parameter (fusions' own parameters are named param_N.M).
+  stacked = re.compile(r"= f32\[12,(512,2048|2048,512)\]\S* copy\(%param\.\d+\)")
   assert not stacked.search(compiled[2].as_text())
 
 

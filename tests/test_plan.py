@@ -207,3 +207,8 @@ def test_nnx_state_shardings_by_variable_type_and_order():
   other = nnx.Linear(64, 64, rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="not the tree the plan was made for"):
     plan.nnx_state(nnx.state((other, opt)))
+
+
+def test_nnx_state_refuses_what_is_not_an_nnx_state():
+  with pytest.raises(TypeError, match=r"nnx_state: state must be .*an nnx.State; got dict"):
+    plan_for(3).nnx_state({"params": {}})

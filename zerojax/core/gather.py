@@ -534,7 +534,8 @@ def _rows_into_matmuls(jaxpr: Any, index: dict[Any, int], split: set[int]) -> _R
     if read is None or read[0] not in split:
       continue
     (sq, _), *more = uses.get(eqn.outvars[0], [(None, -1)])
-    if more or sq is None or sq.primitive.name != "squeeze" or tuple(sq.params["dimensions"]) != (0,):
+    if (more or sq is None or sq.primitive.name != "squeeze"
+        or tuple(sq.params["dimensions"]) != (0,)):
       continue
     (dot, pos), *more = uses.get(sq.outvars[0], [(None, -1)])
     if (more or dot is None or dot.primitive.name != "dot_general" or dot in dots

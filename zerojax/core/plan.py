@@ -51,7 +51,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from zerojax.core.config import ConfigError, ZeroConfig
 from zerojax.core.mesh import axis_size, data_axes
 
-__all__ = ["LeafPlan", "ShardingPlan", "path_str"]
+__all__ = ["LeafPlan", "ShardingPlan", "path_str", "state_fields"]
 
 PyTree = Any
 HOST = "pinned_host"  # the memory kind offloaded state rests in (`zerojax.core.offload.HOST`)
@@ -210,17 +210,8 @@ class ShardingPlan:
     Works for ``flax.training.train_state.TrainState`` and any subclass or flax struct with
     ``params``/``opt_state`` fields, and for a dict with those keys (a checkpoint item).
     """
-    if isinstance(state, Mapping):
-      fields = {k: v for k, v in state.items()}
-    elif dataclasses.is_dataclass(state):
-      fields = {f.name: getattr(state, f.name) for f in dataclasses.fields(state)
-                if f.metadata.get("pytree_node", True)}
-    else:
-      raise TypeError(f"zerojax expects a flax.struct dataclass train state (e.g. "
-                      f"flax.training.train_state.TrainState) or a dict, got "
-                      f"{type(state).__name__}")
     changes = {}
-    for name, value in fields.items():
+    for name, value in state_fields(state).items():
       if name == "params":
         changes[name] = self.params
       elif name == "opt_state":
@@ -229,7 +220,7 @@ class ShardingPlan:
         changes[name] = self.opt_state
       else:
         changes[name] = jax.tree.map(lambda _: self.replicated, value)
-    return dict(changes) if isinstance(state, Mapping) else state.replace(**changes)
+    return changes if isinstance(state, Mapping) else state.replace(**changes)
 
   def nnx_state(self, state: PyTree) -> PyTree:
     """Shardings for ``nnx.state((model, optimizer))``: the model's ``nnx.Param`` variables
@@ -238,6 +229,9 @@ class ShardingPlan:
     shapes are checked leaf for leaf); everything else (step counters, RNG state, batch
     statistics) is replicated."""
     from flax import nnx
+    if not isinstance(state, nnx.State):
+      raise TypeError(f"nnx_state: state must be nnx.state((model, optimizer)), an nnx.State; "
+                      f"got {type(state).__name__}")
     flat = list(state.flat_state())
     leaves, treedef = jax.tree.flatten(state)
     if len(flat) != len(leaves):
@@ -399,6 +393,18 @@ class ShardingPlan:
 # -- a warning for a plan that cannot shard --------------------------------------------------
 
 _warned_nothing_to_shard = False
+
+
+def state_fields(state: PyTree) -> dict[str, Any]:
+  """The pytree fields of a train state (a flax.struct dataclass) as a dict; a dict (a
+  checkpoint item) as it is."""
+  if isinstance(state, Mapping):
+    return dict(state)
+  if dataclasses.is_dataclass(state) and not isinstance(state, type):
+    return {f.name: getattr(state, f.name) for f in dataclasses.fields(state)
+            if f.metadata.get("pytree_node", True)}
+  raise TypeError(f"zerojax expects a flax.struct dataclass train state (e.g. "
+                  f"flax.training.train_state.TrainState) or a dict, got {type(state).__name__}")
 
 
 def _warn_nothing_to_shard(config: ZeroConfig, mesh: Mesh) -> None:

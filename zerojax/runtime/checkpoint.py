@@ -43,7 +43,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 
 from zerojax.core.config import ZeroConfig
-from zerojax.core.plan import ShardingPlan, path_str
+from zerojax.core.plan import ShardingPlan, path_str, state_fields
 
 PyTree = Any
 
@@ -280,13 +280,12 @@ def _checksums(item: PyTree) -> dict[str, list[int]]:
 
 def _state_item(state: Any) -> dict[str, Any]:
   """The pytree fields of a train state as a dict (what goes into the ``state`` item)."""
-  if dataclasses.is_dataclass(state) and not isinstance(state, type):
-    return {f.name: getattr(state, f.name) for f in dataclasses.fields(state)
-            if f.metadata.get("pytree_node", True)}
-  if isinstance(state, Mapping):
-    return dict(state)
-  raise TypeError(f"zerojax checkpoints need a flax.struct train state (e.g. "
-                  f"flax.training.train_state.TrainState) or a dict, got {type(state).__name__}")
+  try:
+    return state_fields(state)
+  except TypeError:
+    raise TypeError(f"zerojax checkpoints need a flax.struct train state (e.g. "
+                    f"flax.training.train_state.TrainState) or a dict, got "
+                    f"{type(state).__name__}") from None
 
 
 def _item_shardings(state: Any, plan: ShardingPlan) -> dict[str, Any]:
