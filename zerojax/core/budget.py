@@ -25,7 +25,8 @@ from zerojax.core.config import ZeroConfig
 from zerojax.core.plan import ShardingPlan
 
 __all__ = ["PAPER_K", "paper_bytes", "Estimate", "num_params", "estimate", "DeviceMemoryError",
-           "bytes_limit", "compiled_peak", "check_fits", "check_state_fits"]
+           "bytes_limit", "compiled_peak", "check_fits", "check_state_fits",
+           "suggest_option"]
 
 PAPER_K = 12
 
@@ -211,7 +212,8 @@ def check_fits(compiled: Any, devices: Any, *, limit: int | None = None,
     raise DeviceMemoryError(
         f"the compiled step needs {_mib(peak)} per device ({parts}), more than the "
         f"{_mib(limit)} the device has (memory_stats()['bytes_limit']); it would fail with "
-        f"RESOURCE_EXHAUSTED. {_suggest(peak, limit, config, params, tx, opt_state, devices)}")
+        f"RESOURCE_EXHAUSTED. "
+        f"{suggest_option(peak, limit, config, params, tx, opt_state, devices)}")
   return peak
 
 
@@ -234,7 +236,7 @@ def check_state_fits(plan: ShardingPlan, devices: Any = None, *, limit: int | No
         f"optimizer state {_mib(b['opt_state'])} at stage {plan.config.stage}), more than the "
         f"{_mib(limit)} the device has (memory_stats()['bytes_limit']); creating it would fail "
         "with RESOURCE_EXHAUSTED. "
-        + _suggest(need, limit, plan.config, params, tx, None, devices,
+        + suggest_option(need, limit, plan.config, params, tx, None, devices,
                    state_only=True))
   return need
 
@@ -248,7 +250,7 @@ def _option_name(stage: int, oo: bool, op: bool) -> str:
       (" + offload_params" if op else "")
 
 
-def _suggest(need: int, limit: int, config: ZeroConfig | None, params: Any, tx: Any,
+def suggest_option(need: int, limit: int, config: ZeroConfig | None, params: Any, tx: Any,
              opt_state: Any, devices: Any, state_only: bool = False) -> str:
   """The next (more sharded) option whose estimated need fits ``limit``.
 

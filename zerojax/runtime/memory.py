@@ -32,8 +32,8 @@ from zerojax.core.budget import (PAPER_K, DeviceMemoryError, Estimate, bytes_lim
 from zerojax.core.config import ZeroConfig
 
 __all__ = ["PAPER_K", "paper_bytes", "Estimate", "num_params", "estimate", "Measured",
-           "measure", "collective_bytes", "collective_bytes_by_dtype", "GatherSchedule", "gather_schedule", "replica_groups",
-           "reductions", "GiB", "HBM_PER_CHIP", "TOPOLOGY_EXAMPLES", "TPU_EXTRA",
+           "measure", "collective_bytes", "collective_bytes_by_dtype", "GatherSchedule", "gather_schedule", "collective_schedule", "replica_groups",
+           "reductions", "activation_collectives", "textbook_bytes", "GiB", "HBM_PER_CHIP", "TOPOLOGY_EXAMPLES", "TPU_EXTRA",
            "tpu_topology", "hbm_available", "TopologyCompile", "lm_train_step",
            "compile_for_topology", "DeviceMemoryError", "bytes_limit", "compiled_peak",
            "check_fits", "check_state_fits"]
@@ -137,14 +137,14 @@ def collective_bytes_by_dtype(hlo_text: str, scope: str | None = None
       op = _OP_NAME.search(line)
       if scope is not None and (op is None or scope not in op.group(1)):
         continue
-      if kind == "all-reduce":
+      if kind == "all-reduce" and not m.group(3):
         parts = []
         for n, sliced, dt in _all_reduce_parts(line, m.group(1), lines, comps):
           # CPU lowering of reduce-scatter: all-reduce, then each device keeps its slice.
           parts.append(("reduce-scatter", dt, k * n) if sliced else ("all-reduce", dt, k * 2 * n))
       else:
-        scale = _group_size(line) if kind == "reduce-scatter" else 1
-        parts = [(kind, dt, k * n * scale) for dt, n in _bytes_by_dtype(m.group(1)).items()]
+        parts = [(kind, dt, k * n) for dt, n in _paper_bytes(kind, bool(m.group(3)), m.group(1),
+                                                            line).items()]
       for i, (kind, dt, b) in enumerate(parts):
         if ch is None:
           out[(kind, dt)] = out.get((kind, dt), 0) + b
@@ -169,6 +169,49 @@ def _bytes_by_dtype(shapes: str) -> dict[str, int]:
     n = math.prod(int(d) for d in dims.split(",") if d) if dims else 1
     out[dt] = out.get(dt, 0) + n * _DTYPE_BYTES[dt]
   return out
+
+
+def _top_level(shapes: str) -> list[str]:
+  """The elements of a printed HLO tuple shape ``(a, (b, c), d)``; ``[shapes]`` if not a tuple."""
+  s = shapes.strip()
+  if not s.startswith("("):
+    return [s]
+  out, depth, cur = [], 0, ""
+  for ch in s[1:-1]:
+    if ch in "([{":
+      depth += 1
+    elif ch in ")]}":
+      depth -= 1
+    if ch == "," and depth == 0:
+      out.append(cur.strip())
+      cur = ""
+    else:
+      cur += ch
+  if cur.strip():
+    out.append(cur.strip())
+  return out
+
+
+def _async_halves(kind: str, shapes: str) -> tuple[str | None, str]:
+  """``(operands, results)`` of a collective's printed shape. XLA:GPU prints an asynchronous
+  ``*-start`` as ``((operands), (results))`` (or ``(operand, result)``, plus context scalars for
+  a permute); an ``all-reduce-start`` prints only its results, which equal its operands."""
+  parts = _top_level(shapes)
+  if kind == "all-reduce" or len(parts) < 2 or not shapes.strip().startswith("("):
+    return None, shapes
+  return parts[0], parts[1]
+
+
+def _paper_bytes(kind: str, start: bool, shapes: str, line: str) -> dict[str, int]:
+  """Bytes by dtype of one collective in the paper's convention (see `collective_bytes`)."""
+  operands, results = _async_halves(kind, shapes) if start else (None, shapes)
+  if kind == "reduce-scatter":
+    if operands is not None:
+      return _bytes_by_dtype(operands)
+    k = _group_size(line)  # the synchronous form prints only the (scattered) result
+    return {dt: n * k for dt, n in _bytes_by_dtype(results).items()}
+  scale = 2 if kind == "all-reduce" else 1
+  return {dt: n * scale for dt, n in _bytes_by_dtype(results).items()}
 
 
 def _parse_hlo(hlo_text: str) -> tuple[dict[str, list[str]], dict[str, int]]:
@@ -250,48 +293,83 @@ def _constant(name: str, lines: list[str], depth: int = 0) -> int | None:
 
 @dataclasses.dataclass(frozen=True)
 class GatherSchedule:
-  """How a compiled (scheduled) step issues its all-gathers; bytes per device per step.
+  """How a compiled (scheduled) step issues one kind of collective; bytes per device per step.
 
   A schedule is the order the compiler will issue instructions in, so it tells which
-  all-gathers are asynchronous (a start and a done with other instructions between) and
+  collectives are asynchronous (a start and a done with other instructions between) and
   which computations are issued while one is in flight. It does not tell how long either
   takes, so whether a transfer is fully hidden is a question for a profile on real chips.
   """
 
-  total: int  # all-gather bytes (each collective once, loop bodies once per iteration)
-  asynchronous: int  # issued as start/done pairs
+  total: int  # bytes (each collective once, loop bodies once per iteration)
+  asynchronous: int  # issued as start/done pairs the runtime may overlap
   overlapped: int  # async, with at least one computation scheduled between start and done
-  synchronous: int  # issued as one blocking op (nothing can run beside it)
-  pairs: int  # async all-gathers in the program text (not weighted by loop trips)
+  synchronous: int  # blocking: one op, or a pair XLA:GPU marks ``is_sync``
+  pairs: int  # async collectives in the program text (not weighted by loop trips)
   overlapped_pairs: int
+  overlapped_matmul: int = 0  # async, with a matrix multiplication between start and done
+  kind: str = "all-gather"
 
   @property
   def overlapped_share(self) -> float:
     return self.overlapped / self.total if self.total else 0.0
 
+  @property
+  def matmul_share(self) -> float:
+    """Share of the bytes issued asynchronously with a matmul (a dot, a GEMM custom call or
+    a fusion or loop containing one) scheduled between start and done."""
+    return self.overlapped_matmul / self.total if self.total else 0.0
+
 
 _CALLEE = re.compile(r"calls=%?([\w.\-]+)")
-_GATHER = re.compile(r"=\s*(.*?)\sall-gather\(")
 _COMPUTE_OPS = (" convolution(", " dot(", " custom-call(", " while(", " call(", " reduce(",
                 " sort(", " scatter(", " gather(")
+_MATMUL_OPS = (" dot(", " convolution(")
+_GEMM_TARGET = re.compile(r'custom_call_target="[^"]*(?:gemm|matmul|Gemm|MatMul)[^"]*"')
+_SYNC = re.compile(r'"is_sync":\s*true')
 
 
-def gather_schedule(hlo_text: str) -> GatherSchedule:
-  """Reads the schedule of a compiled step's HLO (``compiled.as_text()``) for its all-gathers.
+def _matmul_finder(comps: dict[str, list[str]]):
+  """``has(line)``: whether an instruction is, or calls a computation holding, a matmul."""
+  memo: dict[str, bool] = {}
 
-  XLA:TPU issues an asynchronous collective as an ``async-collective-start`` fusion, optional
-  continuation fusions (``async_collective_fusion``: computation that runs while the
-  collective progresses, e.g. a matmul over the chunks already received) and an
-  ``async-collective-done``; XLA's generic form is ``all-gather-start``/``all-gather-done``.
-  A start and its done are paired by channel id (or operand). A done scheduled before its
-  start in a loop body means the gather for the next iteration is issued in this one
-  (pipelined across the back edge); then the instructions after the start and before the
-  done, around the back edge, are what runs beside it. Any fusion or other computation
-  that is not itself a collective counts as compute.
+  def comp_has(name: str, depth: int = 0) -> bool:
+    if name not in memo:
+      memo[name] = False  # cycles cannot occur in HLO; this also bounds the recursion
+      memo[name] = any(line_has(l, depth + 1) for l in comps.get(name, []))
+    return memo[name]
+
+  def line_has(line: str, depth: int = 0) -> bool:
+    if any(op in line for op in _MATMUL_OPS) or _GEMM_TARGET.search(line):
+      return True
+    return depth < 8 and any(comp_has(c, depth) for c in _CALLS.findall(line))
+
+  return line_has
+
+
+def collective_schedule(hlo_text: str, kind: str = "all-gather") -> GatherSchedule:
+  """Reads the schedule of a compiled step's HLO (``compiled.as_text()``) for one kind of
+  collective (``'all-gather'`` or ``'reduce-scatter'``).
+
+  XLA:GPU issues an asynchronous collective as ``<kind>-start`` / ``<kind>-done`` (paired by
+  the done's operand); pairs whose backend config says ``"is_sync": true`` run synchronously
+  and count as blocking whatever sits between them. XLA:TPU issues one as an
+  ``async-collective-start`` fusion, optional continuation fusions (``async_collective_fusion``:
+  computation that runs while the collective progresses, e.g. a matmul over the chunks
+  already received) and an ``async-collective-done`` (paired by channel id). A done scheduled
+  before its start in a loop body means the collective for the next iteration is issued in
+  this one (pipelined across the back edge); then the instructions after the start and before
+  the done, around the back edge, are what runs beside it. Any fusion or other computation
+  that is not itself a collective counts as compute; `GatherSchedule.matmul_share` counts only
+  matrix multiplications. Bytes follow `collective_bytes`.
   """
+  if kind not in ("all-gather", "reduce-scatter"):
+    raise ValueError(f"kind={kind!r} is invalid: 'all-gather' or 'reduce-scatter'")
   comps, mult = _parse_hlo(hlo_text)
   fused = {c for lines in comps.values() for l in lines if " fusion(" in l
            for c in _CALLEE.findall(l)}
+  has_matmul = _matmul_finder(comps)
+  start_op, done_op, sync_op = f" {kind}-start(", f" {kind}-done(", f" {kind}("
 
   def collectives(callee: str) -> list[tuple[str, str | None, int]]:
     out = []
@@ -299,10 +377,15 @@ def gather_schedule(hlo_text: str) -> GatherSchedule:
       m = _OP.search(l)
       if m:
         ch = _CHANNEL.search(l)
-        out.append((m.group(2), ch.group(1) if ch else None, _bytes_of(m.group(1))))
+        b = sum(_paper_bytes(m.group(2), bool(m.group(3)), m.group(1), l).values())
+        out.append((m.group(2), ch.group(1) if ch else None, b))
     return out
 
-  total = asynchronous = overlapped = synchronous = pairs = overlapped_pairs = 0
+  def op_bytes(line: str) -> int:
+    m = _OP.search(line)
+    return sum(_paper_bytes(m.group(2), bool(m.group(3)), m.group(1), line).values()) if m else 0
+
+  asynchronous = overlapped = overlapped_mm = synchronous = pairs = overlapped_pairs = 0
   for name, lines in comps.items():
     k = mult.get(name, 0)
     if name in fused or not k:
@@ -310,50 +393,57 @@ def gather_schedule(hlo_text: str) -> GatherSchedule:
     seq = [l for l in lines if _name_of(l)]
     starts: dict[str, tuple[int, int]] = {}
     dones: dict[str, int] = {}
-    compute: list[int] = []
+    compute: list[tuple[int, bool]] = []
     for i, l in enumerate(seq):
       nm = _name_of(l)
-      if " all-gather-start(" in l:
-        shapes = _SHAPE.findall(l.split(" all-gather-start(")[0])
-        b = _bytes_of("{}[{}]".format(*shapes[-1])) if shapes else 0
-        starts[nm] = (i, b)
-      elif " all-gather-done(" in l:
-        op = re.search(r"all-gather-done\(%([\w.\-]+)", l)
+      if start_op in l:
+        if _SYNC.search(l):
+          synchronous += k * op_bytes(l)
+        else:
+          starts[nm] = (i, op_bytes(l))
+      elif done_op in l:
+        op = re.search(re.escape(done_op.strip()) + r"%([\w.\-]+)", l)
         if op:
           dones[op.group(1)] = i
-      elif " all-gather(" in l:
-        m = _GATHER.search(l)
-        synchronous += k * _bytes_of(m.group(1)) if m else 0
+      elif sync_op in l and _OP.search(l):
+        synchronous += k * op_bytes(l)
       elif " fusion(" in l:
         callee = (_CALLEE.findall(l) or [""])[0]
         colls = collectives(callee)
-        gathers = [(ch, b) for kind, ch, b in colls if kind == "all-gather"]
+        mine = [(ch, b) for kd, ch, b in colls if kd == kind]
         if nm.startswith("async-collective-start"):
-          for ch, b in gathers:
+          for ch, b in mine:
             starts[ch or nm] = (i, b)
         elif nm.startswith("async-collective-done"):
-          for ch, _ in gathers:
+          for ch, _ in mine:
             dones[ch or nm] = i
         elif callee.startswith("async_collective_fusion"):
-          compute.append(i)  # computation issued while its collective progresses
-        elif gathers:
-          synchronous += k * sum(b for _, b in gathers)
+          compute.append((i, has_matmul(l)))  # runs while its collective progresses
+        elif mine:
+          synchronous += k * sum(b for _, b in mine)
         elif not colls:
-          compute.append(i)
+          compute.append((i, has_matmul(l)))
       elif any(op in l for op in _COMPUTE_OPS):
-        compute.append(i)
+        compute.append((i, has_matmul(l)))
     for key, (i, b) in starts.items():
       j = dones.get(key)
       if j is None:
         continue
       pairs += 1
       asynchronous += k * b
-      between = [c for c in compute if ((i < c < j) if j > i else (c > i or c < j))]
+      between = [mm for c, mm in compute if ((i < c < j) if j > i else (c > i or c < j))]
       if between:
         overlapped += k * b
         overlapped_pairs += 1
-  total = asynchronous + synchronous
-  return GatherSchedule(total, asynchronous, overlapped, synchronous, pairs, overlapped_pairs)
+        if any(between):
+          overlapped_mm += k * b
+  return GatherSchedule(asynchronous + synchronous, asynchronous, overlapped, synchronous,
+                        pairs, overlapped_pairs, overlapped_mm, kind)
+
+
+def gather_schedule(hlo_text: str) -> GatherSchedule:
+  """`collective_schedule` of the all-gathers."""
+  return collective_schedule(hlo_text, "all-gather")
 
 
 def _all_reduce_parts(line, shapes, lines, comps):
@@ -473,6 +563,89 @@ def reductions(hlo_text: str) -> list[tuple[str, list[frozenset[int]] | None, in
   return out
 
 
+def _param_sizes(plan: Any) -> set[int]:
+  """Element counts a collective moving parameters (or their gradients, shards or layers) has:
+  a leaf, any trailing part of it, or k of its leading (layer) rows."""
+  sizes: set[int] = set()
+  for lp in plan.leaves:
+    shape = tuple(lp.shape)
+    for j in range(len(shape)):
+      sizes.add(math.prod(shape[j:]))
+    if shape:
+      row = math.prod(shape[1:])
+      sizes.update(k * row for k in range(1, shape[0] + 1))
+  return sizes
+
+
+def activation_collectives(hlo_text: str, plan: Any) -> dict[tuple[str, str], int]:
+  """Collectives of a compiled step that move something other than parameters, their
+  gradients or shards: ``{(kind, 'dtype[shape]'): bytes per step}`` (the paper's convention,
+  loop bodies by trip count). A tensor counts as a parameter's when its element count is a
+  parameter leaf's, a trailing part of one, or some of a stacked leaf's layers (a reshape of
+  a kernel keeps its count), or a flat buffer no larger than all parameters together (XLA's
+  combiner concatenates gradients into one 1-D buffer); a collective of one element (a loss, a
+  norm) is neither. What is left moves the model's activations: the partitioner chose to
+  reshard them instead of gathering a weight."""
+  sizes = _param_sizes(plan)
+  total = sum(math.prod(lp.shape) for lp in plan.leaves)
+  comps, mult = _parse_hlo(hlo_text)
+  out: dict[tuple[str, str], int] = {}
+  seen: set[tuple[str, str]] = set()
+  for name, lines in comps.items():
+    k = mult.get(name, 0)
+    if not k:
+      continue
+    for line in lines:
+      m = _OP.search(line)
+      if not m:
+        continue
+      kind, start = m.group(2), bool(m.group(3))
+      ch = _CHANNEL.search(line)
+      if ch is not None:  # XLA:TPU copies one collective into several fused computations
+        key = (ch.group(1), line.split("=", 1)[1][:80])
+        if key in seen:
+          continue
+        seen.add(key)
+      operands, results = _async_halves(kind, m.group(1)) if start else (None, m.group(1))
+      tensors = operands if (kind == "reduce-scatter" and operands is not None) else results
+      group = _group_size(line) if (kind == "reduce-scatter" and operands is None) else 1
+      for dt, dims in _SHAPE.findall(tensors):
+        n = math.prod(int(d) for d in dims.split(",") if d) if dims else 1
+        flat = dims.count(",") == 0 and n * group <= total
+        if n <= 1 or n * group in sizes or flat:
+          continue
+        b = n * group * _DTYPE_BYTES[dt] * (2 if kind == "all-reduce" else 1)
+        tag = (kind, f"{dt}[{dims}]")
+        out[tag] = out.get(tag, 0) + k * b
+  return out
+
+
+def textbook_bytes(plan: Any) -> int:
+  """The ZeRO paper's collective volume per step for ``plan``, in the counting of
+  `collective_bytes` (full tensors): stage 3 gathers every sharded parameter twice in the
+  compute dtype and reduce-scatters its gradient once (3 psi); stages 1-2 reduce-scatter the
+  gradient and all-gather the updated parameters (2 psi); stage 0 all-reduces it (2 psi).
+  Gradients count in ``reduce_dtype``, else the compute dtype; stage 1-2 gathers move the
+  parameters' own dtype (they rest replicated in it)."""
+  cfg = plan.config
+  cd = np.dtype(cfg.compute_dtype).itemsize
+  rd = np.dtype(cfg.reduce_dtype).itemsize if cfg.reduce_dtype else cd
+  total = 0
+  for lp in plan.leaves:
+    n = math.prod(lp.shape)
+    if not np.issubdtype(np.dtype(lp.dtype), np.floating):
+      continue
+    pd = np.dtype(lp.dtype).itemsize
+    grad = rd * n if lp.trainable else 0
+    if cfg.stage == 3:
+      total += (2 * cd * n if lp.is_sharded else 0) + grad
+    elif cfg.stage == 0:
+      total += 2 * grad
+    else:
+      total += grad + (pd * n if lp.trainable else 0)
+  return total
+
+
 # -- ahead-of-time compilation for TPU topologies ----------------------------------------------
 
 GiB = 2**30
@@ -578,6 +751,14 @@ class TopologyCompile:
   error: str | None = None
   required: int | None = None
   formulation: str | None = None  # how the step gathers parameters (`ZeroStep.formulation`)
+  # GPU only: the share of device memory the JAX client allocates from (`hbm_available` is
+  # that share of `chip_hbm`); XLA:GPU compiles steps that do not fit, so the verdict is ours.
+  memory_fraction: float | None = None
+  suggestion: str | None = None  # what would fit, when the step does not
+  textbook: int | None = None  # `textbook_bytes` of the plan
+  gathers: GatherSchedule | None = None  # `collective_schedule` of the all-gathers
+  scatters: GatherSchedule | None = None  # ... and of the reduce-scatters
+  activations: dict = dataclasses.field(default_factory=dict)  # `activation_collectives`
   compiled: Any = dataclasses.field(default=None, repr=False, compare=False)
   plan: Any = dataclasses.field(default=None, repr=False, compare=False)  # over the topology
 
@@ -601,9 +782,15 @@ class TopologyCompile:
     g = _fmt
     e = self.estimate
     lines = [f"{self.topology}: {self.num_devices} x {self.device_kind}, stage {e.stage}; "
-             f"compiled ahead of time in {self.compile_seconds:.1f} s (nothing allocated)",
-             f"  HBM per chip {g(self.chip_hbm)} (documented); the compiler allows "
-             f"{g(self.hbm_available)} per device"]
+             f"compiled ahead of time in {self.compile_seconds:.1f} s (nothing allocated)"]
+    if self.memory_fraction is None:
+      lines.append(f"  HBM per chip {g(self.chip_hbm)} (documented); the compiler allows "
+                   f"{g(self.hbm_available)} per device")
+    else:
+      lines.append(f"  memory per GPU {g(self.chip_hbm)}; the JAX GPU client allocates "
+                   f"{self.memory_fraction:g} of it, {g(self.hbm_available)} "
+                   "(XLA_PYTHON_CLIENT_MEM_FRACTION; e.g. =.95 to allow more). XLA:GPU "
+                   "compiles steps that do not fit: this verdict is zerojax's")
     if self.formulation is not None:
       lines.append(f"  parameters gathered: {self.formulation} (see ZeroConfig.gather)")
     if self.compiler_failed:
@@ -631,9 +818,32 @@ class TopologyCompile:
     lines += [f"  {name.ljust(w)}  {g(b):>14}  {note}".rstrip() for name, b, note in rows]
     coll = ", ".join(f"{k} {g(v)}" for k, v in m.collectives.items() if v) or "none"
     lines.append(f"  collectives per step: {g(m.collective_total)} ({coll})")
-    verdict = "FITS" if self.fits else "DOES NOT FIT"
-    lines.append(f"  {verdict}: peak {g(m.peak)} of {g(self.hbm_available)} usable "
-                 f"({g(self.chip_hbm)} chip), {g(self.hbm_available - m.peak)} left")
+    if self.textbook:
+      lines.append(f"  textbook ZeRO volume {g(self.textbook)} ({3 if e.stage == 3 else 2} psi "
+                   f"in the dtypes moved): {m.collective_total / self.textbook:.2f}x")
+    for sched in (self.gathers, self.scatters):
+      if sched is not None and sched.total:
+        lines.append(f"  {sched.kind}: {sched.overlapped_share:.0%} of bytes async with "
+                     f"compute between start and done, {sched.matmul_share:.0%} with a matmul; "
+                     f"{g(sched.synchronous)} blocking")
+    if self.activations:
+      top = sorted(self.activations.items(), key=lambda kv: -kv[1])
+      lines.append(f"  activation collectives: {g(sum(self.activations.values()))} per step "
+                   "(the partitioner moves activations, not weights): " + ", ".join(
+                       f"{k} {shape} {g(b)}" for (k, shape), b in top[:4])
+                   + (", ..." if len(top) > 4 else ""))
+    else:
+      lines.append("  activation collectives: none (only parameters, gradients and their "
+                   "shards move)")
+    left = self.hbm_available - m.peak
+    if self.fits:
+      lines.append(f"  FITS: peak {g(m.peak)} of {g(self.hbm_available)} usable "
+                   f"({g(self.chip_hbm)} per device), {g(left)} left")
+    else:
+      lines.append(f"  DOES NOT FIT: peak {g(m.peak)} is {g(-left)} over the "
+                   f"{g(self.hbm_available)} usable ({g(self.chip_hbm)} per device)")
+      if self.suggestion:
+        lines.append(f"  {self.suggestion}")
     return "\n".join(lines)
 
 
@@ -656,12 +866,17 @@ def lm_train_step(state: Any, batch: Any) -> tuple[Any, dict[str, Any]]:
 def compile_for_topology(config: ZeroConfig | str | Any, model: Any, batch: Any,
                          topology: str, *, tx: Any = None, train_step: Any = None,
                          init_args: tuple | None = None,
-                         compiler_options: dict[str, Any] | None = None) -> TopologyCompile:
-  """Compiles the real zerojax train step for a TPU topology ahead of time, on any machine.
+                         compiler_options: dict[str, Any] | None = None,
+                         memory_fraction: float | None = None) -> TopologyCompile:
+  """Compiles the real zerojax train step for a TPU or GPU topology ahead of time, on any
+  machine.
 
-  State and batch are abstract (``jax.eval_shape``): nothing is allocated. The TPU compiler
-  reports per-device HBM (arguments, outputs, temp) and ``pinned_host`` bytes separately, and
-  refuses a step that does not fit the chip; both outcomes are returned.
+  State and batch are abstract (``jax.eval_shape``): nothing is allocated. The compiler
+  reports per-device HBM (arguments, outputs, temp) and ``pinned_host`` bytes separately.
+  XLA:TPU refuses a step that does not fit the chip; XLA:GPU compiles it anyway, so for GPUs
+  the peak is compared with the memory the JAX GPU client will allocate from
+  (``memory_fraction`` of the device, `zerojax.runtime.gpu.usable_memory`). Either outcome is
+  returned, with what would fit when the step does not.
 
   Args:
     config: a `ZeroConfig`, or the path of a zerojax or DeepSpeed config file.
@@ -669,11 +884,14 @@ def compile_for_topology(config: ZeroConfig | str | Any, model: Any, batch: Any,
       ``config.compute_dtype``) or a Flax linen module.
     batch: ``(batch, seq_len)`` for a token model (global rows, tokens per row), or a pytree
       of ``jax.ShapeDtypeStruct`` for ``train_step``.
-    topology: a TPU slice name such as ``'v5e:8x8'`` or ``'v5p:4x4x4'`` (`tpu_topology`).
+    topology: a TPU slice name such as ``'v5e:8x8'`` or ``'v5p:4x4x4'`` (`tpu_topology`), or
+      a GPU pod such as ``'h100:8'`` or ``'h100:2x8'`` (`zerojax.runtime.gpu.gpu_topology`).
     tx: the optax transformation (default ``optax.adamw(1e-4)``).
     train_step: ``(state, batch) -> (state, metrics)`` (default `lm_train_step`).
     init_args: arguments of ``model.init`` after the rng (default ``(batch['x'],)``).
     compiler_options: XLA options for the compile.
+    memory_fraction: GPUs only: the share of device memory the JAX client allocates from
+      (default: ``XLA_PYTHON_CLIENT_MEM_FRACTION``, else 0.75).
   """
   import time
   import optax
@@ -683,7 +901,15 @@ def compile_for_topology(config: ZeroConfig | str | Any, model: Any, batch: Any,
   if not isinstance(config, ZeroConfig):
     from zerojax.tools.config_file import load_config
     config = load_config(config, apply_xla_flags=False).config
-  topo = tpu_topology(topology)
+  from zerojax.runtime import gpu
+  on_gpu = gpu.is_gpu_topology(topology)
+  if on_gpu:
+    spec = gpu.parse_gpu_topology(topology)[0]
+    fraction = gpu.memory_fraction() if memory_fraction is None else memory_fraction
+    usable = gpu.usable_memory(spec, fraction)  # validates the fraction before compiling
+    topo = gpu.gpu_topology(topology)
+  else:
+    topo = tpu_topology(topology)
   devices = list(topo.devices)
   seq_len = batch[1] if isinstance(batch, tuple) and len(batch) == 2 else None
   model = _resolve_model(model, config, seq_len)
@@ -711,10 +937,14 @@ def compile_for_topology(config: ZeroConfig | str | Any, model: Any, batch: Any,
                     for x, s in zip(jax.tree.leaves(batch), jax.tree.leaves(batch_sh)))
   est = estimate(state.params, tx, config=config, mesh=mesh)
   step = zero_step(plan)(train_step or lm_train_step)
+  if on_gpu:
+    memory = dict(chip_hbm=spec.memory, hbm_available=usable, memory_fraction=fraction)
+  else:
+    memory = dict(chip_hbm=HBM_PER_CHIP[topology.split(":")[0]],
+                  hbm_available=hbm_available(devices[0]))
   common = dict(topology=topology, device_kind=devices[0].device_kind, num_devices=n,
-                chip_hbm=HBM_PER_CHIP[topology.split(":")[0]],
-                hbm_available=hbm_available(devices[0]), estimate=est, batch_bytes=batch_bytes,
-                plan=plan)
+                estimate=est, batch_bytes=batch_bytes, plan=plan, textbook=textbook_bytes(plan),
+                **memory)
   t0 = time.perf_counter()
   lowered = step.lower(state, batch)
   common["formulation"] = next(iter(step.formulation.values()), None)
@@ -728,11 +958,22 @@ def compile_for_topology(config: ZeroConfig | str | Any, model: Any, batch: Any,
                            required=None if found is None else found[0], **common)
   dt = time.perf_counter() - t0
   ma = compiled.memory_analysis()
+  measured, text = measure(compiled), compiled.as_text()
+  suggestion = None
+  if measured.peak > common["hbm_available"]:
+    from zerojax.core.budget import suggest_option
+    suggestion = (suggest_option(measured.peak, common["hbm_available"], config, state.params,
+                                 tx,
+                           None, devices)
+                  + " Activations shrink with remat='full' or a smaller micro-batch "
+                  "(micro_batch_per_device with gradient_accumulation_steps).")
   return TopologyCompile(
-      compile_seconds=dt, measured=measure(compiled),
+      compile_seconds=dt, measured=measured,
       host_argument=int(ma.host_argument_size_in_bytes),
       host_output=int(ma.host_output_size_in_bytes), host_temp=int(ma.host_temp_size_in_bytes),
-      compiled=compiled, **common)
+      suggestion=suggestion, gathers=collective_schedule(text, "all-gather"),
+      scatters=collective_schedule(text, "reduce-scatter"),
+      activations=activation_collectives(text, plan), compiled=compiled, **common)
 
 
 def _resolve_model(model: Any, config: ZeroConfig, seq_len: Any) -> Any:
