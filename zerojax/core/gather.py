@@ -46,7 +46,7 @@ from zerojax._compat import (ORIGINAL_SCAN, REMAT_PRIMITIVE_NAMES, eval_jaxpr,
 from zerojax.core.plan import HOST
 
 __all__ = ["GATHERED", "GATHER_SCOPE", "REGATHER_SCOPE", "REDUCE_SCOPE", "zerojax_gather", "gather", "fetch", "after", "ZeroParam",
-           "ManualGather", "recompute_in_backward", "regather_layers", "box_params", "per_layer_reads", "save_all_but_gathered",
+           "ManualGather", "recompute_in_backward", "compute_dtype_of", "to_compute", "regather_layers", "box_params", "per_layer_reads", "save_all_but_gathered",
            "ScanRemat", "scan_remat", "remat_policy", "scanned_layers"]
 
 GATHERED = "zerojax_gathered"
@@ -137,6 +137,8 @@ class ZeroParam(struct.PyTreeNode, meta.AxisMetadata):
   offloaded: bool = struct.field(pytree_node=False, default=False)
   # Inside the quantised formulation's shard_map: zerojax's own collectives (`ManualGather`).
   manual: Any = struct.field(pytree_node=False, default=None)
+  # Cast before the gather, so the all-gather moves the compute dtype (ZeRO's bf16 gathers).
+  compute_dtype: Any = struct.field(pytree_node=False, default=None)
 
   def unbox(self) -> jax.Array:
     if self.manual is not None:
@@ -147,6 +149,8 @@ class ZeroParam(struct.PyTreeNode, meta.AxisMetadata):
     ns = lambda s: NamedSharding(self.mesh, P(*s))
     if self.offloaded:  # this layer's shard comes from pinned_host just before use
       v = fetch(v, NamedSharding(self.mesh, P(*self.at_rest), memory_kind="device"))
+    if self.compute_dtype is not None and jnp.issubdtype(v.dtype, jnp.floating):
+      v = v.astype(self.compute_dtype)
     if self.at_rest != self.compute:
       v = after(v, _AFTER.get())
     out = gather(v, ns(self.at_rest), ns(self.compute), ns(self.grad), self.reduce_dtype)
@@ -398,17 +402,38 @@ def regather_layers(next_fun: Callable, args: tuple, kwargs: dict,
     return next_fun(*args, **kwargs)
 
 
+def compute_dtype_of(cfg: Any) -> Any:
+  """The dtype parameters and floating inputs are cast to where the model reads them, or None
+  when the config computes in the parameters' own dtype."""
+  cd = jnp.dtype(cfg.compute_dtype)
+  return None if cd == jnp.dtype(cfg.param_dtype) else cd
+
+
+def to_compute(tree: Any, dtype: Any) -> Any:
+  """``tree`` with its floating arrays cast to ``dtype`` (None: unchanged). The cast's
+  transpose brings each gradient back to its parameter's dtype (the master weights')."""
+  if dtype is None:
+    return tree
+
+  def one(x):
+    if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != dtype:
+      return jnp.asarray(x).astype(dtype)
+    return x
+  return jax.tree.map(one, tree)
+
+
 def box_params(params: Any, plan: Any) -> Any:
   """Wraps every parameter leaf in a `ZeroParam` carrying the plan's layouts."""
   cfg = plan.config
   reduce_dtype = jnp.dtype(cfg.reduce_dtype) if cfg.reduce_dtype else None
+  compute_dtype = compute_dtype_of(cfg)
   spec = lambda s, nd: tuple(s) + (None,) * (nd - len(tuple(s)))
 
   def one(x, at_rest, compute, grad):
     nd = jnp.ndim(x)
     return ZeroParam(x, plan.mesh, spec(at_rest.spec, nd), spec(compute.spec, nd),
                      spec(grad.spec, nd), reduce_dtype,
-                     offloaded=at_rest.memory_kind == HOST)
+                     offloaded=at_rest.memory_kind == HOST, compute_dtype=compute_dtype)
 
   return jax.tree.map(one, params, plan.params, plan.params_gathered, plan.grads)
 

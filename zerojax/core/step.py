@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import re
 import time
 import warnings
 from typing import Any, Callable
@@ -30,8 +31,9 @@ from zerojax.core import context, offload
 from zerojax.core import budget
 from zerojax.core.config import ConfigError, ZeroConfig
 from zerojax._compat import REMAT_PRIMITIVE_NAMES, jaxpr_has_primitive
-from zerojax.core.gather import (box_params, per_layer_reads, regather_layers, remat_policy,
-                            scan_remat, scanned_layers)
+from zerojax.core.gather import (box_params, compute_dtype_of, per_layer_reads,
+                                 regather_layers, remat_policy, scan_remat, scanned_layers,
+                                 to_compute)
 from zerojax.core.mesh import make_mesh
 from zerojax.core.plan import ShardingPlan
 from zerojax.core.grad import check_batch
@@ -63,12 +65,14 @@ def wrap_apply_fn(apply_fn: Callable, plan: ShardingPlan, per_use: bool | None =
   warned = []
   pure = per_layer_reads(apply_fn, plan)
   decided: list[tuple[bool, bool]] = []  # (per use, has scan), from the first trace
+  cd = compute_dtype_of(cfg)
 
   @functools.wraps(apply_fn)
   def apply(variables, *args, **kwargs):
+    args = to_compute(args, cd)  # the batch's floating inputs enter in the compute dtype
     if not plan.gathers_per_use and jax.tree.structure(variables) == treedef:
       # A pure function of the plan's parameters (a plain pytree model).
-      return pure(variables, *args, **kwargs)
+      return pure(to_compute(variables, cd), *args, **kwargs)
     params = variables.get("params") if hasattr(variables, "get") else None
     if params is None or jax.tree.structure(params) != treedef:
       # Not linen's {"params": ...}: a pure function of its own (a plain pytree model). Only a
@@ -88,8 +92,10 @@ def wrap_apply_fn(apply_fn: Callable, plan: ShardingPlan, per_use: bool | None =
       ctx.apply_calls += 1
 
     def run(params, per_use):
+      # Parameters reach the model in the compute dtype: cast where each is gathered (per
+      # use), else on its shard before the partitioner's gather, so gathers move that dtype.
       boxed = dict(variables)
-      boxed["params"] = box_params(params, plan) if per_use else params
+      boxed["params"] = box_params(params, plan) if per_use else to_compute(params, cd)
       return apply_fn(boxed, *args, **kwargs)
 
     if not decided:
@@ -98,19 +104,11 @@ def wrap_apply_fn(apply_fn: Callable, plan: ShardingPlan, per_use: bool | None =
       jaxpr = jax.make_jaxpr(lambda p: run(p, False))(shapes)
       has_scan = jaxpr_has_primitive(jaxpr, frozenset({"scan"}))
       remats = jaxpr_has_primitive(jaxpr, REMAT_PRIMITIVE_NAMES)
-      # Which stage-3 models both formulations are compiled for, XLA's memory analysis
-      # choosing. On XLA:CPU the compiler's formulation of scanned or rematerialised layers
-      # measured at or under per-use gathering on every pattern (benchmarks/patterns.py), so
-      # there only unscanned models without remat are compiled twice. XLA:TPU measured the
-      # opposite on a scanned 7.5B GPT (18.2 GiB of temp against 2.5, BENCHMARKS.md), so on
-      # accelerators every stage-3 model is.
-      cpu = next(iter(plan.mesh.devices.flat)).platform == "cpu"
-      candidate = (not plan.gathers_per_use and cfg.gather == "auto" and cfg.stage == 3
-                   and (not cpu or (cfg.remat == "auto" and not has_scan and not remats))
-                   and any(lp.is_sharded for lp in plan.leaves))
-      if candidate and seen is not None:
-        seen["candidate"] = True
-      decided.append((plan.gathers_per_use or (candidate and forced is not False), has_scan))
+      per_use = plan.gathers_per_use or (
+          forced is not False and _per_use_by_default(plan, has_scan, remats))
+      if seen is not None:
+        seen["per_use"] = per_use
+      decided.append((per_use, has_scan))
     per_use, has_scan = decided[0]
     if cfg.quantized:  # ZeRO++: per device, zerojax's own (quantised) collectives
       def body(boxed, a, kw):
@@ -121,6 +119,25 @@ def wrap_apply_fn(apply_fn: Callable, plan: ShardingPlan, per_use: bool | None =
     return _layers(lambda p: run(p, per_use), params, cfg, per_use, has_scan)
 
   return apply
+
+
+def _per_use_by_default(plan: ShardingPlan, has_scan: bool, remats: bool) -> bool:
+  """Whether ``gather='auto'`` gathers each parameter where a layer reads it, decided before
+  compiling from the plan, the model's structure and the target.
+
+  On accelerators, stage 3 always does: XLA:TPU and XLA:GPU's partitioner, left to place the
+  gathers, keeps square kernels sharded and all-gathers the layer's activations instead
+  (1.6-1.8x the collective bytes of hand-written FSDP, BENCHMARKS.md), while per-use gathering
+  moves each weight, in the compute dtype, at the textbook 3 psi. On XLA:CPU the partitioner's
+  formulation matches hand-written FSDP except for unscanned models without remat, which
+  would keep every layer's gathered weights for the backward pass.
+  """
+  cfg = plan.config
+  if cfg.gather != "auto" or cfg.stage != 3 or not any(lp.is_sharded for lp in plan.leaves):
+    return False
+  if next(iter(plan.mesh.devices.flat)).platform != "cpu":
+    return True
+  return cfg.remat == "auto" and not has_scan and not remats
 
 
 def _layers(run: Callable, params: Any, cfg: ZeroConfig, per_use: bool, has_scan: bool) -> Any:
@@ -209,16 +226,10 @@ class ZeroStep:
       seen: dict = {}
       jitted = make(None, seen)
       lowered = jitted.lower(state, batch, *rest)  # one trace (cached for the first call)
-      self.formulation[key] = "per use" if plan.gathers_per_use else "compiler"
-      if seen.get("candidate"):
-        # Both formulations are valid for this model: keep the one XLA says needs less.
-        alt = make(False, {})
-        per_use_temp = _temp_bytes(lowered)
-        compiler_temp = _temp_bytes(alt.lower(state, batch, *rest))
-        if compiler_temp is not None and (per_use_temp is None or compiler_temp < per_use_temp):
-          jitted = alt
-        else:
-          self.formulation[key] = "per use"
+      if compute_dtype_of(plan.config) is not None:
+        _check_compute_dtype(plan.config, lowered)
+      self.formulation[key] = "per use" if seen.get("per_use", plan.gathers_per_use) \
+          else "compiler"
       self._jitted[key] = jitted
     return self._jitted[key]
 
@@ -249,8 +260,11 @@ class ZeroStep:
       # step starts and go back when it ends; a linen model fetches each layer's just in time.
       params_host = plan.params_on_host
 
+      cd = compute_dtype_of(cfg)
+
       def step(state, batch, *rest):
         m, o = nnx.merge(graphdef, state)
+        _nnx_compute_dtype(m, cd)
         if params_host:
           nnx.update(m, offload.put_like(nnx.state(m, nnx.Param), offload.on_device(plan.params)))
         finite: list = []
@@ -271,11 +285,14 @@ class ZeroStep:
             metrics = {**o.loss_scaling.metrics(), **metrics}
         return nnx.state((m, o)), metrics
 
-      self._jitted[key] = jax.jit(
+      jitted = jax.jit(
           step, in_shardings=(state_sh, plan.batch(batch), *_replicated(plan, rest)),
           out_shardings=(state_sh, plan.replicated),
           donate_argnums=(0,) if self.donate else (),
           compiler_options=compiler_options(plan))
+      if cd is not None:
+        _check_compute_dtype(cfg, jitted.lower(state, batch, *rest))
+      self._jitted[key] = jitted
     return self._jitted[key], state
 
   def _dispatch(self, args):
@@ -408,15 +425,40 @@ def _check_state_features(plan: ShardingPlan, state: Any) -> None:
                       f"zerojax.create_train_state); {kind} would silently ignore it")
 
 
-def _temp_bytes(lowered: Any) -> int | None:
-  """Temp bytes of ``lowered`` compiled, or None where it does not compile (an accelerator
-  compiler refuses a step over its memory: then the other formulation is taken, and where
-  neither compiles the caller's own compile reports the error)."""
-  try:
-    analysis = lowered.compile().memory_analysis()
-  except Exception:  # noqa: BLE001 - XLA raises its own error types (RESOURCE_EXHAUSTED)
-    return None
-  return None if analysis is None else int(analysis.temp_size_in_bytes)
+def _nnx_compute_dtype(model: Any, dtype: Any) -> None:
+  """Sets ``dtype`` on every NNX layer of ``model`` that leaves it unset (``None``: promote
+  the operands), so the layer casts its parameters and input to the compute dtype where it
+  reads them. ``model`` is the step's own merged copy, so the user's module is unchanged."""
+  if dtype is None:
+    return
+  from flax import nnx
+  for _, mod in nnx.iter_modules(model):
+    if "dtype" in vars(mod) and mod.dtype is None:
+      mod.dtype = dtype
+
+
+_DOT = re.compile(r"(?:stablehlo|mhlo)\.dot(?:_general)?\b.*?:\s*\(tensor<([^>]*)>,\s*tensor<([^>]*)>\)")
+
+
+def _check_compute_dtype(cfg: ZeroConfig, lowered: Any) -> None:
+  """``compute_dtype`` must reach the model's matrix multiplications: counted in the lowered
+  step (forward and backward). None of them in it is an error (the setting did nothing); some
+  in float32 (a model that upcasts, or reads its parameters past zerojax) is a warning."""
+  dots = [(a.rsplit("x", 1)[-1], b.rsplit("x", 1)[-1]) for a, b in _DOT.findall(lowered.as_text())]
+  if not dots:
+    return
+  wide = sum(1 for a, b in dots if a in ("f32", "f64") and b in ("f32", "f64"))
+  what = (f"compute_dtype={cfg.compute_dtype!r}: {wide} of the step's {len(dots)} matrix "
+          "multiplications (forward and backward) still take float32 operands")
+  if wide == len(dots):
+    raise ConfigError(
+        f"{what}, so the setting does nothing to this model. zerojax casts parameters where "
+        "the model reads them (linen state.apply_fn, plain pytree models) and sets dtype on "
+        "NNX layers that leave it None; a model that reads parameters another way must set "
+        "its own dtype. Or drop compute_dtype")
+  if wide:
+    warnings.warn(f"zerojax: {what} (a model that upcasts on its own, or reads parameters past "
+                  "zerojax, keeps them)", stacklevel=3)
 
 
 def _is_nnx(x: Any) -> bool:

@@ -28,7 +28,9 @@ class GPTConfig:
   mlp_ratio: int = 4
   scan: bool = True
   remat: bool = False  # nn.remat around each block (the user's own remat)
-  dtype: Any = jnp.float32  # compute dtype
+  # Compute dtype; None follows the parameters and inputs, which zerojax casts to
+  # ZeroConfig.compute_dtype where the model reads them.
+  dtype: Any = None
   param_dtype: Any = jnp.float32
   # Megatron-style tensor parallelism through Flax partitioning metadata: the qkv and fc
   # kernels split their output dimension over the ``tensor`` mesh axis, proj and out their
@@ -83,10 +85,10 @@ class Block(nn.Module):
     # Adam would turn its rounding noise into lr-sized updates.
     qkv = dense(3 * D, "qkv", bias=False)(h).reshape(B, T, 3, cfg.num_heads, cfg.head_dim)
     q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-    att = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(cfg.head_dim).astype(cfg.dtype)
+    att = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(cfg.head_dim).astype(q.dtype)
     mask = jnp.tril(jnp.ones((T, T), bool))
     att = jnp.where(mask, att, jnp.finfo(att.dtype).min)
-    att = jax.nn.softmax(att.astype(jnp.float32), axis=-1).astype(cfg.dtype)
+    att = jax.nn.softmax(att.astype(jnp.float32), axis=-1).astype(v.dtype)
     y = jnp.einsum("bhqk,bkhd->bqhd", att, v).reshape(B, T, D)
     x = x + dense(D, "proj")(y)
     h = nn.LayerNorm(dtype=cfg.dtype, param_dtype=cfg.param_dtype, name="ln2")(x)
@@ -146,9 +148,9 @@ def nnx_gpt(cfg: GPTConfig, rngs: Any):
       B, T, D = x.shape
       qkv = self.qkv(self.ln1(x)).reshape(B, T, 3, cfg.num_heads, cfg.head_dim)
       q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-      att = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(cfg.head_dim).astype(cfg.dtype)
+      att = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(cfg.head_dim).astype(q.dtype)
       att = jnp.where(jnp.tril(jnp.ones((T, T), bool)), att, jnp.finfo(att.dtype).min)
-      att = jax.nn.softmax(att.astype(jnp.float32), axis=-1).astype(cfg.dtype)
+      att = jax.nn.softmax(att.astype(jnp.float32), axis=-1).astype(v.dtype)
       x = x + self.proj(jnp.einsum("bhqk,bkhd->bqhd", att, v).reshape(B, T, D))
       return x + self.out(nnx.gelu(self.fc(self.ln2(x))))
 
