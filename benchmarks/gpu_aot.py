@@ -68,6 +68,7 @@ def _table(rows, book_label="textbook"):
 
 
 def _baseline(cfg, topology, batch, style, stage3_plan, usable):
+  import jax
   from benchmarks.decoder import baseline_step
   from jax.sharding import Mesh
   import numpy as np
@@ -76,7 +77,8 @@ def _baseline(cfg, topology, batch, style, stage3_plan, usable):
   mesh = Mesh(np.array(devices), ("fsdp",))
   jitted, (p, o), b = baseline_step(cfg, mesh, batch, style)
   t0 = time.perf_counter()
-  compiled = jitted.lower(p, o, b).compile()
+  with jax.set_mesh(mesh):
+    compiled = jitted.lower(p, o, b).compile()
   return _row(f"{style}-written FSDP" if style == "hand" else "MaxText-style FSDP",
               measured=memory.measure(compiled), text=compiled.as_text(), plan=stage3_plan,
               seconds=time.perf_counter() - t0, usable=usable)

@@ -670,8 +670,10 @@ def tpu_topology(name: str) -> Any:
   """
   import importlib.util
   if not isinstance(name, str) or not _TOPOLOGY.match(name):
-    raise ValueError(f"topology={name!r} is invalid: GENERATION:SHAPE with generation one of "
-                     f"{sorted(HBM_PER_CHIP)}, e.g. {', '.join(TOPOLOGY_EXAMPLES)}")
+    raise ValueError(f"topology={name!r} is invalid: a TPU slice GENERATION:SHAPE with "
+                     f"generation one of {sorted(HBM_PER_CHIP)}, e.g. "
+                     f"{', '.join(TOPOLOGY_EXAMPLES)}; or a GPU pod such as h100:8, h100:2x8, "
+                     "a100-80g:8, h200:8, b200:8")
   if importlib.util.find_spec("libtpu") is None:
     raise ImportError(f"compiling for TPU topology {name!r} needs libtpu, which is not "
                       f"installed; install it with: {TPU_EXTRA}")
