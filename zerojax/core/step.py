@@ -575,9 +575,30 @@ def state_initializer(model: Any, tx: Any, rng: jax.Array, *init_args: Any,
 
   def init_params(rng, *args):
     variables = model.init(rng, *args, **init_kwargs)
+    if not jax.tree.leaves((variables or {}).get("params", {})):
+      raise ValueError(
+          f"create_train_state: {type(model).__name__}.init(...) made no parameters (its "
+          f"collections: {sorted(variables or {})}); zerojax shards and trains a model's "
+          "'params' collection, and this model has none. Check that its layers are called "
+          "(an `nn.compact` method, or submodules used in __call__)")
     return variables["params"]
 
   boxed = jax.eval_shape(init_params, rng, *init_args)
+  # A parameter leaf that is not floating point (an int counter, a bool mask) fails here,
+  # named: jax.grad of the step would fail on it later, deep inside the trace.
+  bad = []
+  for path, x in jax.tree_util.tree_flatten_with_path(
+      boxed, is_leaf=lambda x: isinstance(x, meta.AxisMetadata))[0]:
+    x = x.unbox() if isinstance(x, meta.AxisMetadata) else x
+    if not jnp.issubdtype(x.dtype, jnp.inexact):
+      bad.append(f"{jax.tree_util.keystr(path)} ({x.dtype}{list(x.shape)})")
+  if bad:
+    raise TypeError(
+        f"create_train_state: parameter leaves {', '.join(bad[:8])}"
+        f"{f' and {len(bad) - 8} more' if len(bad) > 8 else ''} are not floating point; a "
+        "train step differentiates every leaf of 'params' and jax.grad takes only float (or "
+        "complex) leaves. Keep integer or boolean state in another collection (e.g. "
+        "self.variable('state', ...)) or a constant, or make the leaf float")
   plan = ShardingPlan.create(config, mesh, _cast_shapes(boxed, pdtype), tx)
   plan.accumulation_steps  # inconsistent batch sizes fail here
 
