@@ -35,6 +35,37 @@ def _clean_env(**extra) -> dict:
   return env
 
 
+# -- 5. argument types are checked where they enter --------------------------------------------
+
+
+def _plan():
+  cfg = zerojax.ZeroConfig(stage=3)
+  return zerojax.ShardingPlan.create(cfg, zerojax.make_mesh(cfg), {"w": jnp.zeros((64, 64))})
+
+
+def test_text_batches_refuses_the_method_and_takes_the_plans_batch_sharding():
+  from zerojax.runtime.data import TextBatches
+  plan = _plan()
+  tokens = np.arange(1000, dtype=np.int32) % 256
+  with pytest.raises(TypeError) as e:
+    TextBatches(tokens, 16, 8, sharding=plan.batch)
+  msg = str(e.value)
+  assert "sharding=" in msg and "(method)" in msg and "jax.sharding.Sharding" in msg
+  assert "plan.batch()" in msg
+  with pytest.raises(TypeError, match=r"global_batch='16' \(str\)"):
+    TextBatches(tokens, "16", 8)
+  with pytest.raises(ValueError, match=r"seq_len=0 is invalid"):
+    TextBatches(tokens, 16, 0)
+  with pytest.raises(TypeError, match="tokens must be a 1-D numpy array"):
+    TextBatches(list(tokens), 16, 8)
+  b = next(TextBatches(tokens, 16, 8, sharding=plan.batch()))
+  assert b["x"].shape == (16, 8) and b["x"].sharding == plan.batch()
+  assert b["x"].sharding == plan.batch({"x": b["x"]})["x"]
+  from zerojax.runtime import data
+  assert "plan.batch()" in data.TextBatches.__doc__
+  assert "from ``plan.batch``)" not in data.TextBatches.__doc__
+
+
 # -- 10. models with no or integer parameters ----------------------------------------------------
 
 

@@ -187,9 +187,18 @@ class ShardingPlan:
     b = self.batch_sizes
     return b[2] if b is not None else (self.config.gradient_accumulation_steps or 1)
 
-  def batch(self, batch: PyTree) -> PyTree:
-    """Shards the leading (batch) dimension of every leaf over all data-parallel axes."""
+  def batch(self, batch: PyTree = None) -> Any:
+    """The batch's shardings: the leading (batch) dimension over all data-parallel axes.
+
+    ``plan.batch()``: the ``NamedSharding`` of a batch's rows, as a data loader takes it
+    (``TextBatches(..., sharding=plan.batch())``). ``plan.batch(tree)``: one sharding per leaf
+    of a batch pytree (arrays or ``jax.ShapeDtypeStruct``s; scalars replicated), for
+    ``jax.device_put`` or ``in_shardings``; a leading dimension that does not divide by the
+    data-parallel size is an error naming the leaf.
+    """
     dp, spec = self.data_parallel_size, P(self.data_axes)
+    if batch is None:
+      return NamedSharding(self.mesh, spec)
 
     def one(path, x):
       shape = np.shape(x) if not hasattr(x, "shape") else x.shape

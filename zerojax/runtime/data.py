@@ -11,7 +11,6 @@ from typing import Iterator
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding
 
 __all__ = ["VOCAB_SIZE", "load_bytes", "process_rows", "TextBatches"]
 
@@ -27,7 +26,7 @@ def load_bytes(path: str | os.PathLike) -> np.ndarray:
   return data.astype(np.int32)
 
 
-def process_rows(sharding: NamedSharding, global_batch: int) -> np.ndarray:
+def process_rows(sharding: jax.sharding.Sharding, global_batch: int) -> np.ndarray:
   """Indices of the global batch rows that this process's devices hold under ``sharding``.
 
   They are in the order ``jax.make_array_from_process_local_data`` expects its local data:
@@ -53,12 +52,37 @@ class TextBatches:
     global_batch: rows per step over all processes.
     seq_len: tokens per row.
     seed: shuffling seed; batch ``i`` depends only on ``(seed, i)``.
-    sharding: the batch sharding (from ``plan.batch``); with it, batches are global
-      ``jax.Array``s built from this process's rows only.
+    sharding: a ``jax.sharding.Sharding`` of the batch's rows: ``plan.batch()`` (the plan's
+      data-parallel sharding of a leading dimension; ``plan.batch(tree)`` gives one per leaf of
+      a batch tree). With it, batches are global ``jax.Array``s built from this process's rows
+      only; ``None``: numpy arrays of this process's rows.
+    step: the position (batch index) to start from.
+
+  Raises:
+    TypeError: an argument of the wrong type (each is checked here, not at the first batch).
+    ValueError: a corpus too short for ``seq_len``, or a non-positive size.
   """
 
   def __init__(self, tokens: np.ndarray, global_batch: int, seq_len: int, seed: int = 0,
-               sharding: NamedSharding | None = None, step: int = 0):
+               sharding: jax.sharding.Sharding | None = None, step: int = 0):
+    if sharding is not None and not isinstance(sharding, jax.sharding.Sharding):
+      hint = ("; it is a function or method: call it, e.g. sharding=plan.batch() for a "
+              "ShardingPlan" if callable(sharding) else "")
+      raise TypeError(f"TextBatches: sharding={sharding!r} ({type(sharding).__name__}) is not "
+                      "a jax.sharding.Sharding; pass the batch rows' sharding, e.g. "
+                      f"plan.batch() (a NamedSharding), or None for host arrays{hint}")
+    for name, v, low in (("global_batch", global_batch, 1), ("seq_len", seq_len, 1),
+                         ("seed", seed, 0), ("step", step, 0)):
+      if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+        raise TypeError(f"TextBatches: {name}={v!r} ({type(v).__name__}) is not an integer")
+      if v < low:
+        raise ValueError(f"TextBatches: {name}={v!r} is invalid: an integer >= {low}")
+    if not isinstance(tokens, np.ndarray) or tokens.ndim != 1 or not np.issubdtype(
+        tokens.dtype, np.integer):
+      raise TypeError(f"TextBatches: tokens must be a 1-D numpy array of integer token ids "
+                      f"(e.g. load_bytes(path)); got {type(tokens).__name__}"
+                      + (f" of shape {tokens.shape} and dtype {tokens.dtype}"
+                         if isinstance(tokens, np.ndarray) else ""))
     if tokens.size <= seq_len + 1:
       raise ValueError(f"corpus has {tokens.size} tokens; seq_len={seq_len} needs more")
     self.tokens, self.global_batch, self.seq_len = tokens, global_batch, seq_len
