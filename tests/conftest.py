@@ -113,6 +113,10 @@ SLOW = (
     "tests/test_patterns.py::",
     "tests/test_llama.py::",
     "tests/test_tpu_aot.py::",
+    "tests/test_first_hour.py::test_every_readme_python_snippet_runs_verbatim",
+    "tests/test_first_hour.py::test_commands_on_shapes_start_only_the_cpu_backend",
+    "tests/test_first_hour.py::test_train_bar_and_summary_print_the_same_tokens_per_sec",
+    "tests/test_first_hour.py::test_estimate_stage3_peak_is_not_above_stage2",
 )
 
 

@@ -66,6 +66,36 @@ def test_text_batches_refuses_the_method_and_takes_the_plans_batch_sharding():
   assert "from ``plan.batch``)" not in data.TextBatches.__doc__
 
 
+# -- 6. import and --help start nothing -------------------------------------------------------
+
+
+def test_import_and_help_load_no_jax_backend():
+  code = ("import sys, zerojax\n"
+          "assert 'jax' not in sys.modules, 'import zerojax imported jax'\n"
+          "from zerojax.tools import cli\n"
+          "try:\n  cli.main(['--help'])\nexcept SystemExit:\n  pass\n"
+          "assert 'jax' not in sys.modules, '--help imported jax'\n"
+          "print('ok')\n")
+  r = subprocess.run([sys.executable, "-c", code], env=_clean_env(), capture_output=True,
+                     text=True, timeout=120)
+  assert r.returncode == 0 and r.stdout.rstrip().endswith("ok"), r.stdout + r.stderr
+  assert r.stderr == "", r.stderr  # libtpu's "Failed to find host bounds" block, for one
+
+
+def test_commands_on_shapes_start_only_the_cpu_backend():
+  code = ("from zerojax.tools import cli\n"
+          "import contextlib, io\n"
+          "with contextlib.redirect_stdout(io.StringIO()):\n"
+          "  assert cli.main(['plan', '--model', 'tiny', '--devices', '8']) == 0\n"
+          "import jax\n"
+          "print(sorted({d.platform for d in jax.devices()}), jax.device_count())\n")
+  r = subprocess.run([sys.executable, "-c", code], env=_clean_env(), capture_output=True,
+                     text=True, timeout=300)
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert r.stdout.strip() == "['cpu'] 8", r.stdout
+  assert "host bounds" not in r.stderr and "TPU" not in r.stderr, r.stderr
+
+
 # -- 10. models with no or integer parameters ----------------------------------------------------
 
 

@@ -1,20 +1,65 @@
 """zerojax: ZeRO stages 0-3 for JAX as sharding plans over a device mesh.
 
 Data flows one way: `ZeroConfig` -> `make_mesh` -> `ShardingPlan` -> `zero_step` -> checkpoint.
+
+The names below are imported on first use: ``import zerojax`` loads neither JAX, Flax nor
+optax and starts no JAX backend (so it prints nothing, even with libtpu installed on a machine
+without a TPU), and the ``zerojax`` command starts in a fraction of a second. The public
+modules beside them: `zerojax.weights` (safetensors checkpoints read into a plan; the same
+module as `zerojax.runtime.weights`), `zerojax.checkpoint` (`zerojax.runtime.checkpoint`),
+`zerojax.models`.
 """
 
-from zerojax.core.config import ConfigError, ZeroConfig
-from zerojax.tools.config_file import load_config
-from zerojax.core.mesh import make_mesh
-from zerojax.core.plan import LeafPlan, ShardingPlan
-from zerojax.core.grad import value_and_grad
-from zerojax.core.step import create_nnx, create_train_state, zero_step, ZeroStep
-from zerojax.core.train_state import StepSettings, ZeroTrainState
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+# Public name -> the module that defines it.
+_EXPORTS = {
+    "ConfigError": "zerojax.core.config",
+    "ZeroConfig": "zerojax.core.config",
+    "load_config": "zerojax.tools.config_file",
+    "make_mesh": "zerojax.core.mesh",
+    "LeafPlan": "zerojax.core.plan",
+    "ShardingPlan": "zerojax.core.plan",
+    "value_and_grad": "zerojax.core.grad",
+    "create_nnx": "zerojax.core.step",
+    "create_train_state": "zerojax.core.step",
+    "zero_step": "zerojax.core.step",
+    "ZeroStep": "zerojax.core.step",
+    "StepSettings": "zerojax.core.train_state",
+    "ZeroTrainState": "zerojax.core.train_state",
+}
+_SUBMODULES = ("core", "runtime", "tools", "models", "weights", "checkpoint")
 
 __all__ = [
     "ConfigError", "ZeroConfig", "make_mesh", "LeafPlan", "ShardingPlan", "create_nnx",
     "create_train_state", "zero_step", "ZeroStep", "value_and_grad", "ZeroTrainState",
     "StepSettings", "load_config",
 ]
+
+if TYPE_CHECKING:  # what type checkers and IDEs see; at run time `__getattr__` imports these
+  from zerojax.core.config import ConfigError, ZeroConfig
+  from zerojax.core.grad import value_and_grad
+  from zerojax.core.mesh import make_mesh
+  from zerojax.core.plan import LeafPlan, ShardingPlan
+  from zerojax.core.step import ZeroStep, create_nnx, create_train_state, zero_step
+  from zerojax.core.train_state import StepSettings, ZeroTrainState
+  from zerojax.tools.config_file import load_config
+
+
+def __getattr__(name: str) -> Any:
+  if name in _EXPORTS:
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value  # once imported, a plain attribute
+    return value
+  if name in _SUBMODULES:
+    return importlib.import_module(f"{__name__}.{name}")
+  raise AttributeError(f"module 'zerojax' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+  return sorted(set(globals()) | set(_EXPORTS) | set(_SUBMODULES))

@@ -78,11 +78,24 @@ def cmd_train(args) -> int:
   return 0 if result.history else 1
 
 
+def _shapes_only() -> None:
+  """For work on shapes alone (``plan``; ``estimate`` without a compiled step): JAX gets only
+  its CPU backend, so no accelerator plugin (libtpu, CUDA) is started, or prints its start-up
+  warnings, for a command that uses no device. A ``JAX_PLATFORMS`` the user set, or a backend
+  already started, is left as it is."""
+  from zerojax._compat import backends_initialized
+  if os.environ.get("JAX_PLATFORMS") or backends_initialized():
+    return
+  import jax
+  jax.config.update("jax_platforms", "cpu")
+
+
 def cmd_plan(args) -> int:
   loaded = load_config(args.config, args.overrides, apply_xla_flags=False)
   from zerojax.tools import train as zt
   model_name = args.model or loaded.train.get("model", "small")
   n = args.devices
+  _shapes_only()
   zt.setup_cpu_devices(n)
   import optax
   from jax.sharding import AbstractMesh, AxisType
@@ -120,6 +133,8 @@ def cmd_estimate(args) -> int:
     if args.fit is not None and not args.no_compile:
       from zerojax.tools import train as zt
       zt.setup_cpu_devices(n)  # the compiled peak needs the devices (simulated on CPU)
+    else:
+      _shapes_only()
     import optax
     _, _, shapes = model_shapes(args.model, config)
     options = model_options(shapes, optax.adamw(1e-3), config, n)
@@ -240,8 +255,10 @@ def cmd_config(args) -> int:
     print("DeepSpeed keys:")
     for n in loaded.notes:
       print(f"  {n}")
-  from zerojax.core.zeropp import explain
-  lines = explain(loaded.config)
+  lines = []
+  if loaded.config.quantized:  # (zeropp imports JAX: not needed for the common case)
+    from zerojax.core.zeropp import explain
+    lines = explain(loaded.config)
   if lines:
     print("ZeRO++ (quantised collectives):")
     for line in lines:
