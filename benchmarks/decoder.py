@@ -156,8 +156,9 @@ def baseline_step(cfg: DecoderConfig, mesh, batch: tuple[int, int], style: str =
   tx = optax.adamw(1e-4) if tx is None else tx
   rows, seq = batch
   tokens = jax.ShapeDtypeStruct((rows, seq), jnp.int32)
+  key = jax.random.key(0)  # made before the mesh context, whose devices may be compile-only
   with jax.set_mesh(mesh):  # MaxText's activation constraints name mesh axes
-    params = jax.eval_shape(model.init, jax.random.key(0), tokens)["params"]
+    params = jax.eval_shape(model.init, key, tokens)["params"]
   rule = ((lambda s: _model_dim_spec(s, cfg.d_model, n)) if style == "maxtext"
           else (lambda s: _largest_dim_spec(s, n)))
   p_sh = jax.tree.map(lambda x: NamedSharding(mesh, rule(x.shape)), params)

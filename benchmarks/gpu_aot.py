@@ -95,7 +95,10 @@ def _zerojax(cfg, topology, batch, **config):
 def section_issue(args):
   from benchmarks.decoder import ISSUE_LLAMA
   topo, batch = "h100:8", (16, 1024)
-  runs = {s: _zerojax(ISSUE_LLAMA, topo, batch, stage=s) for s in (1, 2, 3)}
+  runs = {}
+  for s in (3, 2, 1):
+    runs[s] = _zerojax(ISSUE_LLAMA, topo, batch, stage=s)
+    print(runs[s].table(), flush=True)
   plan3 = runs[3].plan
   rows = [_baseline(ISSUE_LLAMA, topo, batch, "hand", plan3, runs[3].hbm_available),
           _baseline(ISSUE_LLAMA, topo, batch, "maxtext", plan3, runs[3].hbm_available)]

@@ -64,7 +64,9 @@ def _imports(path: pathlib.Path) -> set[str]:
 def test_the_package_is_three_layers_beside_compat_and_models():
   top = {p.stem if p.is_file() else p.name for p in PKG.iterdir()
          if (p.suffix == ".py" or (p.is_dir() and (p / "__init__.py").exists()))}
-  assert top == {"__init__", "_compat", "models", *LAYERS}, top
+  # zerojax.weights and zerojax.checkpoint: the public names of runtime.weights and
+  # runtime.checkpoint (re-exports, like __init__; README's snippets import them)
+  assert top == {"__init__", "_compat", "models", "weights", "checkpoint", *LAYERS}, top
   assert {"core.config", "core.mesh", "core.plan", "core.step", "runtime.checkpoint",
           "runtime.memory", "tools.cli", "tools.train"} <= set(_modules())
 

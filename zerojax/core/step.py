@@ -40,7 +40,7 @@ from zerojax.core.grad import check_batch
 from zerojax.core.zeropp import shard_map_apply
 from zerojax.core.train_state import StepSettings, ZeroTrainState, nnx_loss_scaling, skip_nonfinite
 
-__all__ = ["wrap_apply_fn", "compiler_options", "ZeroStep", "zero_step", "create_train_state",
+__all__ = ["wrap_apply_fn", "compiler_options", "GPU_COMPILER_OPTIONS", "ZeroStep", "zero_step", "create_train_state",
            "state_initializer", "create_nnx", "existing_params"]
 
 PyTree = Any
@@ -156,7 +156,13 @@ def _layers(run: Callable, params: Any, cfg: ZeroConfig, per_use: bool, has_scan
     return jax.checkpoint(run, policy=policy)(params)
 
 
-def compiler_options(plan: ShardingPlan) -> dict[str, str] | None:
+GPU_COMPILER_OPTIONS = {"xla_gpu_enable_latency_hiding_scheduler": True,
+                        "xla_gpu_enable_pipelined_all_gather": True,
+                        "xla_gpu_enable_pipelined_reduce_scatter": True,
+                        "xla_gpu_enable_while_loop_double_buffering": True}
+
+
+def compiler_options(plan: ShardingPlan) -> dict[str, Any] | None:
   """XLA options the stage needs on this backend.
 
   At stages 2-3 each layer's gradient must be reduce-scattered as soon as it exists. XLA's
@@ -167,10 +173,17 @@ def compiler_options(plan: ShardingPlan) -> dict[str, str] | None:
   stage 1 it would merge the once-per-step reduction of every leaf into one op whose output
   (full size: XLA:CPU lowers reduce-scatter as all-reduce) coexists with the local gradient,
   which measured 2G of temporaries instead of G.
+
+  On XLA:GPU the latency-hiding scheduler with pipelined all-gathers and reduce-scatters and
+  double-buffered loops issues the next layer's gather while the current one computes (the
+  flags MaxText ships for GPUs; measured in BENCHMARKS.md). They are per-compile options, so
+  they need no process-wide ``XLA_FLAGS``.
   """
   platform = next(iter(plan.mesh.devices.flat)).platform
   if plan.config.stage >= 1 and platform == "cpu":
     return {"xla_disable_hlo_passes": "cpu-all-reduce-combiner"}
+  if platform == "gpu":
+    return dict(GPU_COMPILER_OPTIONS)
   return None
 
 

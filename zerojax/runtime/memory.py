@@ -571,9 +571,9 @@ def _param_sizes(plan: Any) -> set[int]:
     shape = tuple(lp.shape)
     for j in range(len(shape)):
       sizes.add(math.prod(shape[j:]))
-    if shape:
+    if shape:  # a few layers of a stacked leaf at once (an unrolled scan)
       row = math.prod(shape[1:])
-      sizes.update(k * row for k in range(1, shape[0] + 1))
+      sizes.update(k * row for k in range(1, min(shape[0], 8) + 1))
   return sizes
 
 
