@@ -92,8 +92,9 @@ def main(argv=None) -> int:
            "tokens_per_sec": tps}
     history.append(rec)
     writer.write(rec)
-    if bar is not None:
-      bar.set_postfix(loss=f"{loss:.4f}", tok_s="-" if tps is None else f"{tps:,.0f}",
+    if bar is not None:  # tokens/s as zerojax's own loop shows it: the run's, after step 1
+      run_tps = zt.throughput(history, args.batch * mcfg.seq_len)
+      bar.set_postfix(loss=f"{loss:.4f}", tok_s="-" if run_tps is None else f"{run_tps:,.0f}",
                       refresh=False)
       bar.update(1)
   if bar is not None:

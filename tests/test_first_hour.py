@@ -175,6 +175,38 @@ def test_commands_on_shapes_start_only_the_cpu_backend():
   assert "host bounds" not in r.stderr and "TPU" not in r.stderr, r.stderr
 
 
+# -- 8. one tokens/s ----------------------------------------------------------------------------
+
+
+def test_throughput_is_one_definition_for_bar_summary_and_records(capsys):
+  from zerojax.tools import train as zt
+  recs = [{"step": 1, "loss": 5.0, "tokens_per_sec": None, "elapsed_sec": 100.0},
+          {"step": 2, "loss": 4.0, "tokens_per_sec": 1000.0, "elapsed_sec": 101.0},
+          {"step": 3, "loss": 3.0, "tokens_per_sec": 10000.0, "elapsed_sec": 101.1}]
+  # 2 steps of 1000 tokens in 1.1 s after step 1 finished; a single step: its own time
+  assert zt.throughput(recs, 1000) == pytest.approx(2000 / 1.1)
+  assert zt.throughput(recs[1:], 1000) == pytest.approx(recs[2]["tokens_per_sec"])
+  assert zt.throughput(recs[:1], 1000) is None
+  bar = zt.ProgressBar(3, 0, tokens_per_step=1000)
+  bar.on_records(recs[:2], 0)
+  bar.on_records(recs[2:], 2)
+  assert bar.bar.postfix.endswith(f"tok_s={2000 / 1.1:,.0f}"), bar.bar.postfix
+  bar.close()
+
+
+def test_train_bar_and_summary_print_the_same_tokens_per_sec(tmp_path, capsys):
+  from zerojax.core.config import ZeroConfig
+  from zerojax.tools import train as zt
+  zt.train(ZeroConfig(stage=2), zt.TrainOptions(
+      model="tiny", seq_len=32, steps=6, batch=8, log_every=2, out_dir=str(tmp_path),
+      progress=True, show_plan=False, plot=False, tensorboard=False))
+  out = capsys.readouterr().out
+  bar = re.findall(r"tok_s=([\d,]+)", out)
+  summary = re.search(r"([\d,]+) tokens/s after the first step", out)
+  assert bar and summary, out[-2000:]
+  assert bar[-1] == summary.group(1), (bar, summary.group(0))
+
+
 # -- 10. models with no or integer parameters ----------------------------------------------------
 
 

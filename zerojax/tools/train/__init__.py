@@ -15,7 +15,8 @@ The progress bar, plot and TensorBoard writer come with the ``train`` extra
 from zerojax.tools.train.options import (DEFAULT_CORPUS, PACKAGE_DIR, NonFiniteGradientsError,
                                    TrainOptions, apply_deepspeed_train, deepspeed_train_fields)
 from zerojax.tools.train.metrics import (EventWriter, MetricsWriter, StepClock, is_main_process, log,
-                                   plot_loss, read_events, read_jsonl, read_run_events, require)
+                                   plot_loss, read_events, read_jsonl, read_run_events, require,
+                                   throughput)
 from zerojax.tools.train.schedules import make_optimizer, make_schedule
 from zerojax.tools.train.params_io import flat_params, infer_model, load_weights, save_weights
 from zerojax.tools.train.loop import (Hook, ProgressBar, SaveCheckpoints, TrainResult, WriteMetrics,
@@ -27,4 +28,4 @@ __all__ = ["PACKAGE_DIR", "DEFAULT_CORPUS", "NonFiniteGradientsError", "TrainOpt
            "MetricsWriter", "read_jsonl", "plot_loss", "nothing_sharded_note", "StepClock",
            "make_schedule", "make_optimizer", "flat_params", "save_weights", "infer_model",
            "load_weights", "Hook", "WriteMetrics", "ProgressBar", "SaveCheckpoints", "TrainResult",
-           "train"]
+           "train", "throughput"]

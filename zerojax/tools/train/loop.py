@@ -41,7 +41,7 @@ from typing import Any, Callable, Iterable, Mapping
 from zerojax.core.config import ConfigError, ZeroConfig
 from zerojax.tools.train.options import DEFAULT_CORPUS, NonFiniteGradientsError, TrainOptions
 from zerojax.tools.train.metrics import (MetricsWriter, StepClock, is_main_process, log, plot_loss,
-                                   read_jsonl, require)
+                                   read_jsonl, require, throughput)
 from zerojax.tools.train.schedules import make_optimizer
 from zerojax.tools.train.params_io import load_weights, save_weights
 
@@ -253,15 +253,22 @@ class WriteMetrics(Hook):
 
 
 class ProgressBar(Hook):
-  """A tqdm bar with the latest loss and tokens/s."""
+  """A tqdm bar with the latest loss and the run's tokens/s so far (`throughput`: the tokens
+  of every step after this run's first over the time since the first finished; the final line
+  prints the same number). Without ``tokens_per_step``, tokens/s is the latest step's own."""
 
-  def __init__(self, total: int, initial: int):
+  def __init__(self, total: int, initial: int, tokens_per_step: float | None = None):
     tqdm = require("tqdm.auto", "the progress bar (progress=False goes without)").tqdm
     self.bar = tqdm(total=total, initial=initial, desc="train", unit="step",
                     dynamic_ncols=True, file=sys.stdout)
+    self.tokens_per_step = tokens_per_step
+    self.first: dict | None = None  # this run's first record (it carries compilation)
 
   def on_records(self, records: list[dict], previous_step: int) -> None:
-    last, tps = records[-1], records[-1]["tokens_per_sec"]
+    last = records[-1]
+    self.first = self.first or records[0]
+    tps = (last["tokens_per_sec"] if self.tokens_per_step is None else
+           throughput([self.first, last], self.tokens_per_step))
     self.bar.set_postfix(loss=f"{last['loss'] or float('nan'):.4f}",
                          tok_s="-" if tps is None else f"{tps:,.0f}", refresh=False)
     self.bar.update(last["step"] - previous_step)
@@ -406,8 +413,9 @@ def train(config: ZeroConfig, opts: TrainOptions | None = None, *,
 
   user_hooks = list(hooks)
   hooks = [WriteMetrics(writer)]
+  tokens_per_step = total * mcfg.seq_len
   if opts.progress and is_main_process():
-    hooks.append(ProgressBar(opts.steps, start))
+    hooks.append(ProgressBar(opts.steps, start, tokens_per_step))
 
   history: list[dict] = list(writer.previous)
   pending: list[tuple[int, Any]] = []
@@ -415,7 +423,6 @@ def train(config: ZeroConfig, opts: TrainOptions | None = None, *,
   policy = config.nonfinite_policy
   count_skips = policy == "skip"
   warned_skip = False
-  tokens_per_step = total * mcfg.seq_len
   t_start = time.perf_counter()
   clock = StepClock()  # per-step completion times; the loop never waits for the device
   last_fetched = start
@@ -493,10 +500,10 @@ def train(config: ZeroConfig, opts: TrainOptions | None = None, *,
   if history:
     first, last = history[0], history[-1]
     nan = float("nan")
-    timed = len(history) - 1  # steps after the first (which carries compilation)
-    speed = (f"{tokens_per_step * timed / (last['elapsed_sec'] - first['elapsed_sec']):,.0f} "
-             "tokens/s after the first step" if timed and last["elapsed_sec"] > first[
-                 "elapsed_sec"] else "1 step: no throughput (compilation)")
+    # This process's steps only: a resumed run's earlier records have their own clock.
+    tps = throughput(history[len(writer.previous):], tokens_per_step)
+    speed = (f"{tps:,.0f} tokens/s after the first step" if tps is not None else
+             "1 step: no throughput (compilation)")
     log(f"done: {opts.steps} steps, loss {first['loss'] or nan:.4f} -> {last['loss'] or nan:.4f}, "
         f"{speed}"
         + (f", {history[-1].get('skipped_steps', 0)} "

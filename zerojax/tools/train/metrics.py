@@ -14,7 +14,7 @@ import time
 from typing import Any, Iterable, Mapping
 
 __all__ = ["is_main_process", "log", "require", "EventWriter", "read_run_events", "read_events",
-           "MetricsWriter", "read_jsonl", "plot_loss", "StepClock"]
+           "MetricsWriter", "read_jsonl", "plot_loss", "StepClock", "throughput"]
 
 
 def is_main_process() -> bool:
@@ -199,6 +199,23 @@ def plot_loss(records: Iterable[Mapping[str, Any]], png_path: str | os.PathLike,
   fig.savefig(png_path)
   plt.close(fig)
   return os.fspath(png_path)
+
+
+def throughput(records: Iterable[Mapping[str, Any]], tokens_per_step: float) -> float | None:
+  """Tokens per second, zerojax's one definition (the progress bar, the run's final line and,
+  over a single step, each ``metrics.jsonl`` record's ``tokens_per_sec``): the tokens of the
+  steps after the first of ``records`` divided by the wall time from the first's completion on
+  the device to the last's (`StepClock`'s ``elapsed_sec``). The first step is left out: it
+  carries compilation and warm-up. ``None`` with fewer than two timed steps.
+
+  ``records`` are one process's run, in step order (a resumed run's ``elapsed_sec`` restarts).
+  """
+  recs = [r for r in records if r.get("elapsed_sec") is not None]
+  if len(recs) < 2:
+    return None
+  steps = recs[-1]["step"] - recs[0]["step"]
+  dt = recs[-1]["elapsed_sec"] - recs[0]["elapsed_sec"]
+  return tokens_per_step * steps / dt if steps > 0 and dt > 0 else None
 
 
 class StepClock:
