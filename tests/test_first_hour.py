@@ -207,6 +207,40 @@ def test_train_bar_and_summary_print_the_same_tokens_per_sec(tmp_path, capsys):
   assert bar[-1] == summary.group(1), (bar, summary.group(0))
 
 
+# -- 9. the estimate's stage-3 peak --------------------------------------------------------------
+
+
+def test_estimate_title_says_what_stays_replicated(capsys):
+  assert cli.main(["estimate", "--model", "tiny", "--devices", "8"]) == 0
+  out = capsys.readouterr().out
+  assert "below 0 elements" not in out
+  assert "every leaf with a dimension divisible by 8 is sharded" in out
+  assert cli.main(["estimate", "--model", "tiny", "--devices", "8",
+                   "param_persistence_threshold=4096"]) == 0
+  assert "leaves below param_persistence_threshold=4,096 elements" in capsys.readouterr().out
+
+
+def test_recommend_compiled_shows_which_formulation_gave_the_peak():
+  from zerojax.tools.estimate import Option, recommend_compiled
+  o = Option("stage 3", 3, False, False, 1e6, 1e6, 1e6, 0, "3Ψ", 3)
+  best, why, peaks = recommend_compiled([o], 1e9, lambda _: (5e8, "gather=explicit"))
+  assert best is o and peaks == {"stage 3": 5e8}
+  assert "peak 500.0 MB per device (XLA, gather=explicit) fits" in why[0]
+
+
+def test_estimate_stage3_peak_is_not_above_stage2(capsys):
+  # gpt-89m's LM head (vocabulary 50257, divisible by no device count) is sharded along its
+  # contracting dimension; XLA:CPU's partitioner then gives every device whole-batch logits
+  # (723.9 MB at stage 3 against stage 2's 689.6 MB). Per-use gathering needs 537.6 MB.
+  rc = cli.main(["estimate", "--model", "gpt-89m", "--devices", "8", "--fit", "500MB"])
+  out = capsys.readouterr().out
+  peak = {m.group(1): float(m.group(2)) for m in re.finditer(
+      r"^  (stage \d[^:]*): .*compiled step peak ([\d.]+) MB", out, re.M)}
+  assert peak["stage 3"] <= peak["stage 2"], out
+  assert "gather=explicit" in out.split("recommendation:")[1], out
+  assert rc == 0
+
+
 # -- 10. models with no or integer parameters ----------------------------------------------------
 
 

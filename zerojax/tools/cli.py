@@ -140,12 +140,16 @@ def cmd_estimate(args) -> int:
     options = model_options(shapes, optax.adamw(1e-3), config, n)
     from zerojax.runtime.memory import num_params
     psi = num_params(shapes)
+    t = config.persistence_threshold
+    kept = (f"leaves below param_persistence_threshold={t:,} elements or with no dimension "
+            f"divisible by {n} stay replicated" if t else
+            f"every leaf with a dimension divisible by {n} is sharded (the others stay "
+            "replicated)")
     title = (f"model-state memory per device: {args.model} ({psi:,} parameters, "
-             f"param_dtype {config.param_dtype}, optax.adamw), {n} devices; leaves below "
-             f"{config.persistence_threshold} elements or not divisible by {n} stay "
-             "replicated")
+             f"param_dtype {config.param_dtype}, optax.adamw), {n} devices; {kept}")
   shown = options if (args.fit is not None or args.offload) else options[:4]
   fit = None  # (best, why, compiled peaks)
+  extra_flags = ""  # overrides the recommendation needs besides stage and offload
   compile_note = None
   if args.fit is not None and args.model is None:  # the paper's assumptions: no model
     fit = (*recommend(options, args.fit), {})
@@ -153,13 +157,28 @@ def cmd_estimate(args) -> int:
     compile_note = _compile_note(args, n)
     if compile_note is None:
       batch = args.batch or n
+      per_use: dict[str, int] = {}  # options whose peak is gather='explicit''s (and auto's)
 
-      def peak(o: Option) -> int:
+      def peak(o: Option):
         cfg = config.replace(stage=o.stage, offload_optimizer=o.offload_optimizer,
                              offload_params=o.offload_params, optimizer_on_host=False)
-        return step_peak(args.model, cfg, batch, args.seq)
+        p = step_peak(args.model, cfg, batch, args.seq)
+        if not _partitioner_gathers(cfg):
+          return p
+        # XLA:CPU's partitioner (gather='auto' there) may move activations instead of a
+        # weight sharded along a matmul's contracting dimension: gpt-89m's LM head, whose
+        # vocabulary (50257) divides by no device count, then gets whole-batch logits on every
+        # device (2 x 206 MB at 8 devices), above stage 2's peak. zerojax's own per-use
+        # gathers (what accelerators get by default) may need less: the lower one is kept.
+        q = step_peak(args.model, cfg.replace(gather="explicit"), batch, args.seq)
+        if q >= p:
+          return p, f"gather=explicit would need {fmt_bytes(q)}"
+        per_use[o.name] = p
+        return q, f"gather=explicit; with gather=auto, XLA's partitioner: {fmt_bytes(p)}"
 
       fit = recommend_compiled(options, args.fit, peak)
+      if fit[0] is not None and fit[0].name in per_use:
+        extra_flags = " gather=explicit"
     else:
       fit = (*recommend(options, args.fit), {})
   if args.json:
@@ -168,7 +187,8 @@ def cmd_estimate(args) -> int:
     if fit is not None:
       best, why, peaks = fit
       out["fit"] = {"budget": args.fit, "recommendation": best.name if best else None,
-                    "why": why, "compiled_peak": peaks}
+                    "why": why, "compiled_peak": peaks,
+                    "gather": "explicit" if extra_flags else None}
     print(json.dumps(out, indent=1))
   else:
     print(format_table(shown, title))
@@ -200,8 +220,9 @@ def cmd_estimate(args) -> int:
       flags = f"stage={best.stage}" + (" offload_optimizer=true" if best.offload_optimizer
                                         else "") + (" offload_params=true"
                                                     if best.offload_params else "")
-      print(f"recommendation: {best.name} (communication {best.comm}); zerojax overrides: "
-            f"{flags}")
+      flags += extra_flags
+      print(f"recommendation: {best.name}{' with' + extra_flags if extra_flags else ''} "
+            f"(communication {best.comm}); zerojax overrides: {flags}")
   elif fit is not None:
     rc = 0 if fit[0] else 1
   if args.plot:
@@ -229,6 +250,17 @@ def cmd_compile(args) -> int:
   for note in loaded.notes:
     print(f"DeepSpeed {note}")
   return 2 if r.compiler_failed else (0 if r.fits else 1)
+
+
+def _partitioner_gathers(config) -> bool:
+  """Whether a stage-3 step under ``config`` leaves its gathers to XLA's partitioner on this
+  machine: ``gather='auto'`` on CPU devices, without a per-use feature (offloaded parameters,
+  ``reduce_dtype``, ZeRO++). On accelerators ``'auto'`` gathers per use at stage 3 already."""
+  if config.stage != 3 or config.gather != "auto" or config.offload_params or (
+      config.reduce_dtype is not None or config.quantized):
+    return False
+  import jax
+  return jax.devices()[0].platform == "cpu"
 
 
 def _compile_note(args, n: int) -> str | None:

@@ -106,6 +106,8 @@ def recommend_compiled(options: Sequence[Option], budget: float,
                        peak: Any) -> tuple[Option | None, list[str], dict[str, int]]:
   """`recommend` by the compiled step's peak: the lowest-communication option whose model
   state fits ``budget`` *and* whose compiled step (``peak(option) -> bytes``) fits too.
+  ``peak`` may also return ``(bytes, note)``: the note (e.g. which formulation gave the peak)
+  follows the option's line.
 
   Options whose model state alone exceeds the budget are not compiled. Returns the option,
   the reasoning and the compiled peaks measured (by option name).
@@ -116,9 +118,12 @@ def recommend_compiled(options: Sequence[Option], budget: float,
       why.append(f"{o.name}: model state {fmt_bytes(o.device)} per device does not fit "
                  f"({fmt_bytes(o.device - budget)} over); not compiled")
       continue
-    p = peaks[o.name] = peak(o)
+    p, note = peak(o), None
+    if isinstance(p, tuple):
+      p, note = p
+    peaks[o.name] = p
     head = (f"{o.name}: model state {fmt_bytes(o.device)} (estimate), compiled step peak "
-            f"{fmt_bytes(p)} per device (XLA)")
+            f"{fmt_bytes(p)} per device (XLA{', ' + note if note else ''})")
     if p <= budget:
       why.append(f"{head} fits ({fmt_bytes(budget - p)} left)")
       return o, why, peaks
