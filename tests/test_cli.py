@@ -152,10 +152,14 @@ def test_unknown_deepspeed_key_in_file(tmp_path):
 
 
 def test_cli_train_deepspeed_config(tmp_path):
+  # ds_zero2.json is Hugging Face Trainer style: its "auto" lr and bf16 come from the run
   r = run("train", str(ROOT / "configs/ds_zero2.json"), "model=tiny", "steps=3", "seq_len=32",
-          "train_batch_size=16", "log_every=1", f"out_dir={tmp_path}", "show_plan=false")
+          "train_batch_size=16", "log_every=1", f"out_dir={tmp_path}", "show_plan=false",
+          "lr=2e-3", "compute_dtype=float32")
   assert r.returncode == 0, r.stderr[-3000:]
   out = r.stdout
+  assert "DeepSpeed optimizer.params.lr: 'auto' -> 0.002 (lr=0.002, given)" in out
+  assert "DeepSpeed bf16.enabled: 'auto' -> False (compute_dtype='float32', given)" in out
   assert "stage 2" in out and "1 per device x 2 accumulation x 8 data parallel" in out
   assert "DeepSpeed zero_optimization.overlap_comm" in out
   flags = next(l for l in out.splitlines() if l.startswith("XLA_FLAGS="))

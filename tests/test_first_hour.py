@@ -35,6 +35,92 @@ def _clean_env(**extra) -> dict:
   return env
 
 
+# -- 2. DeepSpeed "auto" values come from the run ----------------------------------------------
+
+HF_STYLE = {  # what the Hugging Face Trainer's DeepSpeed integration documents
+    "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
+    "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "steps_per_print": 2000,
+    "bf16": {"enabled": "auto"},
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
+                                              "weight_decay": "auto"}},
+    "scheduler": {"type": "WarmupDecayLR", "params": {
+        "warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto",
+        "total_num_steps": "auto"}},
+    "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": "auto"},
+}
+
+
+@pytest.fixture
+def hf_file(tmp_path):
+  p = tmp_path / "ds_config.json"
+  p.write_text(json.dumps(HF_STYLE))
+  return p
+
+
+def test_auto_without_a_value_refuses_to_train_naming_each_key(hf_file):
+  with pytest.raises(ConfigError) as e:
+    zerojax.load_config(hf_file, apply_xla_flags=False)
+  msg = str(e.value)
+  for key, how in (("optimizer.params.lr", "lr="), ("gradient_clipping", "gradient_clipping="),
+                   ("bf16.enabled", "compute_dtype=bfloat16")):
+    assert re.search(rf"^  {re.escape(key)}: .*{re.escape(how)}", msg, re.M), msg
+  # what does have a value (the run's steps, warm-up, betas) is not among them
+  assert "total_num_steps" not in msg and "betas" not in msg
+
+
+def test_auto_values_come_from_the_run_and_each_is_printed(hf_file):
+  from zerojax.tools import train as zt
+  loaded = zerojax.load_config(hf_file, ["steps=4", "lr=1e-3", "compute_dtype=float32",
+                                         "gradient_clipping=0.5", "b2=0.999"],
+                               apply_xla_flags=False)
+  opts = zt.TrainOptions(**loaded.train)
+  assert opts.lr == 1e-3 and (opts.b1, opts.b2) == (0.9, 0.999) and opts.eps == 1e-8
+  s = opts.scheduler
+  assert (s["warmup_min_lr"], s["warmup_max_lr"], s["warmup_num_steps"],
+          s["total_num_steps"]) == (0.0, 1e-3, 0, 4)
+  assert loaded.config.gradient_clipping == 0.5 and loaded.config.compute_dtype == "float32"
+  notes = "\n".join(loaded.notes)
+  for line in ("optimizer.params.lr: 'auto' -> 0.001 (lr=0.001, given)",
+               "scheduler.params.total_num_steps: 'auto' -> 4 (steps=4, given)",
+               "scheduler.params.warmup_num_steps: 'auto' -> 0 (warmup_steps=0, zerojax's "
+               "default",
+               "optimizer.params.betas: 'auto' -> [0.9, 0.999]",
+               "bf16.enabled: 'auto' -> False (compute_dtype='float32', given)",
+               "gradient_clipping: 'auto' -> 0.5 (gradient_clipping=0.5, given)",
+               "train_batch_size: 'auto' -> 32 (the run's global batch: batch=32",
+               "zero_optimization.stage3_param_persistence_threshold: 'auto' -> zerojax's "
+               "default", "steps_per_print: log_every=2000"):
+    assert line in notes, (line, notes)
+  # every "auto" in the file has its line
+  assert notes.count("'auto' ->") == 14, notes
+  # the 4-step run: its learning rate is past warm-up from the first step on
+  _, sched = zt.make_optimizer(opts)
+  lrs = [float(sched(i)) for i in range(4)]
+  assert lrs[0] == pytest.approx(1e-3) and all(x > 0 for x in lrs), lrs
+
+
+def test_auto_is_shown_unresolved_where_nothing_trains(hf_file, capsys):
+  assert cli.main(["config", str(hf_file)]) == 0
+  out = capsys.readouterr().out
+  assert "optimizer.params.lr: 'auto' is not resolved" in out and "lr=..." in out
+  m = ds.map_deepspeed(HF_STYLE, {"lr": 2e-4, "compute_dtype": "bfloat16"})
+  assert m.auto["optimizer.params.lr"] == 2e-4 and m.auto["bf16.enabled"] is True
+  assert m.config.compute_dtype == "bfloat16"
+  assert set(m.unresolved) == {"gradient_clipping"}
+  with pytest.raises(ConfigError, match="gradient_clipping"):
+    ds.from_deepspeed(HF_STYLE, {"lr": 2e-4, "compute_dtype": "bfloat16"})
+
+
+def test_shipped_trainer_style_config_needs_lr_and_precision():
+  path = ROOT / "configs/ds_zero2.json"
+  with pytest.raises(ConfigError) as e:
+    zerojax.load_config(path, apply_xla_flags=False)
+  assert "optimizer.params.lr" in str(e.value) and "bf16.enabled" in str(e.value)
+  loaded = zerojax.load_config(path, ["lr=3e-4", "compute_dtype=bfloat16"],
+                               apply_xla_flags=False)
+  assert loaded.train["lr"] == 3e-4 and loaded.config.compute_dtype == "bfloat16"
+
+
 # -- 4. every README python snippet runs ---------------------------------------------------------
 
 CONTINUES = "# continues the Usage example above"

@@ -91,7 +91,8 @@ def _shapes_only() -> None:
 
 
 def cmd_plan(args) -> int:
-  loaded = load_config(args.config, args.overrides, apply_xla_flags=False)
+  loaded = load_config(args.config, args.overrides, apply_xla_flags=False,
+                       for_training=False)
   from zerojax.tools import train as zt
   model_name = args.model or loaded.train.get("model", "small")
   n = args.devices
@@ -128,7 +129,8 @@ def cmd_estimate(args) -> int:
              f"mixed-precision Adam (2Ψ fp16 params + 2Ψ fp16 grads + {args.k}Ψ optimizer "
              "state; the paper's Figure 1)")
   else:
-    loaded = load_config(args.config, args.overrides, apply_xla_flags=False)
+    loaded = load_config(args.config, args.overrides, apply_xla_flags=False,
+                         for_training=False)
     config = loaded.config
     if args.fit is not None and not args.no_compile:
       from zerojax.tools import train as zt
@@ -234,7 +236,8 @@ def cmd_estimate(args) -> int:
 
 
 def cmd_compile(args) -> int:
-  loaded = load_config(args.config, args.overrides, apply_xla_flags=False)
+  loaded = load_config(args.config, args.overrides, apply_xla_flags=False,
+                       for_training=False)
   from zerojax.runtime import memory
   if args.batch < 1 or args.seq < 1:
     raise ConfigError(f"--batch {args.batch} --seq {args.seq}: both must be >= 1")
@@ -276,7 +279,8 @@ def _compile_note(args, n: int) -> str | None:
 
 
 def cmd_config(args) -> int:
-  loaded = load_config(args.config, args.overrides, apply_xla_flags=False)
+  loaded = load_config(args.config, args.overrides, apply_xla_flags=False,
+                       for_training=False)
   print(json.dumps({"zerojax": loaded.config.to_dict(), "train": loaded.train}, indent=1,
                    default=str))
   if loaded.xla_flags:

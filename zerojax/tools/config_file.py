@@ -84,12 +84,18 @@ def parse_overrides(pairs: Sequence[str]) -> tuple[dict[str, Any], dict[str, Any
 
 
 def load_config(path: str | os.PathLike | None, overrides: Sequence[str] = (), *,
-                apply_xla_flags: bool = True) -> LoadedConfig:
+                apply_xla_flags: bool = True, for_training: bool = True) -> LoadedConfig:
   """Loads a zerojax or DeepSpeed config file (or defaults when ``path`` is None).
 
   A zerojax file holds `ZeroConfig` fields and optionally a ``train:`` section of
   `TrainOptions`; a file with ``zero_optimization`` is a DeepSpeed config. DeepSpeed keys that
   map to XLA flags are added to ``XLA_FLAGS`` when ``apply_xla_flags`` (call before JAX starts).
+
+  A DeepSpeed ``"auto"`` takes the run's own setting (``overrides``, and the training
+  options' defaults where those are the run's: see `zerojax.tools.deepspeed.map_deepspeed`);
+  each choice is a note. With ``for_training`` (a run is about to start), an ``"auto"`` that
+  nothing resolves is a `ConfigError` naming the key and how to set it; without (planning,
+  showing a config), it stays a note and the `ZeroConfig` keeps its default there.
   """
   from zerojax.tools import deepspeed
   from zerojax.tools.train import TrainOptions, deepspeed_train_fields
@@ -103,7 +109,9 @@ def load_config(path: str | os.PathLike | None, overrides: Sequence[str] = (), *
   notes, flags, train = [], [], {}
   with in_file(path):  # errors from the file's contents name the file
     if deepspeed.is_deepspeed(d):
-      m = deepspeed.map_deepspeed(d)
+      m = deepspeed.map_deepspeed(d, given={**tover, **zover})
+      if for_training:
+        m.require_resolved()
       config, notes, flags = m.config, list(m.notes), list(m.xla_flags)
       train = deepspeed_train_fields(m.train)
     else:

@@ -13,7 +13,8 @@ A DeepSpeed config maps onto zerojax in three ways:
 
 An unknown key is an error that names it; an unsupported device (``nvme``) is an error that
 says what to use instead. ``"auto"`` values (as written by the Hugging Face Trainer
-integration) mean "not set".
+integration) mean "the run's own setting": `map_deepspeed` resolves each from the training
+options and overrides and says which, or lists it as unresolved.
 
 Training-loop settings DeepSpeed keeps in the same file (``optimizer``, ``scheduler``,
 ``steps_per_print``, ``tensorboard``) are returned in `DeepSpeedMapping.train` for
@@ -62,12 +63,28 @@ class DeepSpeedMapping:
     notes: one line per key: what it became, or why it needs nothing.
     train: training-loop settings (``optimizer``, ``scheduler``, ``log_every``,
       ``tensorboard_dir``) for `zerojax.tools.train`.
+    auto: ``{key: value}`` for every ``"auto"`` resolved from the run's settings (``None``:
+      left to a zerojax setting the note names, e.g. the run's batch); `notes` says where
+      each came from.
+    unresolved: ``{key: how to set it}`` for every ``"auto"`` nothing gave a value;
+      `require_resolved` refuses them (a training run calls it).
   """
 
   config: ZeroConfig
   xla_flags: tuple[str, ...] = ()
   notes: tuple[str, ...] = ()
   train: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  auto: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  unresolved: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+  def require_resolved(self) -> None:
+    """Raises `ConfigError` naming every ``"auto"`` key nothing gave a value, and how to set
+    each (a run must not start on values nobody chose)."""
+    if self.unresolved:
+      raise ConfigError(
+          f"DeepSpeed config: {len(self.unresolved)} 'auto' value(s) the run gives no value "
+          "for (\"auto\" means the run's own setting):\n" + "\n".join(
+              f"  {k}: {how}" for k, how in self.unresolved.items()))
 
   def apply_xla_flags(self, environ: "os._Environ | dict | None" = None) -> list[str]:
     """Appends `xla_flags` to ``XLA_FLAGS`` (flags the user already set win).
@@ -101,9 +118,12 @@ class DeepSpeedMapping:
     return "\n".join(lines)
 
 
-def from_deepspeed(d: Mapping[str, Any]) -> ZeroConfig:
-  """The `ZeroConfig` of a DeepSpeed config dict (see `map_deepspeed` for flags and notes)."""
-  return map_deepspeed(d).config
+def from_deepspeed(d: Mapping[str, Any], given: Mapping[str, Any] | None = None) -> ZeroConfig:
+  """The `ZeroConfig` of a DeepSpeed config dict (see `map_deepspeed` for flags, notes and
+  ``given``); an ``"auto"`` nothing resolves is an error (`DeepSpeedMapping.require_resolved`)."""
+  m = map_deepspeed(d, given)
+  m.require_resolved()
+  return m.config
 
 
 def load_deepspeed(path: str | os.PathLike) -> DeepSpeedMapping:
@@ -247,8 +267,17 @@ class _Mapped:
     self.notes.append(f"{key}: {text}")
 
 
-def map_deepspeed(d: Mapping[str, Any]) -> DeepSpeedMapping:
+def map_deepspeed(d: Mapping[str, Any],
+                  given: Mapping[str, Any] | None = None) -> DeepSpeedMapping:
   """Maps a DeepSpeed config dict to a `DeepSpeedMapping` (config, XLA flags, notes).
+
+  ``"auto"`` values (Hugging Face Trainer configs) mean "from the trainer's arguments": they
+  are resolved from ``given``, the settings the run was given (`TrainOptions` fields such as
+  ``lr``, ``steps``, ``batch``, ``warmup_steps``, ``b1``; `ZeroConfig` fields such as
+  ``compute_dtype``, ``gradient_clipping``), and from `TrainOptions`' defaults where those are
+  the run's own (the optimizer's betas, eps and weight decay, ``warmup_steps``, ``steps``,
+  ``batch``). A note per key says what was chosen and why; what nothing resolves is listed in
+  `DeepSpeedMapping.unresolved` (the learning rate, precision and clipping have no default).
 
   Raises:
     ConfigError: for an unknown key (named), an unsupported value such as ``device: nvme``
@@ -257,6 +286,7 @@ def map_deepspeed(d: Mapping[str, Any]) -> DeepSpeedMapping:
   if not isinstance(d, Mapping):
     raise ConfigError(f"a DeepSpeed config must be a mapping, got {type(d).__name__}")
   _unknown("", set(d), _TOP_KEYS)
+  d, auto = _resolve_auto(d, given or {})
   m = _Mapped()
   _map_batch(d, m)
   _map_precision(d, m)
@@ -275,7 +305,8 @@ def map_deepspeed(d: Mapping[str, Any]) -> DeepSpeedMapping:
   except ConfigError as e:
     raise ConfigError(f"DeepSpeed config maps to an invalid ZeroConfig: {e}") from None
   return DeepSpeedMapping(config, tuple(f"{k}={v}" for k, v in m.flags.items()),
-                          tuple(m.notes), m.train)
+                          tuple(_auto_notes(auto) + m.notes), m.train,
+                          {k: v for k, (v, _) in auto.chosen.items()}, dict(auto.unresolved))
 
 
 def _map_batch(d: Mapping[str, Any], m: _Mapped) -> None:
@@ -471,6 +502,8 @@ def _map_training(d: Mapping[str, Any], m: _Mapped) -> None:
     note("scheduler", f"-> {train['scheduler']['name']} learning-rate schedule (training loop)")
   if "steps_per_print" in d:
     train["log_every"] = _int("steps_per_print", d["steps_per_print"])
+    note("steps_per_print", f"log_every={train['log_every']} (metrics are fetched, logged and "
+         "shown every log_every steps, at the first and at the last step)")
   if "tensorboard" in d:
     tb = _section(d, "tensorboard")
     _unknown("tensorboard", set(tb), {"enabled", "output_path", "job_name"})
@@ -565,3 +598,211 @@ def _scheduler(s: Any) -> dict:
   params = dict(_section(s, "params", "scheduler.params"))
   _unknown(f"scheduler.params ({t})", set(params), allowed[t])
   return {"name": t, **{k: v for k, v in params.items() if not _auto(v)}}
+
+
+# -- "auto" (Hugging Face Trainer configs) ----------------------------------------------------
+#
+# "auto" means "from the trainer's own arguments". zerojax's are the run's settings: the
+# training options (`zerojax.tools.train.TrainOptions`: lr, steps, batch, warmup_steps, the
+# optimizer's hyperparameters) and the ZeroConfig fields the run was given (overrides). Each
+# "auto" becomes one of them, and says which; where none gives a value, the key is listed in
+# `DeepSpeedMapping.unresolved` with how to set it, and a training run refuses to start.
+
+_BATCH_KEYS = (("train_batch_size", "train_batch_size"),
+               ("train_micro_batch_size_per_gpu", "micro_batch_per_device"),
+               ("gradient_accumulation_steps", "gradient_accumulation_steps"))
+_FP16_FIELDS = ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
+                "min_loss_scale")
+
+
+@dataclasses.dataclass
+class _AutoValues:
+  """Resolves the "auto" values of one DeepSpeed config from what the run was given."""
+
+  given: Mapping[str, Any]  # TrainOptions / ZeroConfig fields the run set itself
+  defaults: Mapping[str, Any]  # TrainOptions' defaults
+  chosen: dict[str, tuple[Any, str]] = dataclasses.field(default_factory=dict)
+  unresolved: dict[str, str] = dataclasses.field(default_factory=dict)
+
+  def option(self, name: str) -> tuple[Any, str]:
+    """A training option's value and where it came from."""
+    if name in self.given:
+      return self.given[name], f"{name}={self.given[name]!r}, given"
+    return self.defaults[name], (f"{name}={self.defaults[name]!r}, zerojax's default; set "
+                                 f"{name}=... to change it")
+
+  def lr(self, d: Mapping[str, Any]) -> tuple[Any, str]:
+    """The peak learning rate: ``lr`` given to the run, else the optimizer's own number."""
+    if "lr" in self.given:
+      return self.given["lr"], f"lr={self.given['lr']!r}, given"
+    o = d.get("optimizer")
+    v = o.get("params", {}).get("lr") if isinstance(o, Mapping) and isinstance(
+        o.get("params"), Mapping) else None
+    if _real(v):
+      return v, "optimizer.params.lr in the file"
+    return None, ("the learning rate is the run's own choice (no default suits every model): "
+                  "pass lr=... (e.g. `zerojax train ds_config.json lr=3e-4`, or "
+                  "load_config(path, ['lr=3e-4'])) or write the number in the file")
+
+
+def _resolve_auto(d: Mapping[str, Any], given: Mapping[str, Any]) -> tuple[dict, _AutoValues]:
+  """``d`` with every "auto" it knows replaced by the run's value (or removed, where zerojax's
+  own setting applies), and the record of what was chosen and what could not be."""
+  from zerojax.tools.train.options import TrainOptions
+  a = _AutoValues(given, {f.name: f.default for f in dataclasses.fields(TrainOptions)})
+  d = dict(d)
+
+  # Batch sizes: the run's batch option, or what the numeric ones imply.
+  numeric = [k for k, _ in _BATCH_KEYS if k in d and not _auto(d[k])]
+  for ds_key, field in _BATCH_KEYS:
+    if not _auto(d.get(ds_key)):
+      continue
+    del d[ds_key]
+    if field in given:
+      d[ds_key] = given[field]
+      a.chosen[ds_key] = (given[field], f"{field}={given[field]!r}, given")
+    elif numeric:
+      a.chosen[ds_key] = (None, "derived from " + ", ".join(f"{k}={d[k]}" for k in numeric)
+                          + " (train = micro x accumulation x data-parallel devices)")
+    elif field == "gradient_accumulation_steps":
+      d[ds_key] = 1
+      a.chosen[ds_key] = (1, "no accumulation: the run's batch is one micro-batch per device; "
+                             "set gradient_accumulation_steps=N to accumulate")
+    else:
+      rows, why = a.option("batch")
+      a.chosen[ds_key] = ((rows, f"the run's global batch: {why}") if field == "train_batch_size"
+                          else (None, "the run's global batch over the data-parallel devices "
+                                f"({why})"))
+
+  if _auto(d.get("gradient_clipping")):
+    if "gradient_clipping" in given:
+      d["gradient_clipping"] = given["gradient_clipping"] or 0
+      a.chosen["gradient_clipping"] = (given["gradient_clipping"],
+                                       f"gradient_clipping={given['gradient_clipping']!r}, given")
+    else:
+      del d["gradient_clipping"]
+      a.unresolved["gradient_clipping"] = (
+          "pass gradient_clipping=1.0 (the maximum global gradient norm; 0: no clipping), e.g. "
+          "`zerojax train ds_config.json gradient_clipping=1.0`, or write the number in the file")
+
+  # Precision: the compute_dtype the run was given.
+  cd = given.get("compute_dtype")
+  names = [n for n in ("bf16", "bfloat16", "fp16") if isinstance(d.get(n), Mapping)]
+  explicit = {n for n in names if d[n].get("enabled") is True}
+  for name in names:
+    if not _auto(d[name].get("enabled")):
+      continue
+    dtype = "float16" if name == "fp16" else "bfloat16"
+    key, sect = f"{name}.enabled", dict(d[name])
+    d[name] = sect
+    if cd is not None:
+      sect["enabled"] = cd == dtype
+      a.chosen[key] = (sect["enabled"], f"compute_dtype={cd!r}, given")
+    elif explicit - {name}:
+      sect["enabled"] = False
+      a.chosen[key] = (False, f"{sorted(explicit - {name})[0]} is enabled")
+    else:
+      sect["enabled"] = False
+      a.unresolved[key] = ("pass compute_dtype=bfloat16 (bf16), float16 (fp16) or float32 "
+                           "(neither), e.g. `zerojax train ds_config.json "
+                           "compute_dtype=bfloat16`, or write true or false in the file")
+  fp16 = d.get("fp16")
+  if isinstance(fp16, Mapping):
+    fp16 = d["fp16"] = dict(fp16)
+    on = fp16.get("enabled") is True
+    for k in _FP16_FIELDS:
+      if not _auto(fp16.get(k)):
+        continue
+      del fp16[k]
+      if not on:
+        a.chosen[f"fp16.{k}"] = (None, "not used: fp16 is off")
+      elif k in given:
+        fp16[k] = given[k]
+        a.chosen[f"fp16.{k}"] = (given[k], f"{k}={given[k]!r}, given")
+      else:
+        a.unresolved[f"fp16.{k}"] = (f"pass {k}=... (" + (
+            "0: dynamic loss scaling, > 0: a static scale" if k == "loss_scale" else
+            "see ZeroConfig") + ") or write the number in the file")
+
+  # The optimizer's hyperparameters and the schedule: the training options.
+  o = d.get("optimizer")
+  if isinstance(o, Mapping) and isinstance(o.get("params"), Mapping):
+    params = dict(o["params"])
+    for k in [k for k, v in params.items() if _auto(v)]:
+      key = f"optimizer.params.{k}"
+      if k == "lr":
+        v, why = a.lr({})  # the optimizer's own lr is the "auto" one
+      elif k == "betas":
+        (b1, w1), (b2, w2) = a.option("b1"), a.option("b2")
+        v, why = [b1, b2], f"{w1}; {w2}"
+      elif k in ("eps", "weight_decay", "momentum"):
+        v, why = a.option(k)
+      else:
+        continue  # not a key zerojax maps: the mapping names it
+      if v is None:
+        del params[k]
+        a.unresolved[key] = why
+      else:
+        params[k] = v
+        a.chosen[key] = (v, why)
+    d["optimizer"] = {**o, "params": params}
+  s = d.get("scheduler")
+  if isinstance(s, Mapping) and isinstance(s.get("params"), Mapping):
+    params = dict(s["params"])
+    for k in [k for k, v in params.items() if _auto(v)]:
+      key = f"scheduler.params.{k}"
+      if k == "warmup_min_lr":
+        v, why = 0.0, "0, as the Hugging Face Trainer sets it"
+      elif k == "warmup_max_lr":
+        v, why = a.lr(d)
+      elif k == "warmup_num_steps":
+        v, why = a.option("warmup_steps")
+      elif k == "total_num_steps":
+        v, why = a.option("steps")
+      else:
+        v, why = None, "zerojax has no training option for it: write the value in the file"
+      if v is None:
+        del params[k]
+        a.unresolved[key] = why
+      else:
+        params[k] = v
+        a.chosen[key] = (v, why)
+    d["scheduler"] = {**s, "params": params}
+
+  # zero_optimization sizes the Trainer derives from the model's hidden size: zerojax's own.
+  z = d.get("zero_optimization")
+  if isinstance(z, Mapping):
+    z = d["zero_optimization"] = dict(z)
+    for ds_key, field, default in (
+        ("stage3_param_persistence_threshold", "param_persistence_threshold",
+         "zerojax's default for the formulation (0 elements where XLA's partitioner places "
+         "the gathers, 4096 where zerojax gathers each parameter)"),
+        ("param_persistence_threshold", "param_persistence_threshold",
+         "zerojax's default for the formulation (0 or 4096 elements)"),
+        ("stage3_prefetch_bucket_size", "max_live_layers",
+         "zerojax's default max_live_layers=1 (each layer gathered just before use)"),
+        ("prefetch_bucket_size", "max_live_layers", "zerojax's default max_live_layers=1"),
+        ("zero_hpz_partition_size", "mesh_shape", "no hierarchical partitioning (the mesh "
+         "as configured)"),
+        ("mics_shard_size", "mesh_shape", "no hierarchical partitioning (the mesh as "
+         "configured)")):
+      if not _auto(z.get(ds_key)):
+        continue
+      del z[ds_key]
+      key = f"zero_optimization.{ds_key}"
+      if field in given:
+        a.chosen[key] = (given[field], f"{field}={given[field]!r}, given")
+      else:
+        a.chosen[key] = (None, f"{default}; set {field}=... to change it")
+  return d, a
+
+
+def _auto_notes(a: _AutoValues) -> list[str]:
+  """One line per "auto": the value chosen and where it came from, or how to set it."""
+  out = []
+  for key, (v, why) in a.chosen.items():
+    out.append(f"{key}: 'auto' -> " + (f"{v!r} ({why})" if v is not None else why))
+  for key, how in a.unresolved.items():
+    out.append(f"{key}: 'auto' is not resolved (the run sets nothing it could come from): "
+               f"{how}")
+  return out
