@@ -355,3 +355,22 @@ def test_create_train_state_names_what_it_cannot_train(model, error, match):
                                jnp.zeros((8, 16)), config=cfg)
 
 
+# -- 11. a misspelled DeepSpeed key -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("d, match", [
+    ({"zero_optimisation": {"stage": 2}, "train_batch_size": 8},
+     r"'zero_optimisation' is not a zerojax setting; did you mean DeepSpeed's "
+     r"'zero_optimization'\?"),
+    ({"bf16": {"enabled": True}, "optimizer": {"type": "AdamW"}},
+     r"'bf16', 'optimizer' are DeepSpeed keys, but this file has no top-level "
+     r"'zero_optimization'"),
+    ({"stgae": 2}, r"ZeroConfig has no field 'stgae' \(did you mean 'stage'\?\)"),
+])
+def test_deepspeed_lookalike_files_get_the_deepspeed_key(tmp_path, d, match):
+  p = tmp_path / "c.json"
+  p.write_text(json.dumps(d))
+  with pytest.raises(ConfigError, match=match):
+    zerojax.load_config(p, apply_xla_flags=False)
+
+

@@ -125,6 +125,7 @@ def load_config(path: str | os.PathLike | None, overrides: Sequence[str] = (), *
       if unknown:
         raise unknown_key_error("unknown training option", unknown, TrainOptions.fields(),
                                 " in 'train'")
+      _deepspeed_lookalike(d)
       config = ZeroConfig.from_dict(d)
     TrainOptions(**train)  # a bad value in the file is reported against the file
   if deepspeed.is_deepspeed(d) and apply_xla_flags:
@@ -137,3 +138,36 @@ def load_config(path: str | os.PathLike | None, overrides: Sequence[str] = (), *
   train.update(tover)
   return LoadedConfig(config, train, notes, flags, bool(notes or flags) or
                       deepspeed.is_deepspeed(d))
+
+
+def _deepspeed_lookalike(d: Mapping[str, Any]) -> None:
+  """A file read as a zerojax config (it has no top-level ``zero_optimization``) whose keys
+  are DeepSpeed's, or closer to a DeepSpeed key than to any `ZeroConfig` field (e.g. the
+  British ``zero_optimisation``), fails naming the DeepSpeed key: ``ZeroConfig has no field``
+  would send the user to the wrong list."""
+  import difflib
+  from zerojax.tools import deepspeed
+  fields = {f.name for f in dataclasses.fields(ZeroConfig)}
+  ds_keys = sorted(deepspeed.TOP_LEVEL_KEYS - fields)
+  score = lambda a, b: difflib.SequenceMatcher(None, a, b).ratio()
+  exact, near = [], {}
+  for key in (k for k in d if isinstance(k, str) and k not in fields):
+    if key in ds_keys:
+      exact.append(key)
+      continue
+    close = difflib.get_close_matches(key, ds_keys, n=1, cutoff=0.75)
+    if close and score(key, close[0]) > max((score(key, f) for f in fields), default=0):
+      near[key] = close[0]
+  how = ("a file is read as a DeepSpeed config when it has a top-level 'zero_optimization' "
+         "section")
+  if near:
+    key, ds_key = next(iter(near.items()))
+    raise ConfigError(f"{key!r} is not a zerojax setting; did you mean DeepSpeed's {ds_key!r}? "
+                      f"({how}; without one the file is a zerojax config, whose keys are "
+                      "ZeroConfig fields)")
+  if exact:
+    what = "is a DeepSpeed key" if len(exact) == 1 else "are DeepSpeed keys"
+    raise ConfigError(f"{', '.join(map(repr, exact))} {what}"
+                      f", but this file has no top-level 'zero_optimization' ({how}): add "
+                      "\"zero_optimization\": {\"stage\": N} (DeepSpeed's default stage is 0), or "
+                      "write zerojax's ZeroConfig fields instead")

@@ -38,8 +38,9 @@ from typing import Any, Mapping
 
 from zerojax.core.config import ConfigError, ZeroConfig, in_file, read_config_file, unknown_key_error
 
-__all__ = ["RS_COMBINE", "AG_COMBINE", "AR_COMBINE", "LHS", "DeepSpeedMapping",
-           "from_deepspeed", "load_deepspeed", "is_deepspeed", "map_deepspeed"]
+__all__ = ["RS_COMBINE", "AG_COMBINE", "AR_COMBINE", "LHS", "TOP_LEVEL_KEYS",
+           "DeepSpeedMapping", "from_deepspeed", "load_deepspeed", "is_deepspeed",
+           "map_deepspeed"]
 
 # XLA flag names (GPU backend; accepted and ignored by the CPU backend).
 RS_COMBINE = "--xla_gpu_reduce_scatter_combine_threshold_bytes"
@@ -196,6 +197,7 @@ _TOP_KEYS = ({"zero_optimization", "train_batch_size", "train_micro_batch_size_p
               "gradient_accumulation_steps", "gradient_clipping", "bf16", "bfloat16", "fp16",
               "communication_data_type", "optimizer", "scheduler", "steps_per_print",
               "tensorboard", "zerojax"} | set(_TOP_IGNORED))
+TOP_LEVEL_KEYS = frozenset(_TOP_KEYS)  # every top-level key a DeepSpeed config may have here
 _ZERO_KEYS = ({"stage", "offload_optimizer", "offload_param", "cpu_offload", "cpu_offload_params",
                "stage3_param_persistence_threshold", "stage3_max_live_parameters",
                "stage3_prefetch_bucket_size", "prefetch_bucket_size", "reduce_bucket_size",
