@@ -374,3 +374,32 @@ def test_deepspeed_lookalike_files_get_the_deepspeed_key(tmp_path, d, match):
     zerojax.load_config(p, apply_xla_flags=False)
 
 
+# -- 12. one exit-status convention -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("argv", [
+    ["train", "/no/such.json"], ["plan", "/no/such.json"], ["config", "/no/such.json"],
+    ["estimate", "--model", "tiny", "/no/such.json"],
+    ["compile", "/no/such.json", "--batch", "8", "--seq", "8", "--topology", "v5e:2x4"],
+    ["export", "/no/such/checkpoint", "out.npz"],
+])
+def test_a_missing_file_exits_2_in_every_command(argv, capsys, tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  assert cli.main(argv) == 2
+  err = capsys.readouterr().err
+  assert f"zerojax {argv[0]}: error:" in err and "/no/such" in err
+
+
+def test_a_missing_init_from_exits_2_before_training(capsys, tmp_path):
+  rc = cli.main(["train", "model=tiny", "steps=1", "init_from=/no/such.npz",
+                 f"out_dir={tmp_path}", "--no-progress"])
+  assert rc == 2
+  assert "TrainOptions.init_from='/no/such.npz' does not exist" in capsys.readouterr().err
+
+
+def test_readme_documents_the_exit_statuses():
+  section = README[README.index("\n## Command line\n"):]
+  section = section[:section.index("\n## ", 1)]
+  assert "Exit status" in section
+  for code in ("0", "1", "2"):
+    assert re.search(rf"`{code}`", section), code

@@ -25,6 +25,12 @@ __all__ = ["fmt_bytes", "paper_options", "model_options", "recommend",
 
 PROG = "zerojax"
 
+# Exit statuses, the same for every command (README, "Command line"): 0 done; 1 a negative
+# answer (estimate/compile: nothing fits, the step does not fit; train: no step ran) or an
+# unexpected error (a Python traceback); 2 the input is wrong (an argument, a missing or
+# invalid file, a bad config value), as argparse exits for a bad argument.
+EXIT_OK, EXIT_NO, EXIT_INPUT = 0, 1, 2
+
 EPILOG_OVERRIDES = """\
 overrides are key=value pairs (values parsed as YAML: 2, 1e-3, true, [2,4], null):
   * ZeroConfig fields, e.g. stage=2 mesh_shape=[2,4] mesh_axes=[replica,fsdp] remat=full
@@ -304,8 +310,10 @@ def cmd_config(args) -> int:
 
 def cmd_export(argv: list[str]) -> int:
   from zerojax.tools import export
-  rc = export.main(argv, prog=f"{PROG} export")
-  return int(rc or 0)
+  rc = int(export.main(argv, prog=f"{PROG} export") or 0)
+  # export.main answers a missing, damaged or mismatched checkpoint (the input) with 1; every
+  # zerojax command exits 2 for an input error, as argparse does for a bad argument.
+  return EXIT_INPUT if rc == 1 else rc
 
 
 # -- parser -----------------------------------------------------------------------------------
@@ -326,7 +334,10 @@ def build_parser() -> argparse.ArgumentParser:
              "--topology v5e:8x8\n"
              "  zerojax config configs/ds_zero2.json             # what a DeepSpeed config maps to\n"
              "  zerojax export --help\n\n"
-             "run `zerojax COMMAND --help` for a command's options.")
+             "run `zerojax COMMAND --help` for a command's options.\n\n"
+             "exit status: 0 done; 1 a negative answer (estimate --fit, compile: it does not "
+             "fit) or an\nunexpected error; 2 bad input (an argument, a missing or invalid file "
+             "or value).")
   p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
   sub = p.add_subparsers(dest="command", metavar="COMMAND")
 
@@ -502,7 +513,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   except (ConfigError, KeyError, ValueError, FileNotFoundError) as e:
     msg = e.args[0] if isinstance(e, KeyError) and e.args else e
     print(f"{PROG} {args.command}: error: {msg}", file=sys.stderr)
-    return 2
+    return EXIT_INPUT
 
 
 if __name__ == "__main__":

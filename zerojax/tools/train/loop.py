@@ -346,6 +346,10 @@ def train(config: ZeroConfig, opts: TrainOptions | None = None, *,
   if not os.path.isfile(corpus):
     raise ConfigError(f"TrainOptions.corpus={corpus!r} is not a file; pass corpus=PATH to a text "
                       f"file (the bundled corpus is {DEFAULT_CORPUS})")
+  if opts.init_from and not os.path.exists(opts.init_from):
+    raise ConfigError(f"TrainOptions.init_from={opts.init_from!r} does not exist; pass a .npz "
+                      "of consolidated weights (save_weights=true writes one) or a checkpoint "
+                      "directory")
   tokens = load_bytes(corpus)
   model = GPT(mcfg)
   sample = jnp.zeros((1, mcfg.seq_len), jnp.int32)  # shapes for init; the plan sets the batch
