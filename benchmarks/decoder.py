@@ -88,8 +88,9 @@ class Block(nn.Module):
     k = dense(cfg.kv_heads * cfg.head_dim, "wk")(h).reshape(B, T, cfg.kv_heads, cfg.head_dim)
     v = dense(cfg.kv_heads * cfg.head_dim, "wv")(h).reshape(B, T, cfg.kv_heads, cfg.head_dim)
     q, k = _rope(q, cfg.rope_theta), _rope(k, cfg.rope_theta)
-    att = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=(
-        None if cfg.attention == "xla" else cfg.attention))
+    fused = cfg.attention != "xla" and q.dtype in (jnp.bfloat16, jnp.float16)  # cuDNN's dtypes
+    att = jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                       implementation=cfg.attention if fused else None)
     x = _constrain(x + dense(D, "wo")(att.reshape(B, T, D)), cfg)
     h = RMSNorm(name="mlp_norm")(x)
     up = nn.silu(dense(cfg.ffn, "w1")(h)) * dense(cfg.ffn, "w3")(h)

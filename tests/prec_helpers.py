@@ -170,7 +170,7 @@ def _low_precision_reference(cfg, mults, config=None) -> Result:
 def _low_precision_run(cfg, stage, mults, **config_kw) -> Result:
   model, batches = GPT(cfg), data(len(mults), mults)
   zc = zerojax.ZeroConfig(stage=stage, param_persistence_threshold=helpers.THRESHOLD,
-                          compute_dtype=jnp.dtype(cfg.dtype).name, **config_kw)
+                          compute_dtype=jnp.dtype(cfg.dtype or jnp.float32).name, **config_kw)
   state, plan = zerojax.create_train_state(model, sgd(), jax.random.key(0),
                                            jnp.asarray(batches[0]["x"]), config=zc)
   p0 = _np(state.params)

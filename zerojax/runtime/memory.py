@@ -565,15 +565,12 @@ def reductions(hlo_text: str) -> list[tuple[str, list[frozenset[int]] | None, in
 
 def _param_sizes(plan: Any) -> set[int]:
   """Element counts a collective moving parameters (or their gradients, shards or layers) has:
-  a leaf, any trailing part of it, or k of its leading (layer) rows."""
+  a leaf, or any trailing part of it (one layer of a stacked leaf)."""
   sizes: set[int] = set()
   for lp in plan.leaves:
     shape = tuple(lp.shape)
     for j in range(len(shape)):
       sizes.add(math.prod(shape[j:]))
-    if shape:  # a few layers of a stacked leaf at once (an unrolled scan)
-      row = math.prod(shape[1:])
-      sizes.update(k * row for k in range(1, min(shape[0], 8) + 1))
   return sizes
 
 
