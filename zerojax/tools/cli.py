@@ -249,7 +249,7 @@ def cmd_compile(args) -> int:
     raise ConfigError(f"--batch {args.batch} --seq {args.seq}: both must be >= 1")
   try:
     r = memory.compile_for_topology(loaded.config, args.model, (args.batch, args.seq),
-                                    args.topology)
+                                    args.topology, memory_fraction=args.memory_fraction)
   except ImportError as e:
     print(f"{PROG} compile: error: {e}", file=sys.stderr)
     return 2
@@ -423,14 +423,19 @@ def build_parser() -> argparse.ArgumentParser:
   e.set_defaults(func=cmd_estimate)
 
   cp = sub.add_parser(
-      "compile", formatter_class=fmt, help="will it fit? compile the step for a TPU pod",
+      "compile", formatter_class=fmt, help="will it fit? compile the step for a TPU or GPU pod",
       description=_wrap(
           "Compile the real train step (stage, offload and remat from the config) ahead of "
-          "time for a TPU topology, on this machine: no TPU is needed and nothing is "
-          "allocated. Prints per device the HBM arguments, outputs, temp and peak, the host "
-          "(pinned_host) bytes, whether it fits the chip's HBM, the collective bytes per step "
-          "and the compile time, all as the TPU compiler reports them. Needs libtpu: "
-          'pip install "zerojax[tpu]".',
+          "time for a TPU or GPU topology, on this machine: no accelerator is needed and "
+          "nothing is allocated. Prints per device the HBM arguments, outputs, temp and peak, "
+          "the host (pinned_host) bytes, whether it fits, the collective bytes per step against "
+          "the textbook ZeRO volume, collectives that move activations, the share of "
+          "all-gather and reduce-scatter bytes overlapped with computation, and the compile "
+          "time. TPUs need libtpu (pip install \"zerojax[tpu]\"); XLA:TPU refuses a step that "
+          "does not fit. GPUs need JAX's CUDA plugin (pip install \"zerojax[gpu]\"); XLA:GPU "
+          "compiles a step that does not fit, so the verdict compares the peak with the share "
+          "of device memory the JAX GPU client allocates (--memory-fraction, default "
+          "XLA_PYTHON_CLIENT_MEM_FRACTION or 0.75).",
           "Exit status: 0 fits, 1 does not fit (the compiler refused it or its peak exceeds "
           "the usable HBM), 2 bad input."),
       epilog=EPILOG_OVERRIDES + "\nexamples:\n"
@@ -438,15 +443,23 @@ def build_parser() -> argparse.ArgumentParser:
              "--topology v5e:8x8\n"
              "  zerojax compile configs/ds_zero3_offload.json --model gpt-7.5b --batch 64 "
              "--seq 1024 --topology v5e:8x8 compute_dtype=bfloat16 remat=full\n\n"
+             "  zerojax compile configs/zero3.json --model gpt-7.5b --batch 16 --seq 2048 "
+             "--topology h100:8 compute_dtype=bfloat16\n\n"
              "topologies: " + ", ".join(("v5e:2x4", "v5e:8x8", "v5p:4x4x4", "v5p:8x8x8",
-                                         "v4:2x2x1", "v6e:4x4")) + ", ...")
+                                         "v4:2x2x1", "v6e:4x4", "h100:8", "h100:2x8",
+                                         "a100-80g:8", "h200:8", "b200:8")) + ", ...")
   cp.add_argument("config", nargs="?", help="zerojax or DeepSpeed config (default: stage 3)")
   cp.add_argument("overrides", nargs="*", metavar="key=value", help="ZeroConfig overrides")
   cp.add_argument("--model", default="small", help="GPT preset: tiny, small, gpt-89m, gpt-7.5b, "
                   "gpt-70b (default small)")
   cp.add_argument("--batch", type=int, required=True, help="global batch (rows per step)")
   cp.add_argument("--seq", type=int, required=True, help="tokens per row")
-  cp.add_argument("--topology", required=True, help="TPU slice, e.g. v5e:8x8 or v5p:4x4x4")
+  cp.add_argument("--topology", required=True,
+                  help="TPU slice (v5e:8x8, v5p:4x4x4, ...) or GPU pod: h100:8 (one host), "
+                  "h100:2x8 (hosts x GPUs), a100-80g:8, h200:8, b200:8")
+  cp.add_argument("--memory-fraction", type=float, default=None,
+                  help="GPU: share of device memory the JAX client allocates (default "
+                  "XLA_PYTHON_CLIENT_MEM_FRACTION, else 0.75)")
   cp.set_defaults(func=cmd_compile)
 
   c = sub.add_parser(
