@@ -21,7 +21,7 @@ from typing import Any, Iterator, Mapping, Sequence
 import numpy as np
 
 __all__ = ["STAGES", "MESH_AXES", "DTYPES", "REMAT_POLICIES", "GATHER_MODES", "QUANTIZED_DTYPES",
-           "OFFLOAD_FALLBACKS", "NONFINITE_POLICIES", "ConfigError", "did_you_mean",
+           "OFFLOAD_FALLBACKS", "NONFINITE_POLICIES", "NVME", "ConfigError", "did_you_mean",
            "unknown_key_error", "BOOL_FIELDS", "ZeroConfig", "in_file", "read_config_file"]
 
 STAGES = (0, 1, 2, 3)
@@ -31,6 +31,7 @@ REMAT_POLICIES = ("auto", "none", "full", "dots", "offload")
 GATHER_MODES = ("auto", "explicit")
 OFFLOAD_FALLBACKS = ("error", "warn")
 NONFINITE_POLICIES = ("auto", "skip", "halt", "ignore")
+NVME = "nvme"  # offload_optimizer's one string value: the state in files (ZeRO-Infinity)
 
 
 class ConfigError(ValueError):
@@ -59,7 +60,7 @@ def unknown_key_error(what: str, unknown: Any, allowed: Any, where: str = "",
 
 # Fields that must hold a real bool: a string such as "false" is truthy in Python.
 BOOL_FIELDS = ("offload_optimizer", "offload_params", "optimizer_on_host",
-               "quantize_weights_backward")
+               "quantize_weights_backward", "nvme_pipeline_read", "nvme_pipeline_write")
 QUANTIZED_DTYPES = ("int8", "int4")
 
 
@@ -83,11 +84,22 @@ class ZeroConfig:
     param_dtype: dtype of the master parameters and optimizer state.
     compute_dtype: dtype the model computes in (set on Flax modules as ``dtype``).
     reduce_dtype: dtype of the gradient reduction; ``None`` keeps the gradient's dtype.
-    offload_optimizer: keep the optimizer state in ``pinned_host`` memory (stages 1-3).
+    offload_optimizer: keep the optimizer state in ``pinned_host`` memory (stages 1-3), or,
+      with ``'nvme'``, in files under ``nvme_path`` (ZeRO-Infinity): the step's gradient shards
+      come to the host and each process streams its optimizer state through a pipelined,
+      chunked optax update there (`zerojax.runtime.nvme`).
     offload_params: keep stage-3 parameters in ``pinned_host`` memory.
     offload_fallback: what to do when the backend has no ``pinned_host``: ``'error'`` or
       ``'warn'`` (warn and keep the state on device).
     optimizer_on_host: run the optimizer update itself on the host (needs offload_optimizer).
+    nvme_path: directory of the optimizer-state files (``offload_optimizer='nvme'``); each
+      process writes under ``<nvme_path>/zerojax-nvme/process-<i>``.
+    nvme_chunk_size: parameters per chunk of the streamed update (DeepSpeed's
+      ``sub_group_size``); host memory holds ``nvme_buffer_count`` chunks of optimizer state.
+    nvme_buffer_count: chunk buffers in the pool (DeepSpeed's ``buffer_count``); 3 let the read
+      of chunk i+1, the update of chunk i and the write of chunk i-1 run at once.
+    nvme_pipeline_read: read the next chunks while the current one updates (``pipeline_read``).
+    nvme_pipeline_write: write updated chunks in the background (``pipeline_write``).
     remat: rematerialisation of the user's scanned layers: ``'auto'`` (default: a scanned
       layer the model does not rematerialise itself gets ``nothing_saveable``, so no layer's
       gathered weights outlive it; ``nn.remat`` layers are left as written), ``'none'`` (as
@@ -153,10 +165,15 @@ class ZeroConfig:
   param_dtype: str = "float32"
   compute_dtype: str = "float32"
   reduce_dtype: str | None = None
-  offload_optimizer: bool = False
+  offload_optimizer: bool | str = False
   offload_params: bool = False
   offload_fallback: str = "error"
   optimizer_on_host: bool = False
+  nvme_path: str | None = None
+  nvme_chunk_size: int = 1 << 22
+  nvme_buffer_count: int = 4
+  nvme_pipeline_read: bool = True
+  nvme_pipeline_write: bool = True
   remat: str = "auto"
   remat_offload_names: tuple[str, ...] = ()
   gather: str = "auto"
@@ -199,6 +216,12 @@ class ZeroConfig:
     return 4096 if per_use else 0
 
   @property
+  def optimizer_on_nvme(self) -> bool:
+    """Whether the optimizer state lives in files under ``nvme_path``
+    (``offload_optimizer='nvme'``)."""
+    return self.offload_optimizer == NVME
+
+  @property
   def quantized(self) -> bool:
     """Whether ZeRO++ quantised collectives are on (``quantize_weights``/``_gradients``)."""
     return self.quantize_weights is not None or self.quantize_gradients is not None
@@ -213,10 +236,17 @@ class ZeroConfig:
 
   def _validate(self) -> None:
     for f in BOOL_FIELDS:
+      if f == "offload_optimizer" and isinstance(self.offload_optimizer, str) and (
+          self.offload_optimizer.strip().lower() == NVME):
+        object.__setattr__(self, f, NVME)
+        continue
       if not isinstance(getattr(self, f), (bool, np.bool_)):
+        extra = (f", or {NVME!r} (the optimizer state in files under nvme_path)"
+                 if f == "offload_optimizer" else "")
         _fail(f, getattr(self, f), "true or false (a boolean; strings such as 'false' or 'no' "
-              "are not booleans)")
+              f"are not booleans){extra}")
       object.__setattr__(self, f, bool(getattr(self, f)))
+    self._validate_nvme()
     if not _is_int(self.stage) or self.stage not in STAGES:
       _fail("stage", self.stage, "allowed stages are 0, 1, 2 and 3")
     if not isinstance(self.mesh_axes, tuple) or not self.mesh_axes:
@@ -249,13 +279,15 @@ class ZeroConfig:
     if self.offload_fallback not in OFFLOAD_FALLBACKS:
       _fail("offload_fallback", self.offload_fallback, f"one of {OFFLOAD_FALLBACKS}")
     if self.offload_optimizer and self.stage == 0:
-      _fail("offload_optimizer", True, "needs stage >= 1: at stage 0 every device keeps a full "
+      _fail("offload_optimizer", self.offload_optimizer, "needs stage >= 1: at stage 0 every device keeps a full "
             "optimizer state, so offload would copy it to every host; use stage 1 or higher")
     if self.offload_params and self.stage != 3:
       _fail("offload_params", True, f"needs stage 3 (stage is {self.stage}): below stage 3 the "
             "parameters are replicated and used whole by every layer on every device")
-    if self.optimizer_on_host and not self.offload_optimizer:
-      _fail("optimizer_on_host", True, "needs offload_optimizer=True")
+    if self.optimizer_on_host and self.offload_optimizer is not True:
+      _fail("optimizer_on_host", True, "needs offload_optimizer=True" + (
+          " (with offload_optimizer='nvme' the update always runs on the host)"
+          if self.optimizer_on_nvme else ""))
     if self.remat not in REMAT_POLICIES:
       _fail("remat", self.remat, f"allowed policies are {REMAT_POLICIES}")
     if self.gather not in GATHER_MODES:
@@ -319,6 +351,26 @@ class ZeroConfig:
         _fail(f"rules[{i}]", r, f"the regex {r[0]!r} does not compile ({e}); rules are "
               "(regex, partition_spec) pairs matched with re.search against leaf paths such as "
               "'params/layers/mlp/kernel'")
+
+  def _validate_nvme(self) -> None:
+    if not self.optimizer_on_nvme:
+      if self.nvme_path is not None:
+        _fail("nvme_path", self.nvme_path, "only used with offload_optimizer='nvme' "
+              f"(offload_optimizer is {self.offload_optimizer!r}); set both, or drop nvme_path")
+    else:
+      if not isinstance(self.nvme_path, (str, os.PathLike)) or not os.fspath(self.nvme_path):
+        _fail("nvme_path", self.nvme_path, "offload_optimizer='nvme' needs the directory of "
+              "the optimizer-state files (a path string on a local disk, e.g. '/local_nvme')")
+      object.__setattr__(self, "nvme_path", os.fspath(self.nvme_path))
+      if self.offload_params:
+        _fail("offload_params", True, "cannot be combined with offload_optimizer='nvme': the "
+              "NVMe update returns parameter shards to device memory; keep the parameters on "
+              "the devices (stage 3 shards them)")
+    if not _is_int(self.nvme_chunk_size) or self.nvme_chunk_size < 1:
+      _fail("nvme_chunk_size", self.nvme_chunk_size, "a number of parameters >= 1")
+    if not _is_int(self.nvme_buffer_count) or self.nvme_buffer_count < 1:
+      _fail("nvme_buffer_count", self.nvme_buffer_count, "an integer >= 1 (3 or more let "
+            "reading, updating and writing overlap)")
 
   # -- derived values -----------------------------------------------------------------------
 

@@ -40,6 +40,15 @@ def supported_memory_kinds(mesh: Mesh) -> frozenset[str]:
 
 def memory_kinds(config: ZeroConfig, mesh: Mesh) -> tuple[str | None, str | None]:
   """``(param_kind, opt_kind)`` for the plan; ``None`` means the default (device) memory."""
+  if config.optimizer_on_nvme:
+    # A memory kind cannot say "in files": a plan of device or host memory for this config
+    # would silently keep the optimizer state there.
+    raise ConfigError(
+        f"offload_optimizer='nvme' (nvme_path={config.nvme_path!r}) keeps the optimizer state "
+        "in files, which zerojax.runtime.nvme streams through a host update: create the state "
+        "with zerojax.runtime.nvme.create_train_state and step with zerojax.runtime.nvme."
+        "nvme_step; zerojax.create_train_state, zero_step and ShardingPlan.create place state "
+        "in device or pinned_host memory only (offload_optimizer=True or False)")
   wants = config.offload_params or config.offload_optimizer
   if not wants:
     return None, None

@@ -11,8 +11,9 @@ A DeepSpeed config maps onto zerojax in three ways:
 * **keys with no XLA meaning** (``contiguous_gradients``, ...) are accepted, each with a
   one-line note in `DeepSpeedMapping.notes`.
 
-An unknown key is an error that names it; an unsupported device (``nvme``) is an error that
-says what to use instead. ``"auto"`` values (as written by the Hugging Face Trainer
+An unknown key is an error that names it; an unsupported device (``offload_param`` on
+``nvme``) is an error that says what to use instead. ``offload_optimizer`` on ``nvme`` maps to
+``offload_optimizer='nvme'`` (`zerojax.runtime.nvme`). ``"auto"`` values (as written by the Hugging Face Trainer
 integration) mean "the run's own setting": `map_deepspeed` resolves each from the training
 options and overrides and says which, or lists it as unresolved.
 
@@ -162,6 +163,8 @@ _TOP_IGNORED = {
     "activation_checkpointing": "activation checkpointing is ZeroConfig.remat ('full', 'dots', "
                                 "'offload'); set it under the \"zerojax\" key",
     "seed": "the run seed is a training option (seed=...)",
+    "aio": "libaio settings: zerojax's NVMe offload streams with threads and a buffer pool "
+           "(offload_optimizer.buffer_count, pipeline_read/pipeline_write)",
 }
 
 _ZERO_IGNORED = {
@@ -172,7 +175,8 @@ _ZERO_IGNORED = {
                       "each device's local gradient once after the backward pass; stage 0 "
                       "all-reduces",
     "round_robin_gradients": "XLA places reduced gradient shards; no round-robin is needed",
-    "sub_group_size": "the optimizer update is one XLA computation over the local shards",
+    "sub_group_size": "the optimizer update is one XLA computation over the local shards "
+                      "(with offload_optimizer on nvme: the chunk size, nvme_chunk_size)",
     "elastic_checkpoint": "checkpoints are saved sharded and restore onto any mesh",
     "load_from_fp32_weights": "master weights are kept in param_dtype and restored from it",
     "ignore_unused_parameters": "unused parameters get zero gradients in JAX",
@@ -392,8 +396,11 @@ def _map_partitioning(z: Mapping[str, Any], m: _Mapped) -> None:
     raise _err("zero_optimization.stage", stage, "0, 1, 2 or 3")
   kw["stage"] = int(stage)
 
-  if _offload(z, "offload_optimizer", "zero_optimization.offload_optimizer", note):
-    kw["offload_optimizer"] = True
+  opt = _offload(z, "offload_optimizer", "zero_optimization.offload_optimizer", note)
+  if opt:
+    kw["offload_optimizer"] = opt
+  if opt == "nvme":
+    _map_nvme(z, kw, note)
   if _offload(z, "offload_param", "zero_optimization.offload_param", note):
     kw["offload_params"] = True
   if "cpu_offload" in z and _bool("zero_optimization.cpu_offload", z["cpu_offload"]):
@@ -539,13 +546,16 @@ def _offload(z: Mapping, key: str, full: str, note) -> bool:
   if device == "auto":
     note(f"{full}.device", "'auto': not set, no offload")
     device = "none"
-  if device == "nvme":
+  if device == "nvme" and key == "offload_param":
     raise _err(f"{full}.device", sect.get("device"),
-               "zerojax does not offload to NVMe; use \"device\": \"cpu\" (pinned host memory, "
-               "zerojax's offload target) or \"none\", and a larger stage or more devices if "
-               "host memory is short (see `zerojax estimate --fit`)")
+               "zerojax does not keep parameters on NVMe; use \"device\": \"cpu\" (pinned host "
+               "memory) or \"none\" for the parameters, and put the optimizer state (the larger "
+               "part: 12 bytes per parameter with Adam) on NVMe with offload_optimizer: "
+               "{\"device\": \"nvme\", \"nvme_path\": ...} at stage 3")
+  if device == "nvme":
+    return "nvme"
   if device not in ("cpu", "none"):
-    raise _err(f"{full}.device", sect.get("device"), "\"cpu\" or \"none\"")
+    raise _err(f"{full}.device", sect.get("device"), "\"cpu\", \"nvme\" or \"none\"")
   if device == "none":
     return False
   what = "offload_optimizer" if key == "offload_optimizer" else "offload_params"
@@ -554,6 +564,49 @@ def _offload(z: Mapping, key: str, full: str, note) -> bool:
     note(f"{full}.{k}", "XLA transfers between pinned host and device memory itself; "
          "nothing to set")
   return True
+
+
+def _map_nvme(z: Mapping, kw: dict, note) -> None:
+  """``offload_optimizer: {device: nvme, ...}``: ZeRO-Infinity's optimizer state on disk."""
+  full = "zero_optimization.offload_optimizer"
+  sect = z["offload_optimizer"]
+  if "nvme_path" not in sect or _auto(sect["nvme_path"]):
+    raise _err(f"{full}.nvme_path", sect.get("nvme_path"), "device nvme needs nvme_path, the "
+               "directory of the optimizer-state files (a local NVMe disk)")
+  if not isinstance(sect["nvme_path"], str) or not sect["nvme_path"]:
+    raise _err(f"{full}.nvme_path", sect["nvme_path"], "a directory path string")
+  kw["nvme_path"] = sect["nvme_path"]
+  note(full, f"device nvme -> offload_optimizer='nvme': the optimizer state lives in files "
+       f"under '{sect['nvme_path']}/zerojax-nvme/process-<i>' and is streamed through a "
+       "chunked optax update on each host (zerojax.runtime.nvme)")
+  note(f"{full}.nvme_path", f"nvme_path={sect['nvme_path']!r} (checked before step 1: exists, "
+       "writable, room for the state plus one generation)")
+  if "buffer_count" in sect and not _auto(sect["buffer_count"]):
+    kw["nvme_buffer_count"] = _int(f"{full}.buffer_count", sect["buffer_count"])
+    note(f"{full}.buffer_count", f"nvme_buffer_count={kw['nvme_buffer_count']}: chunk buffers "
+         "in the host pool (3 or more overlap read, update and write)")
+  # The legacy "pipeline" sets both; an explicit pipeline_read/pipeline_write wins over it.
+  for key, fields, what in (
+      ("pipeline", ("nvme_pipeline_read", "nvme_pipeline_write"),
+       "legacy key: both pipeline_read and pipeline_write"),
+      ("pipeline_read", ("nvme_pipeline_read",),
+       "the next chunks are read while the current one updates"),
+      ("pipeline_write", ("nvme_pipeline_write",),
+       "updated chunks are written back in the background")):
+    if key in sect and not _auto(sect[key]):
+      v = _bool(f"{full}.{key}", sect[key])
+      for f in fields:
+        kw[f] = v
+      note(f"{full}.{key}", f"{str(v).lower()} -> {' and '.join(f'{f}={v}' for f in fields)} "
+           f"({what})")
+  if "sub_group_size" in z and not _auto(z["sub_group_size"]):
+    kw["nvme_chunk_size"] = _int("zero_optimization.sub_group_size", z["sub_group_size"])
+    note("zero_optimization.sub_group_size", f"nvme_chunk_size={kw['nvme_chunk_size']}: "
+         "parameters per streamed chunk of the NVMe update")
+  for k in sorted(set(sect) - {"device", "nvme_path", "buffer_count", "pipeline_read",
+                               "pipeline_write", "pipeline"}):
+    note(f"{full}.{k}", "not used by the NVMe update (pinned buffers and ratios are "
+         "DeepSpeed's CPU Adam's)")
 
 
 _OPTIMIZERS = {"adam": "adam", "adamw": "adamw", "sgd": "sgd", "lamb": "lamb",

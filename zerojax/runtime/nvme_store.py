@@ -1,0 +1,501 @@
+"""The files of an NVMe-resident optimizer state, and the pipelined stream through them.
+
+One process's state is a few flat vectors (one per per-element optimizer-state leaf, e.g.
+Adam's ``mu`` and ``nu`` over every local parameter shard, concatenated) plus a handful of
+shared scalars (Adam's ``count``). They live under
+``<nvme_path>/zerojax-nvme/process-<i>/``::
+
+  CURRENT               JSON manifest: generation, step, leaves, shared scalars (the commit)
+  gen-00000012/0.bin    leaf 0 of generation 12 (raw bytes, native dtype)
+  gen-00000012/1.bin    ...
+
+**Generations.** A step never writes into the files it reads: it streams generation ``g`` in and
+writes generation ``g+1`` beside it, syncs the new files, and only then replaces ``CURRENT``
+(write, fsync, rename, fsync of the directory: the commit). A process killed anywhere before
+the rename leaves ``CURRENT`` naming ``g``, whose files were never touched; one killed after it
+names ``g+1``, which is complete. Whatever else lies in the directory is removed when the store
+is next opened. This costs disk room for two generations while a step runs (checked up front,
+`check_nvme_path`), never a torn state.
+
+**The stream.** `NvmeStore.stream` moves the state through a bounded pool of chunk buffers:
+a reader thread fills free buffers with chunk ``i+1`` (and on), the calling thread updates
+chunk ``i`` in place, and a writer thread writes chunk ``i-1`` to the next generation and
+returns its buffer to the pool. ``os.preadv``/``os.pwrite`` release the GIL, so the three run
+at once; host memory holds ``buffer_count`` chunks of optimizer state, never the whole state.
+Pages read or written are dropped from the page cache (``posix_fadvise``), so that neither the
+reads of the next step nor the process's memory count on the cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import queue
+import shutil
+import socket
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+__all__ = ["FORMAT", "NvmeError", "NvmePathError", "NvmeStateError", "StreamStats", "NvmeStore",
+           "check_nvme_path", "process_dir"]
+
+FORMAT = "zerojax-nvme-1"
+_CURRENT = "CURRENT"
+
+
+class NvmeError(RuntimeError):
+  """Something about the NVMe optimizer state is wrong."""
+
+
+class NvmePathError(NvmeError):
+  """``nvme_path`` is missing, not writable, or short of space on this host."""
+
+
+class NvmeStateError(NvmeError):
+  """The files under ``nvme_path`` do not hold the state this run expects."""
+
+
+def process_dir(nvme_path: str, process_index: int) -> str:
+  """This process's directory under ``nvme_path``."""
+  return os.path.join(nvme_path, "zerojax-nvme", f"process-{process_index}")
+
+
+def check_nvme_path(nvme_path: str, bytes_needed: int, *, in_use: int = 0) -> int:
+  """Checks, before step 1, that ``nvme_path`` exists, is a writable directory and has room
+  for ``bytes_needed`` more bytes (``in_use``: bytes of this store already on that disk, which
+  count as room since the store rewrites them). Returns the free bytes.
+
+  Raises:
+    NvmePathError: naming the host, the path, the bytes needed and the bytes free.
+  """
+  host = socket.gethostname()
+  where = f"host {host!r}: nvme_path {nvme_path!r}"
+  need = f"{bytes_needed:,} bytes needed (this process's optimizer state plus one generation)"
+  if not os.path.exists(nvme_path):
+    raise NvmePathError(f"{where} does not exist ({need}); create it on a local disk or set "
+                        "nvme_path to an existing directory")
+  if not os.path.isdir(nvme_path):
+    raise NvmePathError(f"{where} is not a directory ({need})")
+  probe = os.path.join(nvme_path, f".zerojax-write-probe-{os.getpid()}")
+  try:
+    fd = os.open(probe, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)
+    try:
+      os.write(fd, b"\0" * 4096)
+      os.fsync(fd)
+    finally:
+      os.close(fd)
+      os.unlink(probe)
+  except OSError as e:
+    raise NvmePathError(f"{where} is not writable ({e.strerror}; {need})") from None
+  free = shutil.disk_usage(nvme_path).free
+  if free + in_use < bytes_needed:
+    raise NvmePathError(f"{where} has {free:,} bytes free"
+                        + (f" (+{in_use:,} held by its current state)" if in_use else "")
+                        + f", {need}; free space there or point nvme_path at a larger disk")
+  return free
+
+
+@dataclasses.dataclass
+class StreamStats:
+  """What one pass over the state cost. Times are seconds; ``read_s``/``write_s`` are the
+  time the reader/writer spent in system calls (so MB/s is the disk's rate while busy),
+  ``wait_s`` the time the update waited for a chunk to arrive or a buffer to free up."""
+
+  chunks: int = 0
+  bytes_read: int = 0
+  bytes_written: int = 0
+  read_s: float = 0.0
+  write_s: float = 0.0
+  sync_s: float = 0.0
+  update_s: float = 0.0
+  wait_s: float = 0.0
+  wall_s: float = 0.0
+
+  @property
+  def read_mb_s(self) -> float:
+    return self.bytes_read / 2**20 / self.read_s if self.read_s else float("nan")
+
+  @property
+  def write_mb_s(self) -> float:
+    t = self.write_s + self.sync_s
+    return self.bytes_written / 2**20 / t if t else float("nan")
+
+  def add(self, other: "StreamStats") -> None:
+    for f in dataclasses.fields(self):
+      setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+  def summary(self) -> str:
+    return (f"{self.chunks} chunks: read {self.bytes_read / 2**20:.1f} MiB at "
+            f"{self.read_mb_s:.0f} MB/s, wrote {self.bytes_written / 2**20:.1f} MiB at "
+            f"{self.write_mb_s:.0f} MB/s (sync {self.sync_s:.3f} s), update {self.update_s:.3f} s,"
+            f" waited {self.wait_s:.3f} s, wall {self.wall_s:.3f} s")
+
+
+def _fsync_dir(path: str) -> None:
+  fd = os.open(path, os.O_RDONLY)
+  try:
+    os.fsync(fd)
+  finally:
+    os.close(fd)
+
+
+def _drop_cache(fd: int, offset: int = 0, length: int = 0) -> None:
+  if hasattr(os, "posix_fadvise"):
+    os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
+
+
+def _pread_into(fd: int, buf: np.ndarray, offset: int) -> None:
+  view = memoryview(buf).cast("B")
+  done = 0
+  while done < len(view):
+    n = os.preadv(fd, [view[done:]], offset + done)
+    if n <= 0:
+      raise NvmeStateError(f"short read at byte {offset + done} (the file ended early)")
+    done += n
+
+
+def _pwrite_from(fd: int, buf: np.ndarray, offset: int) -> None:
+  view = memoryview(np.ascontiguousarray(buf)).cast("B")
+  done = 0
+  while done < len(view):
+    done += os.pwrite(fd, view[done:], offset + done)
+
+
+class NvmeStore:
+  """One process's optimizer-state files (see the module docstring).
+
+  Args:
+    directory: this process's directory (`process_dir`); created if missing.
+    leaves: ``(name, dtype)`` of each per-element leaf, in the order the update uses them.
+    size: elements per leaf (every local parameter shard, concatenated).
+    layout: JSON-able description of what the vectors hold (leaf shapes, shard indices, the
+      transformation's state structure); a store written for another layout is refused.
+  """
+
+  def __init__(self, directory: str, leaves: Sequence[tuple[str, Any]], size: int,
+               layout: Any):
+    self.directory = directory
+    self.leaves = [(str(n), np.dtype(d)) for n, d in leaves]
+    self.size = int(size)
+    self.layout = json.loads(json.dumps(layout))
+    os.makedirs(directory, exist_ok=True)
+    self.manifest: dict | None = self._read_manifest()
+    self._clean()
+
+  # -- sizes ------------------------------------------------------------------------------------
+
+  @property
+  def nbytes(self) -> int:
+    """Bytes of one generation."""
+    return sum(d.itemsize for _, d in self.leaves) * self.size
+
+  def bytes_on_disk(self) -> int:
+    """Bytes the committed generation's files hold now."""
+    if self.manifest is None:
+      return 0
+    d = self._gen_dir(self.manifest["generation"])
+    return sum(os.path.getsize(os.path.join(d, f)) for f in os.listdir(d))
+
+  # -- the manifest -----------------------------------------------------------------------------
+
+  @property
+  def exists(self) -> bool:
+    return self.manifest is not None
+
+  @property
+  def step(self) -> int | None:
+    return None if self.manifest is None else int(self.manifest["step"])
+
+  def shared(self) -> list[np.ndarray]:
+    """The committed shared (non-per-element) state leaves."""
+    return [_decode(x) for x in self.manifest["shared"]]
+
+  def _read_manifest(self) -> dict | None:
+    path = os.path.join(self.directory, _CURRENT)
+    if not os.path.exists(path):
+      return None
+    with open(path) as f:
+      m = json.load(f)
+    if m.get("format") != FORMAT:
+      raise NvmeStateError(f"{path}: format {m.get('format')!r}, expected {FORMAT!r}")
+    want = {"leaves": [[n, d.str] for n, d in self.leaves], "size": self.size,
+            "layout": self.layout}
+    for k, v in want.items():
+      if m.get(k) != v:
+        raise NvmeStateError(
+            f"{self.directory} holds an optimizer state of another {k} than this run's (the "
+            "model, optimizer, mesh or process count changed?); restore a checkpoint into a "
+            "fresh nvme_path, or remove the directory to start the optimizer state afresh")
+    return m
+
+  def _gen_dir(self, g: int) -> str:
+    return os.path.join(self.directory, f"gen-{g:08d}")
+
+  def _clean(self) -> None:
+    """Removes everything but the committed generation: a generation a killed step was
+    writing, the one a step replaced, a manifest that was never renamed into place."""
+    keep = None if self.manifest is None else f"gen-{self.manifest['generation']:08d}"
+    for name in os.listdir(self.directory):
+      if name in (_CURRENT, keep):
+        continue
+      path = os.path.join(self.directory, name)
+      if os.path.isdir(path):
+        shutil.rmtree(path)
+      else:
+        os.unlink(path)
+
+  def _commit(self, generation: int, step: int, shared: Sequence[np.ndarray],
+              extra: dict | None = None) -> None:
+    m = {"format": FORMAT, "generation": generation, "step": int(step),
+         "leaves": [[n, d.str] for n, d in self.leaves], "size": self.size,
+         "layout": self.layout, "shared": [_encode(x) for x in shared], **(extra or {})}
+    tmp = os.path.join(self.directory, _CURRENT + ".tmp")
+    with open(tmp, "w") as f:
+      json.dump(m, f)
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(self.directory, _CURRENT))  # the commit point
+    _fsync_dir(self.directory)
+    old, self.manifest = self.manifest, m
+    if old is not None and old["generation"] != generation:
+      shutil.rmtree(self._gen_dir(old["generation"]), ignore_errors=True)
+
+  # -- writing a whole state --------------------------------------------------------------------
+
+  def _open_new(self, g: int) -> tuple[str, list[int]]:
+    d = self._gen_dir(g)
+    if os.path.exists(d):
+      shutil.rmtree(d)
+    os.makedirs(d)
+    fds = []
+    for k, (_, dtype) in enumerate(self.leaves):
+      fd = os.open(os.path.join(d, f"{k}.bin"), os.O_CREAT | os.O_RDWR | os.O_TRUNC, 0o600)
+      os.ftruncate(fd, self.size * dtype.itemsize)
+      fds.append(fd)
+    return d, fds
+
+  def _finish_new(self, d: str, fds: list[int], stats: StreamStats | None = None) -> None:
+    t = time.perf_counter()
+    for fd in fds:
+      os.fdatasync(fd)
+      _drop_cache(fd)
+      os.close(fd)
+    _fsync_dir(d)
+    if stats is not None:
+      stats.sync_s += time.perf_counter() - t
+
+  def write_initial(self, fill: Callable[[int, int], Sequence[np.ndarray]],
+                    bounds: Sequence[tuple[int, int]], shared: Sequence[np.ndarray],
+                    step: int = 0) -> None:
+    """Writes and commits a whole new generation, chunk by chunk (``bounds``: each chunk's
+    ``(start, stop)``): ``fill(start, stop)`` returns each leaf's values there."""
+    g = 0 if self.manifest is None else self.manifest["generation"] + 1
+    d, fds = self._open_new(g)
+    try:
+      for start, stop in bounds:
+        for fd, (_, dtype), v in zip(fds, self.leaves, fill(start, stop), strict=True):
+          _pwrite_from(fd, np.asarray(v, dtype).reshape(-1), start * dtype.itemsize)
+    except BaseException:
+      for fd in fds:
+        os.close(fd)
+      raise
+    self._finish_new(d, fds)
+    self._commit(g, step, shared)
+
+  def read(self, k: int, start: int = 0, stop: int | None = None) -> np.ndarray:
+    """Leaf ``k``'s committed values in ``[start, stop)`` (a copy in memory)."""
+    stop = self.size if stop is None else stop
+    dtype = self.leaves[k][1]
+    out = np.empty(stop - start, dtype)
+    path = os.path.join(self._gen_dir(self.manifest["generation"]), f"{k}.bin")
+    fd = os.open(path, os.O_RDONLY)
+    try:
+      _pread_into(fd, out, start * dtype.itemsize)
+    finally:
+      os.close(fd)
+    return out
+
+  # -- the pipelined stream ---------------------------------------------------------------------
+
+  def stream(self, update: Callable[[int, list[np.ndarray]], None], *,
+             bounds: Sequence[tuple[int, int]], buffer_count: int, pipeline_read: bool,
+             pipeline_write: bool, shared: Callable[[], Sequence[np.ndarray]],
+             step: int) -> StreamStats:
+    """One pass: every chunk (``bounds``: each chunk's ``(start, stop)``, covering the
+    vectors in order) of the committed generation is read into a pooled buffer,
+    ``update(i, arrays)`` changes chunk ``i`` in place, and it is written to the next
+    generation, which is then committed with ``shared()`` and ``step``. If anything fails
+    (or the process dies) before the commit, the committed generation is untouched."""
+    if self.manifest is None:
+      raise NvmeStateError(f"{self.directory}: no committed optimizer state to update")
+    stats = StreamStats()
+    t0 = time.perf_counter()
+    old = self._gen_dir(self.manifest["generation"])
+    g = self.manifest["generation"] + 1
+    rfds = [os.open(os.path.join(old, f"{k}.bin"), os.O_RDONLY) for k in range(len(self.leaves))]
+    new, wfds = self._open_new(g)
+    starts = [a for a, _ in bounds]
+    stops = [b for _, b in bounds]
+    chunk = max(b - a for a, b in bounds)
+    pool: queue.Queue = queue.Queue()
+    for _ in range(max(1, min(buffer_count, len(starts)))):
+      pool.put([np.empty(chunk, d) for _, d in self.leaves])
+    ready: queue.Queue = queue.Queue()
+    done: queue.Queue = queue.Queue()
+    failed: list[BaseException] = []
+    stop_flag = threading.Event()
+
+    def read_chunk(i: int) -> tuple[int, list[np.ndarray]]:
+      bufs = pool.get()
+      a, b = starts[i], stops[i]
+      t = time.perf_counter()
+      for fd, (_, dtype), buf in zip(rfds, self.leaves, bufs):
+        _pread_into(fd, buf[:b - a], a * dtype.itemsize)
+        _drop_cache(fd, a * dtype.itemsize, (b - a) * dtype.itemsize)
+        stats.bytes_read += (b - a) * dtype.itemsize
+      stats.read_s += time.perf_counter() - t
+      return i, bufs
+
+    def write_chunk(i: int, bufs: list[np.ndarray]) -> None:
+      a, b = starts[i], stops[i]
+      t = time.perf_counter()
+      for fd, (_, dtype), buf in zip(wfds, self.leaves, bufs):
+        _pwrite_from(fd, buf[:b - a], a * dtype.itemsize)
+        stats.bytes_written += (b - a) * dtype.itemsize
+      stats.write_s += time.perf_counter() - t
+      pool.put(bufs)
+
+    def reader() -> None:
+      try:
+        for i in range(len(starts)):
+          if stop_flag.is_set():
+            return
+          ready.put(read_chunk(i))
+      except BaseException as e:  # noqa: BLE001 - handed to the calling thread
+        failed.append(e)
+        ready.put(None)
+
+    def writer() -> None:
+      try:
+        while True:
+          item = done.get()
+          if item is None:
+            return
+          write_chunk(*item)
+      except BaseException as e:  # noqa: BLE001 - handed to the calling thread
+        failed.append(e)
+        stop_flag.set()
+        while pool.empty():  # unblock a reader waiting for a buffer
+          pool.put([np.empty(0, d) for _, d in self.leaves])
+
+    threads = []
+    if pipeline_read:
+      threads.append(threading.Thread(target=reader, name="zerojax-nvme-read", daemon=True))
+    if pipeline_write:
+      threads.append(threading.Thread(target=writer, name="zerojax-nvme-write", daemon=True))
+    for t in threads:
+      t.start()
+    try:
+      for i in range(len(starts)):
+        t, r = time.perf_counter(), stats.read_s
+        item = ready.get() if pipeline_read else read_chunk(i)
+        if item is None or failed:
+          raise failed[0]
+        # Waiting: for the reader's chunk, or (reading inline) for a buffer the writer holds.
+        stats.wait_s += time.perf_counter() - t - (0.0 if pipeline_read else stats.read_s - r)
+        _, bufs = item
+        a, b = starts[i], stops[i]
+        t = time.perf_counter()
+        update(i, [buf[:b - a] for buf in bufs])
+        stats.update_s += time.perf_counter() - t
+        stats.chunks += 1
+        if pipeline_write:
+          done.put((i, bufs))
+        else:
+          write_chunk(i, bufs)
+        if failed:
+          raise failed[0]
+    except BaseException:
+      stop_flag.set()
+      done.put(None)
+      for fd in rfds + wfds:
+        os.close(fd)
+      raise
+    done.put(None)
+    for t in threads:
+      t.join()
+    if failed:
+      for fd in rfds + wfds:
+        os.close(fd)
+      raise failed[0]
+    for fd in rfds:
+      os.close(fd)
+    self._finish_new(new, wfds, stats)
+    self._commit(g, step, shared())
+    stats.wall_s = time.perf_counter() - t0
+    return stats
+
+  # -- snapshots (checkpoints) ------------------------------------------------------------------
+
+  def snapshot(self, dest: str) -> None:
+    """Copies the committed generation into ``dest`` (created; must not exist), as hard links
+    where ``dest`` is on the same file system: a committed generation's files are never
+    written again, so a link is a copy."""
+    if self.manifest is None:
+      raise NvmeStateError(f"{self.directory}: no committed optimizer state to snapshot")
+    src = self._gen_dir(self.manifest["generation"])
+    tmp = dest + ".tmp"
+    if os.path.exists(tmp):
+      shutil.rmtree(tmp)
+    os.makedirs(tmp)
+    for k in range(len(self.leaves)):
+      _link_or_copy(os.path.join(src, f"{k}.bin"), os.path.join(tmp, f"{k}.bin"))
+    with open(os.path.join(tmp, "manifest.json"), "w") as f:
+      json.dump(self.manifest, f)
+      f.flush()
+      os.fsync(f.fileno())
+    _fsync_dir(tmp)
+    os.replace(tmp, dest)
+    _fsync_dir(os.path.dirname(os.path.abspath(dest)))
+
+  def restore_snapshot(self, src: str) -> None:
+    """Makes the snapshot in ``src`` the committed generation (linked or copied in)."""
+    with open(os.path.join(src, "manifest.json")) as f:
+      m = json.load(f)
+    for k in ("leaves", "size", "layout"):
+      mine = {"leaves": [[n, d.str] for n, d in self.leaves], "size": self.size,
+              "layout": self.layout}[k]
+      if m.get(k) != mine:
+        raise NvmeStateError(f"snapshot {src!r} holds an optimizer state of another {k} than "
+                             "this run's")
+    g = 0 if self.manifest is None else self.manifest["generation"] + 1
+    d = self._gen_dir(g)
+    if os.path.exists(d):
+      shutil.rmtree(d)
+    os.makedirs(d)
+    for k in range(len(self.leaves)):
+      _link_or_copy(os.path.join(src, f"{k}.bin"), os.path.join(d, f"{k}.bin"))
+    _fsync_dir(d)
+    self._commit(g, m["step"], [_decode(x) for x in m["shared"]])
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+  try:
+    os.link(src, dst)
+  except OSError:
+    shutil.copyfile(src, dst)
+    with open(dst, "rb+") as f:
+      os.fsync(f.fileno())
+
+
+def _encode(x: Any) -> dict:
+  a = np.asarray(x)
+  return {"dtype": a.dtype.str, "shape": list(a.shape), "hex": a.tobytes().hex()}
+
+
+def _decode(d: dict) -> np.ndarray:
+  return np.frombuffer(bytes.fromhex(d["hex"]), np.dtype(d["dtype"])).reshape(d["shape"]).copy()
