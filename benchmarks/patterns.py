@@ -22,6 +22,13 @@ relative to the baseline, timed alternately in one run.
 
 ``--size small`` runs the tests' sizes; the tests (``tests/test_patterns.py``) import the
 patterns from here.
+
+``--target h100:8`` (or a TPU slice such as ``v5e:2x4``) compiles the same steps ahead of time
+for that accelerator compiler from abstract state (nothing runs) and gives, per pattern and
+stage: temp, peak, collective bytes against the textbook ZeRO volume, the share of all-gather
+and reduce-scatter bytes with a matmul between start and done, collectives that move
+activations, and the compile time; against the hand-written baseline and a MaxText-style one
+(weights sharded on their ``d_model`` dimension, activations constrained to batch-on-fsdp).
 """
 
 from __future__ import annotations
@@ -316,6 +323,158 @@ def pytree_compiled(size: Size, stage: int, devices) -> Any:
   return zerojax.zero_step(plan)(train_step).lower(state, batch).compile(), plan
 
 
+# -- ahead of time, for an accelerator compiler (--target) -----------------------------------------
+
+
+def _abstract(tree, shardings):
+  import jax
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree,
+                      shardings)
+
+
+def target_zero(pattern: str, size: Size, stage: int, devices) -> tuple[Any, Any, float]:
+  """``(compiled, plan, seconds)``: zerojax's step at ``ZeroConfig(stage=stage)`` compiled for
+  ``devices`` (a topology's) from abstract state."""
+  import jax
+  import zerojax
+  from zerojax.core.step import abstract_nnx
+  from zerojax.runtime.checkpoint import abstract_train_state
+  if pattern == "g":
+    t0 = time.perf_counter()
+    compiled, plan = pytree_compiled(size, stage, devices)
+    return compiled, plan, time.perf_counter() - t0
+  config = zerojax.ZeroConfig(stage=stage)
+  mesh = zerojax.make_mesh(config, devices=list(devices))
+  data = batches(size, pattern, 1)[0]
+  tx = make_tx()
+  t0 = time.perf_counter()
+  if pattern in ("e", "f"):
+    from flax import nnx
+    model, opt, plan = abstract_nnx(lambda: _nnx_model(size, pattern, nnx.Rngs(0)), tx,
+                                    config=config, mesh=mesh)
+
+    def nnx_step(model, optimizer, batch):
+      def lf(model, batch):
+        return loss_of(pattern, model(batch["x"]), batch["y"])
+      loss, grads = zerojax.value_and_grad(lf)(model, batch)
+      optimizer.update(model, grads)
+      return {"loss": loss}
+    batch = _abstract(data, plan.batch(data))
+    compiled = zerojax.zero_step(plan)(nnx_step).lower(model, opt, batch).compile()
+    return compiled, plan, time.perf_counter() - t0
+  model = _linen_models(size)[pattern]
+  x0 = jax.ShapeDtypeStruct(data["x"].shape, data["x"].dtype)
+  state, plan = abstract_train_state(model, tx, jax.random.key(0), x0, config=config, mesh=mesh)
+  apply = ((lambda state, p, x: model.apply({"params": p}, x)) if pattern == "h"
+           else (lambda state, p, x: state.apply_fn({"params": p}, x)))
+
+  def train_step(state, batch):
+    def lf(p, batch):
+      return loss_of(pattern, apply(state, p, batch["x"]), batch["y"])
+    loss, grads = zerojax.value_and_grad(lf)(state.params, batch)
+    return state.apply_gradients(grads=grads), {"loss": loss}
+  batch = _abstract(data, plan.batch(data))
+  compiled = zerojax.zero_step(plan)(train_step).lower(state, batch).compile()
+  return compiled, plan, time.perf_counter() - t0
+
+
+def target_baseline(pattern: str, size: Size, devices, style: str = "hand"
+                    ) -> tuple[Any, float]:
+  """``(compiled, seconds)``: the hand-written (``'hand'``) or MaxText-style (``'maxtext'``:
+  weights sharded on their ``d_model`` dimension, the batch dimension of every input and of
+  the model's output constrained to ``fsdp``) FSDP step compiled for ``devices``."""
+  import jax
+  import numpy as np
+  import optax
+  from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+  n = len(devices)
+  mesh = Mesh(np.asarray(devices), ("fsdp",), axis_types=(AxisType.Auto,))
+
+  def spec(shape):
+    if style == "maxtext":
+      for d in range(len(shape) - 1, -1, -1):
+        if shape[d] == size.d_model and size.d_model % n == 0:
+          return P(*[("fsdp" if i == d else None) for i in range(len(shape))])
+    return _fsdp_spec(shape, n)
+  shard = lambda tree: jax.tree.map(lambda x: NamedSharding(mesh, spec(np.shape(x))), tree)
+  data = batches(size, pattern, 1)[0]
+  batch_sh = NamedSharding(mesh, P("fsdp"))
+  on_batch = lambda y: (jax.lax.with_sharding_constraint(
+      y, NamedSharding(mesh, P("fsdp", *([None] * (y.ndim - 1))))) if style == "maxtext" else y)
+  tx = make_tx()
+  key = jax.random.key(0)
+  if pattern in ("e", "f"):
+    from flax import nnx
+    graphdef, state = nnx.split(nnx.eval_shape(
+        lambda: (lambda m: (m, nnx.Optimizer(m, tx, wrt=nnx.Param)))(
+            _nnx_model(size, pattern, nnx.Rngs(0)))))
+    state_sh = shard(state)
+
+    def step(state, batch):
+      m, o = nnx.merge(graphdef, state)
+      loss, grads = nnx.value_and_grad(
+          lambda m: loss_of(pattern, on_batch(m(batch["x"])), batch["y"]))(m)
+      o.update(m, grads)
+      return nnx.state((m, o)), loss
+  else:
+    if pattern == "g":
+      p0 = jax.eval_shape(lambda: _pytree_init(size, key))
+      apply = _pytree_apply
+    else:
+      model = _linen_models(size)[pattern]
+      p0 = jax.eval_shape(model.init, key, jax.ShapeDtypeStruct(data["x"].shape,
+                                                                data["x"].dtype))["params"]
+      apply = lambda p, x: model.apply({"params": p}, x)
+    state = (p0, jax.eval_shape(tx.init, p0))
+    state_sh = shard(state)
+
+    def step(state, batch):
+      p, o = state
+      loss, g = jax.value_and_grad(lambda p: loss_of(
+          pattern, on_batch(apply(p, batch["x"])), batch["y"]))(p)
+      u, o = tx.update(g, o, p)
+      return (optax.apply_updates(p, u), o), loss
+  f = jax.jit(step, in_shardings=(state_sh, batch_sh),
+              out_shardings=(state_sh, NamedSharding(mesh, P())), donate_argnums=(0,))
+  t0 = time.perf_counter()
+  compiled = f.lower(_abstract(state, state_sh),
+                     _abstract(data, jax.tree.map(lambda _: batch_sh, data))).compile()
+  return compiled, time.perf_counter() - t0
+
+
+def target_table(target: str, size: Size, pats, stages=(3,)) -> str:
+  """The conformance table compiled for an accelerator (``--target``)."""
+  from zerojax.runtime import gpu, memory
+  devices = list((gpu.gpu_topology(target) if gpu.is_gpu_topology(target)
+                  else memory.tpu_topology(target)).devices)
+  mib = lambda b: f"{b / 2**20:.1f}"
+  head = ("| pattern | step | temp MiB | peak MiB | collectives MiB | × textbook | "
+          "all-gather / reduce-scatter with a matmul | activation collectives MiB | compile s |")
+  lines = [head, "|" + "---|" * 9]
+  for pat in pats:
+    rows = []
+    plan3 = None
+    for stage in stages:
+      compiled, plan, secs = target_zero(pat, size, stage, devices)
+      plan3 = plan3 or plan
+      rows.append((f"zerojax stage {stage}", compiled, plan, secs))
+    for style in ("hand", "maxtext"):
+      compiled, secs = target_baseline(pat, size, devices, style)
+      rows.append((f"{style}-written FSDP" if style == "hand" else "MaxText-style FSDP",
+                   compiled, None, secs))
+    for name, compiled, plan, secs in rows:
+      text, m = compiled.as_text(), memory.measure(compiled)
+      book = memory.textbook_bytes(plan or plan3)
+      ag = memory.collective_schedule(text, "all-gather")
+      rs = memory.collective_schedule(text, "reduce-scatter")
+      act = sum(memory.activation_collectives(text, plan or plan3).values())
+      lines.append(f"| {pat} {DESCRIPTIONS[pat]} | {name} | {mib(m.temp)} | {mib(m.peak)} | "
+                   f"{mib(m.collective_total)} | {m.collective_total / book:.2f} | "
+                   f"{ag.matmul_share:.0%} / {rs.matmul_share:.0%} | {mib(act)} | {secs:.1f} |")
+      print(lines[-1], flush=True)
+  return "\n".join(lines)
+
+
 def _fsdp_spec(shape, n):
   """The hand-written rule: shard the largest dimension that divides by the device count."""
   from jax.sharding import PartitionSpec as P
@@ -462,6 +621,10 @@ def main(argv=None) -> int:
   p.add_argument("--patterns", default=",".join(PATTERNS),
                  help=f"comma-separated subset of {','.join(PATTERNS)}")
   p.add_argument("--steps", type=int, default=6, help="timed steps per variant (alternating)")
+  p.add_argument("--target", default=None,
+                 help="compile ahead of time for this accelerator instead of running on CPU: "
+                 "a GPU pod (h100:8) or TPU slice (v5e:2x4)")
+  p.add_argument("--stages", default="3", help="with --target: comma-separated stages")
   args = p.parse_args(argv)
   pats = [x.strip() for x in args.patterns.split(",") if x.strip()]
   bad = [x for x in pats if x not in PATTERNS]
@@ -469,10 +632,17 @@ def main(argv=None) -> int:
     p.error(f"--patterns: unknown {bad}; allowed are {', '.join(PATTERNS)}")
   if args.steps < 2:
     p.error(f"--steps={args.steps} is invalid: needs an integer >= 2 (the first is warm-up)")
+  size = FULL if args.size == "full" else SMALL
+  if args.target:
+    import os
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    stages = tuple(int(x) for x in args.stages.split(","))
+    print(f"size {size}; compiled for {args.target}", flush=True)
+    print(target_table(args.target, size, pats, stages))
+    return 0
   import jax
   jax.config.update("jax_num_cpu_devices", 8)
   from zerojax.runtime.memory import measure
-  size = FULL if args.size == "full" else SMALL
   mib = lambda b: f"{b / 2**20:.1f}"
   print(f"size {size}; 8 simulated CPU devices; {jax.__version__=}", flush=True)
   header = ("| pattern | stage | temp MiB | × baseline | peak MiB | collectives MiB | "

@@ -228,7 +228,7 @@ def test_activation_collectives_tell_weights_from_activations():
   act = memory.activation_collectives(GPU_HLO, Plan())
   # the combined weight gather and gradient reduce-scatter are parameters'; the [64,1024]
   # gather is an activation; the flat 1024-element all-reduce is a combined buffer
-  assert act == {("all-gather", "bf16[64,1024]"): 64 * 1024 * 2}
+  assert act == {("all-gather", "bf16[64,1024]", ""): 64 * 1024 * 2}
 
 
 # -- one compile, and the compute dtype on CPU ------------------------------------------------

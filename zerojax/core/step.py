@@ -41,7 +41,7 @@ from zerojax.core.zeropp import shard_map_apply
 from zerojax.core.train_state import StepSettings, ZeroTrainState, nnx_loss_scaling, skip_nonfinite
 
 __all__ = ["wrap_apply_fn", "compiler_options", "GPU_COMPILER_OPTIONS", "ZeroStep", "zero_step", "create_train_state",
-           "state_initializer", "create_nnx", "existing_params"]
+           "state_initializer", "create_nnx", "abstract_nnx", "existing_params"]
 
 PyTree = Any
 
@@ -622,6 +622,38 @@ def state_initializer(model: Any, tx: Any, rng: jax.Array, *init_args: Any,
   return make_state, plan, jax.eval_shape(make_state, rng, *init_args)
 
 
+def abstract_nnx(model_fn: Callable[[], Any], tx: Any, *, config: ZeroConfig,
+                 mesh: jax.sharding.Mesh | None = None, wrt: Any = None):
+  """`create_nnx` without allocating: ``(model, optimizer, plan)`` whose variables are
+  ``jax.ShapeDtypeStruct`` in the plan's sharded layout, for ``zero_step(plan)(...).lower`` on
+  devices that can only be compiled for (a TPU or GPU topology)."""
+  from flax import nnx
+  mesh = make_mesh(config) if mesh is None else mesh
+  graphdef, abs_state, shardings, plan = _nnx_layout(model_fn, tx, config, mesh, wrt)
+  state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                       abs_state, shardings)
+  model, optimizer = nnx.merge(graphdef, state)
+  return model, optimizer, plan
+
+
+def _nnx_layout(model_fn, tx, config, mesh, wrt):
+  """``(graphdef, abstract state, shardings, plan)`` of an NNX model and its optimizer."""
+  from flax import nnx
+  wrt = nnx.Param if wrt is None else wrt
+
+  def build():
+    model = model_fn()
+    return model, nnx.Optimizer(model, tx, wrt=wrt)
+
+  with jax.set_mesh(mesh):  # lets nnx.with_partitioning metadata resolve its mesh
+    abs_model, abs_opt = nnx.eval_shape(build)
+  planned, trainable = _nnx_planned(nnx, abs_model, wrt)
+  plan = ShardingPlan.create(config, mesh, planned, opt_state=_nnx_values(abs_opt.opt_state),
+                             trainable=trainable)
+  graphdef, abs_state = nnx.split((abs_model, abs_opt))
+  return graphdef, abs_state, plan.nnx_state(abs_state), plan
+
+
 def create_nnx(model_fn: Callable[[], Any], tx: Any, *, config: ZeroConfig,
                mesh: jax.sharding.Mesh | None = None, wrt: Any = None, params: Any = None):
   """Builds an NNX ``(model, optimizer)`` directly in its sharded layout.
@@ -647,13 +679,7 @@ def create_nnx(model_fn: Callable[[], Any], tx: Any, *, config: ZeroConfig,
     model = model_fn()
     return model, nnx.Optimizer(model, tx, wrt=wrt)
 
-  with jax.set_mesh(mesh):  # lets nnx.with_partitioning metadata resolve its mesh
-    abs_model, abs_opt = nnx.eval_shape(build)
-  planned, trainable = _nnx_planned(nnx, abs_model, wrt)
-  plan = ShardingPlan.create(config, mesh, planned, opt_state=_nnx_values(abs_opt.opt_state),
-                             trainable=trainable)
-  graphdef, abs_state = nnx.split((abs_model, abs_opt))
-  shardings = plan.nnx_state(abs_state)
+  graphdef, _, shardings, plan = _nnx_layout(model_fn, tx, config, mesh, wrt)
   if params is not None:
     with jax.set_mesh(mesh):
       model, optimizer = nnx.merge(graphdef, _nnx_from_params(

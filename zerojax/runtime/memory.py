@@ -574,9 +574,11 @@ def _param_sizes(plan: Any) -> set[int]:
   return sizes
 
 
-def activation_collectives(hlo_text: str, plan: Any) -> dict[tuple[str, str], int]:
+def activation_collectives(hlo_text: str, plan: Any) -> dict[tuple[str, str, str], int]:
   """Collectives of a compiled step that move something other than parameters, their
-  gradients or shards: ``{(kind, 'dtype[shape]'): bytes per step}`` (the paper's convention,
+  gradients or shards: ``{(kind, 'dtype[shape]', op): bytes per step}``, ``op`` the JAX
+  operation the partitioner placed it for (its metadata name, e.g. ``'dot_general'``, or
+  ``'scatter-add'`` for an embedding lookup's gradient) (the paper's convention,
   loop bodies by trip count). A tensor counts as a parameter's when its element count is a
   parameter leaf's, a trailing part of one, or some of a stacked leaf's layers (a reshape of
   a kernel keeps its count), or a flat buffer no larger than all parameters together (XLA's
@@ -612,7 +614,8 @@ def activation_collectives(hlo_text: str, plan: Any) -> dict[tuple[str, str], in
         if n <= 1 or n * group in sizes or flat:
           continue
         b = n * group * _DTYPE_BYTES[dt] * (2 if kind == "all-reduce" else 1)
-        tag = (kind, f"{dt}[{dims}]")
+        op = _OP_NAME.search(line)
+        tag = (kind, f"{dt}[{dims}]", op.group(1).rsplit("/", 1)[-1] if op else "")
         out[tag] = out.get(tag, 0) + k * b
   return out
 
@@ -829,7 +832,7 @@ class TopologyCompile:
       top = sorted(self.activations.items(), key=lambda kv: -kv[1])
       lines.append(f"  activation collectives: {g(sum(self.activations.values()))} per step "
                    "(the partitioner moves activations, not weights): " + ", ".join(
-                       f"{k} {shape} {g(b)}" for (k, shape), b in top[:4])
+                       f"{k} {shape} for {op or '?'} {g(b)}" for (k, shape, op), b in top[:4])
                    + (", ..." if len(top) > 4 else ""))
     else:
       lines.append("  activation collectives: none (only parameters, gradients and their "
