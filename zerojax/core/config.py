@@ -279,8 +279,9 @@ class ZeroConfig:
     if self.offload_fallback not in OFFLOAD_FALLBACKS:
       _fail("offload_fallback", self.offload_fallback, f"one of {OFFLOAD_FALLBACKS}")
     if self.offload_optimizer and self.stage == 0:
-      _fail("offload_optimizer", self.offload_optimizer, "needs stage >= 1: at stage 0 every device keeps a full "
-            "optimizer state, so offload would copy it to every host; use stage 1 or higher")
+      _fail("offload_optimizer", self.offload_optimizer, "needs stage >= 1: at stage 0 every "
+            "device keeps a full optimizer state, so offload would copy it to every host; use "
+            "stage 1 or higher")
     if self.offload_params and self.stage != 3:
       _fail("offload_params", True, f"needs stage 3 (stage is {self.stage}): below stage 3 the "
             "parameters are replicated and used whole by every layer on every device")

@@ -198,7 +198,10 @@ def _structure(tx: Any, dtype: np.dtype) -> tuple[Any, list[str], list]:
   def shapes(n, m):
     return jax.tree.flatten(jax.eval_shape(tx.init, (jax.ShapeDtypeStruct((n,), dtype),
                                                      jax.ShapeDtypeStruct((m,), dtype))))
-  (la, ta), (lb, tb), (lc, tc) = shapes(5, _PAD), shapes(6, _PAD), shapes(5, _PAD + 1)
+  try:
+    (la, ta), (lb, tb), (lc, tc) = shapes(5, _PAD), shapes(6, _PAD), shapes(5, _PAD + 1)
+  except Exception:  # noqa: BLE001 - e.g. a mask given as a tree of the model's structure
+    return None, [], []
   if not ta == tb == tc:
     return None, [], []
   kinds, dtypes = [], []
@@ -219,10 +222,11 @@ def chunked_transformation(tx: Any, params: PyTree, *, probe_steps: int = 3,
                            _search: bool = True) -> ChunkedTransformation:
   """``tx`` as the NVMe update runs it, after checking that it may.
 
-  The check runs ``tx`` for ``probe_steps`` steps on a small copy of ``params``' tree (each
-  dimension cut to at most 3, random values and gradients), once as optax runs it on the whole
-  tree and once as the NVMe update does, on the leaves flattened into one vector and cut into
-  chunks that straddle leaf boundaries, and compares the bits of parameters and state.
+  The check (`_probe`) runs ``tx`` for ``probe_steps`` steps on a small copy of ``params``'
+  tree (each dimension cut to at most 8; random values and gradients): as optax runs it on the
+  whole tree, and as the NVMe update does, piece by piece, with two different cuts into pieces,
+  which must agree bit for bit (and with optax to rounding). A failure is traced to the first
+  member of the chain that fails alone.
 
   Raises:
     NotChunkableError: naming the first transformation whose update is not elementwise.
@@ -238,30 +242,30 @@ def chunked_transformation(tx: Any, params: PyTree, *, probe_steps: int = 3,
   host_update, parts = _host_update(tx.update, tx.init, [])
   name = _name(tx.update)
   treedef, kinds, sdtypes = _structure(tx, pdtype)
-  if treedef is None:
-    raise NotChunkableError(f"the optax transformation {name!r} keeps state whose shape is not "
-                            "one value per parameter or one value for all (e.g. factored "
-                            "moments): it cannot be streamed in chunks")
-  chunked = ChunkedTransformation(tx, name, host_update, treedef, tuple(kinds), tuple(sdtypes),
-                                  pdtype)
-  if not _probe(chunked, tx.init, tx.update, params, probe_steps):
+  chunked = None
+  if treedef is not None:
+    chunked = ChunkedTransformation(tx, name, host_update, treedef, tuple(kinds),
+                                    tuple(sdtypes), pdtype)
+  if chunked is None or not _probe(chunked, tx.init, tx.update, params, probe_steps):
     culprit = name
     for pname, pinit, pupdate in parts if _search else ():
       if pinit is None or pname == "clip_by_global_norm":
         continue
       try:
-        one = chunked_transformation(optax.GradientTransformation(pinit, pupdate), params,
-                                     probe_steps=probe_steps, _search=False)
-        del one
+        chunked_transformation(optax.GradientTransformation(pinit, pupdate), params,
+                               probe_steps=probe_steps, _search=False)
       except NotChunkableError:
         culprit = pname
         break
+    why = ("keeps state that is neither one value per parameter nor one value for all (e.g. "
+           "factored moments, or a mask shaped like the model)" if chunked is None else
+           "does not update each parameter from its own values alone (probed: updated in "
+           "pieces it gave other values than optax on the whole tree)")
     raise NotChunkableError(
-        f"the optax transformation {culprit!r} (in {name!r}) does not update each parameter "
-        "from its own values alone, so the NVMe update cannot run it chunk by chunk (probed: "
-        "a chunked update gave other bits than optax's); elementwise transformations stream "
-        "(adam, adamw, lion, sgd with momentum, schedules, clip_by_global_norm first in a "
-        "chain); keep this one in memory (offload_optimizer=True or False)")
+        f"the optax transformation {culprit!r} (in {name!r}) {why}, so the NVMe update cannot "
+        "run it chunk by chunk; elementwise transformations stream (adam, adamw, lion, sgd "
+        "with momentum, schedules, clip_by_global_norm first in a chain); keep this one in "
+        "memory (offload_optimizer=True or False)")
   return chunked
 
 
@@ -518,7 +522,8 @@ class NvmeOptimizer:
     out = np.empty(self.size, dtype)
     by_leaf: dict[int, dict[Any, Any]] = {}
     for s in self.segments:
-      shards = by_leaf.setdefault(s.leaf, {sh.device: sh for sh in leaves[s.leaf].addressable_shards})
+      shards = by_leaf.setdefault(
+          s.leaf, {sh.device: sh for sh in leaves[s.leaf].addressable_shards})
       out[s.start:s.stop] = np.asarray(shards[s.devices[0]].data).reshape(-1)
     return out
 
@@ -620,6 +625,64 @@ class NvmeOptimizer:
     self.total.add(self.stats)
     new_params = self._reshard_out(self._from_flat(params))
     return state.replace(params=new_params)
+
+  # -- checkpoints ------------------------------------------------------------------------------
+
+  def _snapshot_dir(self, directory: str, step: int) -> str:
+    return os.path.join(directory, f"nvme-{step}", f"process-{jax.process_index()}")
+
+  def save_checkpoint(self, checkpointer: Any, state: Any, **save_kw: Any) -> int:
+    """Saves ``state`` with ``checkpointer`` (a `zerojax.runtime.checkpoint.Checkpointer`) as
+    checkpoint ``state.step``, with the optimizer state's files beside it, and waits for it.
+
+    The files go first, to ``<checkpoint dir>/nvme-<step>/process-<i>`` (hard links of the
+    committed generation, committed by a rename); then the train state through orbax, whose
+    own rename commits the checkpoint. A checkpoint counts only when both are there
+    (`restore_checkpoint`), so a process killed in between leaves the previous one. Snapshots
+    whose orbax step was deleted by retention are removed.
+
+    Returns:
+      the step saved.
+    """
+    step = int(state.step)
+    snap = self._snapshot_dir(checkpointer.directory, step)
+    if self.store.step != step:
+      raise NvmeStateError(f"the optimizer state is at step {self.store.step}, the train state "
+                           f"at {step}: save after the host update (NvmeOptimizer.step does)")
+    if not os.path.exists(snap):
+      self.store.snapshot(snap)
+    checkpointer.save(step, state, force=True, **save_kw)
+    checkpointer.wait()
+    keep = set(checkpointer.all_steps())
+    for name in os.listdir(checkpointer.directory):
+      if name.startswith("nvme-") and name[5:].isdigit() and int(name[5:]) not in keep:
+        import shutil
+        shutil.rmtree(os.path.join(checkpointer.directory, name), ignore_errors=True)
+    return step
+
+  def checkpoint_steps(self, checkpointer: Any) -> list[int]:
+    """Steps with a complete checkpoint: orbax's and the optimizer state's files."""
+    return [s for s in checkpointer.all_steps()
+            if os.path.exists(os.path.join(self._snapshot_dir(checkpointer.directory, s),
+                                           "manifest.json"))]
+
+  def restore_checkpoint(self, checkpointer: Any, state: Any, step: int | None = None
+                         ) -> tuple[Any, Any]:
+    """Restores the newest complete checkpoint (or ``step``): the train state through orbax
+    into this run's plan, and the optimizer state's files as the store's committed
+    generation. Returns ``(state, extras)`` as `Checkpointer.restore` does."""
+    steps = self.checkpoint_steps(checkpointer)
+    if step is None:
+      if not steps:
+        raise NvmeStateError(f"no complete NVMe checkpoint in {checkpointer.directory!r} "
+                             f"(orbax steps {checkpointer.all_steps()})")
+      step = steps[-1]
+    elif step not in steps:
+      raise NvmeStateError(f"checkpoint step {step} in {checkpointer.directory!r} has no "
+                           f"optimizer-state files; complete steps are {steps}")
+    state, extras = checkpointer.restore(state, self.plan, step)
+    self.store.restore_snapshot(self._snapshot_dir(checkpointer.directory, step))
+    return state, extras
 
   def step(self, train_step: Callable, donate: bool = True) -> Callable:
     """``train_step`` as a full NVMe step: `zerojax.zero_step` on the devices, then

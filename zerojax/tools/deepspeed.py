@@ -13,7 +13,8 @@ A DeepSpeed config maps onto zerojax in three ways:
 
 An unknown key is an error that names it; an unsupported device (``offload_param`` on
 ``nvme``) is an error that says what to use instead. ``offload_optimizer`` on ``nvme`` maps to
-``offload_optimizer='nvme'`` (`zerojax.runtime.nvme`). ``"auto"`` values (as written by the Hugging Face Trainer
+``offload_optimizer='nvme'`` (`zerojax.runtime.nvme`).
+``"auto"`` values (as written by the Hugging Face Trainer
 integration) mean "the run's own setting": `map_deepspeed` resolves each from the training
 options and overrides and says which, or lists it as unresolved.
 
