@@ -1,7 +1,22 @@
 """A Llama-architecture decoder in Flax NNX that loads and exports Hugging Face weights.
 
 RMSNorm, rotary position embeddings (the Hugging Face "rotate half" layout), a SwiGLU MLP,
-grouped-query attention and optional tied embeddings. The decoder layers are created with
+grouped-query attention and optional tied embeddings.
+
+One implementation serves the Llama-like families; their differences are configuration
+(``LlamaConfig.model_type`` says which Hugging Face family a config reads and writes):
+
+* ``llama`` (Llama 1-3.x): default or ``llama3`` rope scaling; optional ``attention_bias``
+  (q/k/v/o) and ``mlp_bias``.
+* ``qwen2`` (Qwen2, Qwen2.5): biases on q/k/v (not o); tied embeddings on small sizes;
+  sliding-window layers when ``use_sliding_window`` is true (layers ``>= max_window_layers``).
+* ``qwen3``: per-head RMSNorm of queries and keys (``q_norm``/``k_norm``) before the rotary
+  embedding, an explicit ``head_dim``, optional ``attention_bias``.
+* ``mistral``: sliding-window attention (a query sees the last ``sliding_window`` positions,
+  itself included) on every layer.
+
+`from_hf_config` refuses, by name, a ``config.json`` field that changes the computation and
+that this model does not implement. The decoder layers are created with
 ``nnx.vmap`` (every layer parameter has a leading layer axis) and run with ``jax.lax.scan``,
 so one layer is compiled and a sharded layer is gathered one at a time.
 
@@ -26,16 +41,22 @@ from flax import nnx
 
 from zerojax.runtime.weights import TensorMap
 
-__all__ = ["LlamaConfig", "Llama", "hf_mapping", "from_hf_config", "hf_config"]
+__all__ = ["LlamaConfig", "Llama", "hf_mapping", "from_hf_config", "hf_config", "FAMILIES",
+           "checkpoint_model"]
 
 _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj")
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+         "mistral": "MistralForCausalLM"}
+_LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
   """The architecture; field names follow Hugging Face's ``LlamaConfig``."""
 
+  model_type: str = "llama"  # the Hugging Face family: one of FAMILIES
   vocab_size: int = 256
   hidden_size: int = 64
   intermediate_size: int = 176
@@ -50,6 +71,15 @@ class LlamaConfig:
   rope_llama3: tuple[float, float, float, int] | None = None
   max_position_embeddings: int = 2048
   tie_word_embeddings: bool = False
+  qkv_bias: bool = False  # biases on q_proj, k_proj, v_proj
+  o_bias: bool = False  # a bias on o_proj
+  mlp_bias: bool = False  # biases on gate_proj, up_proj, down_proj
+  qk_norm: bool = False  # Qwen3: RMSNorm of each query and key head before the rotary embedding
+  # Sliding-window attention: query i sees keys i - sliding_window < j <= i. ``layer_types``
+  # ("full_attention" / "sliding_attention" per layer) says which layers use it; None with a
+  # window means every layer.
+  sliding_window: int | None = None
+  layer_types: tuple[str, ...] | None = None
   dtype: Any = jnp.float32  # compute dtype
   param_dtype: Any = jnp.float32
   remat: bool = False  # jax.checkpoint around each scanned layer
@@ -58,6 +88,9 @@ class LlamaConfig:
   lora_targets: tuple[str, ...] = ("q_proj", "v_proj")
 
   def __post_init__(self):
+    if self.model_type not in FAMILIES:
+      raise ValueError(f"LlamaConfig.model_type={self.model_type!r} is not supported: allowed "
+                       f"are {FAMILIES}")
     for f in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
               "num_attention_heads", "num_key_value_heads"):
       v = getattr(self, f)
@@ -74,15 +107,55 @@ class LlamaConfig:
     bad = [t for t in self.lora_targets if t not in _ATTN + _MLP]
     if bad:
       raise ValueError(f"LlamaConfig.lora_targets has {bad}: allowed are {_ATTN + _MLP}")
+    w = self.sliding_window
+    if w is not None and (not isinstance(w, int) or isinstance(w, bool) or w < 1):
+      raise ValueError(f"LlamaConfig.sliding_window={w!r} is invalid: a positive integer or "
+                       "None")
+    if self.layer_types is not None:
+      lt = tuple(self.layer_types)
+      if len(lt) != self.num_hidden_layers or any(t not in _LAYER_TYPES for t in lt):
+        raise ValueError(f"LlamaConfig.layer_types={list(lt)!r} is invalid: one of "
+                         f"{_LAYER_TYPES} per layer ({self.num_hidden_layers} layers)")
+      if "sliding_attention" in lt and w is None:
+        raise ValueError("LlamaConfig.layer_types has 'sliding_attention' layers but "
+                         "sliding_window=None: set the window")
+      object.__setattr__(self, "layer_types", lt)
+    # What each family's Hugging Face model can express (so that export writes a config that
+    # transformers reads as this model).
+    fam, why = self.model_type, None
+    if fam == "llama" and (self.qkv_bias != self.o_bias):
+      why = "qkv_bias and o_bias differ (Llama's attention_bias sets all four)"
+    elif fam == "llama" and (self.qk_norm or w is not None):
+      why = "qk_norm or sliding_window is set (Llama has neither)"
+    elif fam == "qwen2" and not (self.qkv_bias and not self.o_bias and not self.mlp_bias
+                                 and not self.qk_norm):
+      why = "Qwen2 has q/k/v biases, no o_proj or MLP bias and no qk_norm"
+    elif fam == "qwen3" and not (self.qk_norm and self.qkv_bias == self.o_bias
+                                 and not self.mlp_bias):
+      why = "Qwen3 has qk_norm, attention_bias on all of q/k/v/o or none, no MLP bias"
+    elif fam == "mistral" and (self.qkv_bias or self.o_bias or self.mlp_bias or self.qk_norm
+                               or "full_attention" in (self.layer_types or ())):
+      why = "Mistral has no biases, no qk_norm, and one window for every layer"
+    if why:
+      raise ValueError(f"LlamaConfig(model_type={fam!r}) is inconsistent: {why}")
 
   @property
   def hd(self) -> int:
     return self.head_dim or self.hidden_size // self.num_attention_heads
 
+  def layer_windows(self) -> tuple[int, ...]:
+    """Each layer's attention window (0: full causal attention)."""
+    if self.sliding_window is None:
+      return (0,) * self.num_hidden_layers
+    types = self.layer_types or ("sliding_attention",) * self.num_hidden_layers
+    return tuple(self.sliding_window if t == "sliding_attention" else 0 for t in types)
+
   def num_params(self) -> int:
     d, i, hd = self.hidden_size, self.intermediate_size, self.hd
     q, kv = self.num_attention_heads * hd, self.num_key_value_heads * hd
     layer = 2 * d + d * q + 2 * d * kv + q * d + 3 * d * i
+    layer += (q + 2 * kv) * self.qkv_bias + d * self.o_bias + (2 * i + d) * self.mlp_bias
+    layer += 2 * hd * self.qk_norm
     head = 0 if self.tie_word_embeddings else d * self.vocab_size
     return self.vocab_size * d + self.num_hidden_layers * layer + d + head
 
@@ -101,11 +174,13 @@ class RMSNorm(nnx.Module):
 
 
 class Proj(nnx.Module):
-  """A bias-free linear projection, with an optional LoRA adapter (``x A B * alpha/r``)."""
+  """A linear projection (bias optional), with an optional LoRA adapter (``x A B * alpha/r``)."""
 
-  def __init__(self, din: int, dout: int, cfg: LlamaConfig, lora: bool, rngs: nnx.Rngs):
+  def __init__(self, din: int, dout: int, cfg: LlamaConfig, lora: bool, rngs: nnx.Rngs,
+               bias: bool = False):
     init = nnx.initializers.normal(0.02)
     self.kernel = nnx.Param(init(rngs.params(), (din, dout), cfg.param_dtype))
+    self.bias = nnx.data(nnx.Param(jnp.zeros((dout,), cfg.param_dtype)) if bias else None)
     self.dtype = cfg.dtype
     self.lora_a = self.lora_b = nnx.data(None)
     if lora:
@@ -119,6 +194,8 @@ class Proj(nnx.Module):
   def __call__(self, x):
     x = x.astype(self.dtype)
     y = x @ self.kernel[...].astype(self.dtype)
+    if self.bias is not None:
+      y = y + self.bias[...].astype(self.dtype)
     if self.lora_a is not None:
       a, b = self.lora_a[...].astype(self.dtype), self.lora_b[...].astype(self.dtype)
       y = y + (x @ a @ b) * jnp.asarray(self.lora_scale, self.dtype)
@@ -130,23 +207,35 @@ class Attention(nnx.Module):
     d, hd = cfg.hidden_size, cfg.hd
     h, kv = cfg.num_attention_heads, cfg.num_key_value_heads
     lo = lambda n: cfg.lora_rank > 0 and n in cfg.lora_targets
-    self.q_proj = Proj(d, h * hd, cfg, lo("q_proj"), rngs)
-    self.k_proj = Proj(d, kv * hd, cfg, lo("k_proj"), rngs)
-    self.v_proj = Proj(d, kv * hd, cfg, lo("v_proj"), rngs)
-    self.o_proj = Proj(h * hd, d, cfg, lo("o_proj"), rngs)
+    self.q_proj = Proj(d, h * hd, cfg, lo("q_proj"), rngs, cfg.qkv_bias)
+    self.k_proj = Proj(d, kv * hd, cfg, lo("k_proj"), rngs, cfg.qkv_bias)
+    self.v_proj = Proj(d, kv * hd, cfg, lo("v_proj"), rngs, cfg.qkv_bias)
+    self.o_proj = Proj(h * hd, d, cfg, lo("o_proj"), rngs, cfg.o_bias)
+    norm = lambda: RMSNorm(hd, cfg.rms_norm_eps, dtype=cfg.dtype, param_dtype=cfg.param_dtype)
+    self.q_norm = nnx.data(norm() if cfg.qk_norm else None)
+    self.k_norm = nnx.data(norm() if cfg.qk_norm else None)
     self.cfg = cfg
 
-  def __call__(self, x, cos, sin):
+  def __call__(self, x, cos, sin, window=None):
+    """``window``: this layer's sliding window (a traced int, 0 for full attention), or None
+    when no layer of the model has one."""
     cfg = self.cfg
     B, T, _ = x.shape
     h, kv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.hd
-    q = _rope(self.q_proj(x).reshape(B, T, h, hd), cos, sin)
-    k = _rope(self.k_proj(x).reshape(B, T, kv, hd), cos, sin)
+    q = self.q_proj(x).reshape(B, T, h, hd)
+    k = self.k_proj(x).reshape(B, T, kv, hd)
+    if self.q_norm is not None:  # per head, before the rotary embedding
+      q, k = self.q_norm(q), self.k_norm(k)
+    q, k = _rope(q, cos, sin), _rope(k, cos, sin)
     v = self.v_proj(x).reshape(B, T, kv, hd)
     # Grouped-query attention: query head j reads key/value head j // (h // kv).
     q = q.reshape(B, T, kv, h // kv, hd)
     att = jnp.einsum("bqgrd,bkgd->bgrqk", q, k).astype(jnp.float32) * hd ** -0.5
-    att = jnp.where(jnp.tril(jnp.ones((T, T), bool)), att, jnp.finfo(jnp.float32).min)
+    qi, ki = jnp.arange(T)[:, None], jnp.arange(T)[None, :]
+    mask = ki <= qi
+    if window is not None:  # query i sees keys i - window < j <= i; window 0 sees all
+      mask = mask & (qi - ki < jnp.where(window > 0, window, T))
+    att = jnp.where(mask, att, jnp.finfo(jnp.float32).min)
     att = jax.nn.softmax(att, axis=-1).astype(cfg.dtype)
     y = jnp.einsum("bgrqk,bkgd->bqgrd", att, v).reshape(B, T, h * hd)
     return self.o_proj(y)
@@ -156,9 +245,9 @@ class MLP(nnx.Module):
   def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
     d, i = cfg.hidden_size, cfg.intermediate_size
     lo = lambda n: cfg.lora_rank > 0 and n in cfg.lora_targets
-    self.gate_proj = Proj(d, i, cfg, lo("gate_proj"), rngs)
-    self.up_proj = Proj(d, i, cfg, lo("up_proj"), rngs)
-    self.down_proj = Proj(i, d, cfg, lo("down_proj"), rngs)
+    self.gate_proj = Proj(d, i, cfg, lo("gate_proj"), rngs, cfg.mlp_bias)
+    self.up_proj = Proj(d, i, cfg, lo("up_proj"), rngs, cfg.mlp_bias)
+    self.down_proj = Proj(i, d, cfg, lo("down_proj"), rngs, cfg.mlp_bias)
 
   def __call__(self, x):
     return self.down_proj(nnx.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -173,8 +262,8 @@ class DecoderLayer(nnx.Module):
     self.post_attention_layernorm = norm()
     self.mlp = MLP(cfg, rngs)
 
-  def __call__(self, x, cos, sin):
-    x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+  def __call__(self, x, cos, sin, window=None):
+    x = x + self.self_attn(self.input_layernorm(x), cos, sin, window)
     return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -233,13 +322,19 @@ class Llama(nnx.Module):
     x = self.embed_tokens(tokens).astype(cfg.dtype)
     cos, sin = _rope_tables(cfg, tokens.shape[1])
     graphdef, state = nnx.split(self.layers)
+    windows = cfg.layer_windows()
+    if any(windows):  # each layer's window rides along the scan
+      xs = (state, jnp.asarray(windows, jnp.int32))
+    else:
+      xs = (state, None)
 
-    def body(x, layer_state):
-      return nnx.merge(graphdef, layer_state)(x, cos, sin), None
+    def body(x, layer):
+      layer_state, window = layer
+      return nnx.merge(graphdef, layer_state)(x, cos, sin, window), None
 
     if cfg.remat:
       body = jax.checkpoint(body)
-    x, _ = jax.lax.scan(body, x, state)
+    x, _ = jax.lax.scan(body, x, xs)
     x = self.norm(x)
     if self.lm_head is None:
       logits = x @ self.embed_tokens.embedding[...].astype(cfg.dtype).T
@@ -252,69 +347,167 @@ class Llama(nnx.Module):
 
 
 def hf_mapping(cfg: LlamaConfig) -> dict[str, TensorMap]:
-  """``{zerojax leaf path: TensorMap}`` for Hugging Face ``LlamaForCausalLM`` checkpoints.
+  """``{zerojax leaf path: TensorMap}`` for the Hugging Face checkpoint of ``cfg``'s family
+  (``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``MistralForCausalLM``:
+  they share these names).
 
   Per-layer tensors ``model.layers.{i}.<name>`` are stacked on the leading layer axis; linear
-  weights are transposed (PyTorch ``(out, in)``, Flax ``(in, out)``). LoRA adapters have no
-  Hugging Face name (they are not in the base checkpoint).
+  weights are transposed (PyTorch ``(out, in)``, Flax ``(in, out)``); biases and norms are not.
+  LoRA adapters have no Hugging Face name (they are not in the base checkpoint).
   """
   m = {"embed_tokens/embedding": TensorMap("model.embed_tokens.weight"),
        "norm/scale": TensorMap("model.norm.weight")}
   for n in ("input_layernorm", "post_attention_layernorm"):
     m[f"layers/{n}/scale"] = TensorMap(f"model.layers.{{i}}.{n}.weight")
+  bias = {"q_proj": cfg.qkv_bias, "k_proj": cfg.qkv_bias, "v_proj": cfg.qkv_bias,
+          "o_proj": cfg.o_bias, **{n: cfg.mlp_bias for n in _MLP}}
   for block, names in (("self_attn", _ATTN), ("mlp", _MLP)):
     for n in names:
       m[f"layers/{block}/{n}/kernel"] = TensorMap(f"model.layers.{{i}}.{block}.{n}.weight",
                                                   transpose=True)
+      if bias[n]:
+        m[f"layers/{block}/{n}/bias"] = TensorMap(f"model.layers.{{i}}.{block}.{n}.bias")
+  if cfg.qk_norm:
+    for n in ("q_norm", "k_norm"):
+      m[f"layers/self_attn/{n}/scale"] = TensorMap(f"model.layers.{{i}}.self_attn.{n}.weight")
   if not cfg.tie_word_embeddings:
     m["lm_head/kernel"] = TensorMap("lm_head.weight", transpose=True)
   return m
 
 
+def read_hf_config(config: dict | str | os.PathLike) -> dict:
+  """A ``config.json`` as a dict (given a dict, the file, or its directory)."""
+  if isinstance(config, dict):
+    return config
+  path = os.fspath(config)
+  if os.path.isdir(path):
+    path = os.path.join(path, "config.json")
+  with open(path) as f:
+    return json.load(f)
+
+
+def _refuse(field: str, value: Any, allowed: str) -> ValueError:
+  return ValueError(f"config {field}={value!r} is not supported by zerojax.models.llama: "
+                    f"{allowed}")
+
+
+def _rope_of_config(config: dict) -> tuple[float, tuple[float, float, float, int] | None]:
+  """``(rope_theta, llama3 scaling or None)`` from either spelling (v5 ``rope_parameters`` or
+  the older ``rope_scaling`` + ``rope_theta``)."""
+  key = "rope_parameters" if config.get("rope_parameters") else "rope_scaling"
+  rope = config.get(key) or {}
+  if not isinstance(rope, dict):
+    raise _refuse(key, rope, "a dict of rope parameters, or null")
+  if rope and all(isinstance(v, dict) for v in rope.values()):
+    raise _refuse(key, rope, "one set of rope parameters for every layer (not per layer type)")
+  rope_type = rope.get("rope_type", rope.get("type", "default"))
+  theta = float(rope.get("rope_theta") or config.get("rope_theta") or 10000.0)
+  prf = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+  if prf not in (None, 1, 1.0):
+    raise _refuse("partial_rotary_factor", prf, "only 1.0 (the rotary embedding covers the "
+                  "whole head)")
+  if rope_type == "default":
+    return theta, None
+  if rope_type != "llama3":
+    raise _refuse(f"{key}.rope_type", rope_type, "the default rotary embedding or 'llama3'")
+  try:
+    return theta, (float(rope["factor"]), float(rope["low_freq_factor"]),
+                   float(rope["high_freq_factor"]),
+                   int(rope.get("original_max_position_embeddings")
+                       or config["max_position_embeddings"]))
+  except KeyError as e:
+    raise ValueError(f"config {key}={rope} lacks {e} (needed by rope_type 'llama3': factor, "
+                     "low_freq_factor, high_freq_factor, original_max_position_embeddings)"
+                     ) from None
+
+
+def _sliding(config: dict, arch: str, n_layers: int
+             ) -> tuple[int | None, tuple[str, ...] | None]:
+  """``(sliding_window, layer_types)`` as transformers reads them for ``arch``."""
+  window, types = config.get("sliding_window"), config.get("layer_types")
+  if arch == "llama":
+    # LlamaForCausalLM has no sliding window: a window in its config would be ignored there.
+    if window is not None or config.get("use_sliding_window"):
+      raise _refuse("sliding_window", window, "model_type 'llama' has no sliding-window "
+                    "attention (transformers' LlamaForCausalLM would ignore it); use "
+                    "model_type 'mistral' for a window on every layer, or remove the field")
+    if types is not None and set(types) != {"full_attention"}:
+      raise _refuse("layer_types", types, "model_type 'llama' has full attention only")
+    return None, None
+  if arch == "mistral":
+    # MistralForCausalLM applies the window to every layer (it reads neither
+    # use_sliding_window nor layer_types); a missing key is its default, 4096.
+    window = config.get("sliding_window", 4096)
+    if types is not None and window is not None and set(types) != {"sliding_attention"}:
+      raise _refuse("layer_types", types, "MistralForCausalLM applies sliding_window="
+                    f"{window} to every layer and ignores layer_types; a per-layer mix is "
+                    "not what it computes (remove layer_types, or set sliding_window null)")
+  else:  # qwen2 / qwen3: only with use_sliding_window, on layers >= max_window_layers
+    if not config.get("use_sliding_window", False):
+      window = None
+    elif window is None:
+      window = 4096
+    if window is None:
+      types = None
+    elif types is None:
+      mwl = int(config.get("max_window_layers", 28))
+      types = ["sliding_attention" if i >= mwl else "full_attention" for i in range(n_layers)]
+  if window is not None and (not isinstance(window, int) or isinstance(window, bool)
+                             or window < 1):
+    raise _refuse("sliding_window", window, "a positive integer or null")
+  if types is not None:
+    bad = [t for t in types if t not in _LAYER_TYPES]
+    if bad or len(types) != n_layers:
+      raise _refuse("layer_types", types, f"one of {_LAYER_TYPES} per layer ({n_layers})")
+    types = tuple(types)
+    if "sliding_attention" not in types:
+      window, types = None, None
+  return window, types
+
+
 def from_hf_config(config: dict | str | os.PathLike, **overrides: Any) -> LlamaConfig:
   """A `LlamaConfig` from a Hugging Face ``config.json`` (a dict, the file, or its directory).
 
-  ``overrides`` set zerojax-only fields (``dtype``, ``param_dtype``, ``remat``, LoRA).
-  Rope scaling other than the default is refused rather than silently ignored.
+  Reads ``model_type`` ``llama``, ``qwen2``, ``qwen3`` and ``mistral`` (see the module's
+  docstring for what each adds). ``overrides`` set zerojax-only fields (``dtype``,
+  ``param_dtype``, ``remat``, LoRA). A field that changes the computation and that this model
+  does not implement (another rope type, a partial rotary embedding, another activation,
+  biases on a family without them, attention dropout, a per-layer window mix that
+  transformers' model would not compute) is refused with its name, never ignored.
   """
-  if not isinstance(config, dict):
-    path = os.fspath(config)
-    if os.path.isdir(path):
-      path = os.path.join(path, "config.json")
-    with open(path) as f:
-      config = json.load(f)
-  arch = config.get("model_type")
-  if arch not in (None, "llama"):
-    raise ValueError(f"config model_type={arch!r}: zerojax.models.llama reads 'llama' configs")
-  rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-  rope_type = rope.get("rope_type", rope.get("type", "default"))
-  llama3 = None
-  if rope_type == "llama3":
-    try:
-      llama3 = (float(rope["factor"]), float(rope["low_freq_factor"]),
-                float(rope["high_freq_factor"]), int(rope["original_max_position_embeddings"]))
-    except KeyError as e:
-      raise ValueError(f"config rope parameters {rope} lack {e} (needed by rope_type "
-                       "'llama3')") from None
-  elif rope_type != "default":
-    raise ValueError(f"config rope type {rope_type!r} is not supported: zerojax's Llama "
-                     "implements the default and 'llama3' rotary embeddings")
-  theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
-  for f in ("attention_bias", "mlp_bias"):
-    if config.get(f):
-      raise ValueError(f"config {f}=true is not supported by zerojax's Llama (no biases)")
+  config = read_hf_config(config)
+  arch = config.get("model_type") or "llama"
+  if arch not in FAMILIES:
+    raise _refuse("model_type", arch, f"the families read are {FAMILIES}")
+  theta, llama3 = _rope_of_config(config)
   if config.get("hidden_act", "silu") != "silu":
-    raise ValueError(f"config hidden_act={config['hidden_act']!r}: only 'silu' is supported")
+    raise _refuse("hidden_act", config["hidden_act"], "only 'silu' (SwiGLU)")
+  if config.get("attention_dropout"):
+    raise _refuse("attention_dropout", config["attention_dropout"], "only 0 (no dropout)")
+  attn_bias, mlp_bias = bool(config.get("attention_bias")), bool(config.get("mlp_bias"))
+  if mlp_bias and arch != "llama":
+    raise _refuse("mlp_bias", config["mlp_bias"], f"{_ARCH[arch]} has no MLP biases")
+  if attn_bias and arch in ("qwen2", "mistral"):
+    raise _refuse("attention_bias", config["attention_bias"],
+                  f"{_ARCH[arch]} does not read it ("
+                  + ("its q/k/v biases are always there and o_proj has none)" if arch == "qwen2"
+                     else "it has no attention biases)"))
+  n_layers = config["num_hidden_layers"]
+  window, types = _sliding(config, arch, n_layers)
+  head_dim = config.get("head_dim")
+  if head_dim is None and arch == "qwen3":
+    head_dim = 128  # Qwen3Config's default (not hidden_size // num_attention_heads)
   kw = dict(
-      vocab_size=config["vocab_size"], hidden_size=config["hidden_size"],
-      intermediate_size=config["intermediate_size"],
-      num_hidden_layers=config["num_hidden_layers"],
+      model_type=arch, vocab_size=config["vocab_size"], hidden_size=config["hidden_size"],
+      intermediate_size=config["intermediate_size"], num_hidden_layers=n_layers,
       num_attention_heads=config["num_attention_heads"],
       num_key_value_heads=config.get("num_key_value_heads") or config["num_attention_heads"],
-      head_dim=config.get("head_dim"), rms_norm_eps=config.get("rms_norm_eps", 1e-6),
-      rope_theta=float(theta), rope_llama3=llama3,
+      head_dim=head_dim, rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+      rope_theta=theta, rope_llama3=llama3,
       max_position_embeddings=config.get("max_position_embeddings", 2048),
-      tie_word_embeddings=bool(config.get("tie_word_embeddings", False)))
+      tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+      qkv_bias=arch == "qwen2" or attn_bias, o_bias=attn_bias, mlp_bias=mlp_bias,
+      qk_norm=arch == "qwen3", sliding_window=window, layer_types=types)
   kw.update(overrides)
   return LlamaConfig(**kw)
 
@@ -329,9 +522,12 @@ def _rope_parameters(cfg: LlamaConfig) -> dict:
 
 
 def hf_config(cfg: LlamaConfig, torch_dtype: str = "float32") -> dict:
-  """The Hugging Face ``config.json`` of ``cfg`` (what ``LlamaForCausalLM`` reads)."""
-  return {
-      "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+  """A Hugging Face ``config.json`` for ``cfg``, in its family's terms (what
+  ``AutoModelForCausalLM`` reads as this model). An export from a base checkpoint starts from
+  the base's own ``config.json`` instead (`zerojax.tools.export`)."""
+  fam = cfg.model_type
+  out = {
+      "architectures": [_ARCH[fam]], "model_type": fam,
       "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
       "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_hidden_layers,
       "num_attention_heads": cfg.num_attention_heads,
@@ -340,6 +536,29 @@ def hf_config(cfg: LlamaConfig, torch_dtype: str = "float32") -> dict:
       "rope_parameters": _rope_parameters(cfg),
       "max_position_embeddings": cfg.max_position_embeddings,
       "tie_word_embeddings": cfg.tie_word_embeddings, "hidden_act": "silu",
-      "attention_bias": False, "mlp_bias": False, "torch_dtype": torch_dtype,
-      "dtype": torch_dtype,
+      "torch_dtype": torch_dtype, "dtype": torch_dtype,
   }
+  if fam == "llama":
+    out.update(attention_bias=cfg.o_bias, mlp_bias=cfg.mlp_bias)
+  elif fam == "qwen3":
+    out.update(attention_bias=cfg.o_bias)
+  if fam == "mistral":
+    out["sliding_window"] = cfg.sliding_window
+  elif fam in ("qwen2", "qwen3"):
+    types = ((cfg.layer_types or ("sliding_attention",) * cfg.num_hidden_layers)
+             if cfg.sliding_window is not None else ("full_attention",) * cfg.num_hidden_layers)
+    out.update(use_sliding_window=cfg.sliding_window is not None,
+               sliding_window=cfg.sliding_window, layer_types=list(types),
+               max_window_layers=cfg.num_hidden_layers if cfg.sliding_window is None else
+               types.index("sliding_attention"))
+  return out
+
+
+def checkpoint_model(cfg: LlamaConfig) -> dict:
+  """What a checkpoint records about the model (``Checkpointer.save(..., model=...)``), so that
+  `zerojax.tools.export` merges LoRA adapters with the alpha they were trained with."""
+  out = {"family": cfg.model_type}
+  if cfg.lora_rank:
+    out["lora"] = {"rank": cfg.lora_rank, "alpha": float(cfg.lora_alpha),
+                   "targets": list(cfg.lora_targets)}
+  return out

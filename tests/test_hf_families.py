@@ -1,0 +1,211 @@
+"""The Llama-like Hugging Face families in the one NNX implementation (zerojax.models.llama):
+Llama (biases), Qwen2/Qwen2.5 (q/k/v biases, tied embeddings, sliding layers), Qwen3 (q/k
+RMSNorm, its own head_dim) and Mistral (sliding window), each loaded from its own config.json
+and safetensors (written by transformers' save_pretrained), checked against transformers' fp32
+logits, exported back under its own names and loaded with from_pretrained; config fields the
+model does not implement are refused by name."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+import torch  # noqa: E402
+import transformers  # noqa: E402
+
+import zerojax  # noqa: E402
+from zerojax.models import llama  # noqa: E402
+from zerojax.runtime import weights  # noqa: E402
+from zerojax.runtime.checkpoint import Checkpointer  # noqa: E402
+from zerojax.tools.export import export  # noqa: E402
+
+TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+            rms_norm_eps=1e-5, rope_theta=500.0)
+
+CONFIGS = {
+    "llama": transformers.LlamaConfig,
+    "qwen2": transformers.Qwen2Config,
+    "qwen3": transformers.Qwen3Config,
+    "mistral": transformers.MistralConfig,
+}
+
+# name -> (family, extra config fields, sequence length)
+CASES = {
+    "llama_biases": ("llama", dict(attention_bias=True, mlp_bias=True), 16),
+    "qwen2_untied": ("qwen2", dict(), 16),
+    "qwen2_tied": ("qwen2", dict(tie_word_embeddings=True), 16),
+    # layer 0 full, layer 1 sliding (max_window_layers=1), window 5 < 24 positions
+    "qwen2_sliding": ("qwen2", dict(use_sliding_window=True, sliding_window=5,
+                                    max_window_layers=1), 24),
+    "qwen3": ("qwen3", dict(head_dim=32), 16),  # head_dim != hidden_size / heads
+    "qwen3_bias_tied": ("qwen3", dict(head_dim=8, attention_bias=True,
+                                      tie_word_embeddings=True), 16),
+    "mistral_sliding": ("mistral", dict(sliding_window=5), 24),
+}
+
+
+def make_hf(family, seed=0, **kw):
+  torch.manual_seed(seed)
+  cfg = CONFIGS[family](**{**TINY, **kw})
+  m = transformers.AutoModelForCausalLM.from_config(cfg)
+  with torch.no_grad():
+    for p in m.parameters():
+      p.normal_(0.0, 0.1)
+    for layer in m.model.layers:  # sharper attention: positions (and the window) matter more
+      layer.self_attn.q_proj.weight.mul_(3.0)
+      layer.self_attn.k_proj.weight.mul_(3.0)
+  return m.float().eval()
+
+
+def hf_logits(m, tokens):
+  with torch.no_grad():
+    return m(torch.tensor(tokens)).logits.numpy()
+
+
+def load(cfg, d):
+  mesh_plan = zerojax.ShardingPlan.create(
+      zerojax.ZeroConfig(stage=3), zerojax.make_mesh(zerojax.ZeroConfig(stage=3)),
+      nnx.state(nnx.eval_shape(lambda: llama.Llama(cfg, nnx.Rngs(0))), nnx.Param))
+  # transformers v5 writes a tied head once (under the embedding's name).
+  tree = weights.load_safetensors(d, mesh_plan, llama.hf_mapping(cfg),
+                                  allow_extra=[r"^lm_head\.weight$"])
+  return tree
+
+
+def logits_of(cfg, tree, tokens):
+  graphdef, _ = nnx.split(nnx.eval_shape(lambda: llama.Llama(cfg, nnx.Rngs(0))))
+  return np.asarray(jax.jit(lambda s, t: nnx.merge(graphdef, s)(t))(tree, tokens))
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def case(request, tmp_path_factory):
+  name = request.param
+  family, kw, T = CASES[name]
+  d = tmp_path_factory.mktemp(name)
+  m = make_hf(family, seed=len(name), **kw)
+  m.save_pretrained(d)
+  tokens = np.random.RandomState(1).randint(0, TINY["vocab_size"], (2, T))
+  cfg = llama.from_hf_config(d)
+  tree = load(cfg, d)
+  return name, d, m, cfg, tree, tokens
+
+
+def test_logits_match_transformers(case):
+  name, d, m, cfg, tree, tokens = case
+  family, kw, _ = CASES[name]
+  assert cfg.model_type == family
+  ref = hf_logits(m, tokens)
+  got = logits_of(cfg, tree, tokens)
+  diff = float(np.abs(got - ref).max())
+  print(f"{name}: max |logit diff| vs transformers = {diff:.2e}")
+  assert diff <= 1e-4, diff
+  if family == "qwen2":
+    assert cfg.qkv_bias and not cfg.o_bias
+    assert cfg.tie_word_embeddings == bool(kw.get("tie_word_embeddings"))
+  if family == "qwen3":
+    assert cfg.qk_norm and cfg.hd == kw["head_dim"]
+  # Each family's difference changes the logits at this size (so the test tests it).
+  if cfg.sliding_window is not None:
+    assert cfg.layer_windows() == ((0, 5) if family == "qwen2" else (5, 5))
+    full = llama.LlamaConfig(**{**cfg.__dict__, "sliding_window": None, "layer_types": None,
+                                "model_type": "llama" if family == "mistral" else family})
+    assert np.abs(logits_of(full, tree, tokens) - ref).max() > 1e-3
+    # Within the window the sliding layers are full attention.
+    w = cfg.sliding_window
+    np.testing.assert_allclose(logits_of(full, tree, tokens[:, :w]), ref[:, :w], atol=1e-4,
+                               rtol=0)
+
+
+def test_exported_under_its_own_names_loads_with_from_pretrained(case, tmp_path):
+  name, d, m, cfg, tree, tokens = case
+  with Checkpointer(tmp_path / "ckpt") as ckpt:
+    ckpt.save(1, {"params": tree}, force=True, model=llama.checkpoint_model(cfg))
+  export(tmp_path / "ckpt", tmp_path / "hf", hf_config=d)
+  from safetensors import safe_open
+  names = lambda f: set(safe_open(str(f), "np").keys())
+  assert names(tmp_path / "hf" / "model.safetensors") == names(d / "model.safetensors")
+  back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").float().eval()
+  assert type(back) is type(m)
+  np.testing.assert_array_equal(hf_logits(back, tokens), hf_logits(m, tokens))
+  # A config written from the model alone (no base) is read by transformers as the same model.
+  fresh = llama.hf_config(cfg)
+  assert llama.from_hf_config(fresh) == cfg
+  again = transformers.AutoConfig.for_model(**fresh)
+  assert type(again) is type(m.config)
+  assert llama.from_hf_config(again.to_dict()) == cfg
+
+
+# -- refused by name ------------------------------------------------------------------------------
+
+
+def _base(family, **kw):
+  return {**CONFIGS[family](**TINY).to_dict(), **kw}
+
+
+@pytest.mark.parametrize("family,fields,match", [
+    ("llama", dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}),
+     r"rope_parameters\.rope_type='yarn'.*default rotary embedding or 'llama3'"),
+    ("llama", dict(rope_scaling={"type": "linear", "factor": 2.0}, rope_parameters=None),
+     r"rope_scaling\.rope_type='linear'"),
+    ("llama", dict(partial_rotary_factor=0.5), r"partial_rotary_factor=0\.5"),
+    ("llama", dict(hidden_act="gelu"), r"hidden_act='gelu'.*silu"),
+    ("llama", dict(sliding_window=4096), r"sliding_window=4096.*'llama' has no sliding"),
+    ("llama", dict(attention_dropout=0.1), r"attention_dropout=0\.1"),
+    ("mistral", dict(attention_bias=True), r"attention_bias=True.*MistralForCausalLM"),
+    ("qwen2", dict(attention_bias=True), r"attention_bias=True.*Qwen2ForCausalLM.*q/k/v"),
+    ("qwen2", dict(mlp_bias=True), r"mlp_bias=True.*no MLP biases"),
+    ("mistral", dict(sliding_window=8, layer_types=["full_attention", "sliding_attention"]),
+     r"layer_types=.*every layer"),
+    ("qwen3", dict(use_sliding_window=True, sliding_window=8,
+                   layer_types=["full_attention", "chunked_attention"]),
+     r"layer_types=.*'full_attention', 'sliding_attention'"),
+    ("gemma", {}, r"model_type='gemma'.*\('llama', 'qwen2', 'qwen3', 'mistral'\)"),
+])
+def test_unimplemented_field_is_refused_by_name(family, fields, match):
+  cfg = _base("llama" if family == "gemma" else family, **fields)
+  if family == "gemma":
+    cfg["model_type"] = "gemma"
+  with pytest.raises(ValueError, match=match):
+    llama.from_hf_config(cfg)
+
+
+def test_sliding_window_switches_as_transformers_reads_them():
+  # Qwen2/Qwen3: a window without use_sliding_window is off (as transformers reads it).
+  for fam in ("qwen2", "qwen3"):
+    cfg = llama.from_hf_config(_base(fam, sliding_window=16, use_sliding_window=False))
+    assert cfg.sliding_window is None and cfg.layer_windows() == (0, 0)
+    on = llama.from_hf_config(_base(fam, sliding_window=16, use_sliding_window=True,
+                                    max_window_layers=1, layer_types=None))
+    assert on.layer_windows() == (0, 16)
+    # every layer below max_window_layers: no layer slides
+    off = llama.from_hf_config(_base(fam, sliding_window=16, use_sliding_window=True,
+                                     max_window_layers=28, layer_types=None))
+    assert off.layer_windows() == (0, 0)
+  # Mistral: the window acts on every layer; null turns it off; absent is its default 4096.
+  assert llama.from_hf_config(_base("mistral", sliding_window=7)).layer_windows() == (7, 7)
+  assert llama.from_hf_config(_base("mistral", sliding_window=None)).sliding_window is None
+  bare = {k: v for k, v in _base("mistral").items() if k != "sliding_window"}
+  assert llama.from_hf_config(bare).sliding_window == 4096
+  # Llama 1/2 configs (rope_scaling null, pretraining_tp) and Llama 3.1's rope_scaling.
+  old = _base("llama", rope_parameters=None, rope_scaling=None, rope_theta=10000.0,
+              pretraining_tp=1)
+  assert llama.from_hf_config(old).rope_llama3 is None
+  l31 = _base("llama", rope_parameters=None, rope_theta=500000.0, rope_scaling={
+      "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+      "original_max_position_embeddings": 8192})
+  assert llama.from_hf_config(l31).rope_llama3 == (8.0, 1.0, 4.0, 8192)
+  assert llama.from_hf_config(l31).rope_theta == 500000.0
+
+
+def test_inconsistent_model_config_is_named():
+  with pytest.raises(ValueError, match=r"model_type='qwen2'.*q/k/v biases"):
+    llama.LlamaConfig(model_type="qwen2")
+  with pytest.raises(ValueError, match=r"model_type='mistral'.*no biases"):
+    llama.LlamaConfig(model_type="mistral", qkv_bias=True)
+  with pytest.raises(ValueError, match=r"sliding_window=0 is invalid"):
+    llama.LlamaConfig(model_type="mistral", sliding_window=0)
+  with pytest.raises(ValueError, match=r"model_type='phi'.*allowed are"):
+    llama.LlamaConfig(model_type="phi")
