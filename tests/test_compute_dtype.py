@@ -128,3 +128,37 @@ def test_a_model_that_keeps_float32_everywhere_is_refused():
 
   with pytest.raises(zerojax.ConfigError, match=r"compute_dtype='bfloat16': 2 of the step's 2 matrix"):
     step(state, x)
+
+
+def test_zeropp_backward_regather_in_the_compute_dtype():
+  """qwZ's full-precision backward re-gather moves the compute dtype, as the forward computed:
+  a scanned model that sets no dtype trains (it failed with a float32/bfloat16 cotangent
+  mismatch when the re-gather kept the master weights' float32)."""
+
+  class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+      return x + nn.Dense(32)(nn.relu(nn.Dense(64)(x))), None
+
+  class Scanned(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      x = nn.Dense(32)(x)
+      x, _ = nn.scan(nn.remat(Block), variable_axes={"params": 0},
+                     split_rngs={"params": True}, length=2)()(x, None)
+      return x
+
+  cfg = zerojax.ZeroConfig(stage=3, compute_dtype="bfloat16", quantize_weights="int8",
+                           param_persistence_threshold=0)
+  x = jnp.ones((16, 32))
+  state, plan = zerojax.create_train_state(Scanned(), optax.adam(1e-3), jax.random.key(0), x,
+                                           config=cfg)
+
+  @zerojax.zero_step(plan)
+  def step(state, batch):
+    g = jax.grad(lambda p: jnp.mean(state.apply_fn({"params": p}, batch).astype(jnp.float32)
+                                    ** 2))(state.params)
+    return state.apply_gradients(grads=g), {}
+
+  new, _ = step(state, x)
+  assert all(jnp.isfinite(p).all() for p in jax.tree.leaves(new.params))

@@ -237,6 +237,8 @@ class ManualGather:
       backward = _BACKWARD.get()
       quantize = self.weights if (self.weights_backward or not backward) else None
       v = after(box.value, _AFTER.get())
+      if quantize is None:  # full precision is the compute dtype, as the forward pass computed
+        v = to_compute(v, self.compute_dtype or box.compute_dtype)
       # Named so that HLO metadata tells the forward gather from the backward re-gather.
       with jax.named_scope(REGATHER_SCOPE if backward else GATHER_SCOPE):
         out = _manual_gather(v, self, rest_dim, quantize, box.reduce_dtype,
@@ -244,8 +246,9 @@ class ManualGather:
       return checkpoint_name(out, GATHERED)
     if isinstance(box.value, tuple):
       w, sink = box.value
-      return _into_sink(w, sink, self, grad_dim, box.reduce_dtype)
-    return box.value
+      cd = self.compute_dtype or box.compute_dtype
+      return _into_sink(to_compute(w, cd), sink, self, grad_dim, box.reduce_dtype)
+    return to_compute(box.value, self.compute_dtype or box.compute_dtype)
 
   def reduce(self, ct: jax.Array, dim: int, reduce_dtype: Any) -> jax.Array:
     """This device's shard of the sum of every device's ``ct``."""
