@@ -10,7 +10,9 @@ one that ``transformers`` loads with ``from_pretrained``:
    memory (``--no-offload`` keeps them on the device), saving sharded checkpoints every
    ``--save-every`` steps; run it again with the same ``--out-dir`` and it resumes from the
    latest checkpoint (parameters, optimizer state and data position);
-3. the last checkpoint is exported to ``OUT_DIR/hf`` (``zerojax export --hf-config``).
+3. the last checkpoint is exported to ``OUT_DIR/hf`` (``zerojax export --hf-config``): the
+   base directory's config, generation config and tokenizer files carried over, LoRA
+   adapters merged with the alpha the checkpoint records.
 
 ``--lora RANK`` trains LoRA adapters on the attention projections only: the base weights are
 frozen (still sharded, with no gradient and no optimizer state) and the adapters are merged
@@ -188,7 +190,9 @@ def main(argv=None) -> int:
       log.flush()
     zt.log(f"step {step}: loss {loss:.4f}")
     if step % args.save_every == 0 or step == stop:
-      ckpt.save(step, checkpoint_item(model, optimizer), data={"position": step}, force=True)
+      # The model record keeps LoRA's rank and alpha with the adapters, for the export.
+      ckpt.save(step, checkpoint_item(model, optimizer), data={"position": step}, force=True,
+                model=llama.checkpoint_model(cfg))
   if log is not None:
     log.close()
   ckpt.wait()
@@ -198,8 +202,7 @@ def main(argv=None) -> int:
     return 0
   ckpt.close()
   if not args.no_export and zt.is_main_process():
-    info = export(out / "ckpt", out / "hf", hf_config=model_dir,
-                  lora_alpha=args.lora_alpha if args.lora else None)
+    info = export(out / "ckpt", out / "hf", hf_config=model_dir)
     zt.log(f"exported step {info['step']} to {info['path']} ({info['num_params']:,} "
            "parameters): load it with transformers.LlamaForCausalLM.from_pretrained")
   return 0

@@ -5,6 +5,7 @@ and safetensors (written by transformers' save_pretrained), checked against tran
 logits, exported back under its own names and loaded with from_pretrained; config fields the
 model does not implement are refused by name."""
 
+import dataclasses
 import json
 
 import jax
@@ -131,11 +132,12 @@ def test_exported_under_its_own_names_loads_with_from_pretrained(case, tmp_path)
   assert type(back) is type(m)
   np.testing.assert_array_equal(hf_logits(back, tokens), hf_logits(m, tokens))
   # A config written from the model alone (no base) is read by transformers as the same model.
+  same = lambda c: dataclasses.replace(c, head_dim=c.hd)  # explicit or derived head_dim
   fresh = llama.hf_config(cfg)
-  assert llama.from_hf_config(fresh) == cfg
+  assert same(llama.from_hf_config(fresh)) == same(cfg)
   again = transformers.AutoConfig.for_model(**fresh)
   assert type(again) is type(m.config)
-  assert llama.from_hf_config(again.to_dict()) == cfg
+  assert same(llama.from_hf_config(again.to_dict())) == same(cfg)
 
 
 # -- refused by name ------------------------------------------------------------------------------
@@ -209,3 +211,154 @@ def test_inconsistent_model_config_is_named():
     llama.LlamaConfig(model_type="mistral", sliding_window=0)
   with pytest.raises(ValueError, match=r"model_type='phi'.*allowed are"):
     llama.LlamaConfig(model_type="phi")
+
+
+# -- an export keeps the base checkpoint's identity (issue 26) ------------------------------------
+
+
+CORPUS = ["the cat sat on the mat", "a dog ran in the park", "hello world, hello zerojax",
+          "fine-tune what users bring"] * 4
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def make_tokenizer(d):
+  """A tiny byte-level BPE (Qwen2's kind, 300 ids) with a chat template, trained here and
+  saved with save_pretrained."""
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+  tok = Tokenizer(models.BPE())
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = decoders.ByteLevel()
+  tok.train_from_iterator(CORPUS, trainers.BpeTrainer(
+      vocab_size=300, special_tokens=SPECIAL,
+      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+  assert tok.get_vocab_size() <= 300
+  fast = transformers.PreTrainedTokenizerFast(
+      tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
+      chat_template="{% for m in messages %}<|im_start|>{{ m['role'] }} {{ m['content'] }}"
+                    "<|im_end|>{% endfor %}")
+  fast.save_pretrained(d)
+  return fast
+
+
+@pytest.fixture(scope="module")
+def base_qwen2(tmp_path_factory):
+  """A tiny random Qwen2 (tied embeddings) with its tokenizer, a generation config and a
+  field zerojax does not model, as a user's base checkpoint directory."""
+  d = tmp_path_factory.mktemp("base_qwen2")
+  m = make_hf("qwen2", seed=5, tie_word_embeddings=True, vocab_size=300, bos_token_id=1,
+              eos_token_id=0, pad_token_id=0)
+  m.config.my_unmodelled_field = {"kept": [1, 2]}
+  m.generation_config.eos_token_id = [0, 2]
+  m.generation_config.max_new_tokens = 9
+  m.save_pretrained(d)
+  make_tokenizer(d)
+  assert (d / "generation_config.json").exists() and (d / "tokenizer.json").exists()
+  return d, m
+
+
+def _greedy_zerojax(cfg, tree, prompt, n):
+  """zerojax's own greedy decoding: one fixed-length forward per new token (causal, so the
+  positions after the current one do not change its logits)."""
+  graphdef, _ = nnx.split(nnx.eval_shape(lambda: llama.Llama(cfg, nnx.Rngs(0))))
+  tree = jax.device_get(tree)
+  fwd = jax.jit(lambda s, t: nnx.merge(graphdef, s)(t))
+  toks = np.zeros((1, len(prompt) + n), np.int32)
+  toks[0, :len(prompt)] = prompt
+  for t in range(len(prompt), len(prompt) + n):
+    toks[0, t] = int(np.argmax(np.asarray(fwd(tree, toks))[0, t - 1]))
+  return toks[0, len(prompt):].tolist()
+
+
+def _generate(path_or_model, ids, n):
+  m = (transformers.AutoModelForCausalLM.from_pretrained(path_or_model).float().eval()
+       if not isinstance(path_or_model, torch.nn.Module) else path_or_model)
+  with torch.no_grad():
+    out = m.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
+                     attention_mask=torch.ones(1, len(ids), dtype=torch.long))
+  return out[0, len(ids):].tolist()
+
+
+def test_export_keeps_config_generation_config_and_tokenizer(base_qwen2, tmp_path):
+  from zerojax.tools import cli
+  d, m = base_qwen2
+  cfg = llama.from_hf_config(d)
+  with Checkpointer(tmp_path / "ckpt") as ckpt:
+    ckpt.save(3, {"params": load(cfg, d)}, force=True, model=llama.checkpoint_model(cfg))
+  out = tmp_path / "hf"
+  assert cli.main(["export", str(tmp_path / "ckpt"), str(out), "--hf-config",
+                   str(d / "config.json"), "--dtype", "bf16"]) == 0
+  base_cfg, new_cfg = (json.loads((p / "config.json").read_text()) for p in (d, out))
+  # Only the dtype changed; bos/eos/pad ids and the field zerojax does not model are kept.
+  assert new_cfg.pop("dtype") == "bfloat16" and base_cfg.pop("dtype") == "float32"
+  assert new_cfg == base_cfg
+  assert new_cfg["my_unmodelled_field"] == {"kept": [1, 2]} and new_cfg["eos_token_id"] == 0
+  for name in ("generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+    assert (out / name).read_bytes() == (d / name).read_bytes(), name
+  tok, base_tok = (transformers.AutoTokenizer.from_pretrained(p) for p in (out, d))
+  text = "the cat ran in the park"
+  assert len(tok(text)["input_ids"]) > 3
+  assert tok(text)["input_ids"] == base_tok(text)["input_ids"]
+  chat = [{"role": "user", "content": "hello world"}]
+  assert tok.apply_chat_template(chat, tokenize=False) == \
+      base_tok.apply_chat_template(chat, tokenize=False)
+  back = transformers.AutoModelForCausalLM.from_pretrained(out)
+  assert back.generation_config.max_new_tokens == 9 and back.config.bos_token_id == 1
+  assert back.generation_config.eos_token_id == [0, 2]
+  # It generates as the base (greedy, the exported weights rounded to bf16 and back).
+  ids = tok(text)["input_ids"]
+  back32 = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+  gen = _generate(back32, ids, 5)
+  assert gen and gen == _generate(m, ids, 5)
+  assert tok.decode(gen) == base_tok.decode(gen)
+
+
+def test_lora_export_uses_the_recorded_alpha(base_qwen2, tmp_path, capsys):
+  from zerojax.tools import cli
+  d, m = base_qwen2
+  cfg = llama.from_hf_config(d, lora_rank=4, lora_alpha=8.0,
+                             lora_targets=("q_proj", "v_proj", "down_proj"))
+  tree = jax.device_get(load(llama.from_hf_config(d), d))
+  rs = np.random.RandomState(0)
+  L = cfg.num_hidden_layers
+  for block, name, din, dout in (("self_attn", "q_proj", 64, 64), ("self_attn", "v_proj", 64, 32),
+                                 ("mlp", "down_proj", 96, 64)):
+    tree["layers"][block][name]["lora_a"] = rs.normal(0, 0.3, (L, din, 4)).astype(np.float32)
+    tree["layers"][block][name]["lora_b"] = rs.normal(0, 0.3, (L, 4, dout)).astype(np.float32)
+  with Checkpointer(tmp_path / "ckpt") as ckpt:
+    ckpt.save(1, {"params": tree}, force=True, model=llama.checkpoint_model(cfg))
+  # No --lora-alpha: the alpha recorded with the adapters merges them.
+  out = tmp_path / "hf"
+  assert cli.main(["export", str(tmp_path / "ckpt"), str(out), "--hf-config", str(d)]) == 0
+  tokens = np.random.RandomState(4).randint(3, 300, (2, 16))
+  ours = logits_of(cfg, tree, tokens)
+  back = transformers.AutoModelForCausalLM.from_pretrained(out).float().eval()
+  diff = float(np.abs(hf_logits(back, tokens) - ours).max())
+  assert diff <= 1e-4, diff
+  assert np.abs(hf_logits(m, tokens) - ours).max() > 1e-2  # the adapters changed the model
+  prompt = tokens[0, :6].tolist()
+  theirs = _generate(back, prompt, 6)
+  assert theirs and theirs == _greedy_zerojax(cfg, tree, prompt, 6)[:len(theirs)]
+  # A different --lora-alpha than the recorded one is refused, naming both.
+  assert cli.main(["export", str(tmp_path / "ckpt"), str(tmp_path / "x"), "--hf-config", str(d),
+                   "--lora-alpha", "16"]) == 2  # bad input
+  assert "lora_alpha=16.0 differs from the alpha 8.0 recorded" in capsys.readouterr().err
+  # Without a recorded alpha, export asks for one.
+  with Checkpointer(tmp_path / "bare") as ckpt:
+    ckpt.save(1, {"params": tree}, force=True)
+  with pytest.raises(ValueError, match=r"records no alpha.*--lora-alpha"):
+    export(tmp_path / "bare", tmp_path / "y", hf_config=d)
+  info = export(tmp_path / "bare", tmp_path / "y", hf_config=d, lora_alpha=8.0)
+  assert info["lora_alpha"] == 8.0
+
+
+def test_export_refuses_a_checkpoint_of_another_architecture(base_qwen2, tmp_path):
+  d, _ = base_qwen2
+  tree = jax.device_get(load(llama.from_hf_config(d), d))
+  del tree["layers"]["self_attn"]["q_proj"]["bias"]
+  tree["norm"]["scale"] = np.ones((65,), np.float32)
+  with Checkpointer(tmp_path / "ckpt") as ckpt:
+    ckpt.save(1, {"params": tree}, force=True)
+  with pytest.raises(ValueError, match=r"does not match the Hugging Face config.*qwen2.*"
+                     r"'norm/scale' has shape \(65,\), the base config needs \(64,\).*"
+                     r"needs leaf 'layers/self_attn/q_proj/bias'"):
+    export(tmp_path / "ckpt", tmp_path / "hf", hf_config=d / "config.json")

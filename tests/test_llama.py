@@ -444,10 +444,18 @@ def test_cli_export_hf(example_runs, tmp_path, capsys):
   assert sorted(ours) == sorted(theirs) and "model.layers.1.mlp.down_proj.weight" in ours
   for k in ours:
     np.testing.assert_array_equal(ours[k], theirs[k])
-  # A LoRA checkpoint cannot be exported without the alpha its adapters were trained with.
+  # A LoRA checkpoint records its adapters' alpha: no --lora-alpha needed, same tensors.
   assert cli.main(["export", str(lora / "ckpt"), str(tmp_path / "x"), "--hf-config",
-                   str(lora / "base")]) == 1
-  assert "LoRA adapters" in capsys.readouterr().err
+                   str(lora / "base")]) == 0
+  ours, theirs = load_file(tmp_path / "x" / "model.safetensors"), load_file(
+      lora / "hf" / "model.safetensors")
+  assert sorted(ours) == sorted(theirs)
+  for k in ours:
+    np.testing.assert_array_equal(ours[k], theirs[k])
+  # Another alpha than the recorded one is refused (bad input).
+  assert cli.main(["export", str(lora / "ckpt"), str(tmp_path / "y"), "--hf-config",
+                   str(lora / "base"), "--lora-alpha", "4"]) == 2
+  assert "differs from the alpha 16.0 recorded" in capsys.readouterr().err
 
 
 def test_bf16_compute_and_params(hf_dir):

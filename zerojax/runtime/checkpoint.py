@@ -107,12 +107,15 @@ class Extras:
       data), or ``None``.
     data: the data position passed to `Checkpointer.save` (JSON round trip), or ``None``.
     config: the saving run's `ZeroConfig.to_dict()`, or ``None`` if none was given.
+    model: the model description passed to `Checkpointer.save` (e.g. LoRA's rank and alpha,
+      `zerojax.models.llama.checkpoint_model`), or ``None``.
   """
 
   step: int
   rng: Any = None
   data: Any = None
   config: dict | None = None
+  model: dict | None = None
 
 
 # -- checksums ----------------------------------------------------------------------------------
@@ -486,7 +489,7 @@ class Checkpointer:
   # -- save -------------------------------------------------------------------------------------
 
   def save(self, step: int, state: Any, *, rng: Any = None, data: Any = None,
-           force: bool = False) -> bool:
+           force: bool = False, model: dict | None = None) -> bool:
     """Starts an asynchronous save of ``state`` as checkpoint ``step``.
 
     Returns once the device buffers are copied to host; training may go on (and donate the
@@ -498,6 +501,9 @@ class Checkpointer:
       rng: a JAX PRNG key to store (restored as the same kind of key).
       data: the data position, any JSON-serialisable value (e.g. ``{"step": 1200}``).
       force: save even if ``step`` is not a multiple of ``save_interval_steps``.
+      model: a JSON-serialisable description of the model that the parameters alone do not
+        give (e.g. `zerojax.models.llama.checkpoint_model`: LoRA's rank and alpha), which
+        `zerojax.tools.export` reads.
 
     Returns:
       whether a save was started.
@@ -523,6 +529,13 @@ class Checkpointer:
     except (TypeError, ValueError) as e:
       raise TypeError(f"Checkpointer.save(data=...) must be JSON-serialisable (numbers, "
                       f"strings, lists, dicts): {e}") from None
+    if model is not None and not isinstance(model, dict):
+      raise TypeError(f"Checkpointer.save(model={model!r}) is invalid: a JSON-serialisable "
+                      "dict or None")
+    try:
+      model_json = json.loads(json.dumps(model))
+    except (TypeError, ValueError) as e:
+      raise TypeError(f"Checkpointer.save(model=...) must be JSON-serialisable: {e}") from None
     meta = {
         "format": FORMAT,
         "version": FORMAT_VERSION,
@@ -530,6 +543,7 @@ class Checkpointer:
         "config": None if self.config is None else self.config.to_dict(),
         "data": data_json,
         "rng": _rng_to_json(rng),
+        "model": model_json,
         "leaves": {path_str(p): {"shape": list(_shape_dtype(x)[0]),
                                   "dtype": _shape_dtype(x)[1].name}
                    for p, x in jax.tree_util.tree_flatten_with_path(item)[0]},
@@ -715,7 +729,8 @@ class Checkpointer:
     else:
       new_state = {**dict(state), **restored}
     extras = Extras(step=int(meta["step"]), rng=_rng_from_json(meta.get("rng")),
-                    data=meta.get("data"), config=meta.get("config"))
+                    data=meta.get("data"), config=meta.get("config"),
+                    model=meta.get("model"))
     return new_state, extras
 
   def _find_unreadable_leaves(self, step: int) -> list[tuple[str, str]]:

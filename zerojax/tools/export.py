@@ -13,16 +13,20 @@ Formats:
 * ``safetensors``: the standard format (``F32``/``BF16``), readable by ``safetensors``' numpy,
   torch and flax loaders; the same JSON metadata sits in the header's ``__metadata__``.
 
-* ``hf``: a Hugging Face model directory for the shipped Llama (`zerojax.models.llama`):
-  ``model.safetensors`` under Hugging Face's names (layers unstacked, linear weights
-  transposed back to PyTorch's ``(out, in)``, LoRA adapters merged into their kernels) and
-  ``config.json``, which ``transformers``' ``LlamaForCausalLM.from_pretrained`` loads. It needs
-  the model's Hugging Face config (``--hf-config``: the base checkpoint's ``config.json``).
+* ``hf``: a Hugging Face model directory for the shipped Llama-like model
+  (`zerojax.models.llama`: Llama, Qwen2, Qwen3, Mistral): ``model.safetensors`` under the
+  family's names (layers unstacked, linear weights transposed back to PyTorch's ``(out, in)``,
+  LoRA adapters merged into their kernels with the alpha recorded in the checkpoint). It starts
+  from the base checkpoint (``--hf-config``: its ``config.json`` or directory): the base's
+  ``config.json`` is kept field for field (bos/eos ids, fields zerojax does not model) with only
+  the dtype changed, and its ``generation_config.json`` and tokenizer files are copied, so
+  ``transformers``' ``AutoModelForCausalLM.from_pretrained`` and ``AutoTokenizer`` load it as
+  the base, fine-tuned.
 
 Command line::
 
   python -m zerojax.tools.export CKPT_DIR OUT [--step N] [--dtype fp32|bf16] [--format npz|safetensors]
-  python -m zerojax.tools.export CKPT_DIR OUT_DIR --hf-config BASE/config.json [--lora-alpha 16]
+  python -m zerojax.tools.export CKPT_DIR OUT_DIR --hf-config BASE/config.json [--lora-alpha A]
 """
 
 from __future__ import annotations
@@ -68,10 +72,14 @@ def export(checkpoint_dir: str | os.PathLike, out_path: str | os.PathLike, *,
       are cast to it, integer leaves are kept.
     format: ``'npz'``, ``'safetensors'`` or ``'hf'``; ``None`` picks ``hf`` when
       ``hf_config`` is given, ``safetensors`` for a ``.safetensors`` path and ``npz`` otherwise.
-    hf_config: for ``'hf'``: the Llama's Hugging Face config (dict, ``config.json`` or its
-      directory); ``out_path`` is then the output directory.
+    hf_config: for ``'hf'``: the base model's Hugging Face config (``config.json`` or its
+      directory, or a dict); ``out_path`` is then the output directory. The export starts
+      from the base's own files: its ``config.json`` (every field kept, the dtype set), its
+      ``generation_config.json`` and its tokenizer files are copied.
     lora_alpha: for ``'hf'`` with LoRA adapters in the checkpoint: the adapters' alpha
-      (merged as ``kernel + lora_a @ lora_b * alpha / rank``); required when adapters exist.
+      (merged as ``kernel + lora_a @ lora_b * alpha / rank``). ``None`` uses the alpha the
+      checkpoint records (``Checkpointer.save(..., model=llama.checkpoint_model(cfg))``); a
+      value that differs from the recorded one is an error.
 
   Returns:
     a summary: ``{'path', 'step', 'format', 'dtype', 'num_params', 'num_leaves', 'bytes'}``.
@@ -143,9 +151,11 @@ def export(checkpoint_dir: str | os.PathLike, out_path: str | os.PathLike, *,
   info = {"format": "zerojax-export", "checkpoint": where, "step": step, "dtype": dtype,
           "config": meta.get("config")}
   if format == "hf":
-    out = _write_hf(out_path, leaves, load, info, hf_config, lora_alpha, dtype)
+    out = _write_hf(out_path, leaves, load, info, hf_config, lora_alpha, dtype,
+                    meta.get("model"))
     return {"path": out_path, "step": step, "format": format, "dtype": dtype,
-            "num_params": out["num_params"], "num_leaves": len(leaves), "bytes": out["bytes"]}
+            "num_params": out["num_params"], "num_leaves": len(leaves), "bytes": out["bytes"],
+            "copied": out["copied"], "lora_alpha": out["lora_alpha"]}
   tmp = out_path + ".tmp"
   os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
   try:
@@ -197,28 +207,81 @@ def _write_safetensors(path, leaves, load, info) -> None:
       del x
 
 
-def _write_hf(out_dir, leaves, load, info, hf_config, lora_alpha, dtype) -> dict:
-  """Hugging Face Llama directory: merged, renamed, transposed tensors and ``config.json``."""
+# The tokenizer's files in a Hugging Face model directory (copied unchanged by an export).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "added_tokens.json", "tokenizer.model", "spiece.model", "vocab.json",
+                   "merges.txt", "vocab.txt", "chat_template.jinja", "chat_template.json")
+_GENERATION_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
+
+
+def _lora_alpha(adapters, given, model_meta, where) -> float | None:
+  """The alpha to merge adapters with: the one recorded with the checkpoint, or ``given``."""
+  lora = (model_meta or {}).get("lora") or {}
+  recorded = lora.get("alpha")
+  if not adapters:
+    return None
+  if given is None and recorded is None:
+    raise ValueError(f"the checkpoint {where!r} has LoRA adapters ({adapters[:3]}...) and "
+                     "records no alpha for them: pass lora_alpha (--lora-alpha) to merge them "
+                     "into their kernels (save with Checkpointer.save(..., "
+                     "model=llama.checkpoint_model(cfg)) to record it)")
+  if given is not None and recorded is not None and float(given) != float(recorded):
+    raise ValueError(f"lora_alpha={given!r} differs from the alpha {recorded!r} recorded with "
+                     f"the adapters in {where!r}: leave lora_alpha out to use the recorded one")
+  return float(recorded if given is None else given)
+
+
+def _write_hf(out_dir, leaves, load, info, hf_config, lora_alpha, dtype, model_meta) -> dict:
+  """A Hugging Face model directory from the base's own files: its ``config.json`` (only the
+  dtype changed), its ``generation_config.json`` and tokenizer files (copied), and the trained
+  tensors (LoRA merged) under the family's names in ``model.safetensors``."""
+  import shutil
   from zerojax.models import llama
   from zerojax.runtime import weights
-  cfg = llama.from_hf_config(hf_config)
+  from zerojax.core.plan import path_str
+  import jax
+  from flax import nnx
+
+  base_dir = None
+  if not isinstance(hf_config, dict):
+    p = os.fspath(hf_config)
+    if not os.path.exists(p):
+      raise FileNotFoundError(f"hf_config {p!r} does not exist (the base model's config.json "
+                              "or its directory)")
+    base_dir = p if os.path.isdir(p) else os.path.dirname(os.path.abspath(p))
+  base = json.loads(json.dumps(llama.read_hf_config(hf_config)))  # a copy
+  cfg = llama.from_hf_config(base)
   by_path = {leaf[0]: leaf for leaf in leaves}
+  where = info["checkpoint"]
+  # The checkpoint must be the base's architecture (anything else is a different model).
+  want = {path_str(kp): tuple(x.shape) for kp, x in jax.tree_util.tree_flatten_with_path(
+      nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: llama.Llama(cfg, nnx.Rngs(0))),
+                                 nnx.Param)))[0]}
+  have = {name: shape for name, _, shape, _, _ in leaves if "/lora_" not in name}
+  problems = [f"leaf {n!r} has shape {have[n]}, the base config needs {want[n]}"
+              for n in sorted(set(want) & set(have)) if want[n] != have[n]]
+  problems += [f"the base config needs leaf {n!r}, which the checkpoint lacks"
+               for n in sorted(set(want) - set(have))]
+  problems += [f"the checkpoint's leaf {n!r} has no place in the base config's model"
+               for n in sorted(set(have) - set(want))]
+  if problems:
+    raise ValueError(f"checkpoint {where!r} does not match the Hugging Face config "
+                     f"{base_dir or 'given'} ({cfg.model_type}): " + "; ".join(problems[:6])
+                     + (f"; and {len(problems) - 6} more" if len(problems) > 6 else ""))
   adapters = sorted({p.rsplit("/", 1)[0] for p in by_path if p.endswith("/lora_a")})
-  if adapters and lora_alpha is None:
-    raise ValueError(f"the checkpoint has LoRA adapters ({adapters[:3]}...): pass lora_alpha "
-                     "(--lora-alpha) to merge them into their kernels")
+  alpha = _lora_alpha(adapters, lora_alpha, model_meta, where)
   out = []
   for name, kp, shape, sdt, odt in leaves:
     if "/lora_" in name:
       continue
-    base = name.rsplit("/", 1)[0]
-    if name.endswith("/kernel") and base in adapters:
-      a, b = by_path[base + "/lora_a"], by_path[base + "/lora_b"]
+    base_name = name.rsplit("/", 1)[0]
+    if name.endswith("/kernel") and base_name in adapters:
+      a, b = by_path[base_name + "/lora_a"], by_path[base_name + "/lora_b"]
 
       def merged(leaf=(name, kp, shape, sdt, odt), a=a, b=b):
         w = load(*leaf[:4], np.dtype(np.float32))
         la, lb = load(*a[:4], np.dtype(np.float32)), load(*b[:4], np.dtype(np.float32))
-        w += np.matmul(la, lb) * (lora_alpha / la.shape[-1])
+        w += np.matmul(la, lb) * (alpha / la.shape[-1])
         return w.astype(leaf[4], copy=False)
       out.append((name, merged, shape, odt))
     else:
@@ -226,9 +289,30 @@ def _write_hf(out_dir, leaves, load, info, hf_config, lora_alpha, dtype) -> dict
   os.makedirs(out_dir, exist_ok=True)
   res = weights.save_hf(out, os.path.join(out_dir, "model.safetensors"), llama.hf_mapping(cfg),
                         metadata={"zerojax": json.dumps(info)})
+  # What training changed: the weights, and their dtype. Everything else is the base's.
+  config = dict(base)
+  config["dtype"] = dtype
+  if "torch_dtype" in base:
+    config["torch_dtype"] = dtype
+  config.setdefault("architectures", llama.hf_config(cfg)["architectures"])
   with open(os.path.join(out_dir, "config.json"), "w") as f:
-    json.dump(llama.hf_config(cfg, torch_dtype=dtype), f, indent=2)
-  return {"num_params": sum(math.prod(s) for _, _, s, _ in out), "bytes": res["bytes"]}
+    json.dump(config, f, indent=2)
+  copied = []
+  if base_dir is not None:
+    names = [n for n in TOKENIZER_FILES + ("generation_config.json",)
+             if os.path.isfile(os.path.join(base_dir, n))]
+    names += sorted(n for n in os.listdir(base_dir) if n.endswith(".tiktoken"))
+    for n in names:
+      if os.path.abspath(os.path.join(base_dir, n)) != os.path.abspath(os.path.join(out_dir, n)):
+        shutil.copyfile(os.path.join(base_dir, n), os.path.join(out_dir, n))
+      copied.append(n)
+  if "generation_config.json" not in copied:
+    # As transformers derives it from the model config when a checkpoint has none.
+    gen = {k: base[k] for k in _GENERATION_KEYS if base.get(k) is not None}
+    with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
+      json.dump({**gen, "_from_model_config": True}, f, indent=2)
+  return {"num_params": sum(math.prod(s) for _, _, s, _ in out), "bytes": res["bytes"],
+          "copied": copied, "lora_alpha": alpha}
 
 
 def load_npz(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], dict]:
@@ -264,10 +348,12 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m zerojax.tools
                  help="output format (default: hf with --hf-config, else from the file "
                       "extension, else npz)")
   p.add_argument("--hf-config", default=None,
-                 help="write a Hugging Face Llama directory (model.safetensors + config.json) "
-                      "for this config.json (or the base model's directory)")
+                 help="write a Hugging Face model directory from this base model (its "
+                      "config.json or directory): its config, generation config and tokenizer "
+                      "files carried over, the trained weights under its names")
   p.add_argument("--lora-alpha", type=float, default=None,
-                 help="LoRA alpha, to merge adapters into their kernels (with --hf-config)")
+                 help="LoRA alpha to merge adapters with (default: the alpha recorded in the "
+                      "checkpoint)")
   args = p.parse_args(argv)
   from zerojax.runtime.checkpoint import CheckpointError
   try:
@@ -279,6 +365,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m zerojax.tools
   print(f"exported step {info['step']}: {info['num_leaves']} leaves, {info['num_params']:,} "
         f"parameters, {info['dtype']}, {info['format']} -> {info['path']} "
         f"({info['bytes'] / 2**20:.2f} MiB)")
+  if info.get("copied"):
+    print(f"copied from the base model: {', '.join(info['copied'])}")
   return 0
 
 
