@@ -186,6 +186,12 @@ def test_sliding_window_switches_as_transformers_reads_them():
     off = llama.from_hf_config(_base(fam, sliding_window=16, use_sliding_window=True,
                                      max_window_layers=28, layer_types=None))
     assert off.layer_windows() == (0, 0)
+    null = llama.from_hf_config(_base(fam, sliding_window=None, use_sliding_window=True,
+                                      max_window_layers=0, layer_types=None))
+    assert null.sliding_window is None
+    bare = {k: v for k, v in _base(fam, use_sliding_window=True, max_window_layers=0,
+                                   layer_types=None).items() if k != "sliding_window"}
+    assert llama.from_hf_config(bare).layer_windows() == (4096, 4096)
   # Mistral: the window acts on every layer; null turns it off; absent is its default 4096.
   assert llama.from_hf_config(_base("mistral", sliding_window=7)).layer_windows() == (7, 7)
   assert llama.from_hf_config(_base("mistral", sliding_window=None)).sliding_window is None

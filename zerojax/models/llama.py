@@ -443,10 +443,8 @@ def _sliding(config: dict, arch: str, n_layers: int
                     f"{window} to every layer and ignores layer_types; a per-layer mix is "
                     "not what it computes (remove layer_types, or set sliding_window null)")
   else:  # qwen2 / qwen3: only with use_sliding_window, on layers >= max_window_layers
-    if not config.get("use_sliding_window", False):
-      window = None
-    elif window is None:
-      window = 4096
+    # (a missing sliding_window is their default 4096; an explicit null is no window)
+    window = config.get("sliding_window", 4096) if config.get("use_sliding_window") else None
     if window is None:
       types = None
     elif types is None:
