@@ -197,6 +197,10 @@ def test_sliding_window_switches_as_transformers_reads_them():
   assert llama.from_hf_config(_base("mistral", sliding_window=None)).sliding_window is None
   bare = {k: v for k, v in _base("mistral").items() if k != "sliding_window"}
   assert llama.from_hf_config(bare).sliding_window == 4096
+  # MistralForCausalLM does not read use_sliding_window: its window still acts.
+  hf = transformers.MistralConfig(**TINY, sliding_window=7, use_sliding_window=False)
+  assert hf.sliding_window == 7
+  assert llama.from_hf_config(hf.to_dict()).layer_windows() == (7, 7)
   # Llama 1/2 configs (rope_scaling null, pretraining_tp) and Llama 3.1's rope_scaling.
   old = _base("llama", rope_parameters=None, rope_scaling=None, rope_theta=10000.0,
               pretraining_tp=1)
@@ -206,6 +210,9 @@ def test_sliding_window_switches_as_transformers_reads_them():
       "original_max_position_embeddings": 8192})
   assert llama.from_hf_config(l31).rope_llama3 == (8.0, 1.0, 4.0, 8192)
   assert llama.from_hf_config(l31).rope_theta == 500000.0
+  # without original_max_position_embeddings, max_position_embeddings (as transformers)
+  del l31["rope_scaling"]["original_max_position_embeddings"]
+  assert llama.from_hf_config(l31).rope_llama3 == (8.0, 1.0, 4.0, 64)
 
 
 def test_inconsistent_model_config_is_named():
@@ -364,6 +371,11 @@ def test_export_refuses_a_checkpoint_of_another_architecture(base_qwen2, tmp_pat
   tree["norm"]["scale"] = np.ones((65,), np.float32)
   with Checkpointer(tmp_path / "ckpt") as ckpt:
     ckpt.save(1, {"params": tree}, force=True)
+  # A checkpoint that records another family than the base config's is refused by name.
+  with Checkpointer(tmp_path / "other") as ckpt:
+    ckpt.save(1, {"params": tree}, force=True, model={"family": "mistral"})
+  with pytest.raises(ValueError, match=r"records a 'mistral' model.*model_type 'qwen2'"):
+    export(tmp_path / "other", tmp_path / "hf", hf_config=d)
   with pytest.raises(ValueError, match=r"does not match the Hugging Face config.*qwen2.*"
                      r"'norm/scale' has shape \(65,\), the base config needs \(64,\).*"
                      r"needs leaf 'layers/self_attn/q_proj/bias'"):

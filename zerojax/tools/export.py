@@ -251,6 +251,11 @@ def _write_hf(out_dir, leaves, load, info, hf_config, lora_alpha, dtype, model_m
     base_dir = p if os.path.isdir(p) else os.path.dirname(os.path.abspath(p))
   base = json.loads(json.dumps(llama.read_hf_config(hf_config)))  # a copy
   cfg = llama.from_hf_config(base)
+  family = (model_meta or {}).get("family")
+  if family is not None and family != cfg.model_type:
+    raise ValueError(f"checkpoint {info['checkpoint']!r} records a {family!r} model, but the "
+                     f"Hugging Face config {base_dir or 'given'} is model_type "
+                     f"{cfg.model_type!r}: pass the base model the run started from")
   by_path = {leaf[0]: leaf for leaf in leaves}
   where = info["checkpoint"]
   # The checkpoint must be the base's architecture (anything else is a different model).
