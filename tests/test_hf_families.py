@@ -382,3 +382,37 @@ def test_export_refuses_a_checkpoint_of_another_architecture(base_qwen2, tmp_pat
                      r"'norm/scale' has shape \(65,\), the base config needs \(64,\).*"
                      r"needs leaf 'layers/self_attn/q_proj/bias'"):
     export(tmp_path / "ckpt", tmp_path / "hf", hf_config=d / "config.json")
+
+
+def test_families_train_at_stage3_with_remat_and_lora(tmp_path):
+  """Biases, q/k norms and per-layer windows through create_nnx, zero_step, remat and LoRA."""
+  import jax.numpy as jnp
+  import optax
+  m = make_hf("qwen3", seed=7, head_dim=16, attention_bias=True, use_sliding_window=True,
+              sliding_window=6, max_window_layers=1, tie_word_embeddings=True)
+  m.save_pretrained(tmp_path)
+  base = llama.from_hf_config(tmp_path)
+  cfg = llama.from_hf_config(tmp_path, remat=True, lora_rank=4,
+                             lora_targets=("q_proj", "k_proj", "o_proj"))
+  assert base.layer_windows() == (0, 6) and cfg.qkv_bias and cfg.qk_norm
+  src = weights.safetensors_source(tmp_path, llama.hf_mapping(base), skip="lora_",
+                                   allow_extra=[r"^lm_head\.weight$"])
+  model, opt, plan = zerojax.create_nnx(lambda: llama.Llama(cfg, nnx.Rngs(0)),
+                                        optax.adam(1e-2), config=zerojax.ZeroConfig(stage=3),
+                                        wrt=nnx.LoRAParam, params=src)
+  tokens = np.random.RandomState(0).randint(0, TINY["vocab_size"], (8, 17))
+  # the adapters start at zero: the model starts as transformers' base
+  np.testing.assert_allclose(np.asarray(jax.jit(lambda mm, t: mm(t))(model, tokens[:2, :16])),
+                             hf_logits(m, tokens[:2, :16]), atol=1e-4, rtol=0)
+
+  @zerojax.zero_step(plan)
+  def step(model, opt, batch):
+    def lf(mm):
+      return zerojax.models.loss_fn(mm(batch["x"]), batch["y"])
+    loss, grads = nnx.value_and_grad(lf, argnums=nnx.DiffState(0, nnx.LoRAParam))(model)
+    opt.update(model, grads)
+    return {"loss": loss}
+
+  batch = {"x": jnp.asarray(tokens[:, :-1]), "y": jnp.asarray(tokens[:, 1:])}
+  losses = [float(step(model, opt, batch)["loss"]) for _ in range(4)]
+  assert losses[-1] < losses[0], losses
