@@ -48,7 +48,8 @@ RANDOM_LLAMA = dict(vocab_size=256, hidden_size=64, intermediate_size=176, num_h
 def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   p.add_argument("--model-dir", default=None,
-                 help="Hugging Face Llama directory (default: OUT_DIR/base, generated randomly)")
+                 help="Hugging Face Llama, Qwen2, Qwen3 or Mistral directory (default: "
+                      "OUT_DIR/base, a random Llama generated there)")
   p.add_argument("--random", action="store_true",
                  help="generate a random tiny Llama in --model-dir (or OUT_DIR/base) first")
   p.add_argument("--out-dir", default="runs/finetune_llama")

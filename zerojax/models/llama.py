@@ -137,7 +137,10 @@ class LlamaConfig:
                                or "full_attention" in (self.layer_types or ())):
       why = "Mistral has no biases, no qk_norm, and one window for every layer"
     if why:
-      raise ValueError(f"LlamaConfig(model_type={fam!r}) is inconsistent: {why}")
+      flags = ", ".join(f"{k}={getattr(self, k)!r}" for k in (
+          "qkv_bias", "o_bias", "mlp_bias", "qk_norm", "sliding_window", "layer_types"))
+      raise ValueError(f"LlamaConfig(model_type={fam!r}) is inconsistent: {why} (given "
+                       f"{flags})")
 
   @property
   def hd(self) -> int:
