@@ -346,6 +346,7 @@ def test_nvme_bit_identical_to_in_memory_20_steps(tmp_path, stage):
   assert opt.store.nbytes == 2 * 4 * opt.size and opt.stats.bytes_read == opt.store.nbytes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage, kw", [(2, dict(gradient_accumulation_steps=2))])
 def test_nvme_bit_identical_with_accumulation_over_first_steps(tmp_path, stage, kw):
   """With accumulation the in-memory step fuses the accumulator's mean into the optimizer's
@@ -360,6 +361,7 @@ def test_nvme_bit_identical_with_accumulation_over_first_steps(tmp_path, stage, 
     np.testing.assert_allclose(b, a, rtol=0, atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tx_fn, kw", [
     (helpers.make_tx, dict(gradient_clipping=0.5)),
     (lambda: optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(1e-3, weight_decay=0.1)),
@@ -373,6 +375,7 @@ def test_nvme_with_clipping_matches_to_rounding(tmp_path, tx_fn, kw):
     np.testing.assert_allclose(b, a, rtol=0, atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tx_fn", [lambda: optax.lion(1e-4),
                                    lambda: optax.sgd(1e-2, momentum=0.9)],
                          ids=["lion", "sgd_momentum"])
@@ -382,7 +385,7 @@ def test_nvme_bit_identical_other_optimizers(tmp_path, tx_fn):
 
 # -- crash safety and checkpoints --------------------------------------------------------------
 
-KILL_STEPS = 12
+KILL_STEPS = 24
 
 
 def _child(nvme_path, ckpt, out):
@@ -392,11 +395,13 @@ def _child(nvme_path, ckpt, out):
                           stderr=subprocess.STDOUT, text=True)
 
 
+@pytest.mark.slow
 def test_nvme_killed_at_random_moments_resumes_exactly(tmp_path):
   """Ten kills at random moments of the step loop (reads, updates, writes, checkpoint saves);
   every rerun restores the newest complete checkpoint, and the final parameters are those of
   a run never killed."""
   clean = str(tmp_path / "clean.npz")
+  os.makedirs(tmp_path / "n0")
   p = _child(str(tmp_path / "n0"), str(tmp_path / "c0"), clean)
   out, _ = p.communicate(timeout=600)
   assert p.returncode == 0, out
@@ -407,12 +412,15 @@ def test_nvme_killed_at_random_moments_resumes_exactly(tmp_path):
   while kills < 10:
     p = _child(nv, ck, res)
     lines = []
-    for line in p.stdout:  # wait until it trains, then kill it somewhere in a step
+    # Wait until its first step (which compiles) is done, then kill it somewhere in a later
+    # step: a step and its checkpoint take about 2 s.
+    for line in p.stdout:
       lines.append(line)
       if line.startswith("START"):
         starts.append(int(line.split()[1]))
+      if line.startswith("STEP"):
         break
-    time.sleep(rng.uniform(0.0, 1.5))
+    time.sleep(rng.uniform(0.0, 2.5))
     if p.poll() is None:
       p.kill()
       kills += 1

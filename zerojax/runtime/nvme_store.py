@@ -74,7 +74,7 @@ def check_nvme_path(nvme_path: str, bytes_needed: int, *, in_use: int = 0) -> in
   """
   host = socket.gethostname()
   where = f"host {host!r}: nvme_path {nvme_path!r}"
-  need = f"{bytes_needed:,} bytes needed (this process's optimizer state plus one generation)"
+  need = f"{bytes_needed:,} bytes needed for this process's optimizer state plus one generation"
   if not os.path.exists(nvme_path):
     raise NvmePathError(f"{where} does not exist ({need}); create it on a local disk or set "
                         "nvme_path to an existing directory")
