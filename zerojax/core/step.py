@@ -40,27 +40,28 @@ from zerojax.core.grad import check_batch
 from zerojax.core.zeropp import shard_map_apply
 from zerojax.core.train_state import StepSettings, ZeroTrainState, nnx_loss_scaling, skip_nonfinite
 
-__all__ = ["wrap_apply_fn", "compiler_options", "GPU_COMPILER_OPTIONS", "ZeroStep", "zero_step", "create_train_state",
-           "state_initializer", "create_nnx", "abstract_nnx", "existing_params"]
+__all__ = ["wrap_apply_fn", "compiler_options", "GPU_COMPILER_OPTIONS", "ZeroStep", "zero_step",
+           "create_train_state", "state_initializer", "create_nnx", "abstract_nnx",
+           "existing_params"]
 
 PyTree = Any
 
 
-def wrap_apply_fn(apply_fn: Callable, plan: ShardingPlan, per_use: bool | None = None,
-                  seen: dict | None = None) -> Callable:
+def wrap_apply_fn(apply_fn: Callable, plan: ShardingPlan, seen: dict | None = None) -> Callable:
   """``apply_fn`` as the step's formulation needs it (see `ZeroConfig.gather`).
 
-  The model is traced once to see how it was written. Scanned layers, or layers the user
-  rematerialises, run as written: the loop (or the remat) already bounds what each layer
+  The model is traced once to see how it was written, and the formulation is decided then,
+  before anything compiles (`_per_use_by_default`). On XLA:CPU, scanned layers, or layers the
+  user rematerialises, run as written: the loop (or the remat) already bounds what each layer
   keeps, and XLA's partitioner places the gathers as in hand-written FSDP (the step's scan
   hook rematerialises scanned layers the user did not). An unscanned model with no remat at
-  stage 3 would keep every layer's gathered weights for the backward pass (temp growing with
-  depth, measured), so there, as with ``gather='explicit'`` or a per-use feature
-  (`ShardingPlan.gathers_per_use`), every parameter is boxed: each layer gathers its weights
-  where it reads them and re-gathers them in the backward pass (`regather_layers`).
+  stage 3 would keep every layer's gathered weights for the backward pass, and on TPU and GPU
+  the partitioner would move activations instead of weights; there, as with
+  ``gather='explicit'`` or a per-use feature (`ShardingPlan.gathers_per_use`), every parameter
+  is boxed: each layer gathers its weights, in the compute dtype, where it reads them and
+  re-gathers them in the backward pass. ``seen['per_use']`` records the decision.
   """
   cfg = plan.config
-  forced = per_use
   treedef = jax.tree.structure(plan.params)
   warned = []
   pure = per_layer_reads(apply_fn, plan)
@@ -104,8 +105,7 @@ def wrap_apply_fn(apply_fn: Callable, plan: ShardingPlan, per_use: bool | None =
       jaxpr = jax.make_jaxpr(lambda p: run(p, False))(shapes)
       has_scan = jaxpr_has_primitive(jaxpr, frozenset({"scan"}))
       remats = jaxpr_has_primitive(jaxpr, REMAT_PRIMITIVE_NAMES)
-      per_use = plan.gathers_per_use or (
-          forced is not False and _per_use_by_default(plan, has_scan, remats))
+      per_use = plan.gathers_per_use or _per_use_by_default(plan, has_scan, remats)
       if seen is not None:
         seen["per_use"] = per_use
       decided.append((per_use, has_scan))
@@ -212,9 +212,9 @@ class ZeroStep:
       _check_processes_agree(plan, getattr(state, "tx", None), state)
       orig_tx = getattr(state, "tx", None)
 
-      def make(per_use, seen):
+      def make(seen):
         def step(state, batch, *rest):
-          changes = {"apply_fn": wrap_apply_fn(orig, plan, per_use, seen)}
+          changes = {"apply_fn": wrap_apply_fn(orig, plan, seen)}
           if orig_tx is not None:
             changes["tx"] = offload.wrap_tx(orig_tx, plan)
           state = state.replace(**changes)
@@ -237,7 +237,7 @@ class ZeroStep:
             compiler_options=compiler_options(plan))
 
       seen: dict = {}
-      jitted = make(None, seen)
+      jitted = make(seen)
       lowered = jitted.lower(state, batch, *rest)  # one trace (cached for the first call)
       if compute_dtype_of(plan.config) is not None:
         _check_compute_dtype(plan.config, lowered)
