@@ -110,7 +110,10 @@ class ZeroConfig:
       plan's shardings on the step's inputs, outputs and gradients, and XLA's partitioner
       (GSPMD) inserts the gathers and reduce-scatters where the model uses each weight, as
       hand-written JAX FSDP does; nothing inside the model is touched, so any model works
-      (linen, NNX, plain pytrees, however it is called). ``'explicit'``: zerojax gathers each
+      (linen, NNX, plain pytrees, however it is called). Except at stage 3 for linen models
+      called through ``state.apply_fn`` on TPU and GPU (whose partitioner moves activations
+      instead of weights) and unscanned ones without remat on CPU: those gather per use, as
+      ``'explicit'`` does, decided before compiling. ``'explicit'``: zerojax gathers each
       parameter where a linen layer reads it (``state.apply_fn``) and reduce-scatters its
       gradient there, which ``offload_params`` (per-layer fetch from host) and
       ``reduce_dtype`` (the dtype of that reduction) need and so switch on.
