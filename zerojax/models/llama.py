@@ -42,7 +42,7 @@ from flax import nnx
 from zerojax.runtime.weights import TensorMap
 
 __all__ = ["LlamaConfig", "Llama", "hf_mapping", "from_hf_config", "hf_config", "FAMILIES",
-           "checkpoint_model"]
+           "checkpoint_model", "segment_positions"]
 
 _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj")
@@ -219,9 +219,10 @@ class Attention(nnx.Module):
     self.k_norm = nnx.data(norm() if cfg.qk_norm else None)
     self.cfg = cfg
 
-  def __call__(self, x, cos, sin, window=None):
+  def __call__(self, x, cos, sin, window=None, segment_ids=None):
     """``window``: this layer's sliding window (a traced int, 0 for full attention), or None
-    when no layer of the model has one."""
+    when no layer of the model has one. ``segment_ids`` ``(B, T)``: a query sees only keys of
+    its own segment (packed documents), or None."""
     cfg = self.cfg
     B, T, _ = x.shape
     h, kv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.hd
@@ -238,6 +239,8 @@ class Attention(nnx.Module):
     mask = ki <= qi
     if window is not None:  # query i sees keys i - window < j <= i; window 0 sees all
       mask = mask & (qi - ki < jnp.where(window > 0, window, T))
+    if segment_ids is not None:  # (B, 1, 1, T, T) against att's (B, kv, h // kv, T, T)
+      mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None, None]
     att = jnp.where(mask, att, jnp.finfo(jnp.float32).min)
     att = jax.nn.softmax(att, axis=-1).astype(cfg.dtype)
     y = jnp.einsum("bgrqk,bkgd->bqgrd", att, v).reshape(B, T, h * hd)
@@ -265,8 +268,8 @@ class DecoderLayer(nnx.Module):
     self.post_attention_layernorm = norm()
     self.mlp = MLP(cfg, rngs)
 
-  def __call__(self, x, cos, sin, window=None):
-    x = x + self.self_attn(self.input_layernorm(x), cos, sin, window)
+  def __call__(self, x, cos, sin, window=None, segment_ids=None):
+    x = x + self.self_attn(self.input_layernorm(x), cos, sin, window, segment_ids)
     return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -292,12 +295,24 @@ def _inv_freq(cfg: LlamaConfig) -> jnp.ndarray:
   return jnp.where(mid, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
 
 
-def _rope_tables(cfg: LlamaConfig, T: int):
+def _rope_tables(cfg: LlamaConfig, T: int, positions=None):
+  """``(cos, sin)`` of shape ``(1, T, 1, hd)`` for positions ``0..T-1``, or ``(B, T, 1, hd)``
+  for given ``positions`` ``(B, T)``."""
   inv = _inv_freq(cfg)
-  freqs = jnp.arange(T, dtype=jnp.float32)[:, None] * inv[None]
-  emb = jnp.concatenate([freqs, freqs], axis=-1)  # (T, hd)
-  cos, sin = jnp.cos(emb)[None, :, None], jnp.sin(emb)[None, :, None]
+  pos = jnp.arange(T, dtype=jnp.float32)[None] if positions is None else (
+      jnp.asarray(positions).astype(jnp.float32))
+  freqs = pos[..., None] * inv  # (B or 1, T, hd / 2)
+  emb = jnp.concatenate([freqs, freqs], axis=-1)
+  cos, sin = jnp.cos(emb)[:, :, None], jnp.sin(emb)[:, :, None]
   return cos.astype(cfg.dtype), sin.astype(cfg.dtype)
+
+
+def segment_positions(segment_ids):
+  """Each token's position within its segment: ``[[1,1,1,2,2]] -> [[0,1,2,0,1]]``."""
+  seg = jnp.asarray(segment_ids)
+  idx = jnp.broadcast_to(jnp.arange(seg.shape[1]), seg.shape)
+  first = jnp.concatenate([jnp.ones_like(seg[:, :1], bool), seg[:, 1:] != seg[:, :-1]], axis=1)
+  return idx - jax.lax.cummax(jnp.where(first, idx, 0), axis=1)
 
 
 class Llama(nnx.Module):
@@ -320,10 +335,14 @@ class Llama(nnx.Module):
     self.lm_head = None if cfg.tie_word_embeddings else Proj(
         cfg.hidden_size, cfg.vocab_size, dataclasses.replace(cfg, lora_rank=0), False, rngs)
 
-  def __call__(self, tokens):
+  def __call__(self, tokens, segment_ids=None, positions=None):
+    """``segment_ids`` ``(B, T)`` (packed rows): attention stays within a segment, and
+    positions restart at each segment unless ``positions`` ``(B, T)`` are given."""
     cfg = self.cfg
     x = self.embed_tokens(tokens).astype(cfg.dtype)
-    cos, sin = _rope_tables(cfg, tokens.shape[1])
+    if segment_ids is not None and positions is None:
+      positions = segment_positions(segment_ids)
+    cos, sin = _rope_tables(cfg, tokens.shape[1], positions)
     graphdef, state = nnx.split(self.layers)
     windows = cfg.layer_windows()
     if any(windows):  # each layer's window rides along the scan
@@ -333,7 +352,7 @@ class Llama(nnx.Module):
 
     def body(x, layer):
       layer_state, window = layer
-      return nnx.merge(graphdef, layer_state)(x, cos, sin, window), None
+      return nnx.merge(graphdef, layer_state)(x, cos, sin, window, segment_ids), None
 
     if cfg.remat:
       body = jax.checkpoint(body)
