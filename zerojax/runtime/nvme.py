@@ -527,11 +527,21 @@ class NvmeOptimizer:
       out[s.start:s.stop] = np.asarray(shards[s.devices[0]].data).reshape(-1)
     return out
 
-  def _from_flat(self, flat: np.ndarray) -> PyTree:
+  def _views(self, tree: PyTree) -> list[np.ndarray]:
+    """Each segment's shard as a flat host array: a view of the device buffer where the
+    device is the host CPU (no copy), else one copy of the local shards."""
+    leaves = jax.tree.leaves(tree)
+    shards = [{sh.device: sh for sh in x.addressable_shards} for x in leaves]
+    return [np.asarray(shards[s.leaf][s.devices[0]].data).reshape(-1) for s in self.segments]
+
+  def _piece(self, per_segment: Sequence[np.ndarray], pc: "_Piece") -> np.ndarray:
+    seg = self.segments[pc.segment]
+    return per_segment[pc.segment][pc.start - seg.start:pc.stop - seg.start].reshape(pc.shape)
+
+  def _from_segments(self, per_segment: Sequence[np.ndarray]) -> PyTree:
     per_leaf: list[list] = [[] for _ in self._shapes]
-    for s in self.segments:
-      host = flat[s.start:s.stop].reshape(s.shape)
-      per_leaf[s.leaf] += [jax.device_put(host, d) for d in s.devices]
+    for s, host in zip(self.segments, per_segment):
+      per_leaf[s.leaf] += [jax.device_put(host.reshape(s.shape), d) for d in s.devices]
     arrays = [jax.make_array_from_single_device_arrays(shape, sh, bufs)
               for shape, sh, bufs in zip(self._shapes, self._opt_shardings, per_leaf)]
     return jax.tree.unflatten(self._treedef, arrays)
@@ -594,8 +604,11 @@ class NvmeOptimizer:
       self.store._commit(self.store.manifest["generation"], step, self.store.shared())
       self.stats = StreamStats()
       return state
-    grads = self._to_flat(state.opt_state["grads"], self.grad_dtype)
-    params = self._to_flat(self._reshard_in(state.params), self.chunked.param_dtype)
+    # Host memory: views of the gradient and parameter shards (copies where the devices are
+    # not the host), the new parameter shards, and the buffer pool; never the state.
+    grads = self._views(state.opt_state["grads"])
+    params = self._views(self._reshard_in(state.params))
+    new = [np.empty(s.stop - s.start, self.chunked.param_dtype) for s in self.segments]
     norm = jax.device_put(np.asarray(state.opt_state["norm"]), self._cpu)
     old_shared = [jax.device_put(x, self._cpu) for x in self.store.shared()]
     new_shared: list = []
@@ -603,11 +616,11 @@ class NvmeOptimizer:
     def one(i: int, bufs: list[np.ndarray]) -> None:
       a = self.bounds[i][0]
       for pc, views in self._piece_arrays(i, bufs, offset=a):
-        g = jax.device_put(grads[pc.start:pc.stop].reshape(pc.shape), self._cpu)
-        p = jax.device_put(params[pc.start:pc.stop].reshape(pc.shape), self._cpu)
+        g = jax.device_put(self._piece(grads, pc), self._cpu)
+        p = jax.device_put(self._piece(params, pc), self._cpu)
         per = [jax.device_put(x, self._cpu) for x in views]
         new_p, new_per, new_sh, _ = self._update(g, p, per, old_shared, norm)
-        params[pc.start:pc.stop] = np.asarray(new_p).reshape(-1)
+        np.copyto(self._piece(new, pc), np.asarray(new_p))
         for view, x in zip(views, new_per):
           np.copyto(view, np.asarray(x))
         sh = [np.asarray(x) for x in new_sh]
@@ -623,7 +636,8 @@ class NvmeOptimizer:
         pipeline_read=cfg.nvme_pipeline_read, pipeline_write=cfg.nvme_pipeline_write,
         shared=lambda: new_shared, step=step)
     self.total.add(self.stats)
-    new_params = self._reshard_out(self._from_flat(params))
+    del grads, params
+    new_params = self._reshard_out(self._from_segments(new))
     return state.replace(params=new_params)
 
   # -- checkpoints ------------------------------------------------------------------------------
