@@ -29,3 +29,100 @@ def test_packed_segments_equal_separate_documents():
   np.testing.assert_allclose(out[:, 5:], np.asarray(model(jnp.asarray(b))), atol=1e-5)
   # without segment ids the second document would see the first
   assert np.abs(np.asarray(model(packed))[:, 5:] - out[:, 5:]).max() > 1e-3
+
+
+# -- the checkpoint's tokenizer and the user's data --------------------------------------------
+
+from zerojax.tools import hf_data  # noqa: E402
+
+CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello world"},
+        {"role": "assistant", "content": "the cat sat"}, {"role": "user", "content": "a dog"},
+        {"role": "assistant", "content": "ran in the park"}]
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory):
+  from tests.test_hf_families import make_tokenizer
+  d = tmp_path_factory.mktemp("tok")
+  make_tokenizer(d)
+  return d
+
+
+def test_tokenizer_is_the_checkpoints_own(tok_dir):
+  import transformers
+  ref = transformers.AutoTokenizer.from_pretrained(tok_dir, local_files_only=True)
+  tok = hf_data.load_tokenizer(tok_dir)
+  text = "the cat sat on the mat, hello zerojax"
+  assert tok.encode(text)[0] == ref(text)["input_ids"]
+  assert tok.eos_id == ref.eos_token_id and tok.pad_id == ref.pad_token_id
+  rendered = tok.render_chat(CHAT)
+  assert rendered == ref.apply_chat_template(CHAT, tokenize=False)
+  ids, mask = hf_data._chat_ids(tok, CHAT, "t")
+  assert ids == ref.apply_chat_template(CHAT, tokenize=True, return_dict=True)["input_ids"]
+  # the loss covers the assistant's turns (with their closing tokens), nothing else
+  learned = tok.decode([i for i, m in zip(ids, mask) if m])
+  assert "the cat sat" in learned and "ran in the park" in learned
+  assert "hello" not in learned and "be brief" not in learned and "dog" not in learned
+
+
+def test_tokenizer_without_template_refuses_chat_by_name(tmp_path, tok_dir):
+  import shutil
+  shutil.copy(tok_dir / "tokenizer.json", tmp_path / "tokenizer.json")
+  tok = hf_data.load_tokenizer(tmp_path)
+  with pytest.raises(ValueError, match="no chat_template"):
+    tok.render_chat(CHAT)
+
+
+def test_documents_from_jsonl_parquet_and_text(tmp_path):
+  import pyarrow as pa
+  import pyarrow.parquet as pq
+  (tmp_path / "a.jsonl").write_text(json.dumps({"text": "one"}) + "\n\n"
+                                    + json.dumps({"messages": CHAT}) + "\n")
+  assert hf_data.read_documents(tmp_path / "a.jsonl") == [{"text": "one"}, {"messages": CHAT}]
+  pq.write_table(pa.table({"messages": [CHAT, CHAT[:3]]}), tmp_path / "b.parquet")
+  assert hf_data.read_documents(tmp_path / "b.parquet")[1] == {"messages": CHAT[:3]}
+  (tmp_path / "c.txt").write_text("first doc\nline two\n\nsecond\n")
+  assert hf_data.read_documents(tmp_path / "c.txt") == [{"text": "first doc\nline two"},
+                                                         {"text": "second"}]
+  (tmp_path / "bad.jsonl").write_text(json.dumps({"prompt": "x"}) + "\n")
+  with pytest.raises(ValueError, match=r"bad.jsonl:1: .*'text'.*'messages'.*\['prompt'\]"):
+    hf_data.read_documents(tmp_path / "bad.jsonl")
+  (tmp_path / "bad2.jsonl").write_text(json.dumps({"messages": [{"role": "user"}]}) + "\n")
+  with pytest.raises(ValueError, match=r"messages\[0\]"):
+    hf_data.read_documents(tmp_path / "bad2.jsonl")
+  with pytest.raises(ValueError, match=r"'.csv' is not read; allowed are .jsonl"):
+    (tmp_path / "d.csv").write_text("x")
+    hf_data.read_documents(tmp_path / "d.csv")
+
+
+def test_pack_and_pad_rows():
+  docs = [(np.arange(1, 6, dtype=np.int32), np.ones(5, np.int32)),
+          (np.arange(10, 14, dtype=np.int32), np.asarray([0, 0, 1, 1], np.int32))]
+  r = hf_data.pack(docs, 4, pad_id=0)  # 4 + 3 pairs -> 2 rows, one padded slot
+  np.testing.assert_array_equal(r.x, [[1, 2, 3, 4], [10, 11, 12, 0]])
+  np.testing.assert_array_equal(r.y, [[2, 3, 4, 5], [11, 12, 13, 0]])
+  np.testing.assert_array_equal(r.mask, [[1, 1, 1, 1], [0, 1, 1, 0]])
+  np.testing.assert_array_equal(r.segment_ids, [[1, 1, 1, 1], [1, 1, 1, 0]])
+  np.testing.assert_array_equal(r.positions, [[0, 1, 2, 3], [0, 1, 2, 0]])
+  r = hf_data.pack(docs, 6, pad_id=0)  # the second document continues in row 2
+  np.testing.assert_array_equal(r.segment_ids, [[1, 1, 1, 1, 2, 2], [1, 0, 0, 0, 0, 0]])
+  np.testing.assert_array_equal(r.positions, [[0, 1, 2, 3, 0, 1], [2, 0, 0, 0, 0, 0]])
+  p = hf_data.pad(docs, 3, pad_id=0)
+  assert p.truncated == 1
+  np.testing.assert_array_equal(p.x, [[1, 2, 3], [10, 11, 12]])
+  np.testing.assert_array_equal(p.mask, [[1, 1, 1], [0, 1, 1]])
+
+
+def test_batches_resume_at_the_exact_position_and_cover_every_row():
+  rows = hf_data.pack([(np.arange(50, dtype=np.int32), np.ones(50, np.int32))], 7, 0)
+  a = hf_data.Batches(rows, 3, seed=1)
+  seen = [next(a) for _ in range(6)]
+  b = hf_data.Batches(rows, 3, seed=1, step=4)  # a restart at step 4
+  for want in seen[4:]:
+    got = next(b)
+    for k in hf_data.FIELDS:
+      np.testing.assert_array_equal(got[k], want[k])
+  first_epoch = np.concatenate([s["x"][:, 0] for s in seen[:2]] + [seen[2]["x"][:1, 0]])
+  assert sorted(first_epoch.tolist()) == sorted(rows.x[:, 0].tolist())  # each row once
+  evals = hf_data.eval_batches(rows, 3)
+  assert len(evals) == 3 and evals[-1]["mask"][1:].sum() == 0

@@ -1,0 +1,391 @@
+"""A Hugging Face checkpoint's own tokenizer and the user's local data, as training batches.
+
+* `load_tokenizer`: the checkpoint directory's ``tokenizer.json`` through ``tokenizers`` (its
+  ``tokenizer_config.json`` gives the special tokens and the chat template), or
+  ``transformers.AutoTokenizer`` offline when there is no ``tokenizer.json``.
+* `read_documents`: JSONL (``{"text": ...}`` or chat ``{"messages": [{"role", "content"}]}``),
+  Parquet (the same columns) and plain text (documents separated by a blank line).
+* `tokenize_documents`: ids and a loss mask per document (for chat: the assistant's tokens
+  only, found through the rendered template's character offsets).
+* `pack` / `pad`: rows of ``seq_len`` next-token pairs with segment ids (a packed row's
+  documents do not see each other; `zerojax.models.llama.Llama` reads ``segment_ids``) and
+  positions, or one document per row.
+* `Batches`: global batches, shuffled per epoch by ``grain`` (``grain.MapDataset``): batch ``i``
+  depends only on ``(seed, i)``, so a checkpoint stores ``step`` and a restart resumes at the
+  exact position; each process builds only its own rows of each batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+
+__all__ = ["Tokenizer", "load_tokenizer", "read_documents", "tokenize_documents", "Rows",
+           "pack", "pad", "build_rows", "Batches", "eval_batches"]
+
+FIELDS = ("x", "y", "mask", "segment_ids", "positions")
+
+
+def _token_text(v: Any) -> str | None:
+  return v.get("content") if isinstance(v, dict) else v
+
+
+class Tokenizer:
+  """The few things training needs from a tokenizer: ``encode`` (ids and character offsets),
+  ``eos_id``, ``pad_id`` and ``render_chat`` (the checkpoint's chat template)."""
+
+  def __init__(self, model_dir: str | os.PathLike):
+    self.dir = os.fspath(model_dir)
+    cfg_path = os.path.join(self.dir, "tokenizer_config.json")
+    cfg = {}
+    if os.path.isfile(cfg_path):
+      with open(cfg_path) as f:
+        cfg = json.load(f)
+    self.chat_template = cfg.get("chat_template")
+    tj = os.path.join(self.dir, "chat_template.jinja")
+    if self.chat_template is None and os.path.isfile(tj):
+      with open(tj) as f:
+        self.chat_template = f.read()
+    self.special = {k: _token_text(cfg.get(k)) for k in ("bos_token", "eos_token",
+                                                         "pad_token", "unk_token")}
+    self._tok = self._hf = None
+    if os.path.isfile(os.path.join(self.dir, "tokenizer.json")):
+      import tokenizers
+      self._tok = tokenizers.Tokenizer.from_file(os.path.join(self.dir, "tokenizer.json"))
+      self.vocab_size = self._tok.get_vocab_size()
+      ids = {k: (self._tok.token_to_id(v) if v else None) for k, v in self.special.items()}
+    else:  # e.g. a SentencePiece model only: transformers reads it, offline
+      import transformers
+      try:
+        self._hf = transformers.AutoTokenizer.from_pretrained(self.dir, local_files_only=True)
+      except (OSError, ValueError) as e:
+        raise ValueError(f"tokenizer: {self.dir!r} has no tokenizer.json and "
+                         f"transformers.AutoTokenizer cannot read it offline ({e}); a "
+                         "checkpoint directory with its tokenizer files is needed") from None
+      self.vocab_size = len(self._hf)
+      self.chat_template = self.chat_template or getattr(self._hf, "chat_template", None)
+      ids = {k: getattr(self._hf, k.replace("token", "token_id"), None) for k in self.special}
+      self.special = {k: getattr(self._hf, k, None) for k in self.special}
+    self.eos_id = ids["eos_token"]
+    if self.eos_id is None:
+      self.eos_id = _config_eos(self.dir)
+    self.pad_id = ids["pad_token"] if ids["pad_token"] is not None else self.eos_id
+    if self.pad_id is None:
+      self.pad_id = 0
+
+  def encode(self, text: str, special: bool = True) -> tuple[list[int], list[tuple[int, int]]]:
+    """Token ids and each token's ``(start, end)`` character span (``special``: the
+    tokenizer's own added tokens, e.g. a BOS, as ``from_pretrained`` adds them)."""
+    if self._tok is not None:
+      enc = self._tok.encode(text, add_special_tokens=special)
+      return list(enc.ids), list(enc.offsets)
+    if not getattr(self._hf, "is_fast", False):
+      raise ValueError(f"tokenizer in {self.dir!r} is a slow (Python) tokenizer; character "
+                       "offsets need a fast one (a tokenizer.json)")
+    enc = self._hf(text, add_special_tokens=special, return_offsets_mapping=True)
+    return list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
+
+  def decode(self, ids: Sequence[int]) -> str:
+    return (self._tok.decode(list(ids), skip_special_tokens=False) if self._tok is not None
+            else self._hf.decode(list(ids)))
+
+  def render_chat(self, messages: list[dict]) -> str:
+    """The chat template applied to ``messages`` (no generation prompt), as transformers'
+    ``apply_chat_template(..., tokenize=False)`` renders it."""
+    if not self.chat_template:
+      raise ValueError(f"tokenizer in {self.dir!r} has no chat_template (tokenizer_config.json "
+                       "or chat_template.jinja); chat data {\"messages\": [...]} needs one, or "
+                       "give the data as {\"text\": ...}")
+    if self._hf is not None:
+      return self._hf.apply_chat_template(messages, tokenize=False)
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(msg):
+      raise jinja2.exceptions.TemplateError(msg)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = lambda v, indent=None, **_: json.dumps(v, indent=indent,
+                                                                    ensure_ascii=False)
+    env.globals["raise_exception"] = raise_exception
+    return env.from_string(self.chat_template).render(
+        messages=messages, add_generation_prompt=False,
+        **{k: v for k, v in self.special.items() if v is not None})
+
+
+def _config_eos(model_dir: str) -> int | None:
+  for name in ("generation_config.json", "config.json"):
+    p = os.path.join(model_dir, name)
+    if os.path.isfile(p):
+      with open(p) as f:
+        e = json.load(f).get("eos_token_id")
+      if isinstance(e, list):
+        e = e[0] if e else None
+      if e is not None:
+        return int(e)
+  return None
+
+
+def load_tokenizer(model_dir: str | os.PathLike) -> Tokenizer:
+  """The checkpoint directory's own tokenizer (nothing is downloaded)."""
+  if not os.path.isdir(model_dir):
+    raise FileNotFoundError(f"tokenizer: model directory {os.fspath(model_dir)!r} does not exist")
+  return Tokenizer(model_dir)
+
+
+# -- documents --------------------------------------------------------------------------------
+
+
+def _check_doc(doc: Any, where: str) -> dict:
+  if not isinstance(doc, dict) or ("text" in doc) == ("messages" in doc):
+    keys = sorted(doc) if isinstance(doc, dict) else type(doc).__name__
+    raise ValueError(f"{where}: a record needs exactly one of the fields 'text' (a string) or "
+                     f"'messages' (a list of {{'role', 'content'}}); got {keys}")
+  if "text" in doc:
+    if not isinstance(doc["text"], str):
+      raise ValueError(f"{where}: field 'text'={doc['text']!r:.60} is invalid: a string")
+    return {"text": doc["text"]}
+  msgs = doc["messages"]
+  if not isinstance(msgs, (list, tuple)) or not msgs:
+    raise ValueError(f"{where}: field 'messages'={msgs!r:.60} is invalid: a non-empty list "
+                     "of {'role': ..., 'content': ...}")
+  out = []
+  for i, m in enumerate(msgs):
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(
+        m.get("content"), str):
+      raise ValueError(f"{where}: field 'messages[{i}]'={m!r:.80} is invalid: a dict with a "
+                       "string 'role' (system, user, assistant, ...) and a string 'content'")
+    out.append({"role": m["role"], "content": m["content"]})
+  return {"messages": out}
+
+
+def read_documents(path: str | os.PathLike) -> list[dict]:
+  """The documents of a local data file: ``.jsonl``/``.json`` (one JSON object per line),
+  ``.parquet`` (a ``text`` or ``messages`` column) or ``.txt`` (documents separated by a
+  blank line). Each is ``{"text": str}`` or ``{"messages": [{"role", "content"}, ...]}``."""
+  path = os.fspath(path)
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"data file {path!r} does not exist")
+  ext = os.path.splitext(path)[1].lower()
+  docs: list[dict] = []
+  if ext in (".jsonl", ".json"):
+    with open(path, encoding="utf-8") as f:
+      for n, line in enumerate(f, 1):
+        if not line.strip():
+          continue
+        try:
+          rec = json.loads(line)
+        except ValueError as e:
+          raise ValueError(f"{path}:{n}: not a JSON object ({e}); JSONL data has one "
+                           "object per line") from None
+        docs.append(_check_doc(rec, f"{path}:{n}"))
+  elif ext == ".parquet":
+    import pyarrow.parquet as pq
+    table = pq.read_table(path)
+    cols = [c for c in ("text", "messages") if c in table.column_names]
+    if len(cols) != 1:
+      raise ValueError(f"{path}: a Parquet file needs exactly one of the columns 'text' or "
+                       f"'messages'; it has {table.column_names}")
+    for n, v in enumerate(table.column(cols[0]).to_pylist()):
+      docs.append(_check_doc({cols[0]: v}, f"{path} row {n}"))
+  elif ext in (".txt", ".text", ".md"):
+    with open(path, encoding="utf-8") as f:
+      text = f.read()
+    docs = [{"text": d.strip("\n")} for d in text.split("\n\n") if d.strip()]
+  else:
+    raise ValueError(f"data file {path!r}: extension {ext!r} is not read; allowed are .jsonl, "
+                     ".json (JSON lines), .parquet and .txt")
+  if not docs:
+    raise ValueError(f"data file {path!r} holds no documents")
+  return docs
+
+
+def _chat_ids(tok: Tokenizer, messages: list[dict], where: str) -> tuple[list[int], list[int]]:
+  """Ids of the rendered conversation and a mask of the assistant's tokens: the template is
+  rendered for each prefix of the conversation, so message ``i`` owns the characters its
+  prefix adds; a token is the assistant's when its first character is."""
+  text, spans, prev = "", [], ""
+  for i in range(len(messages)):
+    text = tok.render_chat(messages[:i + 1])
+    if not text.startswith(prev):
+      raise ValueError(f"{where}: the chat template renders messages[:{i + 1}] as a text that "
+                       "does not extend the render of the earlier messages; the assistant's "
+                       "tokens cannot be told apart")
+    spans.append((len(prev), len(text), messages[i]["role"] == "assistant"))
+    prev = text
+  ids, offsets = tok.encode(text, special=False)
+  mask = []
+  for (s, e) in offsets:
+    mask.append(int(any(a and lo <= s < hi for lo, hi, a in spans) and e > s))
+  return ids, mask
+
+
+def tokenize_documents(tok: Tokenizer, docs: Sequence[dict], where: str = "data"
+                       ) -> list[tuple[np.ndarray, np.ndarray]]:
+  """``(ids, loss mask)`` per document: text documents end with the EOS token and train on
+  every token; chat documents train on the assistant's tokens only."""
+  out = []
+  for n, d in enumerate(docs):
+    if "text" in d:
+      ids, _ = tok.encode(d["text"])
+      if tok.eos_id is not None:
+        ids = ids + [tok.eos_id]
+      mask = [1] * len(ids)
+    else:
+      ids, mask = _chat_ids(tok, d["messages"], f"{where} document {n}")
+    if len(ids) >= 2:
+      out.append((np.asarray(ids, np.int32), np.asarray(mask, np.int32)))
+  if not out:
+    raise ValueError(f"{where}: no document has two tokens or more")
+  return out
+
+
+# -- rows -------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Rows:
+  """Training rows: ``x`` input ids, ``y`` next-token targets, ``mask`` (1: a target that
+  counts in the loss), ``segment_ids`` (0: padding) and ``positions``, each ``(n, seq_len)``."""
+
+  x: np.ndarray
+  y: np.ndarray
+  mask: np.ndarray
+  segment_ids: np.ndarray
+  positions: np.ndarray
+  truncated: int = 0  # documents cut at seq_len (padded rows only)
+
+  def __len__(self) -> int:
+    return len(self.x)
+
+  def take(self, idx: np.ndarray) -> dict[str, np.ndarray]:
+    return {f: getattr(self, f)[idx] for f in FIELDS}
+
+
+def _pairs(docs):
+  """Each document as next-token pairs: inputs ids[:-1], targets ids[1:], the target's mask."""
+  for ids, mask in docs:
+    yield ids[:-1], ids[1:], mask[1:]
+
+
+def pack(docs: Sequence[tuple[np.ndarray, np.ndarray]], seq_len: int, pad_id: int) -> Rows:
+  """Documents one after another, cut into rows of ``seq_len`` (a document may continue in the
+  next row, its positions continuing); each row numbers its documents 1, 2, ... in
+  ``segment_ids``, the last row is padded (segment 0, mask 0)."""
+  xs, ys, ms, docid, pos = [], [], [], [], []
+  for k, (x, y, m) in enumerate(_pairs(docs)):
+    xs.append(x), ys.append(y), ms.append(m)
+    docid.append(np.full(len(x), k, np.int64)), pos.append(np.arange(len(x), dtype=np.int32))
+  x, y, m, d, p = (np.concatenate(a) for a in (xs, ys, ms, docid, pos))
+  n = -(-len(x) // seq_len)
+  padn = n * seq_len - len(x)
+  x = np.concatenate([x, np.full(padn, pad_id, np.int32)]).reshape(n, seq_len)
+  y = np.concatenate([y, np.full(padn, pad_id, np.int32)]).reshape(n, seq_len)
+  m = np.concatenate([m, np.zeros(padn, np.int32)]).reshape(n, seq_len)
+  p = np.concatenate([p, np.zeros(padn, np.int32)]).reshape(n, seq_len)
+  d = np.concatenate([d, np.full(padn, -1, np.int64)]).reshape(n, seq_len)
+  # segment ids 1, 2, ... within each row, in order of the documents there; padding 0
+  new = np.ones_like(d, bool)
+  new[:, 1:] = d[:, 1:] != d[:, :-1]
+  seg = np.cumsum(new, axis=1).astype(np.int32)
+  seg[d < 0] = 0
+  return Rows(x, y, m, seg, p)
+
+
+def pad(docs: Sequence[tuple[np.ndarray, np.ndarray]], seq_len: int, pad_id: int) -> Rows:
+  """One document per row, cut at ``seq_len`` (counted in ``truncated``) and padded."""
+  n = len(docs)
+  rows = Rows(np.full((n, seq_len), pad_id, np.int32), np.full((n, seq_len), pad_id, np.int32),
+              np.zeros((n, seq_len), np.int32), np.zeros((n, seq_len), np.int32),
+              np.zeros((n, seq_len), np.int32))
+  for i, (x, y, m) in enumerate(_pairs(docs)):
+    if len(x) > seq_len:
+      rows.truncated += 1
+    k = min(len(x), seq_len)
+    rows.x[i, :k], rows.y[i, :k], rows.mask[i, :k] = x[:k], y[:k], m[:k]
+    rows.segment_ids[i, :k], rows.positions[i, :k] = 1, np.arange(k)
+  return rows
+
+
+def build_rows(path: str | os.PathLike, tok: Tokenizer, seq_len: int, packing: str = "pack"
+               ) -> Rows:
+  """`read_documents` -> `tokenize_documents` -> `pack` or `pad` (``packing``)."""
+  if packing not in ("pack", "pad"):
+    raise ValueError(f"packing={packing!r} is invalid: 'pack' (documents packed into rows, "
+                     "kept apart by segment ids) or 'pad' (one document per row)")
+  if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
+    raise ValueError(f"seq_len={seq_len!r} is invalid: a positive integer")
+  docs = tokenize_documents(tok, read_documents(path), os.fspath(path))
+  rows = (pack if packing == "pack" else pad)(docs, seq_len, tok.pad_id)
+  if not rows.mask.any():
+    raise ValueError(f"{os.fspath(path)}: no token counts in the loss (chat data without an "
+                     "assistant message?)")
+  return rows
+
+
+# -- batches ----------------------------------------------------------------------------------
+
+
+class Batches:
+  """Global batches of ``global_batch`` rows, each epoch in a new order (``grain``'s
+  ``MapDataset.shuffle``): batch ``step`` depends only on ``(seed, step)``.
+
+  ``sharding``: the plan's batch sharding (``plan.batch()``); each process takes only its
+  own rows (`zerojax.runtime.data.process_rows`) and the global arrays are assembled from
+  them. ``step`` (the position) is plain data, saved with a checkpoint.
+  """
+
+  def __init__(self, rows: Rows, global_batch: int, seed: int = 0, sharding: Any = None,
+               step: int = 0):
+    import grain
+    self.rows, self.global_batch, self.sharding, self.step = rows, global_batch, sharding, step
+    self._index = grain.MapDataset.range(len(rows)).shuffle(seed=seed).repeat().batch(
+        global_batch)
+    self._local = None
+    if sharding is not None:
+      from zerojax.runtime.data import process_rows
+      self._local = process_rows(sharding, global_batch)
+
+  def batch(self, step: int) -> dict:
+    idx = np.asarray(self._index[step])
+    return _to_global(self.rows, idx, self._local, self.sharding, self.global_batch)
+
+  def __iter__(self) -> Iterator[dict]:
+    return self
+
+  def __next__(self) -> dict:
+    out = self.batch(self.step)
+    self.step += 1
+    return out
+
+
+def _to_global(rows: Rows, idx: np.ndarray, local, sharding, global_batch: int) -> dict:
+  if local is not None:
+    idx = idx[local]
+  data = rows.take(idx)
+  if sharding is None:
+    return data
+  import jax
+  return {k: jax.make_array_from_process_local_data(sharding, v, (global_batch,) + v.shape[1:])
+          for k, v in data.items()}
+
+
+def eval_batches(rows: Rows, global_batch: int, sharding: Any = None) -> list[dict]:
+  """Every row of ``rows`` once, in order, in batches of ``global_batch`` (the last filled
+  with masked-out rows)."""
+  local = None
+  if sharding is not None:
+    from zerojax.runtime.data import process_rows
+    local = process_rows(sharding, global_batch)
+  n = len(rows)
+  nb = -(-n // global_batch)
+  ext = Rows(*(np.concatenate([getattr(rows, f), np.zeros(
+      (nb * global_batch - n,) + getattr(rows, f).shape[1:], getattr(rows, f).dtype)])
+      for f in FIELDS))
+  return [_to_global(ext, np.arange(b * global_batch, (b + 1) * global_batch), local, sharding,
+                     global_batch) for b in range(nb)]
