@@ -95,8 +95,14 @@ def wrap_apply_fn(apply_fn: Callable, plan: ShardingPlan, seen: dict | None = No
     def run(params, per_use):
       # Parameters reach the model in the compute dtype: cast where each is gathered (per
       # use), else on its shard before the partitioner's gather, so gathers move that dtype.
+      # Per use at stage 3 the cast is on the stacked shards too (Ψ/N values), so a scanned
+      # layer's gradient is reduce-scattered straight into a compute-dtype stack, no convert.
       boxed = dict(variables)
-      boxed["params"] = box_params(params, plan) if per_use else to_compute(params, cd)
+      if not per_use:
+        boxed["params"] = to_compute(params, cd)
+      else:
+        early = cfg.stage == 3 and not plan.params_on_host
+        boxed["params"] = box_params(to_compute(params, cd) if early else params, plan)
       return apply_fn(boxed, *args, **kwargs)
 
     if not decided:
