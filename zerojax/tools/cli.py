@@ -1,4 +1,4 @@
-"""The ``zerojax`` command line: train, plan, estimate, compile, config, export.
+"""The ``zerojax`` command line: train, finetune, plan, estimate, compile, config, export.
 
 Run ``zerojax COMMAND --help`` for each command. ``python -m zerojax.tools.cli`` is the same program.
 """
@@ -82,6 +82,11 @@ def cmd_train(args) -> int:
     notes.append(f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')}")
   result = zt.train(loaded.config, opts, xla_notes=notes)
   return 0 if result.history else 1
+
+
+def cmd_finetune(args) -> int:
+  from zerojax.tools import finetune
+  return finetune.run(args)
 
 
 def _shapes_only() -> None:
@@ -327,6 +332,7 @@ def build_parser() -> argparse.ArgumentParser:
       epilog="examples:\n"
              "  zerojax train configs/zero3.json steps=50 model=tiny\n"
              "  zerojax train configs/ds_zero3_offload.json      # a DeepSpeed ds_config.json\n"
+             "  zerojax finetune MODEL_DIR --data train.jsonl --lora 16 steps=200\n"
              "  zerojax plan configs/zero2.json --model gpt-89m --devices 64\n"
              "  zerojax estimate --params 7.5e9 --devices 64     # the ZeRO paper's Figure 1\n"
              "  zerojax estimate --params 7.5e9 --devices 64 --fit 16GB --plot mem.png\n"
@@ -363,6 +369,59 @@ def build_parser() -> argparse.ArgumentParser:
                  help="delete the previous run's files in out_dir and its checkpoints in "
                       "checkpoint_dir, then start a new run")
   t.set_defaults(func=cmd_train)
+
+  f = sub.add_parser(
+      "finetune", formatter_class=fmt,
+      help="fine-tune a Hugging Face checkpoint on local data, then export it",
+      description=_wrap(
+          "Fine-tune a Hugging Face Llama, Qwen2, Qwen3 or Mistral checkpoint directory on a "
+          "local data file, with the directory's own tokenizer and chat template, then export "
+          "the result as a Hugging Face model directory (OUT_DIR/hf: the base config, "
+          "generation config and tokenizer carried over, LoRA adapters merged).",
+          "Data: JSONL with {\"text\": ...} or chat {\"messages\": [{\"role\", "
+          "\"content\"}, ...]} per line, Parquet with a text or messages column, or plain "
+          "text (documents separated by a blank line). Documents are packed into seq_len rows "
+          "that keep them apart in attention (--packing pad: one per row); chat data trains "
+          "on the assistant's tokens only.",
+          "The run is `zerojax train`'s loop: progress bar, metrics.jsonl, TensorBoard, "
+          "checkpoints in out_dir/ckpt every checkpoint_every steps; run the same command "
+          "again to resume exactly. CONFIG may be a DeepSpeed ds_config.json from an HF "
+          "Trainer run: its \"auto\" values take this command's settings."),
+      epilog=EPILOG_OVERRIDES + "\nfine-tuning defaults (where neither the command nor the "
+             "config sets them):\n  steps=100 batch=8 seq_len=512 lr=1e-5 (2e-4 with --lora) "
+             "weight_decay=0.0\n  out_dir=runs/finetune checkpoint_every=50 "
+             "checkpoint_dir=OUT_DIR/ckpt\n\nexamples:\n"
+             "  zerojax finetune ~/models/Qwen2.5-0.5B --data train.jsonl steps=200 lr=2e-5\n"
+             "  zerojax finetune ~/models/Llama-3.2-1B --data chat.jsonl --eval-data "
+             "eval.jsonl --lora 16 configs/zero3.json\n"
+             "  zerojax finetune ~/models/Mistral-7B --data docs.parquet ds_config.json "
+             "batch=64 lr=1e-5")
+  f.add_argument("model_dir", help="Hugging Face checkpoint directory (config.json, "
+                 "safetensors, tokenizer)")
+  f.add_argument("config", nargs="?", help="zerojax (.json/.yaml) or DeepSpeed (.json) config; "
+                 "default: ZeroConfig() (stage 3)")
+  f.add_argument("overrides", nargs="*", metavar="key=value", help="config/option overrides")
+  f.add_argument("--data", default=None, metavar="FILE", help="training data (.jsonl, "
+                 ".parquet, .txt)")
+  f.add_argument("--eval-data", default=None, metavar="FILE",
+                 help="evaluation data: eval_loss and eval_ppl every --eval-every steps")
+  f.add_argument("--eval-every", type=int, default=50, metavar="N",
+                 help="steps between evaluations (default 50; also the first and last step)")
+  f.add_argument("--packing", choices=("pack", "pad"), default="pack",
+                 help="pack documents into rows (default) or one document per padded row")
+  f.add_argument("--lora", type=int, default=0, metavar="RANK",
+                 help="train LoRA adapters of this rank only (default 0: full fine-tuning)")
+  f.add_argument("--lora-alpha", type=float, default=16.0)
+  f.add_argument("--lora-targets", default="q_proj,v_proj",
+                 help="projections LoRA adapts (default q_proj,v_proj)")
+  f.add_argument("--no-remat", action="store_true", help="keep activations (no recompute)")
+  f.add_argument("--export-dir", default=None, help="Hugging Face export (default OUT_DIR/hf)")
+  f.add_argument("--no-export", action="store_true", help="no Hugging Face export at the end")
+  f.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only)")
+  f.add_argument("--no-resume", action="store_true", help="start a new run at step 1")
+  f.add_argument("--overwrite", action="store_true",
+                 help="delete the previous run's files and checkpoints, then start anew")
+  f.set_defaults(func=cmd_finetune)
 
   pl = sub.add_parser(
       "plan", formatter_class=fmt, help="print the sharding table for a model and config",

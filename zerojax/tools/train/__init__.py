@@ -19,8 +19,8 @@ from zerojax.tools.train.metrics import (EventWriter, MetricsWriter, StepClock, 
                                    throughput)
 from zerojax.tools.train.schedules import make_optimizer, make_schedule
 from zerojax.tools.train.params_io import flat_params, infer_model, load_weights, save_weights
-from zerojax.tools.train.loop import (Hook, ProgressBar, SaveCheckpoints, TrainResult, WriteMetrics,
-                                nothing_sharded_note, setup_cpu_devices, train)
+from zerojax.tools.train.loop import (Hook, ProgressBar, SaveCheckpoints, Task, TrainResult,
+                                     WriteMetrics, nothing_sharded_note, setup_cpu_devices, train)
 
 __all__ = ["PACKAGE_DIR", "DEFAULT_CORPUS", "NonFiniteGradientsError", "TrainOptions",
            "apply_deepspeed_train", "deepspeed_train_fields", "is_main_process", "log",
@@ -28,4 +28,4 @@ __all__ = ["PACKAGE_DIR", "DEFAULT_CORPUS", "NonFiniteGradientsError", "TrainOpt
            "MetricsWriter", "read_jsonl", "plot_loss", "nothing_sharded_note", "StepClock",
            "make_schedule", "make_optimizer", "flat_params", "save_weights", "infer_model",
            "load_weights", "Hook", "WriteMetrics", "ProgressBar", "SaveCheckpoints", "TrainResult",
-           "train", "throughput"]
+           "Task", "train", "throughput"]

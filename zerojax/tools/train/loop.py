@@ -46,7 +46,7 @@ from zerojax.tools.train.schedules import make_optimizer
 from zerojax.tools.train.params_io import load_weights, save_weights
 
 __all__ = ["setup_cpu_devices", "nothing_sharded_note", "Hook", "WriteMetrics", "ProgressBar",
-           "SaveCheckpoints", "TrainResult", "train"]
+           "SaveCheckpoints", "TrainResult", "Task", "train"]
 
 
 def setup_cpu_devices(n: int) -> None:
@@ -269,7 +269,12 @@ class ProgressBar(Hook):
     self.first = self.first or records[0]
     tps = (last["tokens_per_sec"] if self.tokens_per_step is None else
            throughput([self.first, last], self.tokens_per_step))
-    self.bar.set_postfix(loss=f"{last['loss'] or float('nan'):.4f}",
+    evals = [r for r in records if r.get("eval_loss") is not None]
+    if evals:
+      self.eval_loss = evals[-1]["eval_loss"]
+    extra = {} if getattr(self, "eval_loss", None) is None else {
+        "eval_loss": f"{self.eval_loss:.4f}"}
+    self.bar.set_postfix(loss=f"{last['loss'] or float('nan'):.4f}", **extra,
                          tok_s="-" if tps is None else f"{tps:,.0f}", refresh=False)
     self.bar.update(last["step"] - previous_step)
 
@@ -281,16 +286,19 @@ class SaveCheckpoints(Hook):
   """An asynchronous checkpoint every ``every`` steps and at the last step."""
 
   def __init__(self, checkpointer: Any, every: int | None, last: int, rng: Any,
-               data: Callable[[], dict]):
+               data: Callable[[], dict], item: Callable[[Any], Any] | None = None,
+               model: dict | None = None):
     self.checkpointer, self.every, self.last, self.rng, self.data = (
         checkpointer, every, last, rng, data)
+    self.item, self.model = item or (lambda state: state), model
 
   def after_step(self, step: int, state: Any, flush: Callable[[], None]) -> None:
     if step == self.last or (self.every and step % self.every == 0):
       # Metrics up to a checkpoint are on disk before it exists: a resumed run's
       # metrics.jsonl then has every step.
       flush()
-      self.checkpointer.save(step, state, rng=self.rng, data=self.data())  # async
+      self.checkpointer.save(step, self.item(state), rng=self.rng, data=self.data(),
+                             model=self.model)  # async
 
   def close(self) -> None:
     self.checkpointer.close()  # waits for the pending save
@@ -307,9 +315,101 @@ class TrainResult:
   files: dict[str, str]
 
 
+@dataclasses.dataclass
+class Task:
+  """What the loop trains and on which data; `train`'s default is the GPT preset on a byte
+  corpus, `zerojax.tools.finetune` brings a Hugging Face checkpoint and its data.
+
+  Attributes:
+    name: the model's name in the log and the plot title.
+    seq_len: tokens per row.
+    setup: ``(config, mesh, tx, rng, resume_step) -> (state, plan, start, data_step)``: a new
+      state (``resume_step`` None) or the checkpoint's, with its step and data position.
+    make_step: ``plan -> step``, ``step(state, batch) -> (state, metrics)``; metrics hold
+      ``loss``, ``grad_norm`` and ``overflow`` (a non-finite step), as device scalars.
+    batches: ``(plan, rows, data_step) -> iterator`` of global batches with a ``step``
+      attribute (its position, saved with each checkpoint).
+    num_params: ``state -> int``.
+    save_item: ``state -> what a checkpoint holds`` (default: the state).
+    checkpoint_model: the model record a checkpoint keeps (`Checkpointer.save`'s ``model``).
+    evaluate: ``state -> {"eval_loss": device scalar}`` or None; run every ``eval_every``
+      steps (and at the first and last step); the records get ``eval_loss`` and ``eval_ppl``.
+    eval_every: steps between evaluations (0: only at the last step).
+    measure: compile the step once to print the per-device memory under ``show_plan``.
+  """
+
+  name: str
+  seq_len: int
+  setup: Callable[..., tuple[Any, Any, int, int]]
+  make_step: Callable[[Any], Callable[[Any, Any], tuple[Any, dict]]]
+  batches: Callable[[Any, int, int], Any]
+  num_params: Callable[[Any], int]
+  save_item: Callable[[Any], Any] | None = None
+  checkpoint_model: dict | None = None
+  evaluate: Callable[[Any], dict] | None = None
+  eval_every: int = 0
+  measure: bool = False
+
+
+def _gpt_task(opts: TrainOptions, config: ZeroConfig) -> Task:
+  """The GPT preset ``opts.model`` on the byte corpus ``opts.corpus``."""
+  import jax
+  import jax.numpy as jnp
+  import zerojax
+  import zerojax.runtime.memory
+  from zerojax.runtime.data import TextBatches, load_bytes, VOCAB_SIZE
+  from zerojax.models import GPT, PRESETS
+
+  if opts.model not in PRESETS:
+    raise ConfigError(f"TrainOptions.model={opts.model!r} is invalid: one of {sorted(PRESETS)}")
+  mcfg = dataclasses.replace(PRESETS[opts.model], vocab_size=VOCAB_SIZE,
+                             dtype=jnp.dtype(config.compute_dtype))
+  if opts.seq_len:
+    mcfg = dataclasses.replace(mcfg, seq_len=opts.seq_len)
+  corpus = opts.corpus or os.fspath(DEFAULT_CORPUS)
+  if not os.path.isfile(corpus):
+    raise ConfigError(f"TrainOptions.corpus={corpus!r} is not a file; pass corpus=PATH to a text "
+                      f"file (the bundled corpus is {DEFAULT_CORPUS})")
+  if opts.init_from and not os.path.exists(opts.init_from):
+    raise ConfigError(f"TrainOptions.init_from={opts.init_from!r} does not exist; pass a .npz "
+                      "of consolidated weights (save_weights=true writes one) or a checkpoint "
+                      "directory")
+  tokens = load_bytes(corpus)
+  model = GPT(mcfg)
+  sample = jnp.zeros((1, mcfg.seq_len), jnp.int32)  # shapes for init; the plan sets the batch
+
+  def setup(config, mesh, tx, rng, resume_step):
+    if resume_step is None:
+      state, plan = zerojax.create_train_state(model, tx, rng, sample, config=config, mesh=mesh)
+      if opts.init_from:
+        state = state.replace(params=load_weights(opts.init_from, state.params, plan.params))
+      return state, plan, 0, 0
+    # read straight into the plan's layout: nothing is initialised
+    from zerojax.runtime.checkpoint import Checkpointer, abstract_train_state
+    state, plan = abstract_train_state(model, tx, rng, sample, config=config, mesh=mesh)
+    with Checkpointer(opts.checkpoint_dir, read_only=True) as ck:
+      state, extras = ck.restore(state, plan, step=resume_step)
+    start = int(extras.step)
+    if int(state.step) != start:
+      raise ConfigError(f"checkpoint {opts.checkpoint_dir!r} step {start} holds a state at "
+                        f"optimizer step {int(state.step)}; it was not written by this loop")
+    return state, plan, start, int((extras.data or {}).get("batches_step", start))
+
+  def batches(plan, rows, data_step):
+    sh = plan.batch({"x": jax.ShapeDtypeStruct((rows, mcfg.seq_len), jnp.int32)})["x"]
+    return TextBatches(tokens, rows, mcfg.seq_len, seed=opts.seed, sharding=sh, step=data_step)
+
+  return Task(opts.model, mcfg.seq_len, setup,
+              lambda plan: zerojax.zero_step(plan)(zerojax.runtime.memory.lm_train_step),
+              batches, lambda state: zerojax.runtime.memory.num_params(state.params),
+              measure=True)
+
+
 def train(config: ZeroConfig, opts: TrainOptions | None = None, *,
-          xla_notes: Iterable[str] = (), hooks: Iterable[Hook] = ()) -> TrainResult:
-  """Trains the GPT preset ``opts.model`` on ``opts.corpus`` with ZeRO ``config``.
+          xla_notes: Iterable[str] = (), hooks: Iterable[Hook] = (),
+          task: Task | None = None) -> TrainResult:
+  """Trains the GPT preset ``opts.model`` on ``opts.corpus`` with ZeRO ``config``, or
+  ``task``'s model on its data (`Task`).
 
   ``hooks`` run after the loop's own (metrics files, progress bar, checkpoints); see `Hook`.
 
@@ -328,73 +428,38 @@ def train(config: ZeroConfig, opts: TrainOptions | None = None, *,
   import numpy as np
   import zerojax
   import zerojax.runtime.memory
-  from zerojax.runtime.data import TextBatches, load_bytes, VOCAB_SIZE
-  from zerojax.models import GPT, PRESETS
 
-  if opts.model not in PRESETS:
-    raise ConfigError(f"TrainOptions.model={opts.model!r} is invalid: one of {sorted(PRESETS)}")
-  mcfg = dataclasses.replace(PRESETS[opts.model], vocab_size=VOCAB_SIZE,
-                             dtype=jnp.dtype(config.compute_dtype))
-  if opts.seq_len:
-    mcfg = dataclasses.replace(mcfg, seq_len=opts.seq_len)
   mesh = zerojax.make_mesh(config)
   if (config.train_batch_size, config.micro_batch_per_device) == (None, None):
     config = config.replace(train_batch_size=opts.batch)
   tx, sched = make_optimizer(opts)
-
-  corpus = opts.corpus or os.fspath(DEFAULT_CORPUS)
-  if not os.path.isfile(corpus):
-    raise ConfigError(f"TrainOptions.corpus={corpus!r} is not a file; pass corpus=PATH to a text "
-                      f"file (the bundled corpus is {DEFAULT_CORPUS})")
-  if opts.init_from and not os.path.exists(opts.init_from):
-    raise ConfigError(f"TrainOptions.init_from={opts.init_from!r} does not exist; pass a .npz "
-                      "of consolidated weights (save_weights=true writes one) or a checkpoint "
-                      "directory")
-  tokens = load_bytes(corpus)
-  model = GPT(mcfg)
-  sample = jnp.zeros((1, mcfg.seq_len), jnp.int32)  # shapes for init; the plan sets the batch
+  task = task or _gpt_task(opts, config)
   dirs = _prepare_run(opts, config)
   rng = jax.random.key(opts.seed)
-  start, data_step = 0, 0
-  if dirs.resume_step is None:
-    state, plan = zerojax.create_train_state(model, tx, rng, sample, config=config, mesh=mesh)
-    if opts.init_from:
-      state = state.replace(params=load_weights(opts.init_from, state.params, plan.params))
-  else:  # read straight into the plan's layout: nothing is initialised
-    from zerojax.runtime.checkpoint import Checkpointer, abstract_train_state
-    state, plan = abstract_train_state(model, tx, rng, sample, config=config, mesh=mesh)
-    with Checkpointer(opts.checkpoint_dir, read_only=True) as ck:
-      state, extras = ck.restore(state, plan, step=dirs.resume_step)
-    start = int(extras.step)
-    data_step = int((extras.data or {}).get("batches_step", start))
-    if int(state.step) != start:
-      raise ConfigError(f"checkpoint {opts.checkpoint_dir!r} step {start} holds a state at "
-                        f"optimizer step {int(state.step)}; it was not written by this loop")
+  state, plan, start, data_step = task.setup(config, mesh, tx, rng, dirs.resume_step)
 
   # Rows per optimizer step; zerojax.value_and_grad splits them into micro-batches.
   total, micro, accum = plan.batch_sizes
   rows, dp = total, plan.data_parallel_size
   log(f"zerojax: {jax.device_count()} x {jax.devices()[0].platform} devices, "
       f"{jax.process_count()} process(es), mesh {dict(mesh.shape)}, stage {config.stage}")
-  log(f"model {opts.model}: {zerojax.runtime.memory.num_params(state.params):,} parameters; batch "
-      f"{total} rows x {mcfg.seq_len} tokens = {micro} per device x {accum} accumulation x "
+  log(f"model {task.name}: {task.num_params(state):,} parameters; batch "
+      f"{total} rows x {task.seq_len} tokens = {micro} per device x {accum} accumulation x "
       f"{dp} data parallel")
   for n in list(xla_notes) + dirs.notes:
     log(n)
   if (note := nothing_sharded_note(plan)) is not None:
     log(note)
 
-  train_step = zerojax.zero_step(plan)(zerojax.runtime.memory.lm_train_step)
-
-  batch_sh = plan.batch({"x": jax.ShapeDtypeStruct((rows, mcfg.seq_len), jnp.int32)})["x"]
-  batches = TextBatches(tokens, rows, mcfg.seq_len, seed=opts.seed, sharding=batch_sh,
-                        step=data_step)
+  train_step = task.make_step(plan)
+  batches = task.batches(plan, rows, data_step)
 
   def next_batch():
     return next(batches)
 
   if opts.show_plan:
     log(plan.table())
+  if opts.show_plan and task.measure:
     m = zerojax.runtime.memory.measure(train_step.lower(state, next_batch()).compile())
     batches.step = data_step
     mib = lambda b: f"{b / 2**20:.2f} MiB"
@@ -417,7 +482,7 @@ def train(config: ZeroConfig, opts: TrainOptions | None = None, *,
 
   user_hooks = list(hooks)
   hooks = [WriteMetrics(writer)]
-  tokens_per_step = total * mcfg.seq_len
+  tokens_per_step = total * task.seq_len
   if opts.progress and is_main_process():
     hooks.append(ProgressBar(opts.steps, start, tokens_per_step))
 
@@ -448,6 +513,10 @@ def train(config: ZeroConfig, opts: TrainOptions | None = None, *,
         rec["loss_scale"] = float(m["loss_scale"])
       if count_skips:
         rec["skipped_steps"] = int(m["skipped_steps"])
+      if "eval_loss" in m:
+        ev = float(m["eval_loss"])
+        rec["eval_loss"] = finite(ev)
+        rec["eval_ppl"] = finite(math.exp(min(ev, 700.0))) if math.isfinite(ev) else None
       if not scaling and count_skips and bool(m["overflow"]) and not warned_skip:
         # fp16 overflows are routine while the loss scale settles; a NaN without loss scaling
         # is not, and must not go unnoticed.
@@ -471,10 +540,14 @@ def train(config: ZeroConfig, opts: TrainOptions | None = None, *,
       from zerojax.runtime.checkpoint import Checkpointer
       ckpt = Checkpointer(opts.checkpoint_dir, config=config)
       hooks.append(SaveCheckpoints(ckpt, opts.checkpoint_every, opts.steps, rng,
-                                   lambda: {"batches_step": batches.step}))
+                                   lambda: {"batches_step": batches.step}, task.save_item,
+                                   task.checkpoint_model))
     hooks += user_hooks
     for step in range(start + 1, opts.steps + 1):
       state, m = train_step(state, next_batch())  # no host sync: metrics are fetched in drain()
+      if task.evaluate is not None and (step == opts.steps or step == 1 or (
+          task.eval_every and step % task.eval_every == 0)):
+        m = {**m, **task.evaluate(state)}
       pending.append((step, m))
       clock.add(step, m["loss"])
       if halt and bool(jax.device_get(m["overflow"])):  # the one per-step sync 'halt' costs
@@ -491,7 +564,7 @@ def train(config: ZeroConfig, opts: TrainOptions | None = None, *,
       h.close()  # the checkpoint hook waits for the pending save
 
   files = {"metrics": writer.jsonl_path, "run": os.path.join(out_dir, "run.json")}
-  if opts.save_weights:
+  if opts.save_weights and hasattr(state, "params"):
     files["weights"] = save_weights(os.path.join(out_dir, "weights.npz"), state.params)
   if writer.tb is not None:
     files["tensorboard"] = writer.tb.path
@@ -499,7 +572,7 @@ def train(config: ZeroConfig, opts: TrainOptions | None = None, *,
     files["checkpoint"] = opts.checkpoint_dir
   if opts.plot and is_main_process() and history:
     files["loss_png"] = plot_loss(history, os.path.join(out_dir, "loss.png"),
-                                  f"{opts.model}, ZeRO-{config.stage}, {jax.device_count()} "
+                                  f"{task.name}, ZeRO-{config.stage}, {jax.device_count()} "
                                   "devices")
   if history:
     first, last = history[0], history[-1]

@@ -1,0 +1,299 @@
+"""``zerojax finetune MODEL_DIR --data train.jsonl [CONFIG] [key=value ...]``: fine-tune a
+Hugging Face checkpoint (Llama, Qwen2, Qwen3, Mistral) on local data, end to end.
+
+* The model is read from the directory's ``config.json`` and safetensors straight into its
+  ZeRO shards (`zerojax.models.llama`, `zerojax.runtime.weights`); ``--lora RANK`` trains
+  LoRA adapters only (the base weights frozen, with no gradient or optimizer state).
+* The data is tokenized with the directory's own tokenizer and chat template
+  (`zerojax.tools.hf_data`): packed rows whose documents do not see each other (or one
+  document per row, ``--packing pad``), the loss on the assistant's tokens for chat data.
+* The run is `zerojax.tools.train.train`'s loop (a `zerojax.tools.train.Task`): the same
+  progress bar, ``metrics.jsonl``, TensorBoard run, checkpoints and exact resume as
+  ``zerojax train``; with ``--eval-data``, ``eval_loss`` and ``eval_ppl`` every
+  ``--eval-every`` steps.
+* It ends with a Hugging Face export (`zerojax.tools.export.export`): the base's config,
+  generation config and tokenizer carried over, LoRA adapters merged.
+
+CONFIG is a zerojax YAML/JSON or a DeepSpeed ``ds_config.json`` (as an HF Trainer run writes
+it): its ``"auto"`` values take this command's settings (``lr=``, ``batch=``, ...).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Sequence
+
+from zerojax.core.config import ConfigError
+
+__all__ = ["FinetuneOptions", "finetune", "finetune_task", "run", "DEFAULTS"]
+
+# The training options' defaults for fine-tuning (`zerojax train`'s suit a tiny GPT from
+# scratch); any of them given on the command line or in the config file wins.
+DEFAULTS = {"steps": 100, "batch": 8, "seq_len": 512, "weight_decay": 0.0, "warmup_steps": 0,
+            "out_dir": "runs/finetune", "checkpoint_every": 50}
+LR_FULL, LR_LORA = 1e-5, 2e-4
+
+
+@dataclasses.dataclass
+class FinetuneOptions:
+  """What ``zerojax finetune`` adds to `zerojax.tools.train.TrainOptions`.
+
+  Attributes:
+    model_dir: the Hugging Face checkpoint directory (config.json, safetensors, tokenizer).
+    data: the training file (``.jsonl``, ``.parquet`` or ``.txt``).
+    eval_data: an evaluation file (same formats), or None.
+    eval_every: steps between evaluations (also at the first and the last step).
+    packing: ``'pack'`` (documents packed into rows, kept apart by segment ids) or ``'pad'``.
+    lora: LoRA rank (0: full fine-tuning).
+    lora_alpha, lora_targets: LoRA's scale numerator and the projections it adapts.
+    remat: recompute each layer's activations in the backward pass.
+    export_dir: where the Hugging Face export goes (default ``out_dir/hf``); None with
+      ``export=False`` for none.
+  """
+
+  model_dir: str
+  data: str
+  eval_data: str | None = None
+  eval_every: int = 50
+  packing: str = "pack"
+  lora: int = 0
+  lora_alpha: float = 16.0
+  lora_targets: tuple[str, ...] = ("q_proj", "v_proj")
+  remat: bool = True
+  export: bool = True
+  export_dir: str | None = None
+
+  def __post_init__(self):
+    if not os.path.isfile(os.path.join(self.model_dir, "config.json")):
+      raise ConfigError(f"model_dir={self.model_dir!r} is not a Hugging Face checkpoint "
+                        "directory: it has no config.json")
+    for f in ("data", "eval_data"):
+      v = getattr(self, f)
+      if v is not None and not os.path.isfile(v):
+        raise ConfigError(f"--{f.replace('_', '-')} {v!r}: no such file (a .jsonl, .parquet "
+                          "or .txt file)")
+    if self.packing not in ("pack", "pad"):
+      raise ConfigError(f"--packing {self.packing!r} is invalid: 'pack' or 'pad'")
+    for f in ("eval_every", "lora"):
+      v = getattr(self, f)
+      if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise ConfigError(f"--{f.replace('_', '-')} {v!r} is invalid: an integer >= 0")
+    self.lora_targets = tuple(self.lora_targets)
+
+
+def _loss(logits, batch):
+  """Mean cross-entropy over the targets the mask keeps."""
+  import jax.numpy as jnp
+  import optax
+  ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
+  m = batch["mask"].astype(jnp.float32)
+  return (ce * m).sum() / jnp.maximum(m.sum(), 1.0)
+
+
+def finetune_task(fo: FinetuneOptions, opts: Any, config: Any):
+  """The `zerojax.tools.train.Task` of a fine-tuning run: the model, its data and evaluation."""
+  import jax
+  import jax.numpy as jnp
+  import optax
+  from flax import nnx
+  import zerojax
+  from zerojax.models import llama
+  from zerojax.runtime import weights
+  from zerojax.tools import hf_data
+  from zerojax.tools.train import Task, log
+
+  base = llama.from_hf_config(fo.model_dir)
+  cfg = llama.from_hf_config(fo.model_dir, remat=fo.remat, lora_rank=fo.lora,
+                             lora_alpha=float(fo.lora_alpha), lora_targets=fo.lora_targets,
+                             dtype=jnp.dtype(config.compute_dtype))
+  seq_len = opts.seq_len
+  if seq_len > cfg.max_position_embeddings:
+    raise ConfigError(f"seq_len={seq_len} is invalid for {fo.model_dir!r}: at most its "
+                      f"max_position_embeddings={cfg.max_position_embeddings}")
+  tok = hf_data.load_tokenizer(fo.model_dir)
+  if tok.vocab_size > cfg.vocab_size:
+    raise ConfigError(f"the tokenizer in {fo.model_dir!r} has {tok.vocab_size} ids, the "
+                      f"model's vocab_size is {cfg.vocab_size}")
+  rows = hf_data.build_rows(fo.data, tok, seq_len, fo.packing)
+  eval_rows = hf_data.build_rows(fo.eval_data, tok, seq_len, fo.packing) if fo.eval_data else None
+  counted = int(rows.mask.sum())
+  log(f"data {fo.data}: {len(rows)} rows of {seq_len} tokens ({fo.packing}), {counted:,} "
+      "targets in the loss" + (f", {rows.truncated} documents cut at seq_len"
+                               if rows.truncated else "")
+      + (f"; eval {fo.eval_data}: {len(eval_rows)} rows" if eval_rows is not None else ""))
+  wrt = nnx.LoRAParam if fo.lora else nnx.Param
+  make = lambda: llama.Llama(cfg, nnx.Rngs(opts.seed))
+
+  def item(state):
+    model, optimizer = state
+    o = nnx.to_pure_dict(nnx.state(optimizer))
+    return {"params": nnx.to_pure_dict(nnx.state(model, nnx.Param)),
+            "opt_state": o["opt_state"], "step": o["step"]}
+
+  def setup(config, mesh, tx, rng, resume_step):
+    if resume_step is None:
+      # Adapters are new (the model's init); everything else comes from the files.
+      # transformers writes a tied head once, under the embedding's name.
+      src = weights.safetensors_source(
+          fo.model_dir, llama.hf_mapping(base), skip="lora_" if fo.lora else None,
+          allow_extra=[r"^lm_head\.weight$"] if cfg.tie_word_embeddings else False)
+      model, optimizer, plan = zerojax.create_nnx(make, tx, config=config, mesh=mesh, wrt=wrt,
+                                                  params=src)
+      return (model, optimizer), plan, 0, 0
+    from zerojax.runtime.checkpoint import Checkpointer
+    with jax.set_mesh(mesh):
+      target = item(nnx.eval_shape(lambda: (lambda m: (m, nnx.Optimizer(m, tx, wrt=wrt)))(
+          make())))
+    got: dict = {}
+
+    class _Restore:  # create_nnx's lazy params source: the checkpoint, in the new plan's layout
+      def load(self, plan):
+        with Checkpointer(opts.checkpoint_dir, read_only=True) as ck:
+          got["state"], got["extras"] = ck.restore(target, plan, step=resume_step)
+        return got["state"]["params"]
+
+    model, optimizer, plan = zerojax.create_nnx(make, tx, config=config, mesh=mesh, wrt=wrt,
+                                                params=_Restore())
+    st = nnx.state(optimizer)
+    nnx.replace_by_pure_dict(st, {"opt_state": got["state"]["opt_state"],
+                                  "step": got["state"]["step"]})
+    nnx.update(optimizer, st)
+    extras = got["extras"]
+    return ((model, optimizer), plan, int(extras.step),
+            int((extras.data or {}).get("batches_step", extras.step)))
+
+  def make_step(plan):
+    def loss_of(model, batch):
+      return _loss(model(batch["x"], segment_ids=batch["segment_ids"],
+                         positions=batch["positions"]), batch)
+
+    # LoRA: the gradient of the adapters only; full: zerojax's (gradient accumulation).
+    grad = (nnx.value_and_grad(loss_of, argnums=nnx.DiffState(0, nnx.LoRAParam)) if fo.lora
+            else zerojax.value_and_grad(loss_of))
+
+    @zerojax.zero_step(plan)
+    def step(model, optimizer, batch):
+      loss, grads = grad(model, batch)
+      gn = optax.global_norm(grads)
+      optimizer.update(model, grads)
+      return {"loss": loss, "grad_norm": gn,
+              "overflow": ~(jnp.isfinite(loss) & jnp.isfinite(gn))}
+
+    def run_step(state, batch):
+      return state, step(*state, batch)
+
+    return run_step
+
+  def sharding(plan, n):
+    return plan.batch({"x": jax.ShapeDtypeStruct((n, seq_len), jnp.int32)})["x"]
+
+  def batches(plan, n, data_step):
+    return hf_data.Batches(rows, n, seed=opts.seed, sharding=sharding(plan, n), step=data_step)
+
+  evaluate = None
+  if eval_rows is not None:
+    @nnx.jit
+    def eval_sums(model, batch):
+      logits = model(batch["x"], segment_ids=batch["segment_ids"], positions=batch["positions"])
+      ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
+      m = batch["mask"].astype(jnp.float32)
+      return (ce * m).sum(), m.sum()
+
+    cache: dict = {}
+
+    def evaluate(state):
+      model, optimizer = state
+      n = cache["plan"].batch_sizes[0]  # the training batch's rows and sharding
+      if "batches" not in cache:
+        cache["batches"] = hf_data.eval_batches(eval_rows, n, sharding(cache["plan"], n))
+      total = count = 0.0
+      for b in cache["batches"]:
+        s, c = eval_sums(model, b)
+        total, count = total + s, count + c
+      return {"eval_loss": total / jnp.maximum(count, 1.0)}
+
+  def make_step_and_remember(plan):
+    if evaluate is not None:
+      cache["plan"] = plan
+    return make_step(plan)
+
+  name = os.path.basename(os.path.normpath(fo.model_dir)) + (f" + LoRA {fo.lora}"
+                                                             if fo.lora else "")
+  return Task(name, seq_len, setup, make_step_and_remember, batches,
+              num_params=lambda state: cfg.num_params(), save_item=item,
+              checkpoint_model=llama.checkpoint_model(cfg), evaluate=evaluate,
+              eval_every=fo.eval_every)
+
+
+def finetune(fo: FinetuneOptions, config_path: str | None = None,
+             overrides: Sequence[str] = (), *, progress: bool | None = None,
+             resume: bool | None = None, overwrite: bool = False) -> dict:
+  """Runs a fine-tuning (see the module's docstring); returns ``{"result", "export"}``."""
+  from zerojax.tools.config_file import load_config, parse_overrides
+  from zerojax.tools import train as zt
+  overrides = list(overrides)
+  # The fine-tuning defaults fill what neither the command line nor the file sets (a DeepSpeed
+  # "auto" then takes them: they are the run's own settings).
+  first = load_config(config_path, overrides, apply_xla_flags=False, for_training=False)
+  _, given = parse_overrides(overrides)
+  have = set(first.train) | set(given)
+  defaults = dict(DEFAULTS, lr=LR_LORA if fo.lora else LR_FULL)
+  extra = [f"{k}={v}" for k, v in defaults.items() if k not in have]
+  loaded = load_config(config_path, extra + overrides)
+  train = dict(loaded.train)
+  for k in ("corpus", "init_from"):
+    if train.get(k) is not None:
+      raise ConfigError(f"{k}={train[k]!r} is not read by zerojax finetune: it starts from "
+                        "MODEL_DIR's weights and reads --data")
+  train.setdefault("checkpoint_dir", os.path.join(train["out_dir"], "ckpt"))
+  train["model"] = os.path.normpath(fo.model_dir)
+  train["save_weights"] = False
+  opts = zt.TrainOptions(**train)
+  if progress is not None:
+    opts.progress = progress
+  if resume is not None:
+    opts.resume = resume
+  opts.overwrite = overwrite or opts.overwrite
+  zt.setup_cpu_devices(opts.cpu_devices)
+  notes = [f"DeepSpeed {n}" for n in loaded.notes]
+  if loaded.xla_flags:
+    notes.append(f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')}")
+  config = loaded.config
+  if config.loss_scale is not None:
+    raise ConfigError(f"loss_scale={config.loss_scale!r} (fp16): zerojax finetune trains in "
+                      "float32 or bfloat16 (compute_dtype=bfloat16, or DeepSpeed bf16.enabled); "
+                      "drop fp16")
+  if config.nonfinite_policy == "skip":
+    raise ConfigError("nonfinite_grads='skip' is not available to zerojax finetune: 'halt' "
+                      "(stop at a non-finite step) or 'ignore'")
+  task = finetune_task(fo, opts, config)
+  result = zt.train(config, opts, xla_notes=notes, task=task)
+  info = None
+  if fo.export and result.history and result.history[-1]["step"] == opts.steps:
+    import jax
+    if jax.process_count() > 1:
+      from jax.experimental import multihost_utils
+      multihost_utils.sync_global_devices("zerojax finetune: checkpoints written")
+    if zt.is_main_process():
+      from zerojax.tools.export import export
+      out = fo.export_dir or os.path.join(opts.out_dir, "hf")
+      info = export(opts.checkpoint_dir, out, hf_config=fo.model_dir)
+      zt.log(f"exported step {info['step']} to {info['path']} ({info['num_params']:,} "
+             "parameters): transformers' AutoModelForCausalLM.from_pretrained reads it")
+  return {"result": result, "export": info}
+
+
+def run(args) -> int:
+  """The ``zerojax finetune`` command (`zerojax.tools.cli`)."""
+  if args.data is None:
+    raise ConfigError("zerojax finetune needs --data FILE (a .jsonl, .parquet or .txt file)")
+  fo = FinetuneOptions(
+      model_dir=args.model_dir, data=args.data, eval_data=args.eval_data,
+      eval_every=args.eval_every, packing=args.packing, lora=args.lora,
+      lora_alpha=args.lora_alpha,
+      lora_targets=tuple(t for t in args.lora_targets.split(",") if t),
+      remat=not args.no_remat, export=not args.no_export, export_dir=args.export_dir)
+  out = finetune(fo, args.config, args.overrides, progress=False if args.no_progress else None,
+                 resume=False if args.no_resume else None, overwrite=args.overwrite)
+  return 0 if out["result"].history else 1
