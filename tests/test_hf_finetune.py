@@ -24,11 +24,15 @@ def test_packed_segments_equal_separate_documents():
   seg = jnp.asarray([[1] * 5 + [2] * 7])
   np.testing.assert_array_equal(llama.segment_positions(seg), [[0, 1, 2, 3, 4, 0, 1, 2, 3, 4,
                                                                 5, 6]])
-  out = np.asarray(model(packed, segment_ids=seg))
-  np.testing.assert_allclose(out[:, :5], np.asarray(model(jnp.asarray(a))), atol=1e-5)
-  np.testing.assert_allclose(out[:, 5:], np.asarray(model(jnp.asarray(b))), atol=1e-5)
-  # without segment ids the second document would see the first
-  assert np.abs(np.asarray(model(packed))[:, 5:] - out[:, 5:]).max() > 1e-3
+  fwd = nnx.jit(lambda m, t, s: m(t, segment_ids=s))  # one shape: one compile
+  alone = np.zeros((2, 12), np.int32)  # each document alone at the start of a row (causal:
+  alone[0, :5], alone[1, :7] = a[0], b[0]  # what follows it does not matter)
+  out = np.asarray(fwd(model, jnp.concatenate([packed, jnp.asarray(alone), packed]),
+                       jnp.concatenate([seg, jnp.ones((3, 12), jnp.int32)])))
+  np.testing.assert_allclose(out[0, :5], out[1, :5], atol=1e-5)
+  np.testing.assert_allclose(out[0, 5:], out[2, :7], atol=1e-5)
+  # as one segment, the second document would see the first
+  assert np.abs(out[3, 5:] - out[0, 5:]).max() > 1e-3
 
 
 # -- the checkpoint's tokenizer and the user's data --------------------------------------------
@@ -126,3 +130,80 @@ def test_batches_resume_at_the_exact_position_and_cover_every_row():
   assert sorted(first_epoch.tolist()) == sorted(rows.x[:, 0].tolist())  # each row once
   evals = hf_data.eval_batches(rows, 3)
   assert len(evals) == 3 and evals[-1]["mask"][1:].sum() == 0
+
+
+# -- zerojax finetune ---------------------------------------------------------------------------
+
+HF_TRAINER_DS = {  # as the Hugging Face Trainer's docs write a ZeRO-3 config
+    "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
+    "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+    "bf16": {"enabled": "auto"},
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
+                                              "weight_decay": "auto"}},
+    "scheduler": {"type": "WarmupDecayLR", "params": {
+        "warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto",
+        "total_num_steps": "auto"}},
+    "zero_optimization": {"stage": 3, "overlap_comm": True, "reduce_bucket_size": "auto",
+                          "stage3_prefetch_bucket_size": "auto",
+                          "stage3_param_persistence_threshold": "auto"}}
+
+
+def make_chat_jsonl(path, n, seed=0):
+  import random
+  rs = random.Random(seed)
+  words = "the cat sat on a mat dog ran in park hello world".split()
+  with open(path, "w") as f:
+    for _ in range(n):
+      q = " ".join(rs.choice(words) for _ in range(4))
+      f.write(json.dumps({"messages": [{"role": "user", "content": q},
+                                       {"role": "assistant", "content": "the " + q.split()[0]
+                                        + " sat on the mat"}]}) + "\n")
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory):
+  from tests.test_hf_families import make_hf, make_tokenizer
+  d = tmp_path_factory.mktemp("base")
+  make_hf("qwen2", seed=5, tie_word_embeddings=True, vocab_size=300, bos_token_id=1,
+          eos_token_id=0, pad_token_id=0).save_pretrained(d)
+  make_tokenizer(d)
+  make_chat_jsonl(d / "train.jsonl", 200)
+  make_chat_jsonl(d / "eval.jsonl", 20, seed=1)
+  return d
+
+
+def test_finetune_bad_input_is_named(base_dir, tmp_path, capsys):
+  from zerojax.tools.cli import main
+  assert main(["finetune", str(base_dir)]) == 2
+  assert "needs --data FILE" in capsys.readouterr().err
+  assert main(["finetune", str(tmp_path), "--data", str(base_dir / "train.jsonl")]) == 2
+  assert f"model_dir={str(tmp_path)!r} is not a Hugging Face checkpoint" in \
+      capsys.readouterr().err
+  assert main(["finetune", str(base_dir), "--data", str(tmp_path / "no.jsonl")]) == 2
+  assert "--data" in capsys.readouterr().err
+
+
+def test_finetune_hf_trainer_deepspeed_config_with_lora(base_dir, tmp_path, capsys,
+                                                        monkeypatch):
+  """A DeepSpeed config as an HF Trainer run writes it: every "auto" takes the command's
+  settings (or the fine-tuning defaults); LoRA trains; eval metrics are recorded."""
+  import os
+  from zerojax.tools.cli import main
+  monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # restored afterwards
+  (tmp_path / "ds.json").write_text(json.dumps(HF_TRAINER_DS))
+  out = tmp_path / "run"
+  rc = main(["finetune", str(base_dir), str(tmp_path / "ds.json"), "--data",
+             str(base_dir / "train.jsonl"), "--eval-data", str(base_dir / "eval.jsonl"),
+             "--lora", "4", "--no-export", "--no-progress", "steps=2", "seq_len=48", "batch=8",
+             f"out_dir={out}", "show_plan=false", "plot=false"])
+  assert rc == 0, capsys.readouterr().err
+  run = json.loads((out / "run.json").read_text())
+  assert run["config"]["stage"] == 3 and run["config"]["train_batch_size"] == 8
+  assert run["config"]["gradient_clipping"] == 1.0  # the HF Trainer's max_grad_norm
+  assert run["options"]["lr"] == 2e-4 and run["options"]["weight_decay"] == 0.0
+  assert run["options"]["scheduler"]["total_num_steps"] == 2
+  recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+  assert [r["step"] for r in recs] == [1, 2]
+  assert all(np.isfinite(r["eval_loss"]) and r["eval_ppl"] == pytest.approx(
+      np.exp(r["eval_loss"])) for r in recs)
+  assert (out / "ckpt").is_dir() and not (out / "hf").exists()

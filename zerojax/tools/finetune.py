@@ -175,7 +175,7 @@ def finetune_task(fo: FinetuneOptions, opts: Any, config: Any):
     @zerojax.zero_step(plan)
     def step(model, optimizer, batch):
       loss, grads = grad(model, batch)
-      gn = optax.global_norm(grads)
+      gn = optax.tree.norm(grads)
       optimizer.update(model, grads)
       return {"loss": loss, "grad_norm": gn,
               "overflow": ~(jnp.isfinite(loss) & jnp.isfinite(gn))}
@@ -228,8 +228,12 @@ def finetune_task(fo: FinetuneOptions, opts: Any, config: Any):
 
 def finetune(fo: FinetuneOptions, config_path: str | None = None,
              overrides: Sequence[str] = (), *, progress: bool | None = None,
-             resume: bool | None = None, overwrite: bool = False) -> dict:
-  """Runs a fine-tuning (see the module's docstring); returns ``{"result", "export"}``."""
+             resume: bool | None = None, overwrite: bool = False, hooks: Sequence[Any] = ()
+             ) -> dict:
+  """Runs a fine-tuning (see the module's docstring); returns ``{"result", "export"}``
+  (`zerojax.tools.train.TrainResult`, the export's summary or None). ``hooks``: extra
+  `zerojax.tools.train.Hook`s for the loop; ``progress``/``resume``/``overwrite`` as the
+  command's ``--no-progress``/``--no-resume``/``--overwrite``."""
   from zerojax.tools.config_file import load_config, parse_overrides
   from zerojax.tools import train as zt
   overrides = list(overrides)
@@ -238,8 +242,12 @@ def finetune(fo: FinetuneOptions, config_path: str | None = None,
   first = load_config(config_path, overrides, apply_xla_flags=False, for_training=False)
   _, given = parse_overrides(overrides)
   have = set(first.train) | set(given)
+  if first.deepspeed:  # an optimizer "auto" resolved from zerojax train's defaults is not set
+    have = set(given) | (set(first.train) - {"lr", "weight_decay"}) | _numeric_optimizer_keys(
+        config_path)
   defaults = dict(DEFAULTS, lr=LR_LORA if fo.lora else LR_FULL)
   extra = [f"{k}={v}" for k, v in defaults.items() if k not in have]
+  extra += _deepspeed_auto_defaults(config_path, overrides)
   loaded = load_config(config_path, extra + overrides)
   train = dict(loaded.train)
   for k in ("corpus", "init_from"):
@@ -268,7 +276,7 @@ def finetune(fo: FinetuneOptions, config_path: str | None = None,
     raise ConfigError("nonfinite_grads='skip' is not available to zerojax finetune: 'halt' "
                       "(stop at a non-finite step) or 'ignore'")
   task = finetune_task(fo, opts, config)
-  result = zt.train(config, opts, xla_notes=notes, task=task)
+  result = zt.train(config, opts, xla_notes=notes, task=task, hooks=hooks)
   info = None
   if fo.export and result.history and result.history[-1]["step"] == opts.steps:
     import jax
@@ -282,6 +290,40 @@ def finetune(fo: FinetuneOptions, config_path: str | None = None,
       zt.log(f"exported step {info['step']} to {info['path']} ({info['num_params']:,} "
              "parameters): transformers' AutoModelForCausalLM.from_pretrained reads it")
   return {"result": result, "export": info}
+
+
+# A DeepSpeed "auto" of a ZeroConfig field takes the HF Trainer's own default when the command
+# does not set it: max_grad_norm=1.0, and neither bf16 nor fp16.
+_HF_TRAINER_DEFAULTS = {"gradient_clipping": 1.0, "compute_dtype": "float32"}
+
+
+def _deepspeed_auto_defaults(config_path: str | None, overrides: Sequence[str]) -> list[str]:
+  from zerojax.tools import deepspeed
+  from zerojax.tools.config_file import parse_overrides, read_config_file
+  if config_path is None:
+    return []
+  d = read_config_file(config_path)
+  if not deepspeed.is_deepspeed(d):
+    return []
+  given, _ = parse_overrides(overrides)
+  auto = lambda v: isinstance(v, str) and v.strip().lower() == "auto"
+  sect = lambda k: d.get(k) if isinstance(d.get(k), dict) else {}
+  out = []
+  if auto(d.get("gradient_clipping")) and "gradient_clipping" not in given:
+    out.append(f"gradient_clipping={_HF_TRAINER_DEFAULTS['gradient_clipping']}")
+  if (auto(sect("bf16").get("enabled")) or auto(sect("fp16").get("enabled"))) and (
+      "compute_dtype" not in given):
+    out.append(f"compute_dtype={_HF_TRAINER_DEFAULTS['compute_dtype']}")
+  return out
+
+
+def _numeric_optimizer_keys(config_path: str) -> set[str]:
+  """``lr`` / ``weight_decay`` where a DeepSpeed file writes them as numbers."""
+  from zerojax.tools.config_file import read_config_file
+  o = read_config_file(config_path).get("optimizer")
+  p = o.get("params") if isinstance(o, dict) and isinstance(o.get("params"), dict) else {}
+  return {k for k in ("lr", "weight_decay") if isinstance(p.get(k), (int, float))
+          and not isinstance(p.get(k), bool)}
 
 
 def run(args) -> int:
