@@ -383,6 +383,53 @@ def test_nvme_bit_identical_other_optimizers(tmp_path, tx_fn):
   _assert_bits(*_runs(tmp_path, 2, tx_fn, steps=8)[:4])
 
 
+def test_nvme_state_moves_to_memory_and_back_exactly(tmp_path):
+  """4 steps on NVMe then 4 in memory, and 4 in memory then 4 on NVMe, end where 8 steps in
+  memory do (bit for bit); the in-memory state goes through an orbax checkpoint."""
+  from zerojax.runtime.checkpoint import Checkpointer
+  cfg = helpers.TINY
+  data = helpers.batches(cfg, 8)
+  x = jnp.asarray(data[0]["x"])
+  zc = ZeroConfig(stage=3, param_persistence_threshold=helpers.THRESHOLD)
+  zn = zc.replace(offload_optimizer="nvme", nvme_path=str(tmp_path), nvme_chunk_size=20000)
+
+  def memory(state=None):
+    s, plan = zerojax.create_train_state(GPT(cfg), helpers.make_tx(), jax.random.key(0), x,
+                                         config=zc)
+    return (s if state is None else state), zerojax.zero_step(plan)(helpers.train_step), plan
+
+  ref, step, plan = memory()
+  for b in data:
+    ref, _ = step(ref, b)
+  # NVMe -> memory (through a checkpoint of the in-memory state)
+  st, _, opt = nvme.create_train_state(GPT(cfg), helpers.make_tx(), jax.random.key(0), x,
+                                       config=zn)
+  nstep = opt.step(helpers.train_step)
+  for b in data[:4]:
+    st, _ = nstep(st, b)
+  mem, step, plan = memory()
+  mem = mem.replace(step=st.step, params=st.params, opt_state=opt.opt_state())
+  with Checkpointer(str(tmp_path / "ck"), async_save=False) as ck:
+    ck.save(4, mem)
+    ck.wait()
+    mem, _ = ck.restore(memory()[0], plan)
+  for b in data[4:]:
+    mem, _ = step(mem, b)
+  _assert_bits([], jax.tree.map(np.asarray, ref.params), [], jax.tree.map(np.asarray, mem.params))
+  # memory -> NVMe
+  mem, step, _ = memory()
+  for b in data[:4]:
+    mem, _ = step(mem, b)
+  st, _, opt = nvme.create_train_state(GPT(cfg), helpers.make_tx(), jax.random.key(0), x,
+                                       config=zn, overwrite=True)
+  opt.load_opt_state(mem.opt_state, step=4)
+  st = st.replace(step=mem.step, params=mem.params)
+  nstep = opt.step(helpers.train_step)
+  for b in data[4:]:
+    st, _ = nstep(st, b)
+  _assert_bits([], jax.tree.map(np.asarray, ref.params), [], jax.tree.map(np.asarray, st.params))
+
+
 # -- crash safety and checkpoints --------------------------------------------------------------
 
 KILL_STEPS = 24

@@ -596,6 +596,7 @@ class NvmeOptimizer:
     """The host part of a step: ``state`` after the device part (its ``opt_state`` holds the
     reduced gradient) -> the state with updated parameters. The optimizer state on disk moves
     to the next generation."""
+    jax.block_until_ready(state)  # see create_train_state: no host program beside the step's
     step = int(state.step)
     settings = getattr(state, "settings", None)
     if settings is not None and settings.skips and bool(state.overflow):
@@ -638,7 +639,76 @@ class NvmeOptimizer:
     self.total.add(self.stats)
     del grads, params
     new_params = self._reshard_out(self._from_segments(new))
+    # One multi-device program in flight at a time: the all-gather above and the next step's
+    # collectives, both in flight, deadlocked XLA:CPU's collective rendezvous once (2 devices).
+    jax.block_until_ready(new_params)
     return state.replace(params=new_params)
+
+  # -- to and from an in-memory optimizer state -------------------------------------------------
+
+  def _full_positions(self) -> tuple[Any, list[tuple[str, int]]]:
+    """The whole-tree state's structure and, per leaf of it in tree order, ``('chunk', k, j)``
+    (chunk leaf ``k``'s values for parameter leaf ``j``) or ``('shared', k, None)``; a chunk
+    leaf stands for one leaf per parameter there (see `_reference_leaf`)."""
+    abstract = jax.eval_shape(self.tx.init, jax.tree.unflatten(
+        self._treedef, [jax.ShapeDtypeStruct(s, self.chunked.param_dtype) for s in self._shapes]))
+    treedef = jax.tree.structure(abstract)
+    out = []
+    for k, kind in enumerate(self.chunked.kinds):
+      if kind == "chunk":
+        out += [("chunk", k, j) for j in range(len(self._shapes))]
+      elif kind == "shared":
+        out.append(("shared", k, None))
+    if len(out) != treedef.num_leaves:
+      raise NvmeStateError(f"the state of {self.chunked.name!r} on the whole tree has "
+                           f"{treedef.num_leaves} leaves, not the {len(out)} its chunks imply")
+    return treedef, out
+
+  def opt_state(self) -> PyTree:
+    """The committed optimizer state as the optax state tree ``tx.init(params)`` makes, laid
+    out as this run's optimizer shards (replicated scalars): what an in-memory or host-offload
+    run holds, e.g. to save it with `zerojax.runtime.checkpoint.Checkpointer` or continue in
+    memory. It needs memory for the whole state of this process."""
+    treedef, positions = self._full_positions()
+    streamed = self.chunked.streamed
+    shared = self.store.shared()
+    shared_at = [i for i, k in enumerate(self.chunked.kinds) if k == "shared"]
+    vectors = {k: self.store.read(streamed.index(k)) for k in streamed}
+    mesh = self._opt_shardings[0].mesh
+    leaves = []
+    for kind, k, j in positions:
+      if kind == "shared":
+        value = shared[shared_at.index(k)]
+        leaves.append(jax.device_put(value, jax.sharding.NamedSharding(
+            mesh, jax.sharding.PartitionSpec())))
+        continue
+      bufs = [jax.device_put(vectors[k][s.start:s.stop].reshape(s.shape), d)
+              for s in self.segments if s.leaf == j for d in s.devices]
+      leaves.append(jax.make_array_from_single_device_arrays(self._shapes[j],
+                                                             self._opt_shardings[j], bufs))
+    return jax.tree.unflatten(treedef, leaves)
+
+  def load_opt_state(self, opt_state: PyTree, step: int) -> None:
+    """Writes an optax state tree (from an in-memory or host-offload run, or a checkpoint of
+    one; any sharding) as the committed generation at ``step``."""
+    treedef, positions = self._full_positions()
+    leaves, got = jax.tree.flatten(opt_state)
+    if got != treedef:
+      raise NvmeStateError(f"the optimizer state given has structure {got}, this run's "
+                           f"transformation {self.chunked.name!r} makes {treedef}")
+    vectors = {k: np.empty(self.size, self.chunked.dtypes[k]) for k in self.chunked.streamed}
+    shared = {}
+    for (kind, k, j), x in zip(positions, leaves):
+      if kind == "shared":
+        shared[k] = np.asarray(jax.device_get(x))
+        continue
+      x = jax.device_put(x, self._opt_shardings[j])
+      views = {sh.device: sh for sh in x.addressable_shards}
+      for s in self.segments:
+        if s.leaf == j:
+          vectors[k][s.start:s.stop] = np.asarray(views[s.devices[0]].data).reshape(-1)
+    self.store.write_initial(lambda a, b: [vectors[k][a:b] for k in self.chunked.streamed],
+                             self.bounds, [shared[k] for k in sorted(shared)], step=step)
 
   # -- checkpoints ------------------------------------------------------------------------------
 
@@ -748,6 +818,10 @@ def create_train_state(model: Any, tx: Any, rng: jax.Array, *init_args: Any,
   if jax.process_count() > 1:
     from zerojax.core import distributed
     distributed.check_agreement(config, extra={"nvme_tx": _name(tx.update)})
+  # The host's programs run on one of the devices (XLA:CPU): none may start while a
+  # multi-device program is in flight, whose devices then reached its collectives in different
+  # orders and deadlocked (measured on 2 devices).
+  jax.block_until_ready(state)
   nvme = NvmeOptimizer(config, plan, tx, state)
   nvme.initialize(state, overwrite=overwrite)
   return state, plan, nvme
