@@ -337,7 +337,9 @@ def _assert_bits(ref, ref_params, got, params):
     assert a.tobytes() == b.tobytes()
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
+# Stage 2 stays in the fast subset; each stage costs about 70 s on 2 cores.
+@pytest.mark.parametrize("stage", [pytest.param(1, marks=pytest.mark.slow), 2,
+                                   pytest.param(3, marks=pytest.mark.slow)])
 def test_nvme_bit_identical_to_in_memory_20_steps(tmp_path, stage):
   ref, ref_params, got, params, opt = _runs(tmp_path, stage, helpers.make_tx)
   _assert_bits(ref, ref_params, got, params)
@@ -383,6 +385,7 @@ def test_nvme_bit_identical_other_optimizers(tmp_path, tx_fn):
   _assert_bits(*_runs(tmp_path, 2, tx_fn, steps=8)[:4])
 
 
+@pytest.mark.slow
 def test_nvme_state_moves_to_memory_and_back_exactly(tmp_path):
   """4 steps on NVMe then 4 in memory, and 4 in memory then 4 on NVMe, end where 8 steps in
   memory do (bit for bit); the in-memory state goes through an orbax checkpoint."""
