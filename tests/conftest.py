@@ -117,6 +117,7 @@ SLOW = (
     "tests/test_first_hour.py::test_commands_on_shapes_start_only_the_cpu_backend",
     "tests/test_first_hour.py::test_train_bar_and_summary_print_the_same_tokens_per_sec",
     "tests/test_first_hour.py::test_estimate_stage3_peak_is_not_above_stage2",
+    "tests/test_hf_finetune.py::test_finetune_end_to_end_",
 )
 
 

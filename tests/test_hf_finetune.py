@@ -207,3 +207,80 @@ def test_finetune_hf_trainer_deepspeed_config_with_lora(base_dir, tmp_path, caps
   assert all(np.isfinite(r["eval_loss"]) and r["eval_ppl"] == pytest.approx(
       np.exp(r["eval_loss"])) for r in recs)
   assert (out / "ckpt").is_dir() and not (out / "hf").exists()
+
+
+# -- end to end (slow): 20 steps at stage 3, killed and resumed, exported, generates alike ------
+
+_KILLED_CHILD = """
+import os, signal, sys
+from zerojax.tools import finetune as ft, train as zt
+
+class Kill(zt.Hook):
+  def after_step(self, step, state, flush):
+    if step == 13:  # after the checkpoint of step 10, before the next one
+      os.kill(os.getpid(), signal.SIGKILL)
+
+model_dir, out = sys.argv[1], sys.argv[2]
+fo = ft.FinetuneOptions(model_dir=model_dir, data=model_dir + "/train.jsonl",
+                        eval_data=model_dir + "/eval.jsonl", eval_every=5)
+ft.finetune(fo, None, sys.argv[3:] + ["out_dir=" + out], progress=False, hooks=[Kill()])
+"""
+
+E2E = ["steps=20", "seq_len=64", "batch=8", "lr=3e-3", "checkpoint_every=5", "log_every=1",
+       "show_plan=false", "plot=false"]
+
+
+def test_finetune_end_to_end_kill_resume_export_generate(base_dir, tmp_path):
+  import os
+  import subprocess
+  import sys
+  import torch
+  import transformers
+  from zerojax.tools import finetune as ft
+  from zerojax.tools.hf_data import load_tokenizer
+  assert jax.device_count() == 8
+  fo = ft.FinetuneOptions(model_dir=str(base_dir), data=str(base_dir / "train.jsonl"),
+                          eval_data=str(base_dir / "eval.jsonl"), eval_every=5)
+  whole = ft.finetune(fo, None, E2E + [f"out_dir={tmp_path / 'whole'}"], progress=False)
+  recs = whole["result"].history
+  evals = [r["eval_loss"] for r in recs if r.get("eval_loss") is not None]
+  assert [r["step"] for r in recs if r.get("eval_loss") is not None] == [1, 5, 10, 15, 20]
+  assert evals[-1] < evals[0] - 0.5, evals  # the eval loss falls
+  assert json.loads((tmp_path / "whole" / "run.json").read_text())["config"]["stage"] == 3
+
+  # the same run, killed (SIGKILL) at step 13 and run again: it resumes from its newest
+  # complete checkpoint and ends as the uninterrupted run did
+  out = tmp_path / "killed"
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  r = subprocess.run([sys.executable, "-c", _KILLED_CHILD, str(base_dir), str(out)] + E2E,
+                     env=env, capture_output=True, text=True, timeout=600)
+  assert r.returncode == -9, r.stderr[-3000:]
+  resumed = ft.finetune(fo, None, E2E + [f"out_dir={out}"], progress=False)
+  again = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+  keys = ("step", "loss", "grad_norm", "eval_loss")
+  assert [[x.get(k) for k in keys] for x in again] == [[x.get(k) for k in keys] for x in recs]
+  # (step 10's save is asynchronous: the kill may come before it is committed)
+  assert json.loads((out / "run.json").read_text())["resumed_from"] in ([10], [5])
+
+  # the export generates transformers' greedy tokens as zerojax's own model does
+  info = resumed["export"]
+  assert info["path"] == str(out / "hf") and (out / "hf" / "tokenizer.json").exists()
+  tok = load_tokenizer(out / "hf")
+  prompt = tok.encode(tok.render_chat([{"role": "user", "content": "the cat sat on"}]),
+                      special=False)[0]
+  model = resumed["result"].state[0]
+  graphdef, state = nnx.split(model)
+  state = jax.device_get(state)
+  fwd = jax.jit(lambda s, t: nnx.merge(graphdef, s)(t))
+  n = 8
+  toks = np.zeros((1, len(prompt) + n), np.int32)
+  toks[0, :len(prompt)] = prompt
+  for t in range(len(prompt), len(prompt) + n):
+    toks[0, t] = int(np.argmax(np.asarray(fwd(state, toks))[0, t - 1]))
+  ours = toks[0, len(prompt):].tolist()
+  hf = transformers.AutoModelForCausalLM.from_pretrained(out / "hf").float().eval()
+  with torch.no_grad():
+    gen = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
+                      attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+  got = gen[0, len(prompt):].tolist()  # (transformers stops early at an EOS)
+  assert got and got == ours[:len(got)], (got, ours)
