@@ -144,6 +144,8 @@ HF_TRAINER_DS = {  # as the Hugging Face Trainer's docs write a ZeRO-3 config
         "warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto",
         "total_num_steps": "auto"}},
     "zero_optimization": {"stage": 3, "overlap_comm": True, "reduce_bucket_size": "auto",
+                          "offload_optimizer": {"device": "cpu", "pin_memory": True},
+                          "offload_param": {"device": "cpu", "pin_memory": True},
                           "stage3_prefetch_bucket_size": "auto",
                           "stage3_param_persistence_threshold": "auto"}}
 
@@ -185,8 +187,9 @@ def test_finetune_bad_input_is_named(base_dir, tmp_path, capsys):
 
 def test_finetune_hf_trainer_deepspeed_config_with_lora(base_dir, tmp_path, capsys,
                                                         monkeypatch):
-  """A DeepSpeed config as an HF Trainer run writes it: every "auto" takes the command's
-  settings (or the fine-tuning defaults); LoRA trains; eval metrics are recorded."""
+  """A DeepSpeed config as an HF Trainer run writes it (ZeRO-3 with CPU offload): every
+  "auto" takes the command's settings (or the fine-tuning defaults); LoRA trains; the
+  evaluation reads the offloaded parameters; eval metrics are recorded."""
   import os
   from zerojax.tools.cli import main
   monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # restored afterwards
@@ -199,6 +202,7 @@ def test_finetune_hf_trainer_deepspeed_config_with_lora(base_dir, tmp_path, caps
   assert rc == 0, capsys.readouterr().err
   run = json.loads((out / "run.json").read_text())
   assert run["config"]["stage"] == 3 and run["config"]["train_batch_size"] == 8
+  assert run["config"]["offload_params"] and run["config"]["offload_optimizer"]
   assert run["config"]["gradient_clipping"] == 1.0  # the HF Trainer's max_grad_norm
   assert run["options"]["lr"] == 2e-4 and run["options"]["weight_decay"] == 0.0
   assert run["options"]["scheduler"]["total_num_steps"] == 2

@@ -193,23 +193,29 @@ def finetune_task(fo: FinetuneOptions, opts: Any, config: Any):
 
   evaluate = None
   if eval_rows is not None:
-    @nnx.jit
-    def eval_sums(model, batch):
+    cache: dict = {}
+
+    def eval_sums(params, rest, batch):  # pure: the trained model is not touched
+      plan = cache["plan"]
+      if plan.params_on_host:  # offloaded parameters come to the device, as the step does
+        from zerojax.core import offload
+        params = offload.put_like(params, offload.on_device(plan.params))
+      model = nnx.merge(cache["graphdef"], params, rest)
       logits = model(batch["x"], segment_ids=batch["segment_ids"], positions=batch["positions"])
       ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
       m = batch["mask"].astype(jnp.float32)
       return (ce * m).sum(), m.sum()
-
-    cache: dict = {}
 
     def evaluate(state):
       model, optimizer = state
       n = cache["plan"].batch_sizes[0]  # the training batch's rows and sharding
       if "batches" not in cache:
         cache["batches"] = hf_data.eval_batches(eval_rows, n, sharding(cache["plan"], n))
+        cache["fn"] = jax.jit(eval_sums)
+      cache["graphdef"], params, rest = nnx.split(model, nnx.Param, ...)
       total = count = 0.0
       for b in cache["batches"]:
-        s, c = eval_sums(model, b)
+        s, c = cache["fn"](params, rest, b)
         total, count = total + s, count + c
       return {"eval_loss": total / jnp.maximum(count, 1.0)}
 
