@@ -211,6 +211,13 @@ def test_finetune_hf_trainer_deepspeed_config_with_lora(base_dir, tmp_path, caps
   assert all(np.isfinite(r["eval_loss"]) and r["eval_ppl"] == pytest.approx(
       np.exp(r["eval_loss"])) for r in recs)
   assert (out / "ckpt").is_dir() and not (out / "hf").exists()
+  # resuming it on another data file would mix two runs: refused, naming what changed
+  capsys.readouterr()
+  rc = main(["finetune", str(base_dir), str(tmp_path / "ds.json"), "--data",
+             str(base_dir / "eval.jsonl"), "--lora", "4", "--no-export", "--no-progress",
+             "steps=3", "seq_len=48", "batch=8", f"out_dir={out}"])
+  err = capsys.readouterr().err
+  assert rc == 2 and "corpus" in err and "eval.jsonl" in err and "--overwrite" in err, err
 
 
 # -- end to end (slow): 20 steps at stage 3, killed and resumed, exported, generates alike ------

@@ -261,7 +261,11 @@ def finetune(fo: FinetuneOptions, config_path: str | None = None,
       raise ConfigError(f"{k}={train[k]!r} is not read by zerojax finetune: it starts from "
                         "MODEL_DIR's weights and reads --data")
   train.setdefault("checkpoint_dir", os.path.join(train["out_dir"], "ckpt"))
-  train["model"] = os.path.normpath(fo.model_dir)
+  # What the run trains and on what, recorded in run.json: a resume with another data file,
+  # packing or LoRA rank is refused as another run (zerojax train's check of the options).
+  train["model"] = (f"{os.path.normpath(fo.model_dir)} [packing={fo.packing}, "
+                    f"lora={fo.lora}]")
+  train["corpus"] = os.path.abspath(fo.data)
   train["save_weights"] = False
   opts = zt.TrainOptions(**train)
   if progress is not None:
