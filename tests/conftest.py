@@ -30,6 +30,14 @@ def pytest_configure(config):
 # by one, since the first test to ask for a run pays for it. Listed here rather than decorated in each file, so that marking a test slow never
 # touches a file others are editing. Durations measured with `pytest --durations=0`.
 SLOW = (
+    # ZeRO-Infinity: runs of 20 steps, other optimizers and the process kills
+    "tests/test_nvme.py::test_nvme_bit_identical_to_in_memory_20_steps[1]",
+    "tests/test_nvme.py::test_nvme_bit_identical_to_in_memory_20_steps[3]",
+    "tests/test_nvme.py::test_nvme_bit_identical_with_accumulation_over_first_steps",
+    "tests/test_nvme.py::test_nvme_with_clipping_matches_to_rounding",
+    "tests/test_nvme.py::test_nvme_bit_identical_other_optimizers",
+    "tests/test_nvme.py::test_nvme_state_moves_to_memory_and_back_exactly",
+    "tests/test_nvme.py::test_nvme_killed_at_random_moments_resumes_exactly",
     "tests/test_accumulation.py::test_accumulation_equals_large_batch_step",
     "tests/test_accumulation.py::test_accumulation_one_gradient_reduction_per_step_stage01",
     "tests/test_accumulation.py::test_accumulation_reduce_scatters_each_micro_batch_stage23",
