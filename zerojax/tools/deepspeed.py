@@ -781,49 +781,44 @@ def _resolve_auto(d: Mapping[str, Any], given: Mapping[str, Any]) -> tuple[dict,
             "see ZeroConfig") + ") or write the number in the file")
 
   # The optimizer's hyperparameters and the schedule: the training options.
-  o = d.get("optimizer")
-  if isinstance(o, Mapping) and isinstance(o.get("params"), Mapping):
-    params = dict(o["params"])
+  def optimizer_value(k):
+    if k == "lr":
+      return a.lr({})  # the optimizer's own lr is the "auto" one
+    if k == "betas":
+      (b1, w1), (b2, w2) = a.option("b1"), a.option("b2")
+      return [b1, b2], f"{w1}; {w2}"
+    if k in ("eps", "weight_decay", "momentum"):
+      return a.option(k)
+    return None  # not a key zerojax maps: the mapping names it
+
+  def scheduler_value(k):
+    if k == "warmup_min_lr":
+      return 0.0, "0, as the Hugging Face Trainer sets it"
+    if k == "warmup_max_lr":
+      return a.lr(d)
+    if k == "warmup_num_steps":
+      return a.option("warmup_steps")
+    if k == "total_num_steps":
+      return a.option("steps")
+    return None, "zerojax has no training option for it: write the value in the file"
+
+  for section, value in (("optimizer", optimizer_value), ("scheduler", scheduler_value)):
+    sec = d.get(section)
+    if not (isinstance(sec, Mapping) and isinstance(sec.get("params"), Mapping)):
+      continue
+    params = dict(sec["params"])
     for k in [k for k, v in params.items() if _auto(v)]:
-      key = f"optimizer.params.{k}"
-      if k == "lr":
-        v, why = a.lr({})  # the optimizer's own lr is the "auto" one
-      elif k == "betas":
-        (b1, w1), (b2, w2) = a.option("b1"), a.option("b2")
-        v, why = [b1, b2], f"{w1}; {w2}"
-      elif k in ("eps", "weight_decay", "momentum"):
-        v, why = a.option(k)
-      else:
-        continue  # not a key zerojax maps: the mapping names it
+      got = value(k)
+      if got is None:
+        continue
+      v, why = got
       if v is None:
         del params[k]
-        a.unresolved[key] = why
+        a.unresolved[f"{section}.params.{k}"] = why
       else:
         params[k] = v
-        a.chosen[key] = (v, why)
-    d["optimizer"] = {**o, "params": params}
-  s = d.get("scheduler")
-  if isinstance(s, Mapping) and isinstance(s.get("params"), Mapping):
-    params = dict(s["params"])
-    for k in [k for k, v in params.items() if _auto(v)]:
-      key = f"scheduler.params.{k}"
-      if k == "warmup_min_lr":
-        v, why = 0.0, "0, as the Hugging Face Trainer sets it"
-      elif k == "warmup_max_lr":
-        v, why = a.lr(d)
-      elif k == "warmup_num_steps":
-        v, why = a.option("warmup_steps")
-      elif k == "total_num_steps":
-        v, why = a.option("steps")
-      else:
-        v, why = None, "zerojax has no training option for it: write the value in the file"
-      if v is None:
-        del params[k]
-        a.unresolved[key] = why
-      else:
-        params[k] = v
-        a.chosen[key] = (v, why)
-    d["scheduler"] = {**s, "params": params}
+        a.chosen[f"{section}.params.{k}"] = (v, why)
+    d[section] = {**sec, "params": params}
 
   # zero_optimization sizes the Trainer derives from the model's hidden size: zerojax's own.
   z = d.get("zero_optimization")
