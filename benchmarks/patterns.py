@@ -227,6 +227,7 @@ class Runner:
   step: Callable[[], float]
   params: Callable[[], Any]  # the current parameters as a numpy tree
   plan: Any = None  # zerojax's ShardingPlan (None for the baseline)
+  formulation: str = "compiler"  # zerojax's: "per use" or "compiler" (`ZeroStep.formulation`)
 
 
 def zero_runner(pattern: str, size: Size, stage: int, mesh=None, **config_kw) -> Runner:
@@ -251,7 +252,9 @@ def zero_runner(pattern: str, size: Size, stage: int, mesh=None, **config_kw) ->
       optimizer.update(model, grads)
       return {"loss": loss}
 
-    compiled = zerojax.zero_step(plan)(train_step).lower(model, opt, data[0]).compile()
+    zstep = zerojax.zero_step(plan)(train_step)
+    compiled = zstep.lower(model, opt, data[0]).compile()
+    formulation = next(iter(zstep.formulation.values()), "compiler")
     params = lambda: jax.tree.map(np.asarray, nnx.state(model, nnx.Param))
 
     def run(batch):
@@ -284,14 +287,16 @@ def zero_runner(pattern: str, size: Size, stage: int, mesh=None, **config_kw) ->
       loss, grads = zerojax.value_and_grad(lf)(state.params, batch)
       return state.apply_gradients(grads=grads), {"loss": loss}
 
-    compiled = zerojax.zero_step(plan)(train_step).lower(state, data[0]).compile()
+    zstep = zerojax.zero_step(plan)(train_step)
+    compiled = zstep.lower(state, data[0]).compile()
+    formulation = next(iter(zstep.formulation.values()), "compiler")
     box = [state]
     params = lambda: jax.tree.map(np.asarray, box[0].params)
 
     def run(batch):
       box[0], metrics = compiled(box[0], batch)
       return float(metrics["loss"])
-  return Runner(compiled, run, params, plan)
+  return Runner(compiled, run, params, plan, formulation)
 
 
 def pytree_compiled(size: Size, stage: int, devices) -> Any:

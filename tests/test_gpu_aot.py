@@ -238,7 +238,7 @@ def test_one_compile_per_step_signature():
   import jax.numpy as jnp
   import optax
   from flax import linen as nn
-  class Unscanned(nn.Module):  # no scan, no remat
+  class Unscanned(nn.Module):  # no scan, no remat: stage 3 gathers per use on CPU too
     @nn.compact
     def __call__(self, x):
       for _ in range(3):
@@ -260,4 +260,4 @@ def test_one_compile_per_step_signature():
   # one jitted program, compiled once: the formulation was chosen before compiling (the
   # choice used to compile both and compare)
   assert len(step._jitted) == 1 and step.jitted(state, x)._cache_size() == 1
-  assert set(step.formulation.values()) == {"compiler"}  # on CPU
+  assert set(step.formulation.values()) == {"per use"}

@@ -126,7 +126,7 @@ def test_cli_compile_deepspeed_config(capsys):
   out = capsys.readouterr().out
   assert rc == 0, out
   for text in ("HBM arguments", "HBM temp", "HBM peak", "host arguments", "FITS",
-               "15.75 GiB usable (16.00 GiB chip)", "collectives per step", "compiled ahead"):
+               "15.75 GiB usable (16.00 GiB per device)", "collectives per step", "compiled ahead"):
     assert text in out
   assert "DeepSpeed" in out  # what each DeepSpeed key became
 

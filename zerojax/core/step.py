@@ -141,10 +141,12 @@ def _per_use_by_default(plan: ShardingPlan, has_scan: bool, remats: bool) -> boo
   cfg = plan.config
   if cfg.gather != "auto" or cfg.stage != 3 or not any(lp.is_sharded for lp in plan.leaves):
     return False
-  # On XLA:CPU the partitioner's formulation is kept: per use measured less temp for unscanned
-  # models at the conformance benchmark's size but more at the tests' (BENCHMARKS.md), and the
-  # choice must not cost a second compile.
-  return next(iter(plan.mesh.devices.flat)).platform != "cpu"
+  if next(iter(plan.mesh.devices.flat)).platform != "cpu":
+    return True
+  # XLA:CPU's partitioner keeps every layer's gathered weights of an unscanned model for the
+  # backward pass when a kernel is sharded on the dimension its layer contracts; per use bounds
+  # that to one layer whatever the shapes.
+  return cfg.remat == "auto" and not has_scan and not remats
 
 
 def _layers(run: Callable, params: Any, cfg: ZeroConfig, per_use: bool, has_scan: bool) -> Any:
@@ -312,6 +314,7 @@ class ZeroStep:
           compiler_options=compiler_options(plan))
       if cd is not None:
         _check_compute_dtype(cfg, jitted.lower(state, batch, *rest))
+      self.formulation[key] = "compiler"  # an NNX step is never boxed (see above)
       self._jitted[key] = jitted
     return self._jitted[key], state
 
