@@ -11,6 +11,14 @@ os.environ.setdefault("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
   os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# One persistent compilation cache for the whole run, its xdist workers and the subprocesses they
+# start: tests build the same programs (a preset at a stage) from different closures, which
+# JAX's in-memory cache cannot share, and XLA's key is the program itself.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  import tempfile
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="zerojax_test_jax_cache_")
+  os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+  os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
