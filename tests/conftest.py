@@ -81,6 +81,7 @@ SLOW = (
     "tests/test_multiprocess.py::test_multiprocess_parity_with_one_process",
     "tests/test_multiprocess.py::test_multiprocess_hybrid_replica_spans_processes",
     "tests/test_multiprocess.py::test_multiprocess_each_process_feeds_its_own_rows",
+    "tests/test_multiprocess.py::test_multiprocess_finetune_data_split_and_resume",
     "tests/test_multiprocess.py::test_multiprocess_checkpoint_restores_in_one_process",
     "tests/test_multiprocess.py::test_multiprocess_zerojax_checkpoint_restores_in_one_process",
     "tests/test_multiprocess.py::test_multiprocess_process_death_stops_the_survivor",

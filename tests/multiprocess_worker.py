@@ -11,6 +11,11 @@ Modes:
   agree [--stage 2,3] [--lr 1e-3,1e-1] [--mesh flat,hybrid] [--threshold 4096,1]
       each process takes its own value of an ``a,b`` option, creates the tiny GPT's state and
       runs one step: processes that disagree must raise ProcessMismatchError before it.
+  hfdata OUT
+      builds fine-tuning batches (`zerojax.tools.hf_data.Batches`, `eval_batches`) from
+      `hf_rows` over the 8-device mesh, and writes ``OUT/hfdata_{process}.json``: per step the
+      rows this process fed and the global batch, for steps 0-3, for a run resumed at step 2,
+      and for the evaluation batches.
   die
       initialises, runs one collective, then process 1 exits abruptly; process 0 keeps
       stepping and must be stopped by JAX's heartbeat.
@@ -82,6 +87,52 @@ def train(args) -> None:
     with open(os.path.join(args.out, "result.json"), "w") as f:
       json.dump(result, f)
   print(f"process {jax.process_index()}: done {json.dumps(result['losses'])}", flush=True)
+
+
+def hf_rows():
+  """40 one-document rows of 8 tokens; row i's tokens are all i + 1 (its id, in x[:, 0])."""
+  import numpy as np
+  from zerojax.tools import hf_data
+  docs = [(np.full(5, i + 1, np.int32), np.ones(5, np.int32)) for i in range(40)]
+  return hf_data.pad(docs, 8, 0)
+
+
+def hfdata(args) -> None:
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from jax.experimental import multihost_utils
+
+  import zerojax
+  from tests import helpers
+  from zerojax.models import GPT
+  from zerojax.tools import hf_data
+
+  n = 16
+  zc = zerojax.ZeroConfig(stage=3)
+  x = jax.ShapeDtypeStruct((n, 8), jnp.int32)
+  _, plan = zerojax.create_train_state(GPT(helpers.TINY), helpers.make_tx(), jax.random.key(0),
+                                       jnp.zeros((n, 8), jnp.int32), config=zc)
+  sharding = plan.batch({"x": x})["x"]  # as `zerojax finetune` builds it
+  rows = hf_rows()
+
+  def ids(batch):
+    shards = {s.index[0].start or 0: s.data for s in batch["x"].addressable_shards}  # 1 per row block
+    local = [int(v) for k in sorted(shards) for v in np.asarray(shards[k])[:, 0]]
+    whole = multihost_utils.process_allgather(batch["x"], tiled=True)
+    return local, [int(v) for v in np.asarray(whole)[:, 0]]
+
+  out = {"local": [], "global": [], "resumed": [], "eval": []}
+  it = hf_data.Batches(rows, n, seed=0, sharding=sharding)
+  for _ in range(4):
+    loc, whole = ids(next(it))
+    out["local"].append(loc), out["global"].append(whole)
+  resumed = hf_data.Batches(rows, n, seed=0, sharding=sharding, step=2)
+  out["resumed"] = [ids(next(resumed))[1] for _ in range(2)]
+  out["eval"] = [ids(b)[1] for b in hf_data.eval_batches(rows, n, sharding)]
+  with open(os.path.join(args.out, f"hfdata_{jax.process_index()}.json"), "w") as f:
+    json.dump(out, f)
+  print(f"process {jax.process_index()}: done", flush=True)
 
 
 def save_checkpoint(out: str, state, plan) -> str:
@@ -165,7 +216,7 @@ def agree(args) -> None:
 
 def main() -> None:
   p = argparse.ArgumentParser()
-  p.add_argument("mode", choices=["train", "die", "agree"])
+  p.add_argument("mode", choices=["train", "die", "agree", "hfdata"])
   p.add_argument("out", nargs="?")
   p.add_argument("--runs", default="flat:0,flat:1,flat:2,flat:3")
   p.add_argument("--steps", type=int, default=10)
@@ -183,7 +234,7 @@ def main() -> None:
   info = zerojax.core.distributed.initialize()  # reads the launcher's environment
   assert info.num_processes == 2, info
   assert zerojax.core.distributed.initialize() == info  # a second call is harmless
-  {"train": train, "die": die, "agree": agree}[args.mode](args)
+  {"train": train, "die": die, "agree": agree, "hfdata": hfdata}[args.mode](args)
 
 
 if __name__ == "__main__":

@@ -132,6 +132,28 @@ def test_multiprocess_each_process_feeds_its_own_rows(mp_train):
     assert rows == list(range(helpers.BATCH // 2)), run
 
 
+def test_multiprocess_finetune_data_split_and_resume(tmp_path):
+  """`zerojax finetune`'s batches on 2 processes: each feeds its own half of every global batch,
+  the halves make the one-process batch, and a run resumed at step 2 continues it."""
+  from tests.multiprocess_worker import hf_rows
+  from zerojax.tools import hf_data
+  code, out, _ = launch(["-n", "2", "--devices-per-process", "4", "--timeout", "300", "--",
+                         str(WORKER), "hfdata", str(tmp_path)], timeout=360)
+  assert code == 0, out[-4000:]
+  got = [json.loads((tmp_path / f"hfdata_{p}.json").read_text()) for p in (0, 1)]
+  rows = hf_rows()
+  one = hf_data.Batches(rows, 16, seed=0)
+  want = [[int(v) for v in one.batch(s)["x"][:, 0]] for s in range(4)]
+  for s in range(4):
+    a, b = got[0]["local"][s], got[1]["local"][s]  # step 2 crosses an epoch: ids may repeat
+    assert len(a) == len(b) == 8 and sorted(a + b) == sorted(want[s]), (s, a, b)
+    assert a + b == want[s]  # process 0 feeds the first half of the rows, process 1 the second
+    assert got[0]["global"][s] == got[1]["global"][s] == want[s]
+  assert got[0]["resumed"] == want[2:4]
+  ev = [v for batch in got[0]["eval"] for v in batch]
+  assert ev == list(range(1, 41)) + [0] * 8  # every row once, in order; the last batch padded
+
+
 def _restore_target(stage: int = 3):
   """The abstract sharded train state of this 1-process, 8-device run (nothing allocated or
   compiled): the layout to restore into, with its plan."""
