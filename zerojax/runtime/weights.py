@@ -31,7 +31,7 @@ import math
 import os
 import re
 import struct
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -149,13 +149,29 @@ def _files_of_index(index_path: str) -> list[str]:
   return [os.path.join(base, f) for f in files]
 
 
-def _read_slice(file: str, name: str, index: tuple[slice, ...]) -> np.ndarray:
-  """Reads ``tensor[index]`` only; the file is memory-mapped for this one read, so its touched
-  pages are released (unmapped) before the next tensor is read."""
+# Bytes of a stored tensor's rows mapped at once. A shard of columns touches every row's pages,
+# so a tensor is read a block of rows at a time, each block's mapping released before the next:
+# a process never holds more than this of a file besides its own shard.
+_BLOCK_BYTES = 8 << 20
+
+
+def _read_blocks(file: str, name: str, index: tuple[slice, ...]
+                 ) -> Iterator[tuple[int, np.ndarray]]:
+  """``(row offset, tensor[index]'s rows from there)``, a block of stored rows at a time."""
   from safetensors import safe_open
   with safe_open(file, framework="numpy") as f:
-    sl = f.get_slice(name)
-    return np.asarray(sl[index] if index else sl[...])
+    shape = tuple(f.get_slice(name).get_shape())
+  if not shape:
+    with safe_open(file, framework="numpy") as f:
+      yield 0, np.asarray(f.get_slice(name)[...])
+    return
+  index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+  rows = range(shape[0])[index[0]]
+  step = max(1, _BLOCK_BYTES // (8 * max(1, math.prod(shape[1:]))))  # 8: the widest dtype
+  for b in range(0, len(rows), step):
+    r = rows[b:b + step]
+    with safe_open(file, framework="numpy") as f:
+      yield b, np.asarray(f.get_slice(name)[(slice(r.start, r.stop, r.step),) + index[1:]])
 
 
 # -- mappings -----------------------------------------------------------------------------------
@@ -200,16 +216,20 @@ class _LeafSource:
     else:
       layers, rest = [0], index
     tindex = rest[::-1] if self.tmap.transpose else rest
-    parts = []
-    for i in layers:
-      x = _read_slice(self.files[i], names[i], tindex)
-      if self.tmap.transpose:
-        x = x.transpose()
-      if x.dtype != self.dtype:
-        x = x.astype(self.dtype)
-      parts.append(x)
-    out = np.stack(parts) if self.tmap.stacked else parts[0]
-    return np.ascontiguousarray(out)
+    lead = (len(layers),) if self.tmap.stacked else ()
+    out = np.empty(lead + tuple(len(range(n)[i]) for n, i in zip(self.shape[len(lead):], rest)),
+                   self.dtype)
+    for j, i in enumerate(layers):
+      dst = out[j] if self.tmap.stacked else out
+      # Each block is cast (and transposed: a stored row is the leaf's last axis) into place.
+      for r0, part in _read_blocks(self.files[i], names[i], tindex):
+        if part.ndim == 0:
+          dst[...] = part
+        elif self.tmap.transpose:
+          dst[..., r0:r0 + len(part)] = part.transpose()
+        else:
+          dst[r0:r0 + len(part)] = part
+    return out
 
 
 def _plan_sources(index: dict, leaves: Sequence[tuple[str, tuple[int, ...], np.dtype]],
