@@ -155,6 +155,16 @@ def _files_of_index(index_path: str) -> list[str]:
 _BLOCK_BYTES = 8 << 20
 
 
+def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype, align: int = 64) -> np.ndarray:
+  """``np.empty`` on an ``align``-byte boundary: JAX's CPU client can then use the array as the
+  device buffer instead of copying it (malloc's large blocks start 16 bytes into a page)."""
+  dtype = np.dtype(dtype)
+  n = math.prod(shape) * dtype.itemsize
+  buf = np.empty(n + align, np.uint8)
+  off = (-buf.ctypes.data) % align
+  return buf[off:off + n].view(dtype).reshape(shape)
+
+
 def _read_blocks(file: str, name: str, index: tuple[slice, ...]
                  ) -> Iterator[tuple[int, np.ndarray]]:
   """``(row offset, tensor[index]'s rows from there)``, a block of stored rows at a time."""
@@ -217,8 +227,8 @@ class _LeafSource:
       layers, rest = [0], index
     tindex = rest[::-1] if self.tmap.transpose else rest
     lead = (len(layers),) if self.tmap.stacked else ()
-    out = np.empty(lead + tuple(len(range(n)[i]) for n, i in zip(self.shape[len(lead):], rest)),
-                   self.dtype)
+    out = _aligned_empty(lead + tuple(len(range(n)[i]) for n, i in zip(self.shape[len(lead):],
+                                                                       rest)), self.dtype)
     for j, i in enumerate(layers):
       dst = out[j] if self.tmap.stacked else out
       # Each block is cast (and transposed: a stored row is the leaf's last axis) into place.
