@@ -142,6 +142,21 @@ def test_load_sharded_checkpoint_every_stage_and_mesh(hf_dir, stage, mesh_shape,
       assert {s.data.size for s in x.addressable_shards} == {x.size // n}
 
 
+def test_loaded_shards_are_the_device_buffers(hf_dir, monkeypatch):
+  """On CPU each shard read from the checkpoint becomes the device buffer, not a copy of it: the
+  load peaks at its shards plus one block (benchmarks/load_rss.py)."""
+  d = hf_dir[0]
+  cfg = llama.from_hf_config(d)
+  plan = plan_for(cfg, zerojax.ZeroConfig(stage=3), jax.devices())
+  made = []
+  orig = weights._aligned_empty
+  monkeypatch.setattr(weights, "_aligned_empty", lambda *a: made.append(orig(*a)) or made[-1])
+  tree = weights.load_safetensors(d, plan, llama.hf_mapping(cfg))
+  buffers = {s.data.unsafe_buffer_pointer() for x in jax.tree.leaves(tree)
+             for s in x.addressable_shards}
+  assert made and all(a.ctypes.data % 64 == 0 and a.ctypes.data in buffers for a in made)
+
+
 # -- named errors ---------------------------------------------------------------------------------
 
 
