@@ -30,7 +30,10 @@ N = 3  # steps before the checkpoint; the continuous run trains 2N
 
 def child_env(devices: int) -> dict:
   env = dict(os.environ)
-  env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+  # The parent's compiler flags (tests/conftest.py) with the child's own device count: a
+  # resumed run matches the parent's bit for bit only when compiled the same way.
+  flags = [f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f]
+  env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={devices}"])
   env["JAX_PLATFORMS"] = "cpu"
   env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
   return env
