@@ -112,8 +112,8 @@ class ZeroConfig:
       hand-written JAX FSDP does; nothing inside the model is touched, so any model works
       (linen, NNX, plain pytrees, however it is called). Except at stage 3 for linen models
       called through ``state.apply_fn`` on TPU and GPU (whose partitioner moves activations
-      instead of weights): those gather per use, as ``'explicit'`` does, decided before
-      compiling. ``'explicit'``: zerojax gathers each
+      instead of weights) and unscanned ones without remat on CPU: those gather per use, as
+      ``'explicit'`` does, decided before compiling. ``'explicit'``: zerojax gathers each
       parameter where a linen layer reads it (``state.apply_fn``) and reduce-scatters its
       gradient there, which ``offload_params`` (per-layer fetch from host) and
       ``reduce_dtype`` (the dtype of that reduction) need and so switch on.
