@@ -209,14 +209,43 @@ class ZeroConfig:
 
   # -- validation -------------------------------------------------------------------------
 
+  # -- what the stage shards (the only reads of ``stage``; everything else reads these) ----
+
+  @property
+  def shards_opt_state(self) -> bool:
+    """Whether the optimizer state is sharded over ``fsdp`` (stages 1-3)."""
+    return self.stage >= 1
+
+  @property
+  def shards_grads(self) -> bool:
+    """Whether each gradient is reduce-scattered to its shard during the backward pass
+    (stages 2-3); stage 1 reduces the local gradient once per optimizer step."""
+    return self.stage >= 2
+
+  @property
+  def shards_params(self) -> bool:
+    """Whether parameters rest sharded and are gathered just in time (stage 3)."""
+    return self.stage == 3
+
+  @property
+  def label(self) -> str:
+    """The stage as reports print it: ``'stage 3'``."""
+    return f"stage {self.stage}"
+
+  @property
+  def per_use_settings(self) -> bool:
+    """Whether a setting acts where a layer reads each parameter, so the step must gather per
+    use whatever the model: ``gather='explicit'``, ``reduce_dtype``, ``offload_params`` or
+    ZeRO++ quantisation."""
+    return (self.gather == "explicit" or self.reduce_dtype is not None
+            or self.offload_params or self.quantized)
+
   @property
   def persistence_threshold(self) -> int:
     """``param_persistence_threshold`` with ``None`` resolved (see the field)."""
     if self.param_persistence_threshold is not None:
       return self.param_persistence_threshold
-    per_use = (self.gather == "explicit" or self.reduce_dtype is not None
-               or self.offload_params or self.quantized)
-    return 4096 if per_use else 0
+    return 4096 if self.per_use_settings else 0
 
   @property
   def optimizer_on_nvme(self) -> bool:
