@@ -19,6 +19,7 @@ def compiled():
           for s in range(4)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_accumulation_equals_large_batch_step(stage):
   run, ref = ph.accumulation_run(stage), ph.accumulation_reference()
@@ -32,6 +33,7 @@ def _psi(stage):
   return sum(lp.nbytes for lp in ph.accumulation_run(stage).plan.leaves)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [0, 1])
 def test_accumulation_one_gradient_reduction_per_step_stage01(stage, compiled):
   # A reduction per micro-batch would move ACCUM x the gradient; one reduction moves it once:
@@ -43,6 +45,7 @@ def test_accumulation_one_gradient_reduction_per_step_stage01(stage, compiled):
   assert sum(coll.values()) <= 2 * psi * 1.1, (coll, psi)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [2, 3])
 def test_accumulation_reduce_scatters_each_micro_batch_stage23(stage, compiled):
   # The sharded leaves' gradients are reduce-scattered in every micro-batch's backward pass
@@ -67,6 +70,7 @@ def _loop_shapes(hlo):
   return " ".join(l.split(" while(")[0] for l in hlo.splitlines() if " while(" in l)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_accumulation_memory_accumulator_layout(stage, compiled):
   # The biggest sharded leaf, blocks/fc/kernel (2, 64, 256). Per device, the accumulation
@@ -83,6 +87,7 @@ def test_accumulation_memory_accumulator_layout(stage, compiled):
     assert fmt(shard) in loops
 
 
+@pytest.mark.slow
 def test_accumulation_memory_analysis_stage2_saves_gradient(compiled):
   # Stage 1 and 2 differ only in the gradient's layout: the stage-2 step needs at least
   # (1 - 1/8) of a full fp32 gradient less temporary memory.

@@ -131,6 +131,7 @@ def test_checkpoint_holds_step_rng_params_opt_config_data(run):
   assert os.path.isdir(os.path.join(run["dir"], str(N), "state", "ocdbt.process_0"))
 
 
+@pytest.mark.slow
 def test_checkpoint_exact_resume_in_new_process(run, tmp_path):
   out = str(tmp_path / "resumed.npz")
   run_child("resume", {"dir": run["dir"], "config": {"stage": 3, "param_persistence_threshold":
@@ -147,6 +148,7 @@ def test_checkpoint_exact_resume_in_new_process(run, tmp_path):
   assert int(r["step"]) == 2 * N
 
 
+@pytest.mark.slow
 def test_checkpoint_stage3_8dev_to_stage1_4dev_and_back(run, tmp_path):
   """Restore a stage-3/8-device checkpoint at stage 1 on 4 devices, train on, save, and restore
   that at stage 3 on 8 devices; training matches the continuous run."""
@@ -225,6 +227,7 @@ def sources(tmp_path_factory):
   return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("src,dst", MATRIX, ids=lambda t: f"s{t[0]}d{t[1]}{'h' if t[2] else ''}")
 def test_checkpoint_restore_topology_matrix(src, dst, sources):
   d, saved, i = sources[src]
@@ -284,6 +287,7 @@ def test_checkpoint_checksum_is_sharding_independent():
 # -- faults --------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_checkpoint_killed_save_leaves_last_complete(tmp_path):
   """A save killed (SIGKILL) after writing its shards but before its commit is ignored."""
   d = str(tmp_path / "k")
@@ -597,6 +601,7 @@ def test_checkpoint_export(run, tmp_path, fmt, dtype):
     np.testing.assert_array_equal(got[k], w, err_msg=k)
 
 
+@pytest.mark.slow
 def test_checkpoint_export_command_line_one_device(run, tmp_path):
   """`python -m zerojax.tools.export` on a 1-device process (trained on 8), bf16 safetensors."""
   out = str(tmp_path / "m.safetensors")
@@ -613,6 +618,7 @@ def test_checkpoint_export_command_line_one_device(run, tmp_path):
   assert p.returncode == 1 and "does not exist" in p.stderr
 
 
+@pytest.mark.slow
 def test_checkpoint_export_peak_host_memory(tmp_path):
   """Export of a ~48 MiB model (saved sharded on 8 devices) in a 1-device process: peak host
   memory of the export is measured (VmHWM reset before it) and stays below 1x the model."""

@@ -111,6 +111,7 @@ def test_config_shows_deepspeed_mapping():
   assert json.loads(r.stdout[:r.stdout.index("\nXLA flags")])["zerojax"]["offload_params"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cmd", [None, "train", "plan", "estimate", "config"])
 def test_help(cmd):
   r = run(*([cmd] if cmd else []), "--help")
@@ -151,6 +152,7 @@ def test_unknown_deepspeed_key_in_file(tmp_path):
 # -- train and the examples ---------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_cli_train_deepspeed_config(tmp_path):
   # ds_zero2.json is Hugging Face Trainer style: its "auto" lr and bf16 come from the run
   r = run("train", str(ROOT / "configs/ds_zero2.json"), "model=tiny", "steps=3", "seq_len=32",
@@ -172,6 +174,7 @@ def test_cli_train_deepspeed_config(tmp_path):
   assert list(tmp_path.glob("tb/*/events.out.tfevents.*")) and (tmp_path / "loss.png").exists()
 
 
+@pytest.mark.slow
 def test_example_train_then_finetune(tmp_path):
   pre = tmp_path / "pre"
   r = run("--preset", "tiny", "--steps", "3", "--out-dir", str(pre), "--save-weights",
@@ -186,6 +189,7 @@ def test_example_train_then_finetune(tmp_path):
   assert len((tmp_path / "ft" / "metrics.jsonl").read_text().splitlines()) == 2
 
 
+@pytest.mark.slow
 def test_example_nnx(tmp_path):
   r = run("--steps", "2", "--out-dir", str(tmp_path), "--no-progress",
           script=ROOT / "examples/nnx_train.py")
@@ -193,6 +197,7 @@ def test_example_nnx(tmp_path):
   assert "done: loss" in r.stdout and (tmp_path / "loss.png").exists()
 
 
+@pytest.mark.slow
 def test_example_train_checkpoint_then_finetune_and_export(tmp_path):
   ck = tmp_path / "ckpt"
   r = run("--preset", "tiny", "--steps", "2", "--out-dir", str(tmp_path / "pre"),
@@ -274,6 +279,7 @@ def test_deepspeed_typo_in_file_names_file_and_suggestion(tmp_path, capsys):
 # -- estimate --fit by the compiled step (issue 15 item 7) -------------------------------------
 
 
+@pytest.mark.slow
 def test_estimate_fit_uses_the_compiled_peak(capsys):
   import optax
   cfg = ZeroConfig(param_persistence_threshold=64)
@@ -299,6 +305,7 @@ def test_estimate_fit_uses_the_compiled_peak(capsys):
   assert "batch of 8 rows x 32 tokens over 8 devices" in out
 
 
+@pytest.mark.slow
 def test_estimate_fit_without_seq_uses_the_presets_length(capsys):
   # Without --seq the compiled step takes the preset's sequence length (this path once named
   # an undefined variable).

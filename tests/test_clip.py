@@ -11,6 +11,7 @@ import zerojax
 from tests import prec_helpers as ph
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_clip_grad_norm_equals_unsharded_norm(stage):
   # The runs accumulate 2 micro-batches with gradient_clipping=1.0; the reference is one
@@ -21,6 +22,7 @@ def test_clip_grad_norm_equals_unsharded_norm(stage):
   np.testing.assert_allclose(norms, ref_norms, rtol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [0, 3])
 def test_clip_update_equals_optax_clip_chain(stage):
   # Same parameters as one device running optax.chain(clip_by_global_norm(1.0), adamw).

@@ -58,6 +58,7 @@ def test_wrong_model_error_names_the_checkpoint_not_a_temporary_file(pretrained)
   assert "zerojax_init_" not in msg and "weights.npz" not in msg and "--preset" in msg
 
 
+@pytest.mark.slow
 def test_finetune_from_checkpoint_without_preset(pretrained, tmp_path, capsys):
   out = tmp_path / "ft"
   code = _finetune_main()(["--init", str(pretrained / "ckpt"), "--steps", "1", "--batch", "8",

@@ -186,6 +186,7 @@ for heading, code in snippets[1:]:
 """
 
 
+@pytest.mark.slow
 def test_every_readme_python_snippet_runs_verbatim(tmp_path):
   snippets = _snippets()
   (tmp_path / "snippets.json").write_text(json.dumps(snippets))
@@ -247,6 +248,7 @@ def test_import_and_help_load_no_jax_backend():
   assert r.stderr == "", r.stderr  # libtpu's "Failed to find host bounds" block, for one
 
 
+@pytest.mark.slow
 def test_commands_on_shapes_start_only_the_cpu_backend():
   code = ("from zerojax.tools import cli\n"
           "import contextlib, io\n"
@@ -280,6 +282,7 @@ def test_throughput_is_one_definition_for_bar_summary_and_records(capsys):
   bar.close()
 
 
+@pytest.mark.slow
 def test_train_bar_and_summary_print_the_same_tokens_per_sec(tmp_path, capsys):
   from zerojax.core.config import ZeroConfig
   from zerojax.tools import train as zt
@@ -314,6 +317,7 @@ def test_recommend_compiled_shows_which_formulation_gave_the_peak():
   assert "peak 500.0 MB per device (XLA, gather=explicit) fits" in why[0]
 
 
+@pytest.mark.slow
 def test_estimate_stage3_peak_is_not_above_stage2(capsys):
   # gpt-89m's LM head (vocabulary 50257, divisible by no device count) is sharded along its
   # contracting dimension; XLA:CPU's partitioner then gives every device whole-batch logits

@@ -241,6 +241,7 @@ E2E = ["steps=20", "seq_len=64", "batch=8", "lr=3e-3", "checkpoint_every=5", "lo
        "show_plan=false", "plot=false"]
 
 
+@pytest.mark.slow
 def test_finetune_end_to_end_kill_resume_export_generate(base_dir, tmp_path):
   import os
   import subprocess

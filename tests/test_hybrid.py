@@ -28,6 +28,7 @@ def hsdp_runs():
   return {s: helpers.zero_run(helpers.TINY, s, **HSDP) for s in range(4)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_hybrid_parity_with_flat_mesh(stage, hsdp_runs, zero_runs, reference):
   run = hsdp_runs[stage]
@@ -36,6 +37,7 @@ def test_hybrid_parity_with_flat_mesh(stage, hsdp_runs, zero_runs, reference):
   helpers.assert_parity(run, reference)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [1, 3])
 def test_hybrid_shards_within_group_and_replicates_across(stage, hsdp_runs, zero_runs):
   run, flat = hsdp_runs[stage], zero_runs[stage]
@@ -63,6 +65,7 @@ def _axes(spec) -> tuple:
   return tuple(out)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [2])
 def test_hybrid_hlo_reduces_within_fsdp_group_then_across_replicas(stage, hsdp_runs):
   run = hsdp_runs[stage]
@@ -105,6 +108,7 @@ def test_hybrid_replica_groups_parser():
 # -- tensor axis --------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [3])
 def test_tensor_axis_parity_with_flat_mesh(stage, zero_runs):
   # TP_CFG has the same parameter values as TINY; only Flax partitioning metadata differs.
@@ -121,6 +125,7 @@ def test_tensor_axis_parity_with_flat_mesh(stage, zero_runs):
   assert leaves["wte/embedding"].sharded == P(None, "fsdp")  # no metadata: zerojax's rule
 
 
+@pytest.mark.slow
 def test_tensor_hybrid_3d_mesh_parity(zero_runs):
   run = helpers.zero_run(TP_CFG, 3, steps=helpers.STEPS, mesh_shape=(2, 2, 2),
                          mesh_axes=("replica", "fsdp", "tensor"))

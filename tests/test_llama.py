@@ -22,6 +22,8 @@ import zerojax  # noqa: E402
 from zerojax.runtime import memory, weights  # noqa: E402
 from zerojax.models import llama  # noqa: E402
 
+pytestmark = pytest.mark.slow
+
 HF = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
           rms_norm_eps=1e-5, rope_theta=500.0)

@@ -36,6 +36,7 @@ def test_loss_scaling_rule_growth_hysteresis_floor():
   assert _run_rule([1, 0, 0], loss_scale=128.0) == [1024, 1024, 1024]
 
 
+@pytest.mark.slow
 def test_loss_scaling_forced_overflow_skips_step_bitwise():
   run = ph.fp16_run()
   overflow = [m["overflow"] for m in run.metrics]
@@ -53,6 +54,7 @@ def test_loss_scaling_forced_overflow_skips_step_bitwise():
   assert int(run.state.skipped_steps) == 2 and int(run.state.step) == 5
 
 
+@pytest.mark.slow
 def test_loss_scaling_fp16_matches_unsharded_fp16():
   run, ref = ph.fp16_run(), ph.fp16_reference()
   for k in ("overflow", "loss_scale", "skipped_steps"):
@@ -66,6 +68,7 @@ def test_loss_scaling_fp16_matches_unsharded_fp16():
   assert ph.relative_update_error(run, ref) < 2e-2
 
 
+@pytest.mark.slow
 def test_loss_scaling_master_params_fp32_and_metrics_without_host_sync():
   run = ph.fp16_run()
   assert {x.dtype for x in jax.tree.leaves(run.state.params)} == {jnp.dtype("float32")}
@@ -80,6 +83,7 @@ def test_loss_scaling_master_params_fp32_and_metrics_without_host_sync():
   assert run.step.last_step_time == m["step_time"]
 
 
+@pytest.mark.slow
 def test_loss_scaling_learning_rate_metric():
   m = ph.accumulation_run(1).metrics
   assert [x["learning_rate"] for x in m] == pytest.approx([ph.LR] * len(m))

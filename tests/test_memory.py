@@ -54,17 +54,20 @@ def stage1_local():
   return _compile(MEM, 1, zerojax_train_step)
 
 
+@pytest.mark.slow
 def test_memory_stage0_holds_full_gradient(scanned):
   m, g = scanned[0]
   assert m.temp >= g
 
 
+@pytest.mark.slow
 def test_memory_stage2_scanned_no_full_gradient(scanned):
   (m0, g), (m2, _) = scanned[0], scanned[2]
   assert m2.temp <= m0.temp - 0.75 * g * 7 / 8
   assert m2.temp < g / 2
 
 
+@pytest.mark.slow
 def test_memory_stage1_holds_local_gradient_reduced_once(stage1_local):
   m, g = stage1_local
   assert m.temp >= g  # the local gradient of every layer is alive at the end of backward
@@ -75,12 +78,14 @@ def test_memory_stage1_holds_local_gradient_reduced_once(stage1_local):
   assert m.collectives["all-reduce"] < 0.01 * g
 
 
+@pytest.mark.slow
 def test_memory_stage2_below_stage1_by_gradient(scanned, stage1_local):
   # The issue's target: stage-2 temp <= stage-1 temp - 0.75 * G * 7/8.
   (m1, g), (m2, _) = stage1_local, scanned[2]
   assert m2.temp <= m1.temp - 0.75 * g * 7 / 8
 
 
+@pytest.mark.slow
 def test_memory_stage2_unscanned_no_full_gradient(unscanned):
   (m0, g), (m2, _) = unscanned[0], unscanned[2]
   assert m0.temp >= g
@@ -88,6 +93,7 @@ def test_memory_stage2_unscanned_no_full_gradient(unscanned):
   assert m2.temp < g / 2
 
 
+@pytest.mark.slow
 def test_memory_stage3_releases_gathered_layers(scanned):
   (m0, g), (m2, _), (m3, _) = scanned[0], scanned[2], scanned[3]
   # At most about one gathered layer more than stage 2, not the whole gathered model.
@@ -95,6 +101,7 @@ def test_memory_stage3_releases_gathered_layers(scanned):
   assert m3.peak <= 0.25 * m0.peak
 
 
+@pytest.mark.slow
 def test_memory_stage3_backward_regathers():
   # The per-use schedule (gather='explicit'): gathered once in forward and again in backward
   # (not kept as residuals), ~2Ψ of all-gather. The default leaves the choice to XLA's
@@ -104,6 +111,7 @@ def test_memory_stage3_backward_regathers():
   assert m3.collectives["reduce-scatter"] >= 0.95 * g
 
 
+@pytest.mark.slow
 def test_memory_max_live_layers_bounds_prefetch(scanned):
   m1, _ = scanned[3]
   m2, _ = _compile(MEM, 3, max_live_layers=2)
@@ -111,6 +119,7 @@ def test_memory_max_live_layers_bounds_prefetch(scanned):
   assert m1.temp < m2.temp <= scanned[2][0].temp + 2 * LAYER_BYTES
 
 
+@pytest.mark.slow
 def test_memory_stage3_unscanned_gathers_one_layer_at_a_time(unscanned):
   # Without a scan nothing but data dependencies orders the gathers (`regather_layers`):
   # XLA:CPU would otherwise issue every layer's gather up front (measured: 56.7 MiB here).
@@ -120,6 +129,7 @@ def test_memory_stage3_unscanned_gathers_one_layer_at_a_time(unscanned):
   assert m3.collectives["reduce-scatter"] >= 0.95 * g
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_memory_persistent_matches_estimate(stage, scanned):
   m, _ = scanned[stage]

@@ -71,6 +71,7 @@ def test_step_over_the_limit_fails_before_it_runs(stage0, monkeypatch):
   assert jnp.isfinite(m["loss"])
 
 
+@pytest.mark.slow
 def test_nothing_fits_says_so(stage0):
   state, plan, b, peak = stage0
   compiled = zerojax.zero_step(plan)(helpers.train_step).lower(state, b).compile()
@@ -103,6 +104,7 @@ def test_create_train_state_too_big_fails_early(monkeypatch):
   assert len(jax.live_arrays()) <= before + 2  # nothing of the state was created
 
 
+@pytest.mark.slow
 def test_nnx_step_over_the_limit_fails_before_it_runs(monkeypatch):
   import dataclasses
   from flax import nnx

@@ -99,6 +99,7 @@ def _flat(tree):
           for k, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_multiprocess_parity_with_one_process(stage, mp_started, zero_runs, mp_train):
   result, out, _ = mp_train
@@ -113,6 +114,7 @@ def test_multiprocess_parity_with_one_process(stage, mp_started, zero_runs, mp_t
     np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-5, err_msg=k)
 
 
+@pytest.mark.slow
 def test_multiprocess_hybrid_replica_spans_processes(mp_train, zero_runs):
   result, out, _ = mp_train
   run = "hybrid:3"
@@ -125,6 +127,7 @@ def test_multiprocess_hybrid_replica_spans_processes(mp_train, zero_runs):
     np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-5, err_msg=k)
 
 
+@pytest.mark.slow
 def test_multiprocess_each_process_feeds_its_own_rows(mp_train):
   result, _, _ = mp_train
   for run, rows in result["rows"].items():  # process 0's rows
@@ -132,6 +135,7 @@ def test_multiprocess_each_process_feeds_its_own_rows(mp_train):
     assert rows == list(range(helpers.BATCH // 2)), run
 
 
+@pytest.mark.slow
 def test_multiprocess_finetune_data_split_and_resume(tmp_path):
   """`zerojax finetune`'s batches on 2 processes: each feeds its own half of every global batch,
   the halves make the one-process batch, and a run resumed at step 2 continues it."""
@@ -166,6 +170,7 @@ def _restore_target(stage: int = 3):
                               config=zc)
 
 
+@pytest.mark.slow
 def test_multiprocess_checkpoint_restores_in_one_process(mp_train, zero_runs):
   import orbax.checkpoint as ocp
   _, out, _ = mp_train
@@ -183,6 +188,7 @@ def test_multiprocess_checkpoint_restores_in_one_process(mp_train, zero_runs):
   assert mu.sharding == plan.opt_state[0].mu["blocks"]["fc"]["kernel"]
 
 
+@pytest.mark.slow
 def test_multiprocess_zerojax_checkpoint_restores_in_one_process(mp_train, zero_runs):
   from zerojax.runtime import checkpoint as ckpt
   result, out, _ = mp_train
@@ -236,6 +242,7 @@ def mismatch_runs():
   return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(MISMATCHES))
 def test_multiprocess_mismatch_fails_on_every_process(case, mismatch_runs):
   code, log = mismatch_runs[case]
@@ -250,6 +257,7 @@ def test_multiprocess_mismatch_fails_on_every_process(case, mismatch_runs):
       assert text in mine, (text, mine[-3000:])
 
 
+@pytest.mark.slow
 def test_multiprocess_agreeing_processes_step(mismatch_runs):
   code, log = mismatch_runs["same"]
   assert code == 0, log[-4000:]
@@ -299,6 +307,7 @@ def _launch_until_exit(args: list[str], timeout: float):
   return lines, died_at, time.monotonic(), code
 
 
+@pytest.mark.slow
 def test_multiprocess_process_death_stops_the_survivor():
   # Process 1 exits abruptly after the first collective; process 0 keeps computing. With a
   # 2s heartbeat timeout JAX must stop process 0 with an error. The launcher's grace (90s) is
@@ -320,6 +329,7 @@ def test_multiprocess_process_death_stops_the_survivor():
       "".join(p0)[-4000:]
 
 
+@pytest.mark.slow
 def test_multiprocess_error_after_peer_death_exits_promptly():
   # Process 1 is SIGKILLed; process 0 then fails with an exception. JAX's heartbeat (100s) and
   # shutdown barrier (300s) are long and the launcher's grace (120s) too: process 0 must exit
@@ -338,6 +348,7 @@ def test_multiprocess_error_after_peer_death_exits_promptly():
   assert end - died_at < 40, log[-4000:]
 
 
+@pytest.mark.slow
 def test_multiprocess_duplicate_process_id_gets_the_right_hint():
   port = zlaunch.free_port()
   code = ("import sys, zerojax.core.distributed as zd\n"
@@ -362,6 +373,7 @@ def test_multiprocess_duplicate_process_id_gets_the_right_hint():
   assert "ALREADY_EXISTS" in outs[1] + outs[2], outs
 
 
+@pytest.mark.slow
 def test_multiprocess_launcher_fails_fast():
   # JAX's heartbeat is long here (100s): the launcher itself must stop the survivor after its
   # grace period and report the failing child's exit code.
@@ -376,6 +388,7 @@ def test_multiprocess_launcher_fails_fast():
   assert secs < 45, (secs, log[-3000:])
 
 
+@pytest.mark.slow
 def test_multiprocess_unreachable_coordinator_is_a_clear_error():
   port = zlaunch.free_port()
   code = ("import time, zerojax.core.distributed as zd\n"
@@ -398,6 +411,7 @@ def test_multiprocess_unreachable_coordinator_is_a_clear_error():
   assert "AGAIN DistributedInfo(process_id=0, num_processes=1" in p.stdout, p.stdout
 
 
+@pytest.mark.slow
 def test_multiprocess_example_runs_under_the_launcher(capsys):
   code, log, secs = launch(["-n", "2", "--devices-per-process", "4", "--timeout", "300", "--",
                             str(EXAMPLE), "--steps", "3", "--mesh", "hybrid"], timeout=330)

@@ -23,7 +23,7 @@ def _assert_same(a, b):
   jax.tree.map(np.testing.assert_array_equal, a, b)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.slow)])
 def test_nonfinite_step_is_skipped_bitwise(dtype):
   # 'halt' runs the same step (the loop stops on the flag: see the loop tests below)
   cfg, stage = MODELS[dtype]
@@ -41,6 +41,7 @@ def test_nonfinite_step_is_skipped_bitwise(dtype):
   assert int(run.state.step) == 3 and float(run.state.loss_scale) == 1.0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_nonfinite_ignore_applies_the_update(dtype):
   cfg, stage = MODELS[dtype]
@@ -98,6 +99,7 @@ def _opts(tmp_path, **kw):
                                    tensorboard=False, out_dir=str(tmp_path / "run")), **kw})
 
 
+@pytest.mark.slow
 def test_loop_skip_warns_once_and_counts(tmp_path, capsys, nan_at_step):
   r = zt.train(ZeroConfig(stage=2, compute_dtype="bfloat16", nonfinite_grads="skip"),
                _opts(tmp_path))
@@ -110,6 +112,7 @@ def test_loop_skip_warns_once_and_counts(tmp_path, capsys, nan_at_step):
   assert "1 non-finite step(s) skipped" in out
 
 
+@pytest.mark.slow
 def test_loop_halt_names_step_and_last_good_checkpoint(tmp_path, nan_at_step):
   ckpt = tmp_path / "ckpt"
   with pytest.raises(zt.NonFiniteGradientsError) as e:
@@ -126,6 +129,7 @@ def test_loop_halt_names_step_and_last_good_checkpoint(tmp_path, nan_at_step):
   assert "skipped_steps" not in lines[-1]  # halt skips nothing: it stops
 
 
+@pytest.mark.slow
 def test_halt_costs_no_memory_and_skip_costs_one_state_copy():
   """'halt' (the default) only reads a finite flag; 'skip' selects between the old and new
   state, which XLA cannot update in place (measured +43.8 MB at stage 0 on the memory tests'
@@ -147,6 +151,7 @@ def test_halt_costs_no_memory_and_skip_costs_one_state_copy():
   assert temp("halt", 0) == temp("ignore", 0) < temp("skip", 0)
 
 
+@pytest.mark.slow
 def test_loop_halt_without_checkpoints_says_so(tmp_path, nan_at_step):
   with pytest.raises(zt.NonFiniteGradientsError, match="no checkpoint was saved before it "
                      r"\(checkpoint_dir is not set\)") as e:

@@ -349,6 +349,7 @@ def test_nvme_bit_identical_to_in_memory_20_steps(tmp_path, stage):
 
 
 @pytest.mark.slow
+@pytest.mark.slow
 @pytest.mark.parametrize("stage, kw", [(2, dict(gradient_accumulation_steps=2))])
 def test_nvme_bit_identical_with_accumulation_over_first_steps(tmp_path, stage, kw):
   """With accumulation the in-memory step fuses the accumulator's mean into the optimizer's
@@ -364,6 +365,7 @@ def test_nvme_bit_identical_with_accumulation_over_first_steps(tmp_path, stage, 
 
 
 @pytest.mark.slow
+@pytest.mark.slow
 @pytest.mark.parametrize("tx_fn, kw", [
     (helpers.make_tx, dict(gradient_clipping=0.5)),
     (lambda: optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(1e-3, weight_decay=0.1)),
@@ -378,6 +380,7 @@ def test_nvme_with_clipping_matches_to_rounding(tmp_path, tx_fn, kw):
 
 
 @pytest.mark.slow
+@pytest.mark.slow
 @pytest.mark.parametrize("tx_fn", [lambda: optax.lion(1e-4),
                                    lambda: optax.sgd(1e-2, momentum=0.9)],
                          ids=["lion", "sgd_momentum"])
@@ -385,6 +388,7 @@ def test_nvme_bit_identical_other_optimizers(tmp_path, tx_fn):
   _assert_bits(*_runs(tmp_path, 2, tx_fn, steps=8)[:4])
 
 
+@pytest.mark.slow
 @pytest.mark.slow
 def test_nvme_state_moves_to_memory_and_back_exactly(tmp_path):
   """4 steps on NVMe then 4 in memory, and 4 in memory then 4 on NVMe, end where 8 steps in
@@ -448,6 +452,7 @@ def _child(nvme_path, ckpt, out):
 KILLS = int(os.environ.get("ZEROJAX_NVME_KILLS", "2"))  # 10 for the issue's measurement
 
 
+@pytest.mark.slow
 @pytest.mark.slow
 def test_nvme_killed_at_random_moments_resumes_exactly(tmp_path):
   """Kills at random moments of the step loop (reads, updates, writes, checkpoint saves);

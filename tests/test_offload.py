@@ -28,6 +28,7 @@ def offload_runs():
   return {k: helpers.zero_run(helpers.TINY, **kw) for k, kw in VARIANTS.items()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_offload_parity_with_device_run(name, offload_runs, zero_runs):
   run = offload_runs[name]
@@ -37,6 +38,7 @@ def test_offload_parity_with_device_run(name, offload_runs, zero_runs):
                run.params, ref.params)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_offload_state_rests_in_pinned_host(name, offload_runs):
   st = offload_runs[name].state
@@ -70,6 +72,7 @@ def _all_eqns(jaxpr):
       yield from _all_eqns(sub)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["opt2", "params3"])
 def test_offload_hlo_has_host_transfers(name, offload_runs):
   run = offload_runs[name]
@@ -91,6 +94,7 @@ def test_offload_hlo_has_host_transfers(name, offload_runs):
     assert _scan_bodies_with_fetch(jitted.trace(run.state, batch).jaxpr.jaxpr) >= 2
 
 
+@pytest.mark.slow
 def test_offload_device_bytes_drop_by_offloaded_bytes(offload_runs, zero_runs):
   dev = zero_runs[3].plan.bytes_per_device()
   off = offload_runs["params3"].plan.bytes_per_device()
@@ -100,6 +104,7 @@ def test_offload_device_bytes_drop_by_offloaded_bytes(offload_runs, zero_runs):
   assert "(host)" in table and "opt_state_host" in table
 
 
+@pytest.mark.slow
 def test_offload_remat_policy_offloads_named_activations():
   run = helpers.zero_run(helpers.TINY, 2, steps=3, remat="offload",
                          remat_offload_names=("mlp_hidden",))
@@ -112,6 +117,7 @@ def test_offload_remat_policy_offloads_named_activations():
   assert re.findall(r'_xla_buffer_placement = "(\w+)"', mlir).count("pinned_host") > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["full", "dots"])
 def test_offload_remat_policies_keep_parity(policy):
   run = helpers.zero_run(helpers.TINY, 3, steps=3, remat=policy)

@@ -25,6 +25,8 @@ import zerojax
 from benchmarks import patterns as pt
 from zerojax.runtime.memory import measure
 
+pytestmark = pytest.mark.slow
+
 SIZE = pt.SMALL
 STEPS = 2
 TOL = 1e-5

@@ -26,6 +26,7 @@ def hlo(lowered):
   return lowered.compile().as_text()  # served from JAX's cache: the run compiled it
 
 
+@pytest.mark.slow
 def test_precision_bf16_matches_unsharded_bf16():
   run, ref = ph.bf16_run(), ph.bf16_reference()
   np.testing.assert_allclose([m["loss"] for m in run.metrics],
@@ -35,6 +36,7 @@ def test_precision_bf16_matches_unsharded_bf16():
   assert ph.relative_update_error(run, ref) < 2e-2
 
 
+@pytest.mark.slow
 def test_precision_master_params_and_optimizer_state_fp32():
   state = ph.bf16_run().state
   for x in jax.tree.leaves(state.params) + jax.tree.leaves(state.opt_state):
@@ -46,6 +48,7 @@ def _collectives(hlo, kind):
   return [m.group(1) for m in map(pat.search, hlo.splitlines()) if m]
 
 
+@pytest.mark.slow
 def test_precision_hlo_bf16_compute_and_bf16_gradient_reduction(lowered, hlo):
   mlir = lowered.as_text()
   # Compute: the model's matmuls take bf16 operands (the program handed to XLA).
@@ -80,6 +83,7 @@ def _bf16_rounded_all_reduce_operands(hlo):
   return rounded, total
 
 
+@pytest.mark.slow
 def test_precision_plan_table_shows_dtypes():
   text = ph.bf16_run().plan.table()
   assert ("dtypes: params float32, compute bfloat16, gradients float32, reduced in bfloat16, "

@@ -33,6 +33,7 @@ def _clean_env() -> dict:
   return env
 
 
+@pytest.mark.slow
 def test_readme_usage_snippet_runs_as_pasted_on_8_devices(tmp_path):
   script = tmp_path / "snippet.py"
   script.write_text(_usage_snippet())

@@ -31,6 +31,7 @@ def test_num_params_counts_every_leaf_of_the_tree():
   assert PRESETS["gpt-89m"].num_params() == 89_390_161
 
 
+@pytest.mark.slow
 def test_train_reports_each_steps_own_throughput_and_none_for_the_first(tmp_path, capsys):
   from zerojax.tools import train as zt
   from zerojax.core.config import ZeroConfig
@@ -136,6 +137,7 @@ def test_plan_that_shards_nothing_says_so_and_why(capsys):
   assert re.search(r"^blocks/fc/kernel .*P\(None, None, 'fsdp'\)", out, re.M), out
 
 
+@pytest.mark.slow
 def test_training_run_that_shards_nothing_says_so(tmp_path, capsys):
   from zerojax.tools import train as zt
   from zerojax.core.config import ZeroConfig

@@ -126,6 +126,7 @@ def test_scale_1024_three_axis_mesh_with_tensor(gpt89m_tp_params):
   assert est.params == sum(held(lp) for lp in plan.leaves)
 
 
+@pytest.mark.slow
 def test_scale_aot_compile_64_devices_memory_within_estimate():
   env = dict(os.environ)
   env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=64"

@@ -24,6 +24,7 @@ def test_parity_losses_decrease(reference):
   assert reference.losses[-1] < reference.losses[0] - 0.05
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [2, 3])
 def test_parity_linen_unscanned(stage):
   cfg = dataclasses.replace(helpers.TINY, scan=False)
@@ -31,6 +32,7 @@ def test_parity_linen_unscanned(stage):
                         helpers.reference_run(cfg, steps=10))
 
 
+@pytest.mark.slow
 def test_parity_vocab_50257_stage3():
   # 50257 is prime to 8: embedding and head shard on d_model, the head bias stays whole.
   cfg = GPTConfig(vocab_size=50257, seq_len=16, num_layers=2, num_heads=2, d_model=32)
@@ -67,6 +69,7 @@ def nnx_reference():
   return losses, jax.tree.map(np.asarray, nnx.state(model, nnx.Param))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_parity_nnx(stage, nnx_reference):
   zc = zerojax.ZeroConfig(stage=stage, param_persistence_threshold=helpers.THRESHOLD)

@@ -15,6 +15,8 @@ import zerojax
 from zerojax.runtime import memory
 from zerojax.models import GPTConfig
 
+pytestmark = pytest.mark.slow
+
 HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
 needs_libtpu = pytest.mark.skipif(
     not HAS_LIBTPU, reason='libtpu is not installed (pip install -e ".[tpu]"): no TPU compiler')

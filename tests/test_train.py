@@ -95,6 +95,7 @@ def test_train_options_validation():
     zt.TrainOptions(optimizer="adafactor")
 
 
+@pytest.mark.slow
 def test_offload_config_trains(tmp_path):
   """Stage 3 with optimizer and parameters offloaded (what configs/ds_zero3_offload.json sets)
   trains, and the state stays in pinned host memory between steps."""
@@ -116,6 +117,7 @@ RESUME_KW = dict(model="tiny", seq_len=16, batch=8, steps=5, log_every=3, lr=3e-
                  show_plan=False, plot=False)
 
 
+@pytest.mark.slow
 def test_train_resume_equals_uninterrupted_run(tmp_path, monkeypatch):
   from zerojax.runtime import checkpoint as zc
   config = ZeroConfig(stage=3, param_persistence_threshold=64)
@@ -159,6 +161,7 @@ def test_train_resume_equals_uninterrupted_run(tmp_path, monkeypatch):
   assert zt.read_jsonl(again.files["metrics"]) == lines_b
 
 
+@pytest.mark.slow
 def test_train_runs_in_one_out_dir_never_mix(tmp_path):
   out, ck = str(tmp_path / "run"), str(tmp_path / "ck")
   kw = dict(RESUME_KW, steps=2, checkpoint_every=0)
