@@ -19,6 +19,7 @@ import re
 from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
+import yaml
 
 __all__ = ["STAGES", "MESH_AXES", "DTYPES", "REMAT_POLICIES", "GATHER_MODES", "QUANTIZED_DTYPES",
            "OFFLOAD_FALLBACKS", "NONFINITE_POLICIES", "NVME", "ConfigError", "did_you_mean",
@@ -80,7 +81,7 @@ class ZeroConfig:
       each parameter itself (``gather='explicit'``, ``reduce_dtype``, ``offload_params``), since
       a separate collective per bias costs more than it saves; otherwise 0, every divisible
       leaf sharded, because under XLA's partitioner replicated biases only change its
-      strategy (measured: +2.7 MiB of temp on a 12-layer MLP). See `persistence_threshold`.
+      strategy and add temp (BENCHMARKS.md). See `persistence_threshold`.
     param_dtype: dtype of the master parameters and optimizer state.
     compute_dtype: dtype the model computes in (set on Flax modules as ``dtype``).
     reduce_dtype: dtype of the gradient reduction; ``None`` keeps the gradient's dtype.
@@ -134,8 +135,7 @@ class ZeroConfig:
       gradient by quantising the chunk every other device owns per block, exchanging them in
       one all-to-all, then dequantising and summing in float32 on the owner; the result has
       the reduce-scatter's layout. ``None`` (default): off. ZeRO++'s own choice is int8
-      weights and int4 gradients (measured within 0.4% of the unquantised loss after 200
-      steps, `benchmarks/zeropp.py`); int4 weights cost 3.5-4.8% there.
+      weights and int4 gradients; int4 weights cost more loss (BENCHMARKS.md, ZeRO++).
     quantize_block_size: elements per scale of both (default 256, even). Each shard or chunk
       is blocked on its own and its last block zero-padded (the plan's table shows padding).
     train_batch_size: global batch per optimizer step.
@@ -207,8 +207,6 @@ class ZeroConfig:
       set_("rules", tuple((r[0], tuple(r[1]) if _is_seq(r[1]) else r[1]) for r in self.rules))
     self._validate()
 
-  # -- validation -------------------------------------------------------------------------
-
   # -- what the stage shards (the only reads of ``stage``; everything else reads these) ----
 
   @property
@@ -266,7 +264,24 @@ class ZeroConfig:
       return self.nonfinite_grads
     return "skip" if self.loss_scale is not None else "halt"
 
+  # -- validation -------------------------------------------------------------------------
+  # One validator per topic, run in this order: the first bad field found is the one reported.
+
   def _validate(self) -> None:
+    """Checks every field; the first bad one raises `ConfigError` naming it."""
+    self._validate_bools()
+    self._validate_nvme()
+    self._validate_mesh()
+    self._validate_dtypes()
+    self._validate_offload()
+    self._validate_remat()
+    self._validate_quantize()
+    self._validate_batch()
+    self._validate_loss_scale()
+    self._validate_rules()
+
+  def _validate_bools(self) -> None:
+    """Boolean fields hold real booleans (``offload_optimizer`` may also be ``'nvme'``)."""
     for f in BOOL_FIELDS:
       if f == "offload_optimizer" and isinstance(self.offload_optimizer, str) and (
           self.offload_optimizer.strip().lower() == NVME):
@@ -278,7 +293,9 @@ class ZeroConfig:
         _fail(f, getattr(self, f), "true or false (a boolean; strings such as 'false' or 'no' "
               f"are not booleans){extra}")
       object.__setattr__(self, f, bool(getattr(self, f)))
-    self._validate_nvme()
+
+  def _validate_mesh(self) -> None:
+    """The stage, the mesh's axes and its shape."""
     if not _is_int(self.stage) or self.stage not in STAGES:
       _fail("stage", self.stage, "allowed stages are 0, 1, 2 and 3")
     if not isinstance(self.mesh_axes, tuple) or not self.mesh_axes:
@@ -299,6 +316,9 @@ class ZeroConfig:
               "'all remaining devices'")
     if sum(1 for s in self.mesh_shape if s == -1) > 1:
       _fail("mesh_shape", self.mesh_shape, "at most one size may be -1")
+
+  def _validate_dtypes(self) -> None:
+    """The persistence threshold and the parameter, compute and reduction dtypes."""
     if self.param_persistence_threshold is not None and (
         not _is_int(self.param_persistence_threshold) or self.param_persistence_threshold < 0):
       _fail("param_persistence_threshold", self.param_persistence_threshold,
@@ -308,19 +328,25 @@ class ZeroConfig:
         _fail(f, getattr(self, f), f"allowed dtypes are {DTYPES}")
     if self.reduce_dtype is not None and self.reduce_dtype not in DTYPES:
       _fail("reduce_dtype", self.reduce_dtype, f"None or one of {DTYPES}")
+
+  def _validate_offload(self) -> None:
+    """Host offload: each setting needs the stage that shards what it moves."""
     if self.offload_fallback not in OFFLOAD_FALLBACKS:
       _fail("offload_fallback", self.offload_fallback, f"one of {OFFLOAD_FALLBACKS}")
-    if self.offload_optimizer and self.stage == 0:
+    if self.offload_optimizer and not self.shards_opt_state:
       _fail("offload_optimizer", self.offload_optimizer, "needs stage >= 1: at stage 0 every "
             "device keeps a full optimizer state, so offload would copy it to every host; use "
             "stage 1 or higher")
-    if self.offload_params and self.stage != 3:
+    if self.offload_params and not self.shards_params:
       _fail("offload_params", True, f"needs stage 3 (stage is {self.stage}): below stage 3 the "
             "parameters are replicated and used whole by every layer on every device")
     if self.optimizer_on_host and self.offload_optimizer is not True:
       _fail("optimizer_on_host", True, "needs offload_optimizer=True" + (
           " (with offload_optimizer='nvme' the update always runs on the host)"
           if self.optimizer_on_nvme else ""))
+
+  def _validate_remat(self) -> None:
+    """Rematerialisation, gather mode and live layers."""
     if self.remat not in REMAT_POLICIES:
       _fail("remat", self.remat, f"allowed policies are {REMAT_POLICIES}")
     if self.gather not in GATHER_MODES:
@@ -330,13 +356,16 @@ class ZeroConfig:
             "remat='offload' needs the checkpoint_name names of the residuals to offload")
     if not _is_int(self.max_live_layers) or self.max_live_layers < 1:
       _fail("max_live_layers", self.max_live_layers, "an integer >= 1")
+
+  def _validate_quantize(self) -> None:
+    """ZeRO++ quantisation: dtypes, the stages it needs, and what it cannot combine with."""
     for f in ("quantize_weights", "quantize_gradients"):
       if getattr(self, f) is not None and getattr(self, f) not in QUANTIZED_DTYPES:
         _fail(f, getattr(self, f), f"None (off) or one of {QUANTIZED_DTYPES}")
-    if self.quantize_weights is not None and self.stage != 3:
+    if self.quantize_weights is not None and not self.shards_params:
       _fail("quantize_weights", self.quantize_weights, f"needs stage 3 (stage is {self.stage}): "
             "below stage 3 the parameters are replicated and never gathered")
-    if self.quantize_gradients is not None and self.stage < 2:
+    if self.quantize_gradients is not None and not self.shards_grads:
       _fail("quantize_gradients", self.quantize_gradients, f"needs stage 2 or 3 (stage is "
             f"{self.stage}): below stage 2 the gradient is all-reduced, not reduce-scattered")
     if self.quantize_weights_backward and self.quantize_weights is None:
@@ -352,6 +381,9 @@ class ZeroConfig:
       _fail("mesh_axes", self.mesh_axes, "a 'tensor' axis larger than 1 cannot be combined with "
             "quantize_weights/quantize_gradients: the quantised formulation runs the model per "
             "device over the data axes ('replica', 'fsdp')")
+
+  def _validate_batch(self) -> None:
+    """Batch sizes and gradient clipping."""
     for f in ("train_batch_size", "micro_batch_per_device", "gradient_accumulation_steps"):
       v = getattr(self, f)
       if v is not None and (not _is_int(v) or v < 1):
@@ -359,6 +391,9 @@ class ZeroConfig:
     if self.gradient_clipping is not None and not (
         _is_num(self.gradient_clipping) and self.gradient_clipping > 0):
       _fail("gradient_clipping", self.gradient_clipping, "a positive finite number or None")
+
+  def _validate_loss_scale(self) -> None:
+    """fp16 loss scaling and the non-finite gradient policy it constrains."""
     if self.loss_scale is not None and not (_is_num(self.loss_scale) and self.loss_scale >= 0):
       _fail("loss_scale", self.loss_scale, "None (off), 0 (dynamic) or a positive finite "
             "static scale")
@@ -375,6 +410,9 @@ class ZeroConfig:
       _fail("nonfinite_grads", self.nonfinite_grads, f"with loss scaling (loss_scale="
             f"{self.loss_scale!r}) an overflowing step is always skipped and the scale "
             "adjusted; use 'skip', or loss_scale=None")
+
+  def _validate_rules(self) -> None:
+    """User partitioning rules: ``(regex, partition_spec)`` pairs whose regexes compile."""
     for i, r in enumerate(self.rules):
       if not (isinstance(r, tuple) and len(r) == 2 and isinstance(r[0], str)):
         _fail("rules", self.rules, "a list of (regex, partition_spec) pairs")
@@ -386,6 +424,7 @@ class ZeroConfig:
               "'params/layers/mlp/kernel'")
 
   def _validate_nvme(self) -> None:
+    """``nvme_path`` and the NVMe pool's sizes (``offload_optimizer='nvme'``)."""
     if not self.optimizer_on_nvme:
       if self.nvme_path is not None:
         _fail("nvme_path", self.nvme_path, "only used with offload_optimizer='nvme' "
@@ -504,28 +543,23 @@ class _Duplicate(Exception):
     self.key, self.first, self.again = key, first, again
 
 
-def _yaml_loader():
-  import yaml
+class _StrictLoader(yaml.SafeLoader):
+  """``SafeLoader`` that refuses a key given twice in one mapping (it would silently win)."""
 
-  class StrictLoader(yaml.SafeLoader):
-    """``SafeLoader`` that refuses a key given twice in one mapping (it would silently win)."""
-
-    def construct_mapping(self, node, deep=False):
-      if isinstance(node, yaml.MappingNode):
-        seen: dict[Any, int] = {}
-        for key_node, _ in node.value:
-          if key_node.tag == "tag:yaml.org,2002:merge":
-            continue  # `<<: *anchor` merges are meant to be overridden
-          key = self.construct_object(key_node, deep=True)
-          try:
-            if key in seen:
-              raise _Duplicate(key, seen[key] + 1, key_node.start_mark.line + 1)
-          except TypeError:  # an unhashable key: SafeLoader reports it below
-            continue
-          seen[key] = key_node.start_mark.line
-      return super().construct_mapping(node, deep)
-
-  return StrictLoader
+  def construct_mapping(self, node, deep=False):
+    if isinstance(node, yaml.MappingNode):
+      seen: dict[Any, int] = {}
+      for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":
+          continue  # `<<: *anchor` merges are meant to be overridden
+        key = self.construct_object(key_node, deep=True)
+        try:
+          if key in seen:
+            raise _Duplicate(key, seen[key] + 1, key_node.start_mark.line + 1)
+        except TypeError:  # an unhashable key: SafeLoader reports it below
+          continue
+        seen[key] = key_node.start_mark.line
+    return super().construct_mapping(node, deep)
 
 
 def _json_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -560,9 +594,8 @@ def read_config_file(path: str | os.PathLike, *, allow_empty: bool = False) -> d
                       "'stage: 2'), or pass no config file to run with the defaults")
   try:
     if path.endswith((".yaml", ".yml")):
-      import yaml
       try:
-        d = yaml.load(text, Loader=_yaml_loader())  # noqa: S506 - a SafeLoader subclass
+        d = yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
       except yaml.MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
         where = f", line {mark.line + 1}, column {mark.column + 1}" if mark else ""
