@@ -37,12 +37,20 @@ process, so a crashed peer never leaves the others hanging.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
+import numbers
 import os
 import socket
 import sys
 import threading
 import time
 from typing import Any, Sequence
+
+import numpy as np
+
+# JAX, and zerojax._compat which imports it, are imported inside the functions that use them:
+# the launcher (zerojax.tools.launch) imports this module's ENV_* names and starts without JAX.
 
 __all__ = ["ENV_COORDINATOR", "ENV_NUM_PROCESSES", "ENV_PROCESS_ID", "ENV_CPU_DEVICES",
            "ENV_INIT_TIMEOUT", "ENV_HEARTBEAT_TIMEOUT", "ENV_SHUTDOWN_TIMEOUT",
@@ -97,18 +105,13 @@ class DistributedInfo:
 _info: DistributedInfo | None = None
 
 
-def initialize(coordinator_address: str | None = None,
-               num_processes: int | None = None,
-               process_id: int | None = None,
-               *,
+def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
+               process_id: int | None = None, *,
                local_device_ids: int | Sequence[int] | None = None,
                cluster_detection_method: str | None = None,
-               initialization_timeout: float | None = None,
-               heartbeat_timeout: float | None = None,
-               shutdown_timeout: float | None = None,
-               cpu_devices: int | None = None,
-               cpu_collectives: str | None = "gloo",
-               timeout: float | None = None,
+               initialization_timeout: float | None = None, heartbeat_timeout: float | None = None,
+               shutdown_timeout: float | None = None, cpu_devices: int | None = None,
+               cpu_collectives: str | None = "gloo", timeout: float | None = None,
                exit_on_error: bool = True) -> DistributedInfo:
   """Starts JAX's distributed runtime for this process (or notes a single-process run).
 
@@ -144,15 +147,49 @@ def initialize(coordinator_address: str | None = None,
       the settings are inconsistent, or JAX's backend was already started by an earlier call.
   """
   global _info
-  import jax
-  from zerojax._compat import backends_initialized
-
+  import jax  # late: see the note at the imports
   if _info is not None or jax.distributed.is_initialized():
     info = _info or _running_info()
     _check_same(info, coordinator_address, num_processes, process_id)
     _info = info
     return info
+  s = _settings(coordinator_address, num_processes, process_id, local_device_ids,
+                cluster_detection_method, initialization_timeout, heartbeat_timeout,
+                shutdown_timeout, cpu_devices, timeout)
+  if s.nproc is None or s.nproc <= 1:
+    _info = _single_process(s.cpu_devices)
+    return _info
+  _check_can_start(s)
+  _configure_cpu_backend(cpu_collectives, s.cpu_devices)
+  _join(s)
+  _info = DistributedInfo(s.pid, s.nproc, s.coord, s.source)
+  if exit_on_error:
+    _install_exit_on_error(s.pid, s.nproc)
+  return _info
 
+
+# -- start-up steps -----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Settings:
+  """What `initialize` resolved: the coordinator, this process, its devices and timeouts."""
+
+  coord: str | None
+  nproc: int | None
+  pid: int | None
+  source: str
+  local_device_ids: Any
+  init_t: float
+  beat_t: float
+  down_t: float
+  cpu_devices: int | None
+
+
+def _settings(coordinator_address, num_processes, process_id, local_device_ids,
+              cluster_detection_method, initialization_timeout, heartbeat_timeout,
+              shutdown_timeout, cpu_devices, timeout) -> _Settings:
+  """Resolves `initialize`'s arguments against the environment and the cluster."""
   if timeout is not None:
     if initialization_timeout is not None and initialization_timeout != timeout:
       raise DistributedInitError(f"zerojax.core.distributed.initialize: timeout={timeout!r} and "
@@ -167,69 +204,83 @@ def initialize(coordinator_address: str | None = None,
   beat_t = _timeout(heartbeat_timeout, ENV_HEARTBEAT_TIMEOUT, DEFAULT_HEARTBEAT_TIMEOUT)
   down_t = _timeout(shutdown_timeout, ENV_SHUTDOWN_TIMEOUT, DEFAULT_SHUTDOWN_TIMEOUT)
   cpu_devices = cpu_devices if cpu_devices is not None else _env_int(ENV_CPU_DEVICES)
+  return _Settings(coord, nproc, pid, source, local_device_ids, init_t, beat_t, down_t,
+                   cpu_devices)
 
-  if nproc is None or nproc <= 1:  # single process: nothing to start
-    if cpu_devices is not None and not backends_initialized():
-      jax.config.update("jax_num_cpu_devices", cpu_devices)
-    _info = DistributedInfo(0, 1, None, "single")
-    return _info
 
-  if pid is None:
+def _single_process(cpu_devices: int | None) -> DistributedInfo:
+  """A single-process run: nothing to start, only the CPU device count to set."""
+  import jax  # late: see the note at the imports
+  from zerojax._compat import backends_initialized  # late: see the note at the imports
+  if cpu_devices is not None and not backends_initialized():
+    jax.config.update("jax_num_cpu_devices", cpu_devices)
+  return DistributedInfo(0, 1, None, "single")
+
+
+def _check_can_start(s: _Settings) -> None:
+  """Refuses settings JAX would fail on later or less clearly."""
+  from zerojax._compat import backends_initialized  # late: see the note at the imports
+  if s.pid is None:
     raise DistributedInitError(
-        f"zerojax.core.distributed.initialize: {nproc} processes but no process id; pass "
+        f"zerojax.core.distributed.initialize: {s.nproc} processes but no process id; pass "
         f"process_id= or set {ENV_PROCESS_ID}")
-  if coord is None:
+  if s.coord is None:
     raise DistributedInitError(
-        f"zerojax.core.distributed.initialize: {nproc} processes but no coordinator address; pass "
-        f"coordinator_address='host:port' or set {ENV_COORDINATOR}")
-  _split_address(coord)  # JAX itself fails on a missing port with a bare IndexError
-  if not 0 <= pid < nproc:
-    raise DistributedInitError(f"process id {pid} is not in 0..{nproc - 1}")
+        f"zerojax.core.distributed.initialize: {s.nproc} processes but no coordinator address; "
+        f"pass coordinator_address='host:port' or set {ENV_COORDINATOR}")
+  _split_address(s.coord)  # JAX itself fails on a missing port with a bare IndexError
+  if not 0 <= s.pid < s.nproc:
+    raise DistributedInitError(f"process id {s.pid} is not in 0..{s.nproc - 1}")
   if backends_initialized():
     raise DistributedInitError(
         "zerojax.core.distributed.initialize must run before JAX starts its backend (before "
         "jax.devices(), any computation, or zerojax.make_mesh); move the call to the top of "
         "the program")
 
+
+def _configure_cpu_backend(cpu_collectives: str | None, cpu_devices: int | None) -> None:
+  """The CPU backend's cross-process collectives and device count, set before it starts."""
+  import jax  # late: see the note at the imports
   if cpu_collectives is not None:
     jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
   if cpu_devices is not None:
     jax.config.update("jax_num_cpu_devices", cpu_devices)
 
+
+def _join(s: _Settings) -> None:
+  """Starts JAX's distributed runtime; a failure is a `DistributedInitError` naming why."""
+  import jax  # late: see the note at the imports
   t0 = time.monotonic()
-  if pid != 0:
+  if s.pid != 0:
     # JAX's client aborts the process (a C++ fatal error, not an exception) when the
     # coordinator cannot be reached: probe it first so the failure is a Python error.
-    _wait_for_coordinator(coord, init_t, pid, nproc)
+    _wait_for_coordinator(s.coord, s.init_t, s.pid, s.nproc)
   # Past the probe, a peer that never shows up still makes JAX abort at the deadline; say why
   # just before that happens.
-  remaining = max(1.0, init_t - (time.monotonic() - t0))
+  remaining = max(1.0, s.init_t - (time.monotonic() - t0))
   done = threading.Event()
-  watchdog = threading.Thread(target=_report_waiting, args=(done, t0, coord, pid, nproc, init_t),
+  watchdog = threading.Thread(target=_report_waiting,
+                              args=(done, t0, s.coord, s.pid, s.nproc, s.init_t),
                               daemon=True, name="zerojax-init-progress")
   watchdog.start()
   try:
     jax.distributed.initialize(
-        coordinator_address=coord, num_processes=nproc, process_id=pid,
-        local_device_ids=local_device_ids,
-        cluster_detection_method="deactivate",  # already resolved above
+        coordinator_address=s.coord, num_processes=s.nproc, process_id=s.pid,
+        local_device_ids=s.local_device_ids,
+        cluster_detection_method="deactivate",  # already resolved by _settings
         initialization_timeout=max(1, int(round(remaining))),
-        heartbeat_timeout_seconds=max(1, int(round(beat_t))),
-        shutdown_timeout_seconds=max(1, int(round(down_t))))
+        heartbeat_timeout_seconds=max(1, int(round(s.beat_t))),
+        shutdown_timeout_seconds=max(1, int(round(s.down_t))))
   except Exception as e:  # noqa: BLE001 - re-raised with the address and the knobs
     _reset()
     waited = time.monotonic() - t0
     raise DistributedInitError(
-        f"zerojax: process {pid} of {nproc} could not join the coordinator at {coord!r} "
-        f"(gave up after {waited:.1f}s; initialization_timeout={init_t:g}s, set by argument or "
-        f"{ENV_INIT_TIMEOUT}). Check that process 0 is running and that {coord!r} is reachable "
-        f"from this host. Cause: {type(e).__name__}: {_first_line(e)}") from e
+        f"zerojax: process {s.pid} of {s.nproc} could not join the coordinator at {s.coord!r} "
+        f"(gave up after {waited:.1f}s; initialization_timeout={s.init_t:g}s, set by argument "
+        f"or {ENV_INIT_TIMEOUT}). Check that process 0 is running and that {s.coord!r} is "
+        f"reachable from this host. Cause: {type(e).__name__}: {_first_line(e)}") from e
   finally:
     done.set()
-  _info = DistributedInfo(pid, nproc, coord, source)
-  if exit_on_error:
-    _install_exit_on_error(pid, nproc)
-  return _info
 
 
 class ProcessMismatchError(RuntimeError):
@@ -259,7 +310,7 @@ def fingerprint(config: Any = None, plan: Any = None, *, tx: Any = None, state: 
   ``state.opt_state``, and the numbers and strings ``tx``'s functions close over, such as a
   constant learning rate), and ``extra``.
   """
-  import jax
+  import jax  # late: see the note at the imports
   fp: dict[str, Any] = {"process_count": jax.process_count()}
   for mod in ("jax", "jaxlib", "flax", "optax", "zerojax"):
     try:
@@ -314,7 +365,7 @@ def check_agreement(config: Any = None, plan: Any = None, *, tx: Any = None,
     DistributedInitError: a process did not send its fingerprint within ``timeout``.
   """
   global _agreement_calls
-  import jax
+  import jax  # late: see the note at the imports
   fp = fingerprint(config, plan, tx=tx, state=state, extra=extra)
   if jax.process_count() == 1:
     return fp
@@ -322,7 +373,6 @@ def check_agreement(config: Any = None, plan: Any = None, *, tx: Any = None,
   _agreement_calls += 1
   key = f"zerojax/agreement/{_agreement_calls}"
   me, n = jax.process_index(), jax.process_count()
-  import json
   everyone = _exchange(key, json.dumps(fp, sort_keys=True), me, n, timeout)
   fps = [json.loads(v) for v in everyone]
   diff = {}
@@ -386,7 +436,7 @@ def _exchange(key: str, value: str, me: int, n: int, timeout: float) -> list[str
 def _kv_client():
   """JAX's distributed-runtime client (`zerojax._compat.distributed_state`), or ``None`` if
   this JAX does not expose it."""
-  from zerojax._compat import distributed_state
+  from zerojax._compat import distributed_state  # late: see the note at the imports
   client = getattr(distributed_state(), "client", None)
   if client is None or not all(hasattr(client, m) for m in ("key_value_set",
                                                               "blocking_key_value_get")):
@@ -395,8 +445,7 @@ def _kv_client():
 
 
 def _exchange_by_allgather(value: str, n: int) -> list[str]:
-  import numpy as np
-  from jax.experimental import multihost_utils
+  from jax.experimental import multihost_utils  # late: see the note at the imports
   data = np.frombuffer(value.encode(), np.uint8)
   sizes = np.asarray(multihost_utils.process_allgather(np.asarray([data.size], np.int64)))
   buf = np.zeros(int(sizes.max()), np.uint8)
@@ -406,7 +455,6 @@ def _exchange_by_allgather(value: str, n: int) -> list[str]:
 
 
 def _dtype_name(dtype: Any) -> str:
-  import numpy as np
   try:
     return np.dtype(dtype).name
   except TypeError:
@@ -414,7 +462,6 @@ def _dtype_name(dtype: Any) -> str:
 
 
 def _jsonable(v: Any) -> Any:
-  import json
   try:
     json.dumps(v)
     return v
@@ -426,9 +473,6 @@ def _closure_values(obj: Any, prefix: str = "", depth: int = 0, seen: set | None
                     ) -> dict[str, Any]:
   """Numbers, strings and small arrays reachable from an optax transformation's functions
   (closure cells, ``functools.partial`` arguments, nested transformations), by path."""
-  import functools
-  import numbers
-  import numpy as np
   seen = set() if seen is None else seen
   out: dict[str, Any] = {}
   if depth > 12 or id(obj) in seen:
@@ -475,8 +519,7 @@ def _closure_values(obj: Any, prefix: str = "", depth: int = 0, seen: set | None
 
 def _injected_hyperparams(opt_state: Any) -> dict[str, Any]:
   """``optax.inject_hyperparams`` values found in an optimizer state, by path."""
-  import jax
-  import numpy as np
+  import jax  # late: see the note at the imports
   out: dict[str, Any] = {}
 
   def visit(x, path):
@@ -500,7 +543,7 @@ def info() -> DistributedInfo:
   """This process's `DistributedInfo` (single-process if `initialize` was never called)."""
   if _info is not None:
     return _info
-  import jax
+  import jax  # late: see the note at the imports
   if jax.distributed.is_initialized():
     return _running_info()
   return DistributedInfo(0, 1, None, "single")
@@ -509,7 +552,7 @@ def info() -> DistributedInfo:
 def shutdown() -> None:
   """Stops the distributed runtime if this module started it (safe to call always)."""
   global _info
-  import jax
+  import jax  # late: see the note at the imports
   if jax.distributed.is_initialized():
     jax.distributed.shutdown()
   _info = None
@@ -531,7 +574,7 @@ def _resolve(coord, nproc, pid, method):
     pid = pid if pid is not None else i
   if method != "deactivate" and (nproc is None or nproc > 1) and None in (coord, nproc, pid):
     # JAX's own detectors (SLURM, Open MPI, Kubernetes, TPU) fill what is still unset.
-    from zerojax._compat import detect_cluster
+    from zerojax._compat import detect_cluster  # late: see the note at the imports
     c, n, i, _ = detect_cluster(coord, nproc, pid, None, method,
                                 _timeout(None, ENV_INIT_TIMEOUT, DEFAULT_INIT_TIMEOUT))
     if (c, n, i) != (coord, nproc, pid) and source is None:
@@ -549,15 +592,15 @@ def _detected_local_device_ids(method):
   of its local rank; ``None`` (all devices) elsewhere or when ``JAX_LOCAL_DEVICE_IDS`` is set."""
   if os.environ.get("JAX_LOCAL_DEVICE_IDS"):
     return None
-  from zerojax._compat import detect_cluster
+  from zerojax._compat import detect_cluster  # late: see the note at the imports
   return detect_cluster("unused:0", 0, 0, None, method, 1)[3]
 
 
 def _running_info() -> DistributedInfo:
-  from zerojax._compat import distributed_state
+  from zerojax._compat import distributed_state  # late: see the note at the imports
   s = distributed_state()
   if s is None:  # pragma: no cover - depends on the installed JAX
-    import jax
+    import jax  # late: see the note at the imports
     return DistributedInfo(jax.process_index(), jax.process_count(), None,
                            "already-initialized")
   return DistributedInfo(s.process_id, s.num_processes, s.coordinator_address,
@@ -576,7 +619,7 @@ def _check_same(info: DistributedInfo, coord, nproc, pid) -> None:
 
 def _reset() -> None:
   """Forgets a half-started runtime so the error is the only effect of a failed call."""
-  from zerojax._compat import distributed_state
+  from zerojax._compat import distributed_state  # late: see the note at the imports
   s = distributed_state()
   if s is None:  # pragma: no cover - depends on the installed JAX
     return
