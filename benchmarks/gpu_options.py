@@ -1,7 +1,7 @@
 """XLA:GPU compile options one at a time on the issue's Llama at stage 3 (h100:8), ahead of time.
 
 ``python benchmarks/gpu_options.py`` compiles zerojax's default stage-3 step with each option
-changed from zerojax's GPU defaults (`zerojax.core.step.GPU_COMPILER_OPTIONS`) and prints temp,
+changed from zerojax's GPU defaults (`zerojax.core.formulation.GPU_COMPILER_OPTIONS`) and prints temp,
 collective bytes and the schedule. DeepSpeed's bucket knobs map onto the combine thresholds:
 ``reduce_bucket_size`` (elements x gradient bytes) onto the reduce-scatter/all-reduce
 thresholds, ``allgather_bucket_size`` and ``stage3_prefetch_bucket_size`` onto the all-gather
@@ -39,7 +39,7 @@ VARIANTS = [
 def main() -> None:
   import zerojax
   from benchmarks.decoder import ISSUE_LLAMA, Decoder, zerojax_step
-  from zerojax.core.step import GPU_COMPILER_OPTIONS
+  from zerojax.core.formulation import GPU_COMPILER_OPTIONS
   from zerojax.runtime import memory
   print("| options | temp MiB | collectives MiB | all-gather ops | all-gather async / with matmul "
         "| reduce-scatter ops | reduce-scatter with matmul | compile s |\n|---|---|---|---|---|---|---|---|")

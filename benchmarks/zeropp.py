@@ -6,7 +6,7 @@ Run as ``python benchmarks/zeropp.py`` (8 simulated CPU devices). Two parts:
    d_model 512, vocab 8192, fp32 AdamW, remat 'full', stage 3): the step is compiled with and
    without quantisation and the compiled HLO's collectives are counted by dtype
    (`zerojax.runtime.memory.collective_bytes_by_dtype`). The forward all-gather is what runs under
-   `zerojax.core.gather.GATHER_SCOPE`, the gradient reduction what runs under `REDUCE_SCOPE`; each
+   `zerojax.core.zeropp.GATHER_SCOPE`, the gradient reduction what runs under `REDUCE_SCOPE`; each
    is compared with its bf16 size (2 bytes per gathered or reduced element, from the plan).
    Step times alternate between the variants in one run.
 2. **Loss** over ``--steps`` (200) steps of the bundled-corpus GPT (`zerojax.tools.train`, preset
@@ -79,7 +79,7 @@ def bytes_part(args):
   import numpy as np
   import optax
   import zerojax
-  from zerojax.core.gather import GATHER_SCOPE, REDUCE_SCOPE
+  from zerojax.core.zeropp import GATHER_SCOPE, REDUCE_SCOPE
   from zerojax.runtime.memory import collective_bytes_by_dtype, compile_for_topology, lm_train_step
   from zerojax.models import GPT, GPTConfig
 
@@ -278,7 +278,7 @@ def main(argv=None) -> int:
         "## ZeRO++: quantised weight gather (qwZ) and gradient reduction (qgZ)\n\n"
         f"`python benchmarks/zeropp.py` on {machine}.\n\n**Bytes** ({desc}; per device per "
         "step from the compiled HLO; forward all-gather = collectives under "
-        "`zerojax.core.gather.GATHER_SCOPE`, gradient reduction = under `REDUCE_SCOPE`, bf16 size = 2 "
+        "`zerojax.core.zeropp.GATHER_SCOPE`, gradient reduction = under `REDUCE_SCOPE`, bf16 size = 2 "
         "bytes per gathered / reduced element; int8 values plus one float32 scale per 256):"
         f"\n\n{table}\n\n**Loss** over {args.steps} steps of the bundled-corpus GPT (`tiny`, "
         f"stage 3, default training options):\n\n{ctable}\n\n"

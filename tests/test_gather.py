@@ -23,9 +23,9 @@ def test_after_rejects_a_non_scalar_token():
 
 
 def test_token_is_finite_even_for_non_finite_input():
-  t = gather._token_of({"x": jnp.asarray([jnp.inf, 1.0])})
+  t = gather.token_of({"x": jnp.asarray([jnp.inf, 1.0])})
   assert np.isfinite(np.asarray(t))
-  assert gather._token_of({"ids": jnp.asarray([1, 2])}) is None  # integers only: no token
+  assert gather.token_of({"ids": jnp.asarray([1, 2])}) is None  # integers only: no token
 
 
 class NoisyDense(nn.Module):
@@ -78,7 +78,7 @@ def test_scan_remat_does_not_reach_other_threads():
   by another thread at the same moment gets JAX's own scan, untouched."""
   import threading
   from zerojax._compat import REMAT_PRIMITIVE_NAMES, jaxpr_has_primitive
-  from zerojax.core.gather import ScanRemat, scanned_layers
+  from zerojax.core.remat import ScanRemat, scanned_layers
 
   def traced_scan():
     body = lambda c, x: (c + jnp.sin(x), None)

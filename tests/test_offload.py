@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import zerojax
-from zerojax.core import offload
+from zerojax.core import memory_kinds, offload
 from zerojax.models import GPT
 from tests import helpers
 
@@ -143,7 +143,7 @@ def test_offload_missing_pinned_host_errors_or_falls_back(monkeypatch):
 
 def test_offload_detects_cpu_memory_kinds():
   cfg = zerojax.ZeroConfig(stage=1)
-  assert "pinned_host" in offload.supported_memory_kinds(zerojax.make_mesh(cfg))
+  assert "pinned_host" in memory_kinds.supported_memory_kinds(zerojax.make_mesh(cfg))
 
 
 @pytest.mark.parametrize("kw, match", [

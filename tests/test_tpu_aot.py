@@ -180,7 +180,7 @@ def test_tpu_compiler_failure_is_not_a_memory_verdict(monkeypatch, capsys):
 @needs_libtpu
 def test_tpu_zeropp_collectives_are_int8(stage3):
   """ZeRO++ on the TPU compiler: the forward gathers and the gradient reduction move s8."""
-  from zerojax.core.gather import GATHER_SCOPE, REDUCE_SCOPE
+  from zerojax.core.zeropp import GATHER_SCOPE, REDUCE_SCOPE
   r = _compile(stage=3, quantize_weights="int8", quantize_gradients="int8")
   assert r.fits and r.formulation == "per use"
   text = r.compiled.as_text()
@@ -200,7 +200,7 @@ def test_tpu_int4_weights_move_half_and_cost_no_memory():
   """int4 qwZ moves half of int8's bytes, and unpacking costs no more memory than int8: a
   trailing nibble-pair axis used to be padded to TPU tiles (this model: 1051 MiB of temp
   against 7 MiB; the 8192-row embedding is where it showed)."""
-  from zerojax.core.gather import GATHER_SCOPE
+  from zerojax.core.zeropp import GATHER_SCOPE
   from zerojax.models import GPT
   cfg = GPTConfig(vocab_size=8192, seq_len=64, num_layers=2, num_heads=8, d_model=512)
   r = {q: memory.compile_for_topology(zerojax.ZeroConfig(stage=3, quantize_weights=q),
@@ -214,14 +214,11 @@ def test_tpu_int4_weights_move_half_and_cost_no_memory():
 
 @needs_libtpu
 def test_tpu_pytree_stage2_drops_the_gradient():
-  """Pattern g of benchmarks/patterns.py at full size (a plain-pytree 12-layer MLP reading
+  """Pattern g (tests/model_patterns.py) at full size (a plain-pytree 12-layer MLP reading
   stacked weights as w[i], G = 96 MiB) holds the stage-2 bound on the TPU compiler too (15.5
   MiB of temp at stage 2 against 108.7 at stage 1): the row reads' formulation must suit both
   compilers (an ordering token that fixed a copy on XLA:CPU cost XLA:TPU 46 MiB here)."""
-  import pathlib
-  import sys
-  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
-  from benchmarks import patterns as pt
+  from tests import model_patterns as pt
   devices = memory.tpu_topology(TOPOLOGY).devices
   temp = {}
   for stage in (1, 2):

@@ -26,8 +26,8 @@ _EXPORTS = {
     "LeafPlan": "zerojax.core.plan",
     "ShardingPlan": "zerojax.core.plan",
     "value_and_grad": "zerojax.core.grad",
-    "create_nnx": "zerojax.core.step",
-    "create_train_state": "zerojax.core.step",
+    "create_nnx": "zerojax.core.create",
+    "create_train_state": "zerojax.core.create",
     "zero_step": "zerojax.core.step",
     "ZeroStep": "zerojax.core.step",
     "StepSettings": "zerojax.core.train_state",
@@ -46,7 +46,8 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time `__getattr__` 
   from zerojax.core.grad import value_and_grad
   from zerojax.core.mesh import make_mesh
   from zerojax.core.plan import LeafPlan, ShardingPlan
-  from zerojax.core.step import ZeroStep, create_nnx, create_train_state, zero_step
+  from zerojax.core.create import create_nnx, create_train_state
+  from zerojax.core.step import ZeroStep, zero_step
   from zerojax.core.train_state import StepSettings, ZeroTrainState
   from zerojax.tools.config_file import load_config
 

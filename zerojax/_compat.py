@@ -9,17 +9,52 @@ keeping gathered weights alive.
 from __future__ import annotations
 
 import contextlib
+import functools
+import threading
 from typing import Any, Callable, Iterator
 
 import jax
+from jax.ad_checkpoint import checkpoint_name
+from jax.extend.core import Literal, Var
 
 __all__ = ["ORIGINAL_SCAN", "REMAT_PRIMITIVE_NAMES", "name_p", "sharding_constraint_p",
-           "jaxpr_has_primitive", "subjaxprs", "eval_jaxpr", "backends_initialized",
-           "distributed_state", "detect_cluster"]
+           "jaxpr_has_primitive", "subjaxprs", "eval_jaxpr", "var_uses", "bind_dot_general",
+           "install_scan_hook", "backends_initialized", "distributed_state", "detect_cluster"]
 
 # ``jax.lax.scan`` as JAX defines it, captured before zerojax installs its per-thread dispatcher
-# (`zerojax.core.gather.scan_remat`); zerojax's own loops call this one directly.
+# (`install_scan_hook`); zerojax's own loops call this one directly.
 ORIGINAL_SCAN = jax.lax.scan
+_scan_hook_lock = threading.Lock()
+
+
+def install_scan_hook(dispatch: Callable[..., Any]) -> None:
+  """Replaces ``jax.lax.scan``, once per process, with ``dispatch`` (same signature), which must
+  call `ORIGINAL_SCAN` itself. JAX has no hook for rewriting scan bodies; code that bound
+  ``scan`` before zerojax was imported (``from jax.lax import scan``) is not reached."""
+  with _scan_hook_lock:
+    if jax.lax.scan is not dispatch:
+      functools.update_wrapper(dispatch, ORIGINAL_SCAN)
+      jax.lax.scan = dispatch
+
+
+def var_uses(jaxpr: Any) -> dict[Any, list[tuple[Any, int]]]:
+  """``{var: [(eqn, operand position), ...]}`` over a jaxpr's equations; a use as one of the
+  jaxpr's outputs is ``(None, -1)``. Literals are left out."""
+  uses: dict[Any, list[tuple[Any, int]]] = {}
+  for eqn in jaxpr.eqns:
+    for pos, v in enumerate(eqn.invars):
+      if isinstance(v, Var):
+        uses.setdefault(v, []).append((eqn, pos))
+  for v in jaxpr.outvars:
+    if isinstance(v, Var):
+      uses.setdefault(v, []).append((None, -1))
+  return uses
+
+
+def bind_dot_general(a: Any, b: Any, params: dict[str, Any]) -> Any:
+  """``dot_general`` of ``a`` and ``b`` with a traced equation's own parameters (precision and
+  preferred element type included, which ``jax.lax.dot_general``'s signature renames)."""
+  return jax.lax.dot_general_p.bind(a, b, **params)
 
 try:  # The primitives the stage-3 remat policy looks at (the policy API hands it primitives).
   from jax._src.ad_checkpoint import name_p
@@ -94,7 +129,6 @@ def eval_jaxpr(closed: Any, args: list[Any],
   """Evaluates a closed jaxpr on ``args`` (tracers welcome), as ``jax.core.eval_jaxpr`` does,
   except that ``rewrite(eqn, invals)`` may answer an equation itself (its outputs as a list);
   ``None`` binds the equation as written. Only top-level equations are offered."""
-  from jax.extend.core import Literal
   jaxpr = closed.jaxpr
   env: dict[Any, Any] = {}
   read = lambda v: v.val if isinstance(v, Literal) else env[v]
@@ -120,7 +154,6 @@ def _self_check() -> None:
     raise ImportError(f"zerojax: jax.checkpoint on JAX {jax.__version__} binds none of "
                       f"{sorted(REMAT_PRIMITIVE_NAMES)}; zerojax cannot tell rematerialised "
                       "layers apart. Install the JAX version pinned in zerojax's pyproject.toml")
-  from jax.ad_checkpoint import checkpoint_name
   named = jax.make_jaxpr(lambda x: checkpoint_name(x, "zerojax_probe"))(1.0)
   if not any(e.primitive is name_p for e in named.jaxpr.eqns):
     raise ImportError(f"zerojax: checkpoint_name on JAX {jax.__version__} no longer binds the "

@@ -18,10 +18,12 @@ import math
 from typing import Any
 
 import jax
+from flax.core import meta
 import numpy as np
 from jax.sharding import AbstractMesh, AxisType
 
 from zerojax.core.config import ZeroConfig
+from zerojax.core.dtypes import cast_shapes
 from zerojax.core.plan import ShardingPlan
 
 __all__ = ["PAPER_K", "paper_bytes", "Estimate", "num_params", "estimate", "DeviceMemoryError",
@@ -86,7 +88,6 @@ def num_params(tree: Any) -> int:
   The one count zerojax prints: run headers, ``zerojax plan``/``estimate`` and
   `ShardingPlan.table` all count the leaves of the real tree.
   """
-  from flax.core import meta
   return sum(math.prod(np.shape(x)) for x in jax.tree.leaves(meta.unbox(tree)))
 
 
@@ -111,8 +112,7 @@ def estimate(params: Any, tx: Any = None, *, config: ZeroConfig | None = None,
   """
   if config is not None:
     # `create_train_state` stores floating parameters in config.param_dtype: count that.
-    from zerojax.core.step import _cast_shapes
-    params = _cast_shapes(params, np.dtype(config.param_dtype))
+    params = cast_shapes(params, np.dtype(config.param_dtype))
   _check_args(stage=stage, num_devices=num_devices)
   config = config or ZeroConfig(stage=stage if stage is not None else 3)
   if stage is not None and stage != config.stage:
@@ -233,7 +233,7 @@ def check_state_fits(plan: ShardingPlan, devices: Any = None, *, limit: int | No
   if need > limit:
     raise DeviceMemoryError(
         f"the train state needs {_mib(need)} per device (parameters {_mib(b['params'])} + "
-        f"optimizer state {_mib(b['opt_state'])} at stage {plan.config.stage}), more than the "
+        f"optimizer state {_mib(b['opt_state'])} at {plan.config.label}), more than the "
         f"{_mib(limit)} the device has (memory_stats()['bytes_limit']); creating it would fail "
         "with RESOURCE_EXHAUSTED. "
         + suggest_option(need, limit, plan.config, params, tx, None, devices,

@@ -46,6 +46,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import jax
+from flax import nnx
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -112,7 +113,7 @@ def value_and_grad(fun: Callable, argnums: int = 0, has_aux: bool = False, *,
     scale = loss_scale if loss_scale is not None else (ctx.loss_scale if ctx else None)
     steps = ctx.accumulation_steps if ctx is not None else 1
     # Stage 1 reduces once, after the backward pass; that needs the rows to split per device.
-    local = ctx is not None and ctx.plan.config.stage == 1 and bool(args)
+    local = ctx is not None and ctx.plan.local_grads and bool(args)
     if steps == 1 and scale is None and not local:
       return plain(params, *args)
     if argnums != 0:
@@ -130,10 +131,6 @@ def value_and_grad(fun: Callable, argnums: int = 0, has_aux: bool = False, *,
 
 
 def _is_nnx(x: Any) -> bool:
-  try:
-    from flax import nnx
-  except ImportError:  # pragma: no cover
-    return False
   return isinstance(x, nnx.Module)
 
 
@@ -142,7 +139,6 @@ def _nnx_value_and_grad(fun, argnums, has_aux, loss_scale):
   ``nnx.Param`` state (an ``nnx.State``, as ``nnx.value_and_grad`` returns it), through the
   same accumulation, loss scaling and stage-1 local-gradient paths as a linen step. Other
   state the model writes (RNG counters, batch statistics) is written back to ``model``."""
-  from flax import nnx
   if argnums != 0:
     raise ValueError("zerojax.value_and_grad differentiates argument 0 (the NNX model); got "
                      f"argnums={argnums}")
@@ -187,7 +183,7 @@ def _accumulate(scaled, params, args, steps, plan, scale):
   dp, axes, mesh = plan.data_parallel_size, plan.data_axes, plan.mesh
   grads_sh, reduced_sh = _like(params, plan.grads), _like(params, plan.grads_reduced)
   params_match = grads_sh is not None
-  per_device = plan.config.stage <= 1 and params_match
+  per_device = not plan.config.shards_grads and params_match
 
   def split(x):
     x = jnp.asarray(x)

@@ -1,5 +1,5 @@
 """Existing parameters into a plan's shards, leaf by leaf (`place`): each device receives only
-its shard, read once per process. `zerojax.core.step.create_train_state` starts from such a
+its shard, read once per process. `zerojax.core.create.create_train_state` starts from such a
 tree (or a lazy source with ``load(plan)``, e.g. `zerojax.runtime.weights.safetensors_source`).
 """
 

@@ -43,18 +43,21 @@ from collections.abc import Mapping
 from typing import Any, Callable
 
 import jax
+import optax
+from flax import nnx
 import jax.numpy as jnp
 import numpy as np
 from flax.core import meta
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from zerojax.core.config import ConfigError, ZeroConfig
+from zerojax.core.memory_kinds import HOST, memory_kinds
+from zerojax.core import quantize as q
 from zerojax.core.mesh import axis_size, data_axes
 
 __all__ = ["LeafPlan", "ShardingPlan", "path_str", "state_fields"]
 
 PyTree = Any
-HOST = "pinned_host"  # the memory kind offloaded state rests in (`zerojax.core.offload.HOST`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,10 +125,9 @@ class ShardingPlan:
       trainable: ``path -> bool``; leaves it rejects are frozen (`LeafPlan.trainable`): laid
         out as the stage says, but counted with no gradient (the table marks them).
     """
-    from zerojax.core import offload  # late import: offload reads plan types
     if "fsdp" not in mesh.axis_names:
       raise ConfigError(f"mesh axes {mesh.axis_names} have no 'fsdp' axis to shard over")
-    param_kind, opt_kind = offload.memory_kinds(config, mesh)
+    param_kind, opt_kind = memory_kinds(config, mesh)
     meta_specs = _metadata_specs(params, mesh)
     params = _unbox(params)
     paths, flat, treedef = _flatten(params)
@@ -139,12 +141,11 @@ class ShardingPlan:
       return jax.tree.unflatten(treedef, [NamedSharding(mesh, s, memory_kind=kind)
                                           for s in specs])
 
-    st = config.stage
     sharded = [lp.sharded for lp in leaves]
     gathered = [lp.gathered for lp in leaves]
-    params_sh = tree(sharded if st >= 3 else gathered, param_kind)
+    params_sh = tree(sharded if config.shards_params else gathered, param_kind)
     params_gathered = tree(gathered)
-    grads_sh = tree(sharded if st >= 2 else gathered)
+    grads_sh = tree(sharded if config.shards_grads else gathered)
 
     if opt_state is None and tx is not None:
       opt_state = jax.eval_shape(tx.init, jax.tree.map(_as_shape, params))
@@ -237,7 +238,6 @@ class ShardingPlan:
     optimizer-state shardings, both in tree order (the plan was made from the same trees;
     shapes are checked leaf for leaf); everything else (step counters, RNG state, batch
     statistics) is replicated."""
-    from flax import nnx
     if not isinstance(state, nnx.State):
       raise TypeError(f"nnx_state: state must be nnx.state((model, optimizer)), an nnx.State; "
                       f"got {type(state).__name__}")
@@ -275,23 +275,37 @@ class ShardingPlan:
     return self.opt_state is not None and any(
         s.memory_kind == HOST for s in jax.tree.leaves(self.opt_state))
 
+  # -- the decisions every other module reads ---------------------------------------------
+
+  @property
+  def platform(self) -> str:
+    """The backend the plan's devices compile for (``'cpu'``, ``'gpu'``, ``'tpu'``)."""
+    return next(iter(self.mesh.devices.flat)).platform
+
+  @property
+  def params_sharded(self) -> bool:
+    """Whether parameters rest sharded and are gathered where they are used (stage 3)."""
+    return self.config.shards_params
+
+  @property
+  def local_grads(self) -> bool:
+    """Whether each device keeps its local, unreduced gradient through the backward pass and
+    reduces it once per optimizer step into the optimizer's shards (stage 1)."""
+    return self.config.shards_opt_state and not self.config.shards_grads
+
   @property
   def gathers_per_use(self) -> bool:
-    """Whether the step gathers each parameter where a layer reads it (`zerojax.core.gather` boxes)
-    instead of leaving the gathers to XLA's partitioner: ``config.gather='explicit'``, or a
-    feature that acts at each use: parameters resting in host memory (fetched per layer), a
-    ``reduce_dtype`` (the dtype of each layer's gradient reduction) or ZeRO++ quantisation
-    (`zerojax.core.zeropp`)."""
-    c = self.config
-    return (c.gather == "explicit" or c.reduce_dtype is not None or self.params_on_host
-            or c.quantized)
+    """Whether every model gathers each parameter where a layer reads it (`zerojax.core.gather`
+    boxes), whatever the model: a setting that acts at each use
+    (`ZeroConfig.per_use_settings`). For ``gather='auto'`` the model decides too
+    (`zerojax.core.formulation.choose`)."""
+    return self.config.per_use_settings
 
   @property
   def grads_reduced(self) -> PyTree:
-    """Where a step's gradient reduction lands: ``grads``, except at stage 1, which holds each
-    device's local gradient (``grads``: full size) through the backward pass and
-    reduce-scatters it once per optimizer step into the optimizer's sharded layout."""
-    if self.config.stage != 1:
+    """Where a step's gradient reduction lands: ``grads``, except with `local_grads`, which
+    reduce-scatters once per optimizer step into the optimizer's sharded layout."""
+    if not self.local_grads:
       return self.grads
     treedef = jax.tree.structure(self.grads)
     return jax.tree.unflatten(treedef, [NamedSharding(self.mesh, lp.sharded)
@@ -305,14 +319,13 @@ class ShardingPlan:
     own and its last block zero-padded; a leaf smaller than a block is one padded block. This
     counts a leaf gathered whole; a stacked leaf that ``nn.scan`` gathers one layer at a time
     is blocked per layer (the compiled HLO's s8 bytes say what moved)."""
-    from zerojax.core import quantize as q
     c = self.config
     bs, n = c.quantize_block_size, axis_size(self.mesh, "fsdp")
     out = []
     for lp, gs in zip(self.leaves, jax.tree.leaves(self.grads)):
       d: dict[str, tuple[int, int]] = {}
       per_device = math.prod(lp.shape) // n
-      if c.quantize_weights is not None and lp.is_sharded and c.stage == 3:
+      if c.quantize_weights is not None and lp.is_sharded and c.shards_params:
         d["weights"] = (q.num_blocks(per_device, bs), q.padding(per_device, bs))
       if c.quantize_gradients is not None and lp.trainable and "fsdp" in _axes_of(gs.spec):
         d["gradients"] = (q.num_blocks(per_device, bs), q.padding(per_device, bs))
@@ -356,11 +369,11 @@ class ShardingPlan:
                    "-" if opt is None else _spec_str(opt.spec)
                    + (" (host)" if opt.memory_kind == HOST else ""),
                    _fmt_bytes(_shard_bytes(lp.shape, lp.dtype, ps.spec, self.mesh)),
-                   _table_note(lp, self.config.stage) + ("" if lp.trainable else ", frozen")
+                   _table_note(lp, self.config) + ("" if lp.trainable else ", frozen")
                    + _quant_note(qz, self.config)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     line = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()
-    out = [f"zerojax plan: stage {self.config.stage}, mesh {dict(self.mesh.shape)}",
+    out = [f"zerojax plan: {self.config.label}, mesh {dict(self.mesh.shape)}",
            line(rows[0]), line(tuple("-" * w for w in widths))]
     out += [line(r) for r in rows[1:]]
     b = self.bytes_per_device()
@@ -423,7 +436,7 @@ def _warn_nothing_to_shard(config: ZeroConfig, mesh: Mesh) -> None:
   machine usually means JAX started with its default single device.
   """
   global _warned_nothing_to_shard
-  if config.stage < 1 or axis_size(mesh, "fsdp") > 1 or _warned_nothing_to_shard:
+  if not config.shards_opt_state or axis_size(mesh, "fsdp") > 1 or _warned_nothing_to_shard:
     return
   _warned_nothing_to_shard = True
   if mesh.size == 1:
@@ -433,7 +446,7 @@ def _warn_nothing_to_shard(config: ZeroConfig, mesh: Mesh) -> None:
   else:
     why = (f"the mesh's {mesh.size} devices are on other axes; give 'fsdp' a size > 1 with "
            "mesh_shape")
-  warnings.warn(f"zerojax: stage {config.stage} planned over mesh {dict(mesh.shape)}: the "
+  warnings.warn(f"zerojax: {config.label} planned over mesh {dict(mesh.shape)}: the "
                 f"'fsdp' axis has size 1, so nothing is sharded; {why}", stacklevel=3)
 
 
@@ -486,7 +499,6 @@ def _opt_param_index(tx: Any, opt_state: PyTree, params: PyTree,
   found: list[int | None] | None = None
   if tx is not None:
     try:
-      import optax
       idx = jax.tree.unflatten(jax.tree.structure(params), list(range(len(leaves))))
       mapped = optax.tree_map_params(tx, lambda _, i: i, opt_state, idx,
                                      transform_non_params=lambda _: -1)
@@ -510,7 +522,6 @@ def _opt_param_index(tx: Any, opt_state: PyTree, params: PyTree,
 
 def _plan_opt_state(config, mesh, opt_state, leaves, opt_param, kind):
   """Optimizer-state shardings: mirror a parameter's plan where the leaf mirrors a parameter."""
-  st = config.stage
   flat, treedef = jax.tree_util.tree_flatten_with_path(opt_state)
   specs, infos = [], []
   for (kp, x), i in zip(flat, opt_param):
@@ -518,7 +529,7 @@ def _plan_opt_state(config, mesh, opt_state, leaves, opt_param, kind):
     lp = leaves[i] if i is not None else None
     if lp is None:
       lp = _plan_leaf(config, mesh, path_str(kp), jax.ShapeDtypeStruct(shape, dtype), None)
-    spec = lp.sharded if st >= 1 else lp.gathered
+    spec = lp.sharded if config.shards_opt_state else lp.gathered
     specs.append(NamedSharding(mesh, spec, memory_kind=kind))
     infos.append((path_str(kp), shape, dtype, spec))
   return jax.tree_util.tree_unflatten(treedef, specs), tuple(infos)
@@ -531,7 +542,6 @@ def _is_boxed(x: Any) -> bool:
   if isinstance(x, meta.AxisMetadata):
     return True
   try:
-    from flax import nnx
     return isinstance(x, nnx.Variable)
   except ImportError:  # pragma: no cover
     return False
@@ -561,7 +571,6 @@ def _metadata_specs(tree: PyTree, mesh: Mesh) -> dict[str, tuple]:
 def _unbox(tree: PyTree) -> PyTree:
   tree = meta.unbox(tree)
   try:
-    from flax import nnx
     return jax.tree.map(lambda x: x.get_value() if isinstance(x, nnx.Variable) else x, tree,
                         is_leaf=lambda x: isinstance(x, nnx.Variable))
   except ImportError:  # pragma: no cover
@@ -660,8 +669,10 @@ def _opt_specs_by_param(plan: ShardingPlan) -> dict[str, NamedSharding]:
   return out
 
 
-_STAGE_NOTES = {0: "replicated (stage 0)", 1: "opt state sharded",
-                2: "grads, opt state sharded", 3: "sharded"}
+# (opt state, grads, params) sharded -> the table's note
+_STAGE_NOTES = {(False, False, False): "replicated (stage 0)",
+                (True, False, False): "opt state sharded",
+                (True, True, False): "grads, opt state sharded", (True, True, True): "sharded"}
 
 
 def _quant_note(qz: dict[str, tuple[int, int]], cfg: ZeroConfig) -> str:
@@ -682,10 +693,10 @@ def _quant_note(qz: dict[str, tuple[int, int]], cfg: ZeroConfig) -> str:
   return "; " + ", ".join(parts)
 
 
-def _table_note(lp: LeafPlan, stage: int) -> str:
+def _table_note(lp: LeafPlan, config: ZeroConfig) -> str:
   """What the stage does with a leaf: ``lp.reason`` says whether the leaf rule *can* shard it,
   and a stage below 3 still keeps some of its state replicated."""
   if not lp.is_sharded:
     return f"replicated ({lp.reason})"
-  note = _STAGE_NOTES[stage]
+  note = _STAGE_NOTES[(config.shards_opt_state, config.shards_grads, config.shards_params)]
   return note if lp.reason == "sharded" else f"{note} ({lp.reason})"

@@ -2,7 +2,7 @@
 
 `quantize`/`dequantize` are pure functions of one array. `all_gather` (qwZ) and
 `reduce_scatter` (qgZ) are their collectives, for code that runs per device inside
-``jax.shard_map`` (the step's quantized formulation, `zerojax.core.step.wrap_apply_fn`):
+``jax.shard_map`` (the step's quantized formulation, `zerojax.core.formulation.ModelApply`):
 
 * qwZ: each device quantises its own shard, the int8 values and the scales are all-gathered,
   and every device dequantises the whole weight.

@@ -30,12 +30,15 @@ import dataclasses
 from typing import Any
 
 import jax
+from flax import nnx
 import jax.numpy as jnp
 import optax
 from flax import struct
 from flax.training import train_state
 
+from zerojax.core import context
 from zerojax.core.config import ZeroConfig
+from zerojax.core.memory_kinds import on_device
 
 __all__ = ["StepSettings", "ZeroTrainState", "update_scale", "learning_rate", "skip_nonfinite",
            "nnx_loss_scaling"]
@@ -184,11 +187,10 @@ def learning_rate(opt_state: Any) -> jax.Array | None:
 def _grads_on_device(grads):
   """Gradients of host-offloaded parameters arrive typed as host memory; the norm, clipping and
   update read them on the device (in the plan's gradient layout)."""
-  from zerojax.core import context, offload
   ctx = context.current()
   if ctx is None or not ctx.plan.config.offload_params:
     return grads
-  return jax.device_put(grads, offload.on_device(ctx.plan.grads))
+  return jax.device_put(grads, on_device(ctx.plan.grads))
 
 
 def skip_nonfinite(tx: optax.GradientTransformation, finite_out: list
@@ -209,7 +211,6 @@ def skip_nonfinite(tx: optax.GradientTransformation, finite_out: list
 
 
 def _nnx_loss_scaling_types():
-  from flax import nnx
 
   class LossScaleState(nnx.Variable):
     """fp16 loss-scaling counters of an NNX optimizer (replicated, never trained)."""

@@ -4,7 +4,7 @@ Under XLA's partitioner a layer's gradient is a partial sum that only the partit
 so no code can quantise what each device sends. With ``quantize_weights`` or
 ``quantize_gradients`` the step therefore runs a linen model per device on its batch shard
 (``jax.shard_map`` over the data axes) and writes out every collective of the parameters
-(`zerojax.core.gather.ManualGather`): an all-gather of each stage-3 weight where its layer reads it
+(`ManualGather`): an all-gather of each stage-3 weight where its layer reads it
 (qwZ: int8 values plus a float32 scale per block, `zerojax.core.quantize.all_gather`), and a
 reduce-scatter of its gradient where the backward pass makes it (qgZ: a quantised all-to-all
 summed in float32, `zerojax.core.quantize.reduce_scatter`). Outside the model, the loss and the
@@ -18,18 +18,129 @@ numbers.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
+from zerojax.core import quantize as q
 from zerojax.core.config import ConfigError
-from zerojax.core.gather import ManualGather, ZeroParam
+from zerojax.core.dtypes import to_compute
+from zerojax.core.gather import AFTER, BACKWARD, GATHERED, ZeroParam, after
 from zerojax.core.plan import ShardingPlan
 
 __all__ = ["explain", "manual_gather", "shard_map_apply"]
+
+
+def _fsdp_dim(spec: tuple, axis: str) -> int | None:
+  for d, s in enumerate(spec):
+    if s == axis or (isinstance(s, tuple) and axis in s):
+      return d
+  return None
+
+
+# Name scopes of `ManualGather`'s collectives (in the HLO's op_name metadata).
+GATHER_SCOPE, REGATHER_SCOPE, REDUCE_SCOPE = "zerojax_gather", "zerojax_regather", "zerojax_reduce"
+
+
+@dataclasses.dataclass(frozen=True)
+class ManualGather:
+  """How a `ZeroParam` reaches its layer inside ``jax.shard_map`` (the quantised formulation,
+  `zerojax.core.zeropp`), where each device computes on its own batch shard and every collective
+  is written out. By the box's layouts:
+
+  * sharded at rest (stage 3): all-gather over ``axis`` (qwZ: quantised), and its gradient
+    reduce-scattered back to the shard (qgZ: quantised all-to-all, summed in float32);
+  * replicated at rest, sharded gradient (stage 2; stage-3 leaves under the persistence
+    threshold): the box holds ``(weight, sink)``, the sink being the gradient's shard; the
+    gradient is reduce-scattered into the sink (qgZ: quantised);
+  * replicated gradient: used as it is; ``shard_map`` sums its gradient over the devices.
+  """
+
+  axis: str = "fsdp"
+  weights: str | None = None
+  weights_backward: bool = False
+  gradients: str | None = None
+  block_size: int = 256
+  compute_dtype: Any = None  # what a quantised gather dequantises to (None: the param's)
+
+  def __call__(self, box: "ZeroParam") -> jax.Array:
+    rest_dim = _fsdp_dim(box.at_rest, self.axis)
+    grad_dim = _fsdp_dim(box.grad, self.axis)
+    if rest_dim is not None and _fsdp_dim(box.compute, self.axis) is None:
+      if grad_dim != rest_dim:
+        raise ValueError(f"zerojax: a parameter sharded at rest as {box.at_rest} needs its "
+                         f"gradient sharded on the same dimension, not {box.grad}")
+      backward = BACKWARD.get()
+      quantize = self.weights if (self.weights_backward or not backward) else None
+      v = after(box.value, AFTER.get())
+      if quantize is None:  # full precision is the compute dtype, as the forward pass computed
+        v = to_compute(v, self.compute_dtype or box.compute_dtype)
+      # Named so that HLO metadata tells the forward gather from the backward re-gather.
+      with jax.named_scope(REGATHER_SCOPE if backward else GATHER_SCOPE):
+        out = _manual_gather(v, self, rest_dim, quantize, box.reduce_dtype,
+                             jnp.dtype(v.dtype))
+      return checkpoint_name(out, GATHERED)
+    if isinstance(box.value, tuple):
+      w, sink = box.value
+      cd = self.compute_dtype or box.compute_dtype
+      return _into_sink(to_compute(w, cd), sink, self, grad_dim, box.reduce_dtype)
+    return to_compute(box.value, self.compute_dtype or box.compute_dtype)
+
+  def reduce(self, ct: jax.Array, dim: int, reduce_dtype: Any) -> jax.Array:
+    """This device's shard of the sum of every device's ``ct``."""
+    dtype = ct.dtype
+    with jax.named_scope(REDUCE_SCOPE):
+      if self.gradients is not None:
+        return q.reduce_scatter(ct, self.axis, dim, self.gradients, self.block_size, dtype)
+      if reduce_dtype is not None:
+        ct = ct.astype(reduce_dtype)
+      return jax.lax.psum_scatter(ct, self.axis, scatter_dimension=dim,
+                                  tiled=True).astype(dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5))
+def _manual_gather(w, how: ManualGather, dim: int, quantize: str | None, reduce_dtype,
+                   dtype: Any):
+  """All-gather of ``w`` (of ``dtype``) along ``dim``: in full precision, or quantised and
+  dequantised straight to ``how.compute_dtype`` (no full-size copy in ``dtype``)."""
+  if quantize is None:
+    return jax.lax.all_gather(w, how.axis, axis=dim, tiled=True)
+  return q.all_gather(w, how.axis, dim, quantize, how.block_size, how.compute_dtype or dtype)
+
+
+def _manual_gather_fwd(w, how, dim, quantize, reduce_dtype, dtype):
+  return _manual_gather(w, how, dim, quantize, reduce_dtype, dtype), None
+
+
+def _manual_gather_bwd(how, dim, quantize, reduce_dtype, dtype, _, ct):
+  # The gradient is reduced in the parameter's dtype (or reduce_dtype), whatever the compute
+  # dtype the weight was dequantised to.
+  return (how.reduce(ct.astype(dtype), dim, reduce_dtype).astype(dtype),)
+
+
+_manual_gather.defvjp(_manual_gather_fwd, _manual_gather_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _into_sink(w, sink, how: ManualGather, dim: int, reduce_dtype):
+  return w
+
+
+def _into_sink_fwd(w, sink, how, dim, reduce_dtype):
+  return w, None
+
+
+def _into_sink_bwd(how, dim, reduce_dtype, _, ct):
+  return None, how.reduce(ct, dim, reduce_dtype)
+
+
+_into_sink.defvjp(_into_sink_fwd, _into_sink_bwd)
 
 
 def explain(config: Any) -> list[str]:

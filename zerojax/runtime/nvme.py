@@ -808,7 +808,7 @@ def create_train_state(model: Any, tx: Any, rng: jax.Array, *init_args: Any,
   Returns:
     ``(state, plan, nvme)``: the device state, the device part's plan, the `NvmeOptimizer`.
   """
-  from zerojax.core.step import create_train_state as create
+  from zerojax.core.create import create_train_state as create
   if not isinstance(config, ZeroConfig) or not config.optimizer_on_nvme:
     raise ConfigError("zerojax.runtime.nvme.create_train_state needs a ZeroConfig with "
                       "offload_optimizer='nvme' and nvme_path")

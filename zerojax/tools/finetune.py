@@ -198,8 +198,8 @@ def finetune_task(fo: FinetuneOptions, opts: Any, config: Any):
     def eval_sums(params, rest, batch):  # pure: the trained model is not touched
       plan = cache["plan"]
       if plan.params_on_host:  # offloaded parameters come to the device, as the step does
-        from zerojax.core import offload
-        params = offload.put_like(params, offload.on_device(plan.params))
+        from zerojax.core import memory_kinds, offload
+        params = offload.put_like(params, memory_kinds.on_device(plan.params))
       model = nnx.merge(cache["graphdef"], params, rest)
       logits = model(batch["x"], segment_ids=batch["segment_ids"], positions=batch["positions"])
       ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])

@@ -1,0 +1,91 @@
+"""Layer re-gathering: in a model without scans, each layer gathers its weights after its input
+exists and again after its output's cotangent exists, so only the computing layer's weights are
+gathered in either pass, whatever order XLA schedules the rest in.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from typing import Any, Callable
+
+import jax
+import numpy as np
+from flax import errors as flax_errors
+from flax import linen as nn
+
+from zerojax.core.gather import AFTER, BACKWARD, ZeroParam, setting, token_of
+
+__all__ = ["regather_layers"]
+
+
+# Set while a layer runs inside `regather_layers`, so its own module call is not wrapped again.
+_IN_LAYER: contextvars.ContextVar[bool] = contextvars.ContextVar("zerojax_in_layer", default=False)
+
+
+def regather_layers(next_fun: Callable, args: tuple, kwargs: dict,
+                    context: nn.module.InterceptorContext) -> Any:
+  """Flax method interceptor: each module that owns stage-3 parameters computes as one layer.
+
+  Use as ``with nn.intercept_methods(regather_layers): model.apply(...)`` with `ZeroParam`-boxed
+  parameters (the step does this). A module qualifies when every variable it owns directly is
+  a `ZeroParam` and at least one is gathered for compute (``params`` only, no submodules with parameters, no other
+  collections, not mutable); others run unchanged and their children are looked at in turn.
+  Leaves left replicated (under ``param_persistence_threshold``: biases, norm scales) do not
+  disqualify a module; they pass through as they are (issue: a ``Dense`` with a replicated bias
+  used to be skipped, so every layer's gathered kernel stayed alive).
+  A qualifying call becomes a ``custom_vjp`` over the module's shards and array arguments:
+
+  * forward: gather the shards after the first float argument exists, run the module;
+    residuals are the shards and the arguments, never the gathered weights;
+  * backward: gather again after the output cotangent exists, and differentiate the module
+    (its gradient is reduce-scattered by `gather`'s own backward).
+
+  So at most the weights of the layer that is computing are gathered, in both passes, for any
+  schedule. The module's forward is recomputed in the backward pass, but XLA drops what the
+  backward does not read (a ``Dense`` only re-gathers its kernel).
+  """
+  module, method = context.module, context.method_name
+  if (_IN_LAYER.get() or method == "setup" or (method.startswith("_") and method != "__call__")
+      or module.scope is None or module.scope.mutable):
+    return next_fun(*args, **kwargs)
+  variables = module.variables
+  params = variables.get("params", {})
+  if (set(variables) != {"params"} or not params
+      or not all(isinstance(b, ZeroParam) for b in params.values())
+      or not any(b.at_rest != b.compute for b in params.values())):
+    return next_fun(*args, **kwargs)
+
+  names, boxes = list(params), list(params.values())
+  leaves, treedef = jax.tree.flatten((args, kwargs))
+  is_array = [isinstance(x, (jax.Array, np.ndarray)) for x in leaves]
+  unbound = module.clone(parent=None)
+
+  def run(shards, arrays, token):
+    it = iter(arrays)
+    a, kw = jax.tree.unflatten(treedef, [next(it) if isa else x for x, isa in
+                                         zip(leaves, is_array)])
+    boxed = {n: b.replace(value=v) for n, b, v in zip(names, boxes, shards)}
+    with setting(_IN_LAYER, True), setting(AFTER, token):
+      return unbound.apply({"params": boxed}, *a, method=method, **kw)
+
+  @jax.custom_vjp
+  def layer(shards, arrays):
+    return run(shards, arrays, token_of(arrays))
+
+  def layer_fwd(shards, arrays):
+    return run(shards, arrays, token_of(arrays)), (shards, arrays)
+
+  def layer_bwd(res, ct):
+    shards, arrays = res
+    token = token_of(ct)
+    with setting(BACKWARD, True):
+      _, vjp = jax.vjp(lambda s, a: run(s, a, token), shards, arrays)
+      return vjp(ct)
+
+  layer.defvjp(layer_fwd, layer_bwd)
+  arrays = [x for x, isa in zip(leaves, is_array) if isa]
+  try:
+    return layer([b.value for b in boxes], arrays)
+  except (flax_errors.InvalidRngError, flax_errors.ScopeCollectionNotFound):
+    # The module draws random numbers or writes a collection: run it as it is.
+    return next_fun(*args, **kwargs)

@@ -1,0 +1,247 @@
+"""Row reads: a pure-function model that reads stacked parameters one layer at a time
+(``params["w"][i]`` in a Python loop) gets each row's gradient reduced where it is made.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from zerojax._compat import bind_dot_general, eval_jaxpr, var_uses
+from zerojax.core.gather import token_of
+
+__all__ = ["per_layer_reads"]
+
+
+def _row_read(eqn: Any, index: dict[Any, int]) -> tuple[int, int] | None:
+  """``(leaf, i)`` when ``eqn`` reads a whole row ``leaf[i]`` of a parameter (a unit ``slice``
+  along axis 0, full along the others), else None."""
+  k = index.get(eqn.invars[0]) if eqn.primitive.name == "slice" else None
+  if k is None:
+    return None
+  start, limit = eqn.params["start_indices"], eqn.params["limit_indices"]
+  shape, strides = eqn.invars[0].aval.shape, eqn.params.get("strides")
+  if (limit[0] - start[0] == 1 and tuple(start[1:]) == (0,) * (len(shape) - 1)
+      and tuple(limit[1:]) == tuple(shape[1:]) and (strides is None or set(strides) <= {1})):
+    return k, start[0]
+  return None
+
+
+def per_layer_reads(apply_fn: Callable, plan: Any) -> Callable:
+  """A pure-function model ``apply_fn(params, ...)`` whose stacked parameters are read one
+  layer at a time (``params["w"][i]`` in a Python loop), with each row's gradient reduced where
+  it is made (``apply_fn`` itself at stage 1, which reduces once after the backward pass).
+
+  Autodiff turns every ``w[i]`` into a zero-padded full-size cotangent and sums them at the end
+  of the backward pass; XLA keeps all the padded copies for one fused sum (the 12-layer MLP of
+  `benchmarks/patterns.py`: 1158 MiB of temp at stage 0, 169 MiB at stage 2 for a 96 MiB
+  gradient). Here the model is traced once and each ``w[i]`` of a leaf read that way at least
+  twice is threaded from read to read (`_read_row`), so the backward pass puts each row's
+  cotangent in the gradient's layout as it is made (all-reduce at stage 0, reduce-scatter at
+  2-3) and adds it into one gradient in place.
+
+  A row that only feeds one matmul (``x @ params["w"][i]``, the usual case) goes further
+  (`_row_dot`): a slice of a stacked array is a copy, and XLA:CPU issued all 24 row copies of
+  that MLP at the start of the step and kept them for the backward pass (96 MiB, as much as
+  the gradient). There the row is sliced only once the matmul's other operand exists, is not
+  kept, and is sliced again in the backward pass once the matmul's output cotangent exists.
+  At stage 3 XLA's partitioner then gathers one row where it is read, not the whole stack
+  (hand-written FSDP's ``w[i]`` gathers every layer). Every other equation runs as written, so
+  values are unchanged.
+  """
+  treedef = jax.tree.structure(plan.params)
+  per_leaf = list(zip(jax.tree.leaves(plan.params), jax.tree.leaves(plan.grads)))  # rest, grad
+
+  if plan.local_grads:  # the gradient is reduced once, after the backward pass
+    return apply_fn
+
+  @functools.wraps(apply_fn)
+  def apply(params, *args, **kwargs):
+    leaves = jax.tree.leaves(params)
+    flat, argdef = jax.tree.flatten((args, kwargs))
+    dyn = [isinstance(x, (jax.Array, np.ndarray)) for x in flat]
+
+    def model(ps, arrays):
+      it = iter(arrays)
+      a, kw = jax.tree.unflatten(argdef, [next(it) if d else x for x, d in zip(flat, dyn)])
+      return apply_fn(jax.tree.unflatten(treedef, ps), *a, **kw)
+
+    spec = lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
+    arrays = [x for x, d in zip(flat, dyn) if d]
+    closed, out_shape = jax.make_jaxpr(model, return_shape=True)(
+        [spec(x) for x in leaves], [spec(x) for x in arrays])
+    index = {v: k for k, v in enumerate(closed.jaxpr.invars[:len(leaves)])}
+    rows: dict[int, set[int]] = {}
+    for eqn in closed.jaxpr.eqns:
+      if (read := _row_read(eqn, index)) is not None:
+        rows.setdefault(read[0], set()).add(read[1])
+    split = {k for k, r in rows.items()
+             if len(r) >= 2 and _rows_stay_whole(per_leaf[k], jnp.ndim(leaves[k]))}
+    if not split:
+      return apply_fn(params, *args, **kwargs)
+    matmul = _rows_into_matmuls(closed.jaxpr, index, split)
+    carried: dict[int, jax.Array] = {}  # leaf -> the stacked value the next row is read from
+
+    def rewrite(eqn, invals):
+      if eqn in matmul.deferred:  # the row's slice and squeeze: made by `_row_dot` instead
+        return [_DEFERRED]
+      if eqn in matmul.dots:
+        k, i, pos = matmul.dots[eqn]
+        other = invals[1 - pos]
+        out, carried[k] = _row_dot(carried.get(k, leaves[k]), other, i, pos, _Dot.of(eqn),
+                                   _bare(per_leaf[k][1]), k not in carried)
+        return [out]
+      read = _row_read(eqn, index)
+      if read is None or read[0] not in split:
+        return None  # other reads of the leaf (w[i, :4], the whole stack) run as written
+      k, i = read
+      row, carried[k] = _read_row(carried.get(k, invals[0]), i, _bare(per_leaf[k][1]))
+      return [row]
+
+    outs = eval_jaxpr(closed, [*leaves, *arrays], rewrite)
+    return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
+
+  return apply
+
+
+_DEFERRED = object()  # stands for a row whose matmul `_row_dot` reads it itself
+
+
+@dataclasses.dataclass(frozen=True)
+class _RowMatmuls:
+  """The row reads that feed exactly one matmul: ``deferred`` holds their slice and squeeze
+  equations, ``dots`` maps each such matmul to ``(leaf, row, operand position)``."""
+  deferred: frozenset
+  dots: dict
+
+
+def _rows_into_matmuls(jaxpr: Any, index: dict[Any, int], split: set[int]) -> _RowMatmuls:
+  """Finds ``dot_general(x, squeeze(w[i:i+1]))`` (either operand) where the row is used by
+  nothing else, for the leaves in ``split``."""
+  uses = var_uses(jaxpr)
+  deferred, dots = set(), {}
+  for eqn in jaxpr.eqns:
+    read = _row_read(eqn, index)
+    if read is None or read[0] not in split:
+      continue
+    (sq, _), *more = uses.get(eqn.outvars[0], [(None, -1)])
+    if (more or sq is None or sq.primitive.name != "squeeze"
+        or tuple(sq.params["dimensions"]) != (0,)):
+      continue
+    (dot, pos), *more = uses.get(sq.outvars[0], [(None, -1)])
+    if (more or dot is None or dot.primitive.name != "dot_general" or dot in dots
+        or dot.invars[0] is dot.invars[1]):
+      continue
+    deferred.update((eqn, sq))
+    dots[dot] = (*read, pos)
+  return _RowMatmuls(frozenset(deferred), dots)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Dot:
+  """A ``dot_general`` equation's parameters, hashable (a static argument of `_row_dot`)."""
+  params: tuple
+
+  @classmethod
+  def of(cls, eqn: Any) -> "_Dot":
+    return cls(tuple(sorted(eqn.params.items())))
+
+  def __call__(self, row: jax.Array, other: jax.Array, pos: int) -> jax.Array:
+    a, b = (other, row) if pos == 1 else (row, other)
+    return bind_dot_general(a, b, dict(self.params))
+
+
+def _row(w: jax.Array, i: int, operand: jax.Array) -> jax.Array:
+  """``w[i]``, sliced only once ``operand`` (an array the caller is about to use it with)
+  exists: the index is ``i + 0 * token`` (exactly ``i``; the token is finite, `token_of`), a
+  data dependency that costs one scalar rather than a pass over the row as `after` would."""
+  t = token_of(operand)
+  i = i if t is None else i + (t * 0).astype(jnp.int32)
+  return jax.lax.dynamic_index_in_dim(w, i, axis=0, keepdims=False)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
+def _row_dot(w: jax.Array, other: jax.Array, i: int, pos: int, dot: _Dot,
+             grad: NamedSharding, first: bool) -> tuple[jax.Array, jax.Array]:
+  """``(dot(w[i], other), w)``: a matmul with a row of ``w``, and ``w`` to read the next row
+  from (threaded as in `_read_row`; ``first``: no read of ``w`` came before). The row is
+  sliced after ``other`` exists and not saved: the backward pass slices it again after the
+  output's cotangent exists.
+
+  Except the first read's row, which is saved: its re-slice would feed only the cotangent of
+  ``other``, which the update of ``w`` need not wait for, so XLA:CPU kept the donated ``w``
+  alive past its update by copying the whole stack (96 MiB on pattern g). Saving one row per
+  leaf instead leaves every read of ``w`` ordered before its update by data dependency.
+  (Ordering that re-slice through a token instead cost XLA:TPU 46 MiB of temp there.)
+  """
+  return dot(_row(w, i, other), other, pos), w
+
+
+def _row_dot_fwd(w, other, i, pos, dot, grad, first):
+  row = _row(w, i, other)
+  return (dot(row, other, pos), w), (w, other, row if first else None)
+
+
+def _row_dot_bwd(i, pos, dot, grad, first, res, cts):
+  w, other, saved = res
+  ct_out, ct_w = cts
+  row = saved if first else _row(w, i, ct_out)
+  _, vjp = jax.vjp(lambda r, o: dot(r, o, pos), row, other)
+  ct_row, ct_other = vjp(ct_out)
+  return _add_row(ct_w, ct_row, i, grad), ct_other
+
+
+_row_dot.defvjp(_row_dot_fwd, _row_dot_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _read_row(w: jax.Array, i: int, grad: NamedSharding) -> tuple[jax.Array, jax.Array]:
+  """``(w[i:i+1], w)``: a row of ``w``, and ``w`` itself to read the next row from.
+
+  Threading ``w`` through every read chains the reads' backward passes: each adds its row's
+  cotangent into the stacked gradient carried back from the later reads, in place, as the
+  row's cotangent is made (autodiff's own rule would give every read a zero-padded
+  full-size cotangent and sum them at the end). The row's cotangent is first put in the
+  gradient's layout ``grad``: reduce-scattered where it is made.
+  """
+  return jax.lax.slice_in_dim(w, i, i + 1, axis=0), w
+
+
+def _read_row_fwd(w, i, grad):
+  return _read_row(w, i, grad), None
+
+
+def _read_row_bwd(i, grad, _, cts):
+  ct_row, ct_w = cts
+  return (_add_row(ct_w, ct_row[0], i, grad),)
+
+
+_read_row.defvjp(_read_row_fwd, _read_row_bwd)
+
+
+def _add_row(ct_w: jax.Array, ct_row: jax.Array, i: int, grad: NamedSharding) -> jax.Array:
+  """``ct_w`` with ``ct_row`` added into row ``i`` in place, after putting ``ct_row`` in the
+  gradient's layout ``grad`` (reduce-scattered where it is made)."""
+  row = NamedSharding(grad.mesh, P(*tuple(grad.spec)[1:]))
+  ct_w = jax.lax.with_sharding_constraint(ct_w, grad)
+  ct_row = jax.lax.with_sharding_constraint(ct_row, row)[None]
+  old = jax.lax.dynamic_slice_in_dim(ct_w, i, 1, axis=0)
+  ct_w = jax.lax.dynamic_update_slice_in_dim(ct_w, old + ct_row.astype(ct_w.dtype), i, axis=0)
+  return jax.lax.with_sharding_constraint(ct_w, grad)
+
+
+def _rows_stay_whole(shardings: tuple, ndim: int) -> bool:
+  """Whether a row ``w[i]`` of a leaf is laid out as the leaf is (axis 0 never sharded)."""
+  return ndim >= 2 and all(
+      not tuple(s.spec) or tuple(s.spec)[0] is None for s in shardings)
+
+
+def _bare(s: NamedSharding) -> NamedSharding:
+  """``s`` on the device (offload is not handled per row)."""
+  return NamedSharding(s.mesh, s.spec)
