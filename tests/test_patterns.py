@@ -22,7 +22,7 @@ import pytest
 import flax.linen as nn
 
 import zerojax
-from benchmarks import patterns as pt
+from tests import model_patterns as pt
 from zerojax.runtime.memory import measure
 
 pytestmark = pytest.mark.slow
@@ -155,7 +155,7 @@ def test_pytree_rows_read_by_a_model_keep_its_values():
   """The rewrite touches only whole-row ``w[i]`` reads: a model that also reads the whole stack
   and part of a row, indexes a row twice and takes a non-array argument computes exactly what
   it computes unwrapped."""
-  from zerojax.core.gather import per_layer_reads
+  from zerojax.core.rows import per_layer_reads
   mesh = zerojax.make_mesh(zerojax.ZeroConfig(stage=2))
   params = {"w": jax.random.normal(jax.random.key(0), (3, 8, 8)), "b": jnp.ones((8,))}
   plan = zerojax.ShardingPlan.create(zerojax.ZeroConfig(stage=2), mesh, params, optax.sgd(0.1))
@@ -182,7 +182,7 @@ def test_pytree_rows_read_by_a_model_keep_its_values():
 def test_pytree_rows_feeding_matmuls_keep_values_either_side():
   """Rows read only by a matmul are sliced by `_row_dot` itself, on either side of the matmul
   and with any contraction: values and gradients equal the unwrapped model's."""
-  from zerojax.core.gather import per_layer_reads
+  from zerojax.core.rows import per_layer_reads
   mesh = zerojax.make_mesh(zerojax.ZeroConfig(stage=2))
   params = {"u": jax.random.normal(jax.random.key(0), (3, 8, 8)),
             "v": jax.random.normal(jax.random.key(1), (3, 8, 16))}
@@ -254,7 +254,7 @@ def test_linen_step_with_a_third_argument_is_not_taken_for_nnx():
 
 
 def test_per_use_setting_without_apply_fn_fails_at_trace_time():
-  model = pt._linen_models(SIZE)["a"]
+  model = pt.linen_models(SIZE)["a"]
   x = jnp.ones((SIZE.rows, SIZE.d_model))
   cfg = zerojax.ZeroConfig(stage=3, reduce_dtype="bfloat16")
   state, plan = zerojax.create_train_state(model, optax.adam(1e-3), jax.random.key(0), x,
@@ -271,7 +271,7 @@ def test_per_use_setting_without_apply_fn_fails_at_trace_time():
 
 def test_tied_head_through_variables_with_explicit_gathering():
   """With per-use boxes a model that reads ``self.variables[...]`` gets the array, not the box."""
-  model = pt._linen_models(SIZE)["d1"]
+  model = pt.linen_models(SIZE)["d1"]
   data = pt.batches(SIZE, "d1", 2)
   ref, _ = pt.reference_losses("d1", SIZE, 2)
   cfg = zerojax.ZeroConfig(stage=3, gather="explicit")
@@ -298,7 +298,7 @@ def _nnx_setup(stage, **kw):
   """An NNX (model, optimizer) from `create_nnx` and the README's step over it."""
   from flax import nnx
   cfg = zerojax.ZeroConfig(stage=stage, **kw)
-  model, opt, plan = zerojax.create_nnx(lambda: pt._nnx_model(SIZE, "e", nnx.Rngs(0)),
+  model, opt, plan = zerojax.create_nnx(lambda: pt.nnx_model(SIZE, "e", nnx.Rngs(0)),
                                         pt.make_tx(), config=cfg)
 
   @zerojax.zero_step(plan)
@@ -319,7 +319,7 @@ def _nnx_run(stage, steps=2, **kw):
 
 def _nnx_reference(tx, steps=2):
   from flax import nnx
-  model = pt._nnx_model(SIZE, "e", nnx.Rngs(0))
+  model = pt.nnx_model(SIZE, "e", nnx.Rngs(0))
   opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
 
   @nnx.jit
@@ -381,9 +381,9 @@ def test_nnx_dynamic_loss_scaling_skips_overflow_and_matches(stage):
 def test_nnx_loss_scaling_needs_create_nnx():
   from flax import nnx
   cfg = zerojax.ZeroConfig(stage=3, loss_scale=0)
-  _, _, plan = zerojax.create_nnx(lambda: pt._nnx_model(SIZE, "e", nnx.Rngs(0)), pt.make_tx(),
+  _, _, plan = zerojax.create_nnx(lambda: pt.nnx_model(SIZE, "e", nnx.Rngs(0)), pt.make_tx(),
                                   config=cfg)
-  model = pt._nnx_model(SIZE, "e", nnx.Rngs(0))
+  model = pt.nnx_model(SIZE, "e", nnx.Rngs(0))
   opt = nnx.Optimizer(model, pt.make_tx(), wrt=nnx.Param)
   step = zerojax.zero_step(plan)(lambda m, o, b: {})
   with pytest.raises(zerojax.ConfigError, match="create_nnx"):
