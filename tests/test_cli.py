@@ -61,10 +61,19 @@ def test_estimate_prints_figure1():
     (1e9, "stage 3 + offload_optimizer"),
     (0.3e9, "stage 3 + offload_optimizer + offload_params"), (0.1e9, None)])
 def test_fit_picks_lowest_communication_option(budget, expect):
-  best, why = est.recommend(est.paper_options(7.5e9, 64), budget)
+  opts = est.paper_options(7.5e9, 64)
+  best, why = est.recommend(opts[::-1], budget)  # ordered by communication, not by the list
   assert (best.name if best else None) == expect
-  assert len(why) == (len(est.paper_options(7.5e9, 64)) if best is None else
-                      [o.name for o in est.paper_options(7.5e9, 64)].index(expect) + 1)
+  # Every option that communicates less does not fit, and the reasoning says so of each, by
+  # name and by how much; the one chosen fits.
+  cheaper = [o for o in opts if best is None or o.comm_rank < best.comm_rank]
+  assert all(o.device > budget for o in cheaper)
+  for o in cheaper:
+    line = next(w for w in why if w.startswith(f"{o.name}: "))
+    assert "does not fit" in line and est.fmt_bytes(o.device - budget) in line, line
+  if best is not None:
+    assert best.device <= budget and why[-1].startswith(f"{best.name}: ")
+    assert "does not fit" not in why[-1]
 
 
 def test_estimate_fit_and_plot_subprocess(tmp_path):

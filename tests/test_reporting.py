@@ -26,9 +26,24 @@ def test_plan_header_and_table_count_the_same_parameters(preset, capsys):
   assert header == table == PRESETS[preset].num_params()
 
 
-def test_num_params_counts_every_leaf_of_the_tree():
-  # head/bias included (the closed formula this replaced dropped it: 89,339,904)
-  assert PRESETS["gpt-89m"].num_params() == 89_390_161
+def _gpt_params(c) -> int:
+  """GPT's parameters counted by hand from its layers: token and position embeddings; per
+  block two LayerNorms (scale and bias), qkv without bias, proj, fc and out with bias; the
+  final LayerNorm; the head with its bias."""
+  d, f = c.d_model, c.mlp_ratio * c.d_model
+  block = 2 * 2 * d + 3 * d * d + (d * d + d) + (d * f + f) + (f * d + d)
+  return (c.vocab_size * d + c.seq_len * d + c.num_layers * block + 2 * d
+          + d * c.vocab_size + c.vocab_size)
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_num_params_counts_every_leaf_of_the_tree(preset):
+  import dataclasses
+  cfg = PRESETS[preset]
+  assert cfg.num_params() == _gpt_params(cfg)  # head/bias included (a closed formula dropped it)
+  # scanned or not, at another depth and MLP width, the same layers
+  other = dataclasses.replace(cfg, scan=not cfg.scan, num_layers=3, mlp_ratio=cfg.mlp_ratio + 1)
+  assert other.num_params() == _gpt_params(other)
 
 
 @pytest.mark.slow
@@ -104,15 +119,36 @@ def _plan(stage, **kw):
       "big": jnp.zeros((64, 128)), "bias": jnp.zeros((3,))}, tx=optax.adam(1e-3))
 
 
-@pytest.mark.parametrize("stage,note", [(0, "replicated (stage 0)"), (1, "opt state sharded"),
-                                        (2, "grads, opt state sharded"), (3, "sharded")])
-def test_plan_table_notes_follow_the_stage(stage, note):
-  rows = _table_rows(_plan(stage, param_persistence_threshold=64).table())
-  assert rows["big"][6] == note
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_plan_table_notes_say_what_the_plans_shardings_split(stage):
+  """Each leaf's note names the state that the plan's own shardings split over ``fsdp``: the
+  parameters at rest, the gradients leaving the backward pass, the optimizer state."""
+  import jax
+  plan = _plan(stage, param_persistence_threshold=64)
+  rows = _table_rows(plan.table())
+  fsdp = lambda sh: "fsdp" in jax.tree.leaves(tuple(sh.spec))
+  opt = {}
+  for i, sh in zip(plan.opt_param, jax.tree.leaves(plan.opt_state)):
+    if i is not None:
+      opt[i] = opt.get(i, False) or fsdp(sh)
+  split_by_path = {}
+  for i, (lp, ps, gs) in enumerate(zip(plan.leaves, jax.tree.leaves(plan.params),
+                                       jax.tree.leaves(plan.grads))):
+    split = {"params": fsdp(ps), "grads": fsdp(gs), "opt state": opt[i]}
+    split_by_path[lp.path] = split
+    note, row = rows[lp.path][6], rows[lp.path]
+    if not any(split.values()):
+      assert note.startswith("replicated"), (lp.path, note)
+    elif all(split.values()):
+      assert note == "sharded", (lp.path, note)
+    else:
+      assert not note.startswith("replicated") and note.endswith("sharded"), (lp.path, note)
+      assert ("grads" in note) == split["grads"] and ("opt state" in note) == split["opt state"]
+    # the spec columns are the plan's shardings too
+    assert ("'fsdp'" in row[3]) == split["params"] and ("'fsdp'" in row[4]) == split["opt state"]
+  # the threshold leaf stays whole at every stage; the large one is split from stage 1 on
   assert rows["bias"][6] == "replicated (threshold)"
-  # the spec columns agree with the note
-  assert ("'fsdp'" in rows["big"][3]) == (stage == 3)
-  assert ("'fsdp'" in rows["big"][4]) == (stage >= 1)
+  assert sum(split_by_path["big"].values()) == stage
 
 
 def test_plan_table_marks_host_memory_in_both_spec_columns():
