@@ -3,7 +3,7 @@
 With ``ZeroConfig(offload_optimizer='nvme', nvme_path=...)`` no device and no host ever holds
 the optimizer state: each process keeps its shards of it in files under ``nvme_path``
 (`zerojax.runtime.nvme_store`). A step is split in two, because an ``io_callback`` reading
-memory-mapped state inside ``jax.grad`` was measured to hang:
+memory-mapped state inside ``jax.grad`` hangs:
 
 1. **The device part** is the user's own ``train_step`` under `zerojax.zero_step` (stages 1-3,
    gradient accumulation, loss scaling, ``gradient_clipping`` all as in memory), with the
@@ -41,6 +41,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
+import shutil
 from typing import Any, Callable, Sequence
 
 import jax
@@ -48,8 +49,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from zerojax.core import create, distributed
 from zerojax.core.config import ConfigError, ZeroConfig
 from zerojax.core.plan import ShardingPlan
+from zerojax.core.step import zero_step
 from zerojax.runtime.nvme_store import (NvmeError, NvmePathError, NvmeStateError, NvmeStore,
                                         StreamStats, check_nvme_path, process_dir)
 
@@ -133,8 +136,8 @@ def _host_update(update: Callable, init: Callable | None, seen: list[str]
 
 # The chunk update runs on (chunk, one-element pad): with two parameter leaves XLA:CPU computes a
 # transformation's scalar terms (Adam's bias corrections) once and shares them, as it does for a
-# model's many leaves; on a single leaf it fused them into the elementwise loop, which measured
-# 1-ulp differences from the in-memory update (1884 of 4200 elements after 3 Adam steps).
+# model's many leaves; on a single leaf it fuses them into the elementwise loop, which rounds
+# differently from the in-memory update (BENCHMARKS.md).
 _PAD = 1
 
 
@@ -297,42 +300,65 @@ def _probe(chunked: ChunkedTransformation, init, update, params, steps: int) -> 
   leaves = jax.tree.leaves(small)
   pieces_by = [[(i, a, b) for i, x in enumerate(leaves) for a, b in _row_pieces(x.shape, n)]
                for n in (1 << 30, 8)]  # whole leaves; rows in twos or ones
+  with jax.default_device(cpu):
+    try:
+      grads = [jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape).astype(x.dtype)),
+                            small) for _ in range(steps)]
+      ref_p, ref_s = _probe_reference(init, update, small, grads)
+      step = jax.jit(chunked.update)
+      runs = [_probe_chunked(chunked, step, leaves, grads, pieces) for pieces in pieces_by]
+    except Exception:  # noqa: BLE001 - a transformation that fails on a flat chunk
+      return False
+  vectors = _probe_vectors(chunked, runs)
+  if vectors is None or not all(_same_bits(x, y) for x, y in zip(*vectors)):
+    return False
+  flat = lambda t: np.concatenate([np.asarray(x).reshape(-1) for x in jax.tree.leaves(t)])
+  want = [flat(ref_p)] + [_reference_leaf(ref_s, chunked, k) for k in chunked.streamed]
+  return all(w is not None and w.shape == v.shape and np.allclose(
+      v.astype(np.float64), w.astype(np.float64), rtol=1e-5,
+      atol=1e-6 * float(np.max(np.abs(w)) or 1.0)) for v, w in zip(vectors[0], want))
 
+
+def _probe_reference(init, update, params, grads) -> tuple[Any, Any]:
+  """``(params, state)`` after optax's own update of the whole tree for each of ``grads``."""
   @jax.jit
   def ref_step(g, state, params):
     updates, state = update(g, state, params)
     return optax.apply_updates(params, updates), state
 
+  ref_p, ref_s = params, jax.jit(init)(params)
+  for g in grads:
+    ref_p, ref_s = ref_step(g, ref_s, ref_p)
+  return ref_p, ref_s
+
+
+def _probe_chunked(chunked: ChunkedTransformation, step: Callable, leaves: list, grads: list,
+                   pieces: list[tuple[int, int, int]]) -> tuple[np.ndarray, list]:
+  """``(flat params, per-piece states)`` after the chunked update of each leaf's ``pieces``
+  (``(leaf, first row, last row + 1)``) for each of ``grads``."""
   def cut(x, a, b):
     return x[a:b] if np.ndim(x) else x
 
-  runs = []
-  with jax.default_device(cpu):
-    try:
-      grads = [jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape).astype(x.dtype)),
-                            small) for _ in range(steps)]
-      ref_p, ref_s = small, jax.jit(init)(small)
-      for g in grads:
-        ref_p, ref_s = ref_step(g, ref_s, ref_p)
-      step = jax.jit(chunked.update)
-      for pieces in pieces_by:
-        p = [np.asarray(x) for x in leaves]
-        states = [chunked.init(jnp.asarray(cut(p[i], a, b))) for i, a, b in pieces]
-        for g in grads:
-          norm, gl, new_p, new_states = optax.tree.norm(g), jax.tree.leaves(g), [], []
-          for (i, a, b), (per, shared) in zip(pieces, states):
-            q, per, shared, _ = step(cut(gl[i], a, b), cut(p[i], a, b), per, shared, norm)
-            new_p.append(np.asarray(q).reshape(-1))
-            new_states.append((per, shared))
-          flat = np.concatenate(new_p)
-          p, pos = [], 0
-          for x in leaves:
-            p.append(flat[pos:pos + x.size].reshape(x.shape))
-            pos += x.size
-          states = new_states
-        runs.append((np.concatenate([x.reshape(-1) for x in p]), states))
-    except Exception:  # noqa: BLE001 - a transformation that fails on a flat chunk
-      return False
+  p = [np.asarray(x) for x in leaves]
+  states = [chunked.init(jnp.asarray(cut(p[i], a, b))) for i, a, b in pieces]
+  for g in grads:
+    norm, gl, new_p, new_states = optax.tree.norm(g), jax.tree.leaves(g), [], []
+    for (i, a, b), (per, shared) in zip(pieces, states):
+      q, per, shared, _ = step(cut(gl[i], a, b), cut(p[i], a, b), per, shared, norm)
+      new_p.append(np.asarray(q).reshape(-1))
+      new_states.append((per, shared))
+    flat = np.concatenate(new_p)
+    p, pos = [], 0
+    for x in leaves:
+      p.append(flat[pos:pos + x.size].reshape(x.shape))
+      pos += x.size
+    states = new_states
+  return np.concatenate([x.reshape(-1) for x in p]), states
+
+
+def _probe_vectors(chunked: ChunkedTransformation, runs: list) -> list[list[np.ndarray]] | None:
+  """Per run, the flat parameters and each streamed state leaf; ``None`` when a shared state
+  leaf (a scalar such as Adam's count) differs between pieces."""
   streamed = chunked.streamed
   shared_at = [i for i, k in enumerate(chunked.kinds) if k == "shared"]
   vectors = []
@@ -342,15 +368,9 @@ def _probe(chunked: ChunkedTransformation, init, update, params, steps: int) -> 
     for k in shared_at:
       vals = [np.asarray(s[1][shared_at.index(k)]) for s in states]
       if not all(_same_bits(vals[0], v) for v in vals):
-        return False
+        return None
     vectors.append(vs)
-  if not all(_same_bits(x, y) for x, y in zip(*vectors)):
-    return False
-  flat = lambda t: np.concatenate([np.asarray(x).reshape(-1) for x in jax.tree.leaves(t)])
-  want = [flat(ref_p)] + [_reference_leaf(ref_s, chunked, k) for k in streamed]
-  return all(w is not None and w.shape == v.shape and np.allclose(
-      v.astype(np.float64), w.astype(np.float64), rtol=1e-5,
-      atol=1e-6 * float(np.max(np.abs(w)) or 1.0)) for v, w in zip(vectors[0], want))
+  return vectors
 
 
 def _reference_leaf(ref_state: Any, chunked: ChunkedTransformation, k: int) -> np.ndarray | None:
@@ -640,7 +660,7 @@ class NvmeOptimizer:
     del grads, params
     new_params = self._reshard_out(self._from_segments(new))
     # One multi-device program in flight at a time: the all-gather above and the next step's
-    # collectives, both in flight, deadlocked XLA:CPU's collective rendezvous once (2 devices).
+    # collectives, both in flight, can deadlock XLA:CPU's collective rendezvous.
     jax.block_until_ready(new_params)
     return state.replace(params=new_params)
 
@@ -740,7 +760,6 @@ class NvmeOptimizer:
     keep = set(checkpointer.all_steps())
     for name in os.listdir(checkpointer.directory):
       if name.startswith("nvme-") and name[5:].isdigit() and int(name[5:]) not in keep:
-        import shutil
         shutil.rmtree(os.path.join(checkpointer.directory, name), ignore_errors=True)
     return step
 
@@ -771,7 +790,6 @@ class NvmeOptimizer:
   def step(self, train_step: Callable, donate: bool = True) -> Callable:
     """``train_step`` as a full NVMe step: `zerojax.zero_step` on the devices, then
     `update` on the host. Metrics gain ``nvme_*`` timings of the host part."""
-    from zerojax.core.step import zero_step
     device_step = zero_step(self.plan, donate=donate)(train_step)
     checked: list[bool] = []
 
@@ -808,19 +826,17 @@ def create_train_state(model: Any, tx: Any, rng: jax.Array, *init_args: Any,
   Returns:
     ``(state, plan, nvme)``: the device state, the device part's plan, the `NvmeOptimizer`.
   """
-  from zerojax.core.create import create_train_state as create
   if not isinstance(config, ZeroConfig) or not config.optimizer_on_nvme:
     raise ConfigError("zerojax.runtime.nvme.create_train_state needs a ZeroConfig with "
                       "offload_optimizer='nvme' and nvme_path")
-  state, plan = create(model, capture_gradients(), rng, *init_args,
-                       config=device_config(config), mesh=mesh, state_cls=state_cls,
-                       params=params, **init_kwargs)
+  state, plan = create.create_train_state(
+      model, capture_gradients(), rng, *init_args, config=device_config(config), mesh=mesh,
+      state_cls=state_cls, params=params, **init_kwargs)
   if jax.process_count() > 1:
-    from zerojax.core import distributed
     distributed.check_agreement(config, extra={"nvme_tx": _name(tx.update)})
   # The host's programs run on one of the devices (XLA:CPU): none may start while a
-  # multi-device program is in flight, whose devices then reached its collectives in different
-  # orders and deadlocked (measured on 2 devices).
+  # multi-device program is in flight, whose devices could then reach its collectives in
+  # different orders and deadlock.
   jax.block_until_ready(state)
   nvme = NvmeOptimizer(config, plan, tx, state)
   nvme.initialize(state, overwrite=overwrite)

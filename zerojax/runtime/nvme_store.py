@@ -338,100 +338,13 @@ class NvmeStore:
     g = self.manifest["generation"] + 1
     rfds = [os.open(os.path.join(old, f"{k}.bin"), os.O_RDONLY) for k in range(len(self.leaves))]
     new, wfds = self._open_new(g)
-    starts = [a for a, _ in bounds]
-    stops = [b for _, b in bounds]
-    chunk = max(b - a for a, b in bounds)
-    pool: queue.Queue = queue.Queue()
-    for _ in range(max(1, min(buffer_count, len(starts)))):
-      pool.put([np.empty(chunk, d) for _, d in self.leaves])
-    ready: queue.Queue = queue.Queue()
-    done: queue.Queue = queue.Queue()
-    failed: list[BaseException] = []
-    stop_flag = threading.Event()
-
-    def read_chunk(i: int) -> tuple[int, list[np.ndarray]]:
-      bufs = pool.get()
-      a, b = starts[i], stops[i]
-      t = time.perf_counter()
-      for fd, (_, dtype), buf in zip(rfds, self.leaves, bufs):
-        _pread_into(fd, buf[:b - a], a * dtype.itemsize)
-        _drop_cache(fd, a * dtype.itemsize, (b - a) * dtype.itemsize)
-        stats.bytes_read += (b - a) * dtype.itemsize
-      stats.read_s += time.perf_counter() - t
-      return i, bufs
-
-    def write_chunk(i: int, bufs: list[np.ndarray]) -> None:
-      a, b = starts[i], stops[i]
-      t = time.perf_counter()
-      for fd, (_, dtype), buf in zip(wfds, self.leaves, bufs):
-        _pwrite_from(fd, buf[:b - a], a * dtype.itemsize)
-        stats.bytes_written += (b - a) * dtype.itemsize
-      stats.write_s += time.perf_counter() - t
-      pool.put(bufs)
-
-    def reader() -> None:
-      try:
-        for i in range(len(starts)):
-          if stop_flag.is_set():
-            return
-          ready.put(read_chunk(i))
-      except BaseException as e:  # noqa: BLE001 - handed to the calling thread
-        failed.append(e)
-        ready.put(None)
-
-    def writer() -> None:
-      try:
-        while True:
-          item = done.get()
-          if item is None:
-            return
-          write_chunk(*item)
-      except BaseException as e:  # noqa: BLE001 - handed to the calling thread
-        failed.append(e)
-        stop_flag.set()
-        while pool.empty():  # unblock a reader waiting for a buffer
-          pool.put([np.empty(0, d) for _, d in self.leaves])
-
-    threads = []
-    if pipeline_read:
-      threads.append(threading.Thread(target=reader, name="zerojax-nvme-read", daemon=True))
-    if pipeline_write:
-      threads.append(threading.Thread(target=writer, name="zerojax-nvme-write", daemon=True))
-    for t in threads:
-      t.start()
+    pipeline = _ChunkPipeline(self.leaves, rfds, wfds, bounds, buffer_count, stats)
     try:
-      for i in range(len(starts)):
-        t, r = time.perf_counter(), stats.read_s
-        item = ready.get() if pipeline_read else read_chunk(i)
-        if item is None or failed:
-          raise failed[0]
-        # Waiting: for the reader's chunk, or (reading inline) for a buffer the writer holds.
-        stats.wait_s += time.perf_counter() - t - (0.0 if pipeline_read else stats.read_s - r)
-        _, bufs = item
-        a, b = starts[i], stops[i]
-        t = time.perf_counter()
-        update(i, [buf[:b - a] for buf in bufs])
-        stats.update_s += time.perf_counter() - t
-        stats.chunks += 1
-        if pipeline_write:
-          done.put((i, bufs))
-        else:
-          write_chunk(i, bufs)
-        if failed:
-          raise failed[0]
+      pipeline.run(update, pipeline_read, pipeline_write)
     except BaseException:
-      stop_flag.set()
-      done.put(None)
       for fd in rfds + wfds:
         os.close(fd)
       raise
-    done.put(None)
-    for t in threads:
-      t.join()
-    if failed:
-      for fd in rfds + wfds:
-        os.close(fd)
-      raise failed[0]
     for fd in rfds:
       os.close(fd)
     self._finish_new(new, wfds, stats)
@@ -481,6 +394,119 @@ class NvmeStore:
       _link_or_copy(os.path.join(src, f"{k}.bin"), os.path.join(d, f"{k}.bin"))
     _fsync_dir(d)
     self._commit(g, m["step"], [_decode(x) for x in m["shared"]])
+
+
+class _ChunkPipeline:
+  """One `NvmeStore.stream` pass over open files: a pool of chunk buffers, a reader thread
+  that fills them ahead, the caller's update, and a writer thread that empties them."""
+
+  def __init__(self, leaves: Sequence[tuple[str, np.dtype]], rfds: list[int], wfds: list[int],
+               bounds: Sequence[tuple[int, int]], buffer_count: int, stats: StreamStats):
+    self.leaves, self.rfds, self.wfds, self.stats = leaves, rfds, wfds, stats
+    self.starts = [a for a, _ in bounds]
+    self.stops = [b for _, b in bounds]
+    chunk = max(b - a for a, b in bounds)
+    self.pool: queue.Queue = queue.Queue()
+    for _ in range(max(1, min(buffer_count, len(self.starts)))):
+      self.pool.put([np.empty(chunk, d) for _, d in leaves])
+    self.ready: queue.Queue = queue.Queue()
+    self.done: queue.Queue = queue.Queue()
+    self.failed: list[BaseException] = []
+    self.stop_flag = threading.Event()
+
+  def read_chunk(self, i: int) -> tuple[int, list[np.ndarray]]:
+    """Chunk ``i`` of every leaf, read into a buffer from the pool."""
+    bufs = self.pool.get()
+    a, b = self.starts[i], self.stops[i]
+    t = time.perf_counter()
+    for fd, (_, dtype), buf in zip(self.rfds, self.leaves, bufs):
+      _pread_into(fd, buf[:b - a], a * dtype.itemsize)
+      _drop_cache(fd, a * dtype.itemsize, (b - a) * dtype.itemsize)
+      self.stats.bytes_read += (b - a) * dtype.itemsize
+    self.stats.read_s += time.perf_counter() - t
+    return i, bufs
+
+  def write_chunk(self, i: int, bufs: list[np.ndarray]) -> None:
+    """Writes chunk ``i`` of every leaf and returns its buffers to the pool."""
+    a, b = self.starts[i], self.stops[i]
+    t = time.perf_counter()
+    for fd, (_, dtype), buf in zip(self.wfds, self.leaves, bufs):
+      _pwrite_from(fd, buf[:b - a], a * dtype.itemsize)
+      self.stats.bytes_written += (b - a) * dtype.itemsize
+    self.stats.write_s += time.perf_counter() - t
+    self.pool.put(bufs)
+
+  def reader(self) -> None:
+    """The reader thread: reads the chunks in order, ahead of the update."""
+    try:
+      for i in range(len(self.starts)):
+        if self.stop_flag.is_set():
+          return
+        self.ready.put(self.read_chunk(i))
+    except BaseException as e:  # noqa: BLE001 - handed to the calling thread
+      self.failed.append(e)
+      self.ready.put(None)
+
+  def writer(self) -> None:
+    """The writer thread: writes updated chunks until it is handed ``None``."""
+    try:
+      while True:
+        item = self.done.get()
+        if item is None:
+          return
+        self.write_chunk(*item)
+    except BaseException as e:  # noqa: BLE001 - handed to the calling thread
+      self.failed.append(e)
+      self.stop_flag.set()
+      while self.pool.empty():  # unblock a reader waiting for a buffer
+        self.pool.put([np.empty(0, d) for _, d in self.leaves])
+
+  def run(self, update: Callable[[int, list[np.ndarray]], None], pipeline_read: bool,
+          pipeline_write: bool) -> None:
+    """Reads, updates and writes every chunk; re-raises the first error of any thread."""
+    threads = []
+    if pipeline_read:
+      threads.append(threading.Thread(target=self.reader, name="zerojax-nvme-read", daemon=True))
+    if pipeline_write:
+      threads.append(threading.Thread(target=self.writer, name="zerojax-nvme-write",
+                                      daemon=True))
+    for t in threads:
+      t.start()
+    try:
+      self._update_all(update, pipeline_read, pipeline_write)
+    except BaseException:
+      self.stop_flag.set()
+      self.done.put(None)
+      raise
+    self.done.put(None)
+    for t in threads:
+      t.join()
+    if self.failed:
+      raise self.failed[0]
+
+  def _update_all(self, update: Callable[[int, list[np.ndarray]], None], pipeline_read: bool,
+                  pipeline_write: bool) -> None:
+    """The calling thread's loop: each chunk as it is read, updated, then handed on."""
+    stats = self.stats
+    for i in range(len(self.starts)):
+      t, r = time.perf_counter(), stats.read_s
+      item = self.ready.get() if pipeline_read else self.read_chunk(i)
+      if item is None or self.failed:
+        raise self.failed[0]
+      # Waiting: for the reader's chunk, or (reading inline) for a buffer the writer holds.
+      stats.wait_s += time.perf_counter() - t - (0.0 if pipeline_read else stats.read_s - r)
+      _, bufs = item
+      a, b = self.starts[i], self.stops[i]
+      t = time.perf_counter()
+      update(i, [buf[:b - a] for buf in bufs])
+      stats.update_s += time.perf_counter() - t
+      stats.chunks += 1
+      if pipeline_write:
+        self.done.put((i, bufs))
+      else:
+        self.write_chunk(i, bufs)
+      if self.failed:
+        raise self.failed[0]
 
 
 def _link_or_copy(src: str, dst: str) -> None:
