@@ -39,10 +39,15 @@ from typing import Any, Mapping, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
+import tensorstore as ts
 from jax import lax
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
+from orbax.checkpoint import checkpoint_managers as cm
 
 from zerojax.core.config import ZeroConfig
+from zerojax.core.create import state_initializer
 from zerojax.core.plan import ShardingPlan, path_str, state_fields
 
 PyTree = Any
@@ -263,7 +268,6 @@ def _checksums(item: PyTree) -> dict[str, list[int]]:
     # CPU "device" memory is host memory: hashing the shards in numpy costs no compilation.
     sums = [_shard_checksum(x) for _, x in dev]
     if jax.process_count() > 1:
-      from jax.experimental import multihost_utils
       every = multihost_utils.process_allgather(np.asarray(sums, np.uint32))
       sums = [[int(v) % 2**32 for v in row] for row in
               np.asarray(every, np.uint64).sum(axis=0) % 2**32]
@@ -374,9 +378,6 @@ class Checkpointer:
                max_to_keep: int | None = 3, keep_every: int | None = None,
                save_interval_steps: int = 1, async_save: bool = True,
                read_only: bool = False):
-    import orbax.checkpoint as ocp
-    from orbax.checkpoint import checkpoint_managers as cm
-    self._ocp = ocp
     for name, v in (("max_to_keep", max_to_keep), ("keep_every", keep_every)):
       if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
         raise ValueError(f"Checkpointer({name}={v!r}) is invalid: a positive integer or None")
@@ -508,6 +509,20 @@ class Checkpointer:
     Returns:
       whether a save was started.
     """
+    step = self._new_step(step)
+    if not force and step % self.save_interval_steps:
+      return False
+    item = _state_item(state)
+    meta = self._meta(step, item, rng, data, model)
+    # orbax cannot store arrays of zero size: they hold no values, so only their shape and
+    # dtype (in ``meta['leaves']``) are kept, and restore recreates them.
+    stored = jax.tree.map(lambda x: None if math.prod(_shape_dtype(x)[0]) == 0 else x, item)
+    return self._mgr.save(step, args=ocp.args.Composite(
+        **{STATE_ITEM: ocp.args.StandardSave(stored), META_ITEM: ocp.args.JsonSave(meta)}),
+        force=True)
+
+  def _new_step(self, step: Any) -> int:
+    """``step`` as an int, checked: writable here, and neither saved nor left incomplete."""
     if self.read_only:
       raise CheckpointError(f"checkpoint directory {self.directory!r} was opened read-only")
     if not isinstance(step, (int, np.integer)) or isinstance(step, bool) or step < 0:
@@ -521,9 +536,10 @@ class Checkpointer:
           f"checkpoint directory {self.step_dir(step)!r} exists but is not a complete checkpoint "
           f"({_incomplete_reason(self.step_dir(step))}); zerojax does not write over it: "
           "delete it first")
-    if not force and step % self.save_interval_steps:
-      return False
-    item = _state_item(state)
+    return step
+
+  def _meta(self, step: int, item: PyTree, rng: Any, data: Any, model: dict | None) -> dict:
+    """The ``meta`` item: format, step, config, data position, RNG, model, leaves, checksums."""
     try:
       data_json = json.loads(json.dumps(data, default=_json_default))
     except (TypeError, ValueError) as e:
@@ -536,7 +552,7 @@ class Checkpointer:
       model_json = json.loads(json.dumps(model))
     except (TypeError, ValueError) as e:
       raise TypeError(f"Checkpointer.save(model=...) must be JSON-serialisable: {e}") from None
-    meta = {
+    return {
         "format": FORMAT,
         "version": FORMAT_VERSION,
         "step": step,
@@ -549,13 +565,6 @@ class Checkpointer:
                    for p, x in jax.tree_util.tree_flatten_with_path(item)[0]},
         "checksums": _checksums(item),
     }
-    ocp = self._ocp
-    # orbax cannot store arrays of zero size: they hold no values, so only their shape and
-    # dtype (in ``meta['leaves']``) are kept, and restore recreates them.
-    stored = jax.tree.map(lambda x: None if math.prod(_shape_dtype(x)[0]) == 0 else x, item)
-    return self._mgr.save(step, args=ocp.args.Composite(
-        **{STATE_ITEM: ocp.args.StandardSave(stored), META_ITEM: ocp.args.JsonSave(meta)}),
-        force=True)
 
   def wait(self) -> None:
     """Blocks until every started save is committed (and re-raises its error, if any)."""
@@ -605,8 +614,8 @@ class Checkpointer:
     step = self._resolve_step(step)
     path = os.path.join(self.step_dir(step), META_ITEM)
     try:
-      meta = self._mgr.restore(step, args=self._ocp.args.Composite(
-          **{META_ITEM: self._ocp.args.JsonRestore()}))[META_ITEM]
+      meta = self._mgr.restore(step, args=ocp.args.Composite(
+          **{META_ITEM: ocp.args.JsonRestore()}))[META_ITEM]
     except Exception as e:
       raise CheckpointError(f"checkpoint {self.step_dir(step)!r}: cannot read its zerojax "
                             f"metadata {path!r}: {type(e).__name__}: {e}") from e
@@ -666,59 +675,15 @@ class Checkpointer:
     step = self._resolve_step(step)
     where = self.step_dir(step)
     meta = self.read_meta(step)
-    target_item = _state_item(state)
-    shardings = _item_shardings(state, plan)
-    t_flat, t_def = jax.tree_util.tree_flatten_with_path(target_item)
-    s_flat = jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, NamedSharding))
+    t_flat, t_def = jax.tree_util.tree_flatten_with_path(_state_item(state))
+    s_flat = jax.tree.leaves(_item_shardings(state, plan),
+                             is_leaf=lambda x: isinstance(x, NamedSharding))
     if len(s_flat) != len(t_flat):
       raise ValueError(f"the plan's shardings ({len(s_flat)} leaves) do not match the target "
                        f"state ({len(t_flat)} leaves): was the plan made for this model and "
                        "optimizer?")
-    stored = self.stored_leaves(step)
-    for path, leaf in (meta.get("leaves") or {}).items():  # zero-size leaves: in meta only
-      if path not in stored and 0 in leaf["shape"]:
-        stored[path] = (tuple(leaf["shape"]), np.dtype(leaf["dtype"]))
-    abstract, problems, empty = [], [], {}
-    for i, ((kp, x), sh) in enumerate(zip(t_flat, s_flat)):
-      path = path_str(kp)
-      shape, dtype = _shape_dtype(x)
-      if math.prod(shape) == 0 and stored.get(path) == (shape, dtype):
-        empty[i] = jax.device_put(np.zeros(shape, dtype), sh)
-        abstract.append(None)
-        continue
-      if path not in stored:
-        problems.append(f"leaf {path!r} (shape {shape} {dtype.name}) is not in the checkpoint")
-      elif stored[path] != (shape, dtype):
-        s_shape, s_dtype = stored[path]
-        problems.append(f"leaf {path!r} is stored as shape {s_shape} {s_dtype.name}, the "
-                        f"target expects shape {shape} {dtype.name}")
-      abstract.append(jax.ShapeDtypeStruct(shape, dtype, sharding=sh))
-    names = {path_str(kp) for kp, _ in t_flat}
-    problems += [f"leaf {p!r} (shape {stored[p][0]} {stored[p][1].name}) is in the checkpoint "
-                 "but not in the target" for p in sorted(set(stored) - names)]
-    if problems:
-      problems.sort(key=lambda m: not m.startswith("leaf 'params/"))  # parameters first
-      more = f"; and {len(problems) - 5} more" if len(problems) > 5 else ""
-      raise CheckpointError(f"checkpoint {where!r} does not match the target state "
-                            f"({len(problems)} leaves differ; nothing was loaded): "
-                            + "; ".join(problems[:5]) + more)
-    abstract_item = jax.tree_util.tree_unflatten(t_def, abstract)
-    ocp = self._ocp
-    try:
-      restored = self._mgr.restore(step, args=ocp.args.Composite(
-          **{STATE_ITEM: ocp.args.StandardRestore(abstract_item)}))[STATE_ITEM]
-    except Exception as e:
-      bad = self._find_unreadable_leaves(step)
-      bad.sort(key=lambda b: not b[0].startswith("params/"))  # parameters first
-      named = ""
-      if bad:
-        more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
-        named = (f": {len(bad)} leaves cannot be read: "
-                 + ", ".join(repr(p) for p, _ in bad[:5]) + more
-                 + f"; leaf {bad[0][0]!r} fails with {bad[0][1]}")
-      raise CheckpointError(
-          f"checkpoint {where!r} cannot be read (corrupted or truncated?)" + named
-          + f"; orbax says: {type(e).__name__}: {str(e)[:800]}") from e
+    abstract, empty = _restore_targets(where, t_flat, s_flat, self._stored_with_empty(step, meta))
+    restored = self._read_state(step, jax.tree_util.tree_unflatten(t_def, abstract))
     if empty:
       leaves = jax.tree.leaves(restored, is_leaf=lambda v: v is None)
       restored = jax.tree_util.tree_unflatten(
@@ -733,6 +698,34 @@ class Checkpointer:
                     model=meta.get("model"))
     return new_state, extras
 
+  def _stored_with_empty(self, step: int, meta: dict
+                         ) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """`stored_leaves`, plus the zero-size leaves that only the meta item records."""
+    stored = self.stored_leaves(step)
+    for path, leaf in (meta.get("leaves") or {}).items():
+      if path not in stored and 0 in leaf["shape"]:
+        stored[path] = (tuple(leaf["shape"]), np.dtype(leaf["dtype"]))
+    return stored
+
+  def _read_state(self, step: int, abstract_item: PyTree) -> PyTree:
+    """Reads the ``state`` item into ``abstract_item``'s shardings; a failure names the
+    leaves that cannot be read."""
+    try:
+      return self._mgr.restore(step, args=ocp.args.Composite(
+          **{STATE_ITEM: ocp.args.StandardRestore(abstract_item)}))[STATE_ITEM]
+    except Exception as e:
+      bad = self._find_unreadable_leaves(step)
+      bad.sort(key=lambda b: not b[0].startswith("params/"))  # parameters first
+      named = ""
+      if bad:
+        more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
+        named = (f": {len(bad)} leaves cannot be read: "
+                 + ", ".join(repr(p) for p, _ in bad[:5]) + more
+                 + f"; leaf {bad[0][0]!r} fails with {bad[0][1]}")
+      raise CheckpointError(
+          f"checkpoint {self.step_dir(step)!r} cannot be read (corrupted or truncated?)" + named
+          + f"; orbax says: {type(e).__name__}: {str(e)[:800]}") from e
+
   def _find_unreadable_leaves(self, step: int) -> list[tuple[str, str]]:
     """On a failed restore: reads every leaf on its own (to host) to name the damaged ones."""
     item_dir = os.path.join(self.step_dir(step), STATE_ITEM)
@@ -745,6 +738,38 @@ class Checkpointer:
       except Exception as e:  # noqa: BLE001 - we only report it
         bad.append((path_str(kp), f"{type(e).__name__}: {str(e)[:300]}"))
     return bad
+
+
+def _restore_targets(where: str, t_flat: list, s_flat: list,
+                     stored: dict[str, tuple[tuple[int, ...], np.dtype]]
+                     ) -> tuple[list[Any], dict[int, jax.Array]]:
+  """``(abstract leaves to read, {index: zero-size leaf made here})`` of a restore; a
+  `CheckpointError` listing every leaf whose path, shape or dtype differs from ``stored``."""
+  abstract, problems, empty = [], [], {}
+  for i, ((kp, x), sh) in enumerate(zip(t_flat, s_flat)):
+    path = path_str(kp)
+    shape, dtype = _shape_dtype(x)
+    if math.prod(shape) == 0 and stored.get(path) == (shape, dtype):
+      empty[i] = jax.device_put(np.zeros(shape, dtype), sh)
+      abstract.append(None)
+      continue
+    if path not in stored:
+      problems.append(f"leaf {path!r} (shape {shape} {dtype.name}) is not in the checkpoint")
+    elif stored[path] != (shape, dtype):
+      s_shape, s_dtype = stored[path]
+      problems.append(f"leaf {path!r} is stored as shape {s_shape} {s_dtype.name}, the "
+                      f"target expects shape {shape} {dtype.name}")
+    abstract.append(jax.ShapeDtypeStruct(shape, dtype, sharding=sh))
+  names = {path_str(kp) for kp, _ in t_flat}
+  problems += [f"leaf {p!r} (shape {stored[p][0]} {stored[p][1].name}) is in the checkpoint "
+               "but not in the target" for p in sorted(set(stored) - names)]
+  if problems:
+    problems.sort(key=lambda m: not m.startswith("leaf 'params/"))  # parameters first
+    more = f"; and {len(problems) - 5} more" if len(problems) > 5 else ""
+    raise CheckpointError(f"checkpoint {where!r} does not match the target state "
+                          f"({len(problems)} leaves differ; nothing was loaded): "
+                          + "; ".join(problems[:5]) + more)
+  return abstract, empty
 
 
 _REQUIRED_FILES = ("_CHECKPOINT_METADATA", os.path.join(META_ITEM, "metadata"),
@@ -786,7 +811,6 @@ def _incomplete_reason(step_dir: str) -> str | None:
 def _ocdbt_files(item_dir: str) -> dict[str, set[str]]:
   """``{file: leaves}``: every file (relative to ``item_dir``) that an OCDBT database's B-tree
   refers to, with the state leaves (``params/...``) whose chunks it holds."""
-  import tensorstore as ts
   base = ts.KvStore.open({"driver": "file", "path": item_dir.rstrip("/") + "/"}).result()
   files: dict[str, set[str]] = {}
 
@@ -842,7 +866,6 @@ def read_leaf(item_dir: str, keypath: Sequence[Any], tree: PyTree | None = None)
     tree: the stored tree's metadata (read from ``item_dir`` when ``None``); every other leaf
       is skipped, so a leaf under a list (``opt_state/0/...``) is addressed as stored.
   """
-  import orbax.checkpoint as ocp
   if tree is None:
     with ocp.PyTreeCheckpointer() as ck:
       md = ck.metadata(item_dir)
@@ -883,7 +906,6 @@ def abstract_train_state(model: Any, tx: Any, rng: jax.Array, *init_args: Any,
   Returns ``(abstract_state, plan)``: a train state of ``ShapeDtypeStruct`` leaves carrying
   the plan's shardings, and the plan. Pass both to `Checkpointer.restore`.
   """
-  from zerojax.core.step import state_initializer
   _, plan, abstract = state_initializer(model, tx, rng, *init_args, config=config, mesh=mesh,
                                         state_cls=state_cls, **init_kwargs)
   shardings = plan.state(abstract)
