@@ -34,6 +34,7 @@ import struct
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import jax
+import ml_dtypes
 import numpy as np
 
 __all__ = ["TensorMap", "WeightsError", "SafetensorsSource", "load_safetensors",
@@ -77,7 +78,6 @@ class TensorMap:
 
 def _np_dtype(name: str) -> np.dtype:
   if name == "bfloat16":
-    import ml_dtypes
     return np.dtype(ml_dtypes.bfloat16)
   return np.dtype(name)
 
@@ -168,9 +168,8 @@ def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype, align: int = 64) -> 
 def _read_blocks(file: str, name: str, index: tuple[slice, ...]
                  ) -> Iterator[tuple[int, np.ndarray]]:
   """``(row offset, tensor[index]'s rows from there)``, a block of stored rows at a time."""
-  from safetensors import safe_open
-  with safe_open(file, framework="numpy") as f:
-    shape = tuple(f.get_slice(name).get_shape())
+  from safetensors import safe_open  # late: safetensors is optional (only loading needs it)
+  shape = tuple(_read_header(file)[name]["shape"])
   if not shape:
     with safe_open(file, framework="numpy") as f:
       yield 0, np.asarray(f.get_slice(name)[...])
