@@ -1,6 +1,7 @@
 """A GPT-style decoder in Flax linen and NNX, used by the examples, tests and benchmarks.
 
-Nothing in it is zerojax-specific: zerojax shards it from leaf shapes like any user model.
+Nothing in it is zerojax-specific (`GPTConfig.num_params` counts as zerojax's reports do):
+zerojax shards it from leaf shapes like any user model.
 ``scan=True`` stacks the blocks with ``nn.scan`` (one compiled block, a leading layer axis on
 every block parameter), as large-model code bases do.
 """
@@ -13,7 +14,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import flax.linen as nn
+from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
+
+from zerojax.core.budget import num_params
 
 __all__ = ["GPTConfig", "PRESETS", "Block", "GPT", "loss_fn", "nnx_gpt"]
 
@@ -43,7 +47,6 @@ class GPTConfig:
 
   def num_params(self) -> int:
     """Parameters of `GPT` with this config, counted from its (abstract) parameter tree."""
-    from zerojax.runtime.memory import num_params  # lazy: the model itself needs nothing of zerojax
     tokens = jax.ShapeDtypeStruct((1, self.seq_len), jnp.int32)
     return num_params(jax.eval_shape(lambda t: GPT(self).init(jax.random.key(0), t), tokens))
 
@@ -132,7 +135,6 @@ def loss_fn(logits: jax.Array, targets: jax.Array) -> jax.Array:
 
 def nnx_gpt(cfg: GPTConfig, rngs: Any):
   """The same architecture as an ``nnx.Module`` (unscanned blocks)."""
-  from flax import nnx
 
   class NBlock(nnx.Module):
     def __init__(self, rngs):

@@ -19,24 +19,39 @@ Compile for a TPU pod
 from __future__ import annotations
 
 import dataclasses
+import glob
+import importlib.util
 import math
+import os
 import re
+import time
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
+from jax.experimental import topologies
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from zerojax.core.budget import (PAPER_K, DeviceMemoryError, Estimate, bytes_limit,
                                  check_fits, check_state_fits, compiled_peak, estimate,
-                                 num_params, paper_bytes)
+                                 num_params, paper_bytes, suggest_option)
 from zerojax.core.config import ZeroConfig
+from zerojax.core.grad import value_and_grad
+from zerojax.core.mesh import make_mesh
+from zerojax.core.step import zero_step
+from zerojax.runtime import gpu
+from zerojax.runtime.checkpoint import abstract_train_state
 
-__all__ = ["PAPER_K", "paper_bytes", "Estimate", "num_params", "estimate", "Measured",
-           "measure", "collective_bytes", "collective_bytes_by_dtype", "GatherSchedule", "gather_schedule", "collective_schedule", "replica_groups",
-           "reductions", "activation_collectives", "textbook_bytes", "GiB", "HBM_PER_CHIP", "TOPOLOGY_EXAMPLES", "TPU_EXTRA",
+__all__ = ["PAPER_K", "paper_bytes", "Estimate", "num_params", "estimate", "Measured", "measure",
+           "collective_bytes", "collective_bytes_by_dtype", "GatherSchedule", "gather_schedule",
+           "collective_schedule", "replica_groups", "reductions", "activation_collectives",
+           "textbook_bytes", "GiB", "HBM_PER_CHIP", "TOPOLOGY_EXAMPLES", "TPU_EXTRA",
            "tpu_topology", "hbm_available", "TopologyCompile", "lm_train_step",
-           "compile_for_topology", "DeviceMemoryError", "bytes_limit", "compiled_peak",
-           "check_fits", "check_state_fits"]
+           "next_token_loss", "compile_for_topology", "DeviceMemoryError", "bytes_limit",
+           "compiled_peak", "check_fits", "check_state_fits"]
+
 
 @dataclasses.dataclass(frozen=True)
 class Measured:
@@ -116,7 +131,7 @@ def collective_bytes_by_dtype(hlo_text: str, scope: str | None = None
   """`collective_bytes` split by element type: ``{(kind, dtype): bytes}`` with HLO's dtype
   names (``'f32'``, ``'bf16'``, ``'s8'``, ...); e.g. ZeRO++'s int8 gathers are
   ``('all-gather', 's8')`` plus their ``f32`` scales. ``scope``: count only collectives whose
-  metadata ``op_name`` contains it (a ``jax.named_scope``, e.g. `zerojax.core.gather.GATHER_SCOPE`)."""
+  metadata ``op_name`` contains it (a ``jax.named_scope``, e.g. `zerojax.core.zeropp.GATHER_SCOPE`)."""
   comps, mult = _parse_hlo(hlo_text)
   out: dict[tuple[str, str], int] = {}
   # XLA:TPU runs a collective asynchronously as a start fusion, continuation fusions that
@@ -369,69 +384,20 @@ def collective_schedule(hlo_text: str, kind: str = "all-gather") -> GatherSchedu
   fused = {c for lines in comps.values() for l in lines if " fusion(" in l
            for c in _CALLEE.findall(l)}
   has_matmul = _matmul_finder(comps)
-  start_op, done_op, sync_op = f" {kind}-start(", f" {kind}-done(", f" {kind}("
-
-  def collectives(callee: str) -> list[tuple[str, str | None, int]]:
-    out = []
-    for l in comps.get(callee, []):
-      m = _OP.search(l)
-      if m:
-        ch = _CHANNEL.search(l)
-        b = sum(_paper_bytes(m.group(2), bool(m.group(3)), m.group(1), l).values())
-        out.append((m.group(2), ch.group(1) if ch else None, b))
-    return out
-
-  def op_bytes(line: str) -> int:
-    m = _OP.search(line)
-    return sum(_paper_bytes(m.group(2), bool(m.group(3)), m.group(1), line).values()) if m else 0
-
   asynchronous = overlapped = overlapped_mm = synchronous = pairs = overlapped_pairs = 0
   for name, lines in comps.items():
     k = mult.get(name, 0)
     if name in fused or not k:
       continue
-    seq = [l for l in lines if _name_of(l)]
-    starts: dict[str, tuple[int, int]] = {}
-    dones: dict[str, int] = {}
-    compute: list[tuple[int, bool]] = []
-    for i, l in enumerate(seq):
-      nm = _name_of(l)
-      if start_op in l:
-        if _SYNC.search(l):
-          synchronous += k * op_bytes(l)
-        else:
-          starts[nm] = (i, op_bytes(l))
-      elif done_op in l:
-        op = re.search(re.escape(done_op.strip()) + r"%([\w.\-]+)", l)
-        if op:
-          dones[op.group(1)] = i
-      elif sync_op in l and _OP.search(l):
-        synchronous += k * op_bytes(l)
-      elif " fusion(" in l:
-        callee = (_CALLEE.findall(l) or [""])[0]
-        colls = collectives(callee)
-        mine = [(ch, b) for kd, ch, b in colls if kd == kind]
-        if nm.startswith("async-collective-start"):
-          for ch, b in mine:
-            starts[ch or nm] = (i, b)
-        elif nm.startswith("async-collective-done"):
-          for ch, _ in mine:
-            dones[ch or nm] = i
-        elif callee.startswith("async_collective_fusion"):
-          compute.append((i, has_matmul(l)))  # runs while its collective progresses
-        elif mine:
-          synchronous += k * sum(b for _, b in mine)
-        elif not colls:
-          compute.append((i, has_matmul(l)))
-      elif any(op in l for op in _COMPUTE_OPS):
-        compute.append((i, has_matmul(l)))
-    for key, (i, b) in starts.items():
-      j = dones.get(key)
+    events = _schedule_events([l for l in lines if _name_of(l)], kind, comps, has_matmul)
+    synchronous += k * events.synchronous
+    for key, (i, b) in events.starts.items():
+      j = events.dones.get(key)
       if j is None:
         continue
       pairs += 1
       asynchronous += k * b
-      between = [mm for c, mm in compute if ((i < c < j) if j > i else (c > i or c < j))]
+      between = [mm for c, mm in events.compute if ((i < c < j) if j > i else (c > i or c < j))]
       if between:
         overlapped += k * b
         overlapped_pairs += 1
@@ -439,6 +405,78 @@ def collective_schedule(hlo_text: str, kind: str = "all-gather") -> GatherSchedu
           overlapped_mm += k * b
   return GatherSchedule(asynchronous + synchronous, asynchronous, overlapped, synchronous,
                         pairs, overlapped_pairs, overlapped_mm, kind)
+
+
+@dataclasses.dataclass
+class _Events:
+  """One computation's collectives of a kind, in schedule positions (`collective_schedule`)."""
+
+  starts: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)  # key: (i, bytes)
+  dones: dict[str, int] = dataclasses.field(default_factory=dict)  # key: i
+  compute: list[tuple[int, bool]] = dataclasses.field(default_factory=list)  # (i, has a matmul)
+  synchronous: int = 0  # bytes of blocking collectives (once; the caller weights by runs)
+
+
+def _op_bytes(line: str) -> int:
+  m = _OP.search(line)
+  return sum(_paper_bytes(m.group(2), bool(m.group(3)), m.group(1), line).values()) if m else 0
+
+
+def _collectives(comps: dict[str, list[str]], callee: str) -> list[tuple[str, str | None, int]]:
+  """``(kind, channel id, bytes)`` of each collective inside a fused computation."""
+  out = []
+  for l in comps.get(callee, []):
+    m = _OP.search(l)
+    if m:
+      ch = _CHANNEL.search(l)
+      b = sum(_paper_bytes(m.group(2), bool(m.group(3)), m.group(1), l).values())
+      out.append((m.group(2), ch.group(1) if ch else None, b))
+  return out
+
+
+def _schedule_events(seq: list[str], kind: str, comps: dict[str, list[str]],
+                     has_matmul: Any) -> _Events:
+  """The starts, dones, computations and blocking bytes of one computation's instructions."""
+  start_op, done_op, sync_op = f" {kind}-start(", f" {kind}-done(", f" {kind}("
+  ev = _Events()
+  for i, l in enumerate(seq):
+    nm = _name_of(l)
+    if start_op in l:
+      if _SYNC.search(l):
+        ev.synchronous += _op_bytes(l)
+      else:
+        ev.starts[nm] = (i, _op_bytes(l))
+    elif done_op in l:
+      op = re.search(re.escape(done_op.strip()) + r"%([\w.\-]+)", l)
+      if op:
+        ev.dones[op.group(1)] = i
+    elif sync_op in l and _OP.search(l):
+      ev.synchronous += _op_bytes(l)
+    elif " fusion(" in l:
+      _fusion_event(ev, i, l, nm, kind, comps, has_matmul)
+    elif any(op in l for op in _COMPUTE_OPS):
+      ev.compute.append((i, has_matmul(l)))
+  return ev
+
+
+def _fusion_event(ev: _Events, i: int, l: str, nm: str, kind: str,
+                  comps: dict[str, list[str]], has_matmul: Any) -> None:
+  """A fusion: XLA:TPU's async collective start or done, a continuation, or computation."""
+  callee = (_CALLEE.findall(l) or [""])[0]
+  colls = _collectives(comps, callee)
+  mine = [(ch, b) for kd, ch, b in colls if kd == kind]
+  if nm.startswith("async-collective-start"):
+    for ch, b in mine:
+      ev.starts[ch or nm] = (i, b)
+  elif nm.startswith("async-collective-done"):
+    for ch, _ in mine:
+      ev.dones[ch or nm] = i
+  elif callee.startswith("async_collective_fusion"):
+    ev.compute.append((i, has_matmul(l)))  # runs while its collective progresses
+  elif mine:
+    ev.synchronous += sum(b for _, b in mine)
+  elif not colls:
+    ev.compute.append((i, has_matmul(l)))
 
 
 def gather_schedule(hlo_text: str) -> GatherSchedule:
@@ -637,9 +675,9 @@ def textbook_bytes(plan: Any) -> int:
       continue
     pd = np.dtype(lp.dtype).itemsize
     grad = rd * n if lp.trainable else 0
-    if cfg.stage == 3:
+    if cfg.shards_params:
       total += (2 * cd * n if lp.is_sharded else 0) + grad
-    elif cfg.stage == 0:
+    elif not cfg.shards_opt_state:
       total += 2 * grad
     else:
       total += grad + (pd * n if lp.trainable else 0)
@@ -668,7 +706,6 @@ def tpu_topology(name: str) -> Any:
   Needs ``libtpu`` (``pip install "zerojax[tpu]"``) but no TPU: the devices it describes can
   only be compiled for. CPU stays JAX's default backend.
   """
-  import importlib.util
   if not isinstance(name, str) or not _TOPOLOGY.match(name):
     raise ValueError(f"topology={name!r} is invalid: a TPU slice GENERATION:SHAPE with "
                      f"generation one of {sorted(HBM_PER_CHIP)}, e.g. "
@@ -677,13 +714,10 @@ def tpu_topology(name: str) -> Any:
   if importlib.util.find_spec("libtpu") is None:
     raise ImportError(f"compiling for TPU topology {name!r} needs libtpu, which is not "
                       f"installed; install it with: {TPU_EXTRA}")
-  import glob
-  import os
   if not glob.glob("/dev/accel*") and not glob.glob("/dev/vfio/[0-9]*"):
     # No TPU chips here, so libtpu's one-process lock protects nothing; without this, two
     # processes compiling for topologies (tests beside a benchmark) fail on the lockfile.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-  from jax.experimental import topologies
   try:
     return topologies.get_topology_desc(platform="tpu", topology_name=name)
   except Exception as e:  # libtpu's message names what it could not build
@@ -703,7 +737,6 @@ def hbm_available(device: Any) -> int:
   """
   kind = device.device_kind
   if kind not in _AVAILABLE:
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec
     s = jax.ShapeDtypeStruct((2**40 // 4,), np.float32,
                              sharding=NamedSharding(Mesh(np.array([device]), ("d",)),
                                                     PartitionSpec()))
@@ -781,10 +814,29 @@ class TopologyCompile:
 
   def table(self) -> str:
     """The report `zerojax compile` prints."""
+    lines = self._head()
+    if self.compiler_failed:
+      return "\n".join(lines + [
+          "  COMPILER ERROR: XLA failed to compile the step for a reason other than memory, "
+          "so this says nothing about whether it fits", f"  compiler: {self.error}"])
+    if self.measured is None:
+      g, e = _fmt, self.estimate
+      need = f" it needs {g(self.required)}" if self.required is not None else ""
+      return "\n".join(lines + [
+          f"  DOES NOT FIT: the compiler refused the step:{need}", f"  compiler: {self.error}",
+          f"  estimate: params + optimizer state {g(e.persistent)} on device, "
+          f"{g(e.host)} on host; gradients {g(e.grads)}"])
+    return "\n".join(lines + self._memory_rows() + self._collective_lines() + self._verdict())
+
+  def _config(self) -> ZeroConfig:
+    """The config compiled for (a bare one of the estimate's stage without a plan)."""
+    return self.plan.config if self.plan is not None else ZeroConfig(stage=self.estimate.stage)
+
+  def _head(self) -> list[str]:
     g = _fmt
-    e = self.estimate
-    lines = [f"{self.topology}: {self.num_devices} x {self.device_kind}, stage {e.stage}; "
-             f"compiled ahead of time in {self.compile_seconds:.1f} s (nothing allocated)"]
+    lines = [f"{self.topology}: {self.num_devices} x {self.device_kind}, "
+             f"{self._config().label}; compiled ahead of time in {self.compile_seconds:.1f} s "
+             "(nothing allocated)"]
     if self.memory_fraction is None:
       lines.append(f"  HBM per chip {g(self.chip_hbm)} (documented); the compiler allows "
                    f"{g(self.hbm_available)} per device")
@@ -795,19 +847,10 @@ class TopologyCompile:
                    "compiles steps that do not fit: this verdict is zerojax's")
     if self.formulation is not None:
       lines.append(f"  parameters gathered: {self.formulation} (see ZeroConfig.gather)")
-    if self.compiler_failed:
-      lines += ["  COMPILER ERROR: XLA failed to compile the step for a reason other than "
-                "memory, so this says nothing about whether it fits",
-                f"  compiler: {self.error}"]
-      return "\n".join(lines)
-    if self.measured is None:
-      need = f" it needs {g(self.required)}" if self.required is not None else ""
-      lines += [f"  DOES NOT FIT: the compiler refused the step:{need}",
-                f"  compiler: {self.error}",
-                f"  estimate: params + optimizer state {g(e.persistent)} on device, "
-                f"{g(e.host)} on host; gradients {g(e.grads)}"]
-      return "\n".join(lines)
-    m = self.measured
+    return lines
+
+  def _memory_rows(self) -> list[str]:
+    g, m, e = _fmt, self.measured, self.estimate
     rows = [("HBM arguments", m.argument, f"estimate {g(e.persistent)} params + optimizer "
              f"state, + {g(self.batch_bytes)} batch"),
             ("HBM outputs", m.output, f"{g(m.alias)} of them alias donated arguments"),
@@ -817,11 +860,15 @@ class TopologyCompile:
             ("host outputs", self.host_output, ""),
             ("host temp", self.host_temp, "")]
     w = max(len(r[0]) for r in rows)
-    lines += [f"  {name.ljust(w)}  {g(b):>14}  {note}".rstrip() for name, b, note in rows]
+    return [f"  {name.ljust(w)}  {g(b):>14}  {note}".rstrip() for name, b, note in rows]
+
+  def _collective_lines(self) -> list[str]:
+    g, m = _fmt, self.measured
     coll = ", ".join(f"{k} {g(v)}" for k, v in m.collectives.items() if v) or "none"
-    lines.append(f"  collectives per step: {g(m.collective_total)} ({coll})")
+    lines = [f"  collectives per step: {g(m.collective_total)} ({coll})"]
     if self.textbook:
-      lines.append(f"  textbook ZeRO volume {g(self.textbook)} ({3 if e.stage == 3 else 2} psi "
+      psi = 3 if self._config().shards_params else 2
+      lines.append(f"  textbook ZeRO volume {g(self.textbook)} ({psi} psi "
                    f"in the dtypes moved): {m.collective_total / self.textbook:.2f}x")
     for sched in (self.gathers, self.scatters):
       if sched is not None and sched.total:
@@ -837,35 +884,42 @@ class TopologyCompile:
     else:
       lines.append("  activation collectives: none (only parameters, gradients and their "
                    "shards move)")
+    return lines
+
+  def _verdict(self) -> list[str]:
+    g, m = _fmt, self.measured
     left = self.hbm_available - m.peak
     if self.fits:
-      lines.append(f"  FITS: peak {g(m.peak)} of {g(self.hbm_available)} usable "
-                   f"({g(self.chip_hbm)} per device), {g(left)} left")
-    else:
-      lines.append(f"  DOES NOT FIT: peak {g(m.peak)} is {g(-left)} over the "
-                   f"{g(self.hbm_available)} usable ({g(self.chip_hbm)} per device)")
-      if self.suggestion:
-        lines.append(f"  {self.suggestion}")
-    return "\n".join(lines)
+      return [f"  FITS: peak {g(m.peak)} of {g(self.hbm_available)} usable "
+              f"({g(self.chip_hbm)} per device), {g(left)} left"]
+    lines = [f"  DOES NOT FIT: peak {g(m.peak)} is {g(-left)} over the "
+             f"{g(self.hbm_available)} usable ({g(self.chip_hbm)} per device)"]
+    if self.suggestion:
+      lines.append(f"  {self.suggestion}")
+    return lines
 
 
 def _fmt(b: float) -> str:
   return f"{b / GiB:,.2f} GiB" if abs(b) >= GiB else f"{b / 2**20:,.1f} MiB"
 
 
+def next_token_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
+  """Mean next-token cross entropy in fp32 (the loss of `zerojax.models.loss_fn`, written out
+  here because the measurement layer sits below the models)."""
+  logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  return -jnp.take_along_axis(logp, targets[..., None], axis=-1).mean()
+
+
 def lm_train_step(state: Any, batch: Any) -> tuple[Any, dict[str, Any]]:
   """The next-token step `compile_for_topology` compiles by default (``batch['x']`` tokens,
   ``batch['y']`` targets), with `zerojax.value_and_grad` as `zerojax train` uses."""
-  from zerojax.core.grad import value_and_grad
-  from zerojax.models import loss_fn
-
   def lf(params, batch):
-    return loss_fn(state.apply_fn({"params": params}, batch["x"]), batch["y"])
+    return next_token_loss(state.apply_fn({"params": params}, batch["x"]), batch["y"])
   loss, grads = value_and_grad(lf)(state.params, batch)
   return state.apply_gradients(grads=grads), {"loss": loss}
 
 
-def compile_for_topology(config: ZeroConfig | str | Any, model: Any, batch: Any,
+def compile_for_topology(config: ZeroConfig, model: Any, batch: Any,
                          topology: str, *, tx: Any = None, train_step: Any = None,
                          init_args: tuple | None = None,
                          compiler_options: dict[str, Any] | None = None,
@@ -878,12 +932,12 @@ def compile_for_topology(config: ZeroConfig | str | Any, model: Any, batch: Any,
   XLA:TPU refuses a step that does not fit the chip; XLA:GPU compiles it anyway, so for GPUs
   the peak is compared with the memory the JAX GPU client will allocate from
   (``memory_fraction`` of the device, `zerojax.runtime.gpu.usable_memory`). Either outcome is
-  returned, with what would fit when the step does not.
+  returned, with what would fit when the step does not. (`zerojax.memory.compile_for_topology`
+  also takes a config file path and a GPT preset name.)
 
   Args:
-    config: a `ZeroConfig`, or the path of a zerojax or DeepSpeed config file.
-    model: a GPT preset name (``zerojax.models.PRESETS``; compute dtype from
-      ``config.compute_dtype``) or a Flax linen module.
+    config: the `ZeroConfig`.
+    model: a Flax linen module.
     batch: ``(batch, seq_len)`` for a token model (global rows, tokens per row), or a pytree
       of ``jax.ShapeDtypeStruct`` for ``train_step``.
     topology: a TPU slice name such as ``'v5e:8x8'`` or ``'v5p:4x4x4'`` (`tpu_topology`), or
@@ -895,34 +949,13 @@ def compile_for_topology(config: ZeroConfig | str | Any, model: Any, batch: Any,
     memory_fraction: GPUs only: the share of device memory the JAX client allocates from
       (default: ``XLA_PYTHON_CLIENT_MEM_FRACTION``, else 0.75).
   """
-  import time
-  import optax
-  from zerojax.runtime.checkpoint import abstract_train_state
-  from zerojax.core.mesh import make_mesh
-  from zerojax.core.step import zero_step
-  if not isinstance(config, ZeroConfig):
-    from zerojax.tools.config_file import load_config
-    config = load_config(config, apply_xla_flags=False).config
-  from zerojax.runtime import gpu
-  on_gpu = gpu.is_gpu_topology(topology)
-  if on_gpu:
-    spec = gpu.parse_gpu_topology(topology)[0]
-    fraction = gpu.memory_fraction() if memory_fraction is None else memory_fraction
-    usable = gpu.usable_memory(spec, fraction)  # validates the fraction before compiling
-    topo = gpu.gpu_topology(topology)
-  else:
-    topo = tpu_topology(topology)
-  devices = list(topo.devices)
-  seq_len = batch[1] if isinstance(batch, tuple) and len(batch) == 2 else None
-  model = _resolve_model(model, config, seq_len)
+  if not isinstance(config, ZeroConfig) or isinstance(model, str):
+    raise TypeError("compile_for_topology(config, model, ...) takes a ZeroConfig and a Flax "
+                    "module; zerojax.memory.compile_for_topology also reads a config file "
+                    "path and a GPT preset name")
+  devices, memory = _topology_devices(topology, memory_fraction)
   tx = optax.adamw(1e-4) if tx is None else tx
-  if isinstance(batch, tuple) and len(batch) == 2 and all(
-      isinstance(b, (int, np.integer)) and not isinstance(b, bool) for b in batch):
-    rows, seq = batch
-    if rows < 1 or seq < 1:
-      raise ValueError(f"batch={batch!r} is invalid: (rows, seq_len), both >= 1")
-    tokens = jax.ShapeDtypeStruct((rows, seq), np.int32)
-    batch = {"x": tokens, "y": tokens}
+  batch = _abstract_batch(batch)
   if init_args is None:
     if not (isinstance(batch, dict) and "x" in batch):
       raise ValueError("init_args is needed when batch has no 'x' entry to initialise the "
@@ -931,22 +964,49 @@ def compile_for_topology(config: ZeroConfig | str | Any, model: Any, batch: Any,
   mesh = make_mesh(config, devices=devices)
   state, plan = abstract_train_state(model, tx, jax.random.key(0), *init_args, config=config,
                                      mesh=mesh)
-  n = len(devices)
   batch_sh = plan.batch(batch)
   batch = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                        batch, batch_sh)
   batch_bytes = sum(math.prod(s.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
                     for x, s in zip(jax.tree.leaves(batch), jax.tree.leaves(batch_sh)))
-  est = estimate(state.params, tx, config=config, mesh=mesh)
+  common = dict(topology=topology, device_kind=devices[0].device_kind,
+                num_devices=len(devices), batch_bytes=batch_bytes, plan=plan,
+                estimate=estimate(state.params, tx, config=config, mesh=mesh),
+                textbook=textbook_bytes(plan), **memory)
   step = zero_step(plan)(train_step or lm_train_step)
-  if on_gpu:
-    memory = dict(chip_hbm=spec.memory, hbm_available=usable, memory_fraction=fraction)
-  else:
-    memory = dict(chip_hbm=HBM_PER_CHIP[topology.split(":")[0]],
-                  hbm_available=hbm_available(devices[0]))
-  common = dict(topology=topology, device_kind=devices[0].device_kind, num_devices=n,
-                estimate=est, batch_bytes=batch_bytes, plan=plan, textbook=textbook_bytes(plan),
-                **memory)
+  return _compile(step, state, batch, tx, config, devices, compiler_options, common)
+
+
+def _topology_devices(topology: str, memory_fraction: float | None
+                      ) -> tuple[list[Any], dict[str, Any]]:
+  """The devices of a TPU slice or GPU pod, and what memory one program may use on each."""
+  if gpu.is_gpu_topology(topology):
+    spec = gpu.parse_gpu_topology(topology)[0]
+    fraction = gpu.memory_fraction() if memory_fraction is None else memory_fraction
+    usable = gpu.usable_memory(spec, fraction)  # validates the fraction before compiling
+    devices = list(gpu.gpu_topology(topology).devices)
+    return devices, dict(chip_hbm=spec.memory, hbm_available=usable, memory_fraction=fraction)
+  devices = list(tpu_topology(topology).devices)
+  return devices, dict(chip_hbm=HBM_PER_CHIP[topology.split(":")[0]],
+                       hbm_available=hbm_available(devices[0]))
+
+
+def _abstract_batch(batch: Any) -> Any:
+  """``(rows, seq_len)`` as abstract token and target batches; any other batch as it is."""
+  if isinstance(batch, tuple) and len(batch) == 2 and all(
+      isinstance(b, (int, np.integer)) and not isinstance(b, bool) for b in batch):
+    rows, seq = batch
+    if rows < 1 or seq < 1:
+      raise ValueError(f"batch={batch!r} is invalid: (rows, seq_len), both >= 1")
+    tokens = jax.ShapeDtypeStruct((rows, seq), np.int32)
+    return {"x": tokens, "y": tokens}
+  return batch
+
+
+def _compile(step: Any, state: Any, batch: Any, tx: Any, config: ZeroConfig,
+             devices: list[Any], compiler_options: dict[str, Any] | None, common: dict[str, Any]
+             ) -> TopologyCompile:
+  """Compiles ``step`` and reads the result: memory, collectives, schedule, what would fit."""
   t0 = time.perf_counter()
   lowered = step.lower(state, batch)
   common["formulation"] = next(iter(step.formulation.values()), None)
@@ -954,8 +1014,7 @@ def compile_for_topology(config: ZeroConfig | str | Any, model: Any, batch: Any,
     compiled = lowered.compile(compiler_options) if compiler_options else lowered.compile()
   except jax.errors.JaxRuntimeError as e:  # XLA:TPU refuses programs that exceed HBM
     found = _oom_bytes(str(e))
-    # Anything else is the compiler's own failure (seen: a RET_CHECK in libtpu 0.0.42.1 for
-    # one 512-chip case), reported as such, not as a memory verdict.
+    # Anything else is the compiler's own failure, reported as such, not as a memory verdict.
     return TopologyCompile(compile_seconds=time.perf_counter() - t0, error=str(e).strip(),
                            required=None if found is None else found[0], **common)
   dt = time.perf_counter() - t0
@@ -963,10 +1022,8 @@ def compile_for_topology(config: ZeroConfig | str | Any, model: Any, batch: Any,
   measured, text = measure(compiled), compiled.as_text()
   suggestion = None
   if measured.peak > common["hbm_available"]:
-    from zerojax.core.budget import suggest_option
     suggestion = (suggest_option(measured.peak, common["hbm_available"], config, state.params,
-                                 tx,
-                           None, devices)
+                                 tx, None, devices)
                   + " Activations shrink with remat='full' or a smaller micro-batch "
                   "(micro_batch_per_device with gradient_accumulation_steps).")
   return TopologyCompile(
@@ -975,18 +1032,4 @@ def compile_for_topology(config: ZeroConfig | str | Any, model: Any, batch: Any,
       host_output=int(ma.host_output_size_in_bytes), host_temp=int(ma.host_temp_size_in_bytes),
       suggestion=suggestion, gathers=collective_schedule(text, "all-gather"),
       scatters=collective_schedule(text, "reduce-scatter"),
-      activations=activation_collectives(text, plan), compiled=compiled, **common)
-
-
-def _resolve_model(model: Any, config: ZeroConfig, seq_len: Any) -> Any:
-  if not isinstance(model, str):
-    return model
-  from zerojax.models import GPT, PRESETS
-  if model not in PRESETS:
-    raise ValueError(f"model={model!r} is not a GPT preset; presets are {sorted(PRESETS)} "
-                     "(or pass a Flax linen module)")
-  import jax.numpy as jnp
-  cfg = dataclasses.replace(PRESETS[model], dtype=jnp.dtype(config.compute_dtype))
-  if isinstance(seq_len, (int, np.integer)) and seq_len > 0:  # position table = sequence
-    cfg = dataclasses.replace(cfg, seq_len=int(seq_len))
-  return GPT(cfg)
+      activations=activation_collectives(text, common["plan"]), compiled=compiled, **common)

@@ -1,6 +1,7 @@
 """The ``zerojax`` command line: train, finetune, plan, estimate, compile, config, export.
 
-Run ``zerojax COMMAND --help`` for each command. ``python -m zerojax.tools.cli`` is the same program.
+Run ``zerojax COMMAND --help`` for each command. ``python -m zerojax.tools.cli`` is the same
+program.
 """
 
 from __future__ import annotations
@@ -12,16 +13,16 @@ import math
 import os
 import re
 import sys
-from typing import Sequence
+import textwrap
+from typing import Any, Sequence
 
+from zerojax import __version__
 from zerojax.core.config import ConfigError
+from zerojax.tools import launch
 from zerojax.tools.config_file import load_config
-from zerojax.tools.estimate import (Option, fmt_bytes, format_table, model_options, model_shapes,
-                              paper_options, plot_options, recommend, recommend_compiled,
-                              step_peak)
+from zerojax.tools.options import TrainOptions
 
-__all__ = ["fmt_bytes", "paper_options", "model_options", "recommend",
-           "step_peak", "build_parser", "main"]
+__all__ = ["parse_bytes", "parse_count", "build_parser", "main"]
 
 PROG = "zerojax"
 
@@ -64,12 +65,14 @@ def parse_count(text: str) -> float:
 
 
 # -- commands ---------------------------------------------------------------------------------
+# The commands import JAX-backed modules inside their bodies (marked "lazy: JAX"): `zerojax
+# --help`, `zerojax config` and argument errors then start in a fraction of a second.
 
 
 def cmd_train(args) -> int:
   loaded = load_config(args.config, args.overrides)
-  from zerojax.tools import train as zt
-  opts = zt.TrainOptions(**loaded.train)
+  from zerojax.tools import train as zt  # lazy: JAX
+  opts = TrainOptions(**loaded.train)
   if args.no_progress:
     opts.progress = False
   if args.no_resume:
@@ -85,7 +88,7 @@ def cmd_train(args) -> int:
 
 
 def cmd_finetune(args) -> int:
-  from zerojax.tools import finetune
+  from zerojax.tools import finetune  # lazy: JAX
   return finetune.run(args)
 
 
@@ -94,31 +97,23 @@ def _shapes_only() -> None:
   its CPU backend, so no accelerator plugin (libtpu, CUDA) is started, or prints its start-up
   warnings, for a command that uses no device. A ``JAX_PLATFORMS`` the user set, or a backend
   already started, is left as it is."""
-  from zerojax._compat import backends_initialized
+  import jax  # lazy: JAX
+  from zerojax._compat import backends_initialized  # lazy: JAX
   if os.environ.get("JAX_PLATFORMS") or backends_initialized():
     return
-  import jax
   jax.config.update("jax_platforms", "cpu")
 
 
 def cmd_plan(args) -> int:
   loaded = load_config(args.config, args.overrides, apply_xla_flags=False,
                        for_training=False)
-  from zerojax.tools import train as zt
+  from zerojax.tools import estimate, train as zt  # lazy: JAX
   model_name = args.model or loaded.train.get("model", "small")
   n = args.devices
   _shapes_only()
   zt.setup_cpu_devices(n)
-  import optax
-  from jax.sharding import AbstractMesh, AxisType
-  from zerojax.core.plan import ShardingPlan
-  config = loaded.config
-  shape = config.resolved_mesh_shape(n)
-  mesh = AbstractMesh(shape, config.mesh_axes, axis_types=(AxisType.Auto,) * len(shape))
-  _, _, shapes = model_shapes(model_name, config)
-  plan = ShardingPlan.create(config, mesh, shapes, tx=optax.adamw(1e-3))
-  from zerojax.runtime.memory import num_params
-  print(f"model {model_name}: {num_params(shapes):,} parameters, planned for {n} devices "
+  plan, psi = estimate.abstract_plan(model_name, loaded.config, n)
+  print(f"model {model_name}: {psi:,} parameters, planned for {n} devices "
         "(no devices are used)")
   print(plan.table())
   if (nothing := zt.nothing_sharded_note(plan)) is not None:
@@ -132,129 +127,153 @@ def cmd_estimate(args) -> int:
   if (args.params is None) == (args.model is None):
     raise ConfigError("estimate needs exactly one of --params N (the ZeRO paper's assumptions) "
                       "or --model PRESET (real shapes and dtypes)")
+  from zerojax.tools import estimate  # lazy: JAX
   n = args.devices
+  config = None
   if args.params is not None:
     psi = args.params
-    options = paper_options(psi, n, args.k)
+    options = estimate.paper_options(psi, n, args.k)
     title = (f"ZeRO model-state memory per device: Ψ = {psi:.3g} parameters, N = {n} devices, "
              f"mixed-precision Adam (2Ψ fp16 params + 2Ψ fp16 grads + {args.k}Ψ optimizer "
              "state; the paper's Figure 1)")
   else:
-    loaded = load_config(args.config, args.overrides, apply_xla_flags=False,
-                         for_training=False)
-    config = loaded.config
-    if args.fit is not None and not args.no_compile:
-      from zerojax.tools import train as zt
-      zt.setup_cpu_devices(n)  # the compiled peak needs the devices (simulated on CPU)
-    else:
-      _shapes_only()
-    import optax
-    _, _, shapes = model_shapes(args.model, config)
-    options = model_options(shapes, optax.adamw(1e-3), config, n)
-    from zerojax.runtime.memory import num_params
-    psi = num_params(shapes)
-    t = config.persistence_threshold
-    kept = (f"leaves below param_persistence_threshold={t:,} elements or with no dimension "
-            f"divisible by {n} stay replicated" if t else
-            f"every leaf with a dimension divisible by {n} is sharded (the others stay "
-            "replicated)")
-    title = (f"model-state memory per device: {args.model} ({psi:,} parameters, "
-             f"param_dtype {config.param_dtype}, optax.adamw), {n} devices; {kept}")
+    config = load_config(args.config, args.overrides, apply_xla_flags=False,
+                         for_training=False).config
+    options, psi, title = _model_options(args, config)
   shown = options if (args.fit is not None or args.offload) else options[:4]
-  fit = None  # (best, why, compiled peaks)
-  extra_flags = ""  # overrides the recommendation needs besides stage and offload
-  compile_note = None
-  if args.fit is not None and args.model is None:  # the paper's assumptions: no model
-    fit = (*recommend(options, args.fit), {})
-  elif args.fit is not None:
-    compile_note = _compile_note(args, n)
-    if compile_note is None:
-      batch = args.batch or n
-      per_use: dict[str, int] = {}  # options whose peak is gather='explicit''s (and auto's)
-
-      def peak(o: Option):
-        cfg = config.replace(stage=o.stage, offload_optimizer=o.offload_optimizer,
-                             offload_params=o.offload_params, optimizer_on_host=False)
-        p = step_peak(args.model, cfg, batch, args.seq)
-        if not _partitioner_gathers(cfg):
-          return p
-        # XLA:CPU's partitioner (gather='auto' there) may move activations instead of a
-        # weight sharded along a matmul's contracting dimension: gpt-89m's LM head, whose
-        # vocabulary (50257) divides by no device count, then gets whole-batch logits on every
-        # device (2 x 206 MB at 8 devices), above stage 2's peak. zerojax's own per-use
-        # gathers (what accelerators get by default) may need less: the lower one is kept.
-        q = step_peak(args.model, cfg.replace(gather="explicit"), batch, args.seq)
-        if q >= p:
-          return p, f"gather=explicit would need {fmt_bytes(q)}"
-        per_use[o.name] = p
-        return q, f"gather=explicit; with gather=auto, XLA's partitioner: {fmt_bytes(p)}"
-
-      fit = recommend_compiled(options, args.fit, peak)
-      if fit[0] is not None and fit[0].name in per_use:
-        extra_flags = " gather=explicit"
-    else:
-      fit = (*recommend(options, args.fit), {})
+  fit, extra_flags, compile_note = _fit(args, options, config)
   if args.json:
-    out = {"devices": n, "params": psi,
-           "options": [{**dataclasses.asdict(o), "device": o.device} for o in shown]}
-    if fit is not None:
-      best, why, peaks = fit
-      out["fit"] = {"budget": args.fit, "recommendation": best.name if best else None,
-                    "why": why, "compiled_peak": peaks,
-                    "gather": "explicit" if extra_flags else None}
-    print(json.dumps(out, indent=1))
+    _print_json(args, shown, psi, fit, extra_flags)
   else:
-    print(format_table(shown, title))
+    print(estimate.format_table(shown, title))
     print("(model states only: activations, temporaries and framework overhead come on top)")
   rc = 0
   if fit is not None and not args.json:
-    best, why, peaks = fit
-    if compile_note:
-      print(compile_note)
-    elif args.model is not None:
-      from zerojax.models import PRESETS
-      seq = args.seq or PRESETS[args.model].seq_len
-      print(f"compiled peaks: the real training step (AdamW) for a batch of {args.batch or n} "
-            f"rows x {seq} tokens over {n} devices, compiled only")
-    print(f"\n--fit {fmt_bytes(args.fit)} per device, lowest communication first:")
-    for w in why:
-      print(f"  {w}")
-    if best is None and peaks:
-      print("nothing fits: every option whose model state fits compiles to a step that does "
-            "not; use a smaller --batch, remat=full, more devices or a smaller model")
-      rc = 1
-    elif best is None:
-      full = options[-1]
-      need = math.ceil(n * full.device / args.fit) if args.fit > 0 else float("inf")
-      print(f"nothing fits: even {full.name} keeps {fmt_bytes(full.device)} per device; use more "
-            f"devices (about {need}) or a smaller model")
-      rc = 1
-    else:
-      flags = f"stage={best.stage}" + (" offload_optimizer=true" if best.offload_optimizer
-                                        else "") + (" offload_params=true"
-                                                    if best.offload_params else "")
-      flags += extra_flags
-      print(f"recommendation: {best.name}{' with' + extra_flags if extra_flags else ''} "
-            f"(communication {best.comm}); zerojax overrides: {flags}")
+    rc = _print_fit(args, options, fit, extra_flags, compile_note)
   elif fit is not None:
     rc = 0 if fit[0] else 1
   if args.plot:
-    path = plot_options(shown, args.plot, title if len(title) < 100 else title[:title.index(",")
-                                                                               + 1] + f" N={n}",
-                        args.fit)
+    n = args.devices
+    path = estimate.plot_options(shown, args.plot, title if len(title) < 100 else
+                                 title[:title.index(",") + 1] + f" N={n}", args.fit)
     print(f"wrote {path}")
   return rc
+
+
+def _model_options(args, config) -> tuple[list, int, str]:
+  """``estimate --model``: the options of a preset's real tree, its size and the title."""
+  from zerojax.tools import estimate, train as zt  # lazy: JAX
+  n = args.devices
+  if args.fit is not None and not args.no_compile:
+    zt.setup_cpu_devices(n)  # the compiled peak needs the devices (simulated on CPU)
+  else:
+    _shapes_only()
+  options, psi = estimate.preset_options(args.model, config, n)
+  t = config.persistence_threshold
+  kept = (f"leaves below param_persistence_threshold={t:,} elements or with no dimension "
+          f"divisible by {n} stay replicated" if t else
+          f"every leaf with a dimension divisible by {n} is sharded (the others stay "
+          "replicated)")
+  title = (f"model-state memory per device: {args.model} ({psi:,} parameters, "
+           f"param_dtype {config.param_dtype}, optax.adamw), {n} devices; {kept}")
+  return options, psi, title
+
+
+def _fit(args, options, config) -> tuple[tuple | None, str, str | None]:
+  """``--fit``: ``((best, why, compiled peaks) or None, extra overrides, compile note)``."""
+  from zerojax.tools import estimate  # lazy: JAX
+  if args.fit is None:
+    return None, "", None
+  if args.model is None:  # the paper's assumptions: no model
+    return (*estimate.recommend(options, args.fit), {}), "", None
+  compile_note = _compile_note(args, args.devices)
+  if compile_note is not None:
+    return (*estimate.recommend(options, args.fit), {}), "", compile_note
+  per_use: dict[str, int] = {}  # options whose peak is gather='explicit''s (and auto's)
+  fit = estimate.recommend_compiled(options, args.fit, _compiled_peak(args, config, per_use))
+  extra_flags = " gather=explicit" if fit[0] is not None and fit[0].name in per_use else ""
+  return fit, extra_flags, None
+
+
+def _compiled_peak(args, config, per_use: dict[str, int]):
+  """``option -> peak`` of the compiled step (`recommend_compiled`); records in ``per_use``
+  the options whose lower peak is zerojax's per-use gathering."""
+  from zerojax.tools import estimate  # lazy: JAX
+  batch = args.batch or args.devices
+
+  def peak(o):
+    cfg = config.replace(stage=o.stage, offload_optimizer=o.offload_optimizer,
+                         offload_params=o.offload_params, optimizer_on_host=False)
+    p = estimate.step_peak(args.model, cfg, batch, args.seq)
+    if not _partitioner_gathers(cfg):
+      return p
+    # XLA:CPU's partitioner (gather='auto' there) may move activations instead of a weight
+    # sharded along a matmul's contracting dimension (e.g. an LM head whose vocabulary divides
+    # by no device count gets whole-batch logits on every device). zerojax's own per-use
+    # gathers (what accelerators get by default) may need less: the lower one is kept.
+    q = estimate.step_peak(args.model, cfg.replace(gather="explicit"), batch, args.seq)
+    if q >= p:
+      return p, f"gather=explicit would need {estimate.fmt_bytes(q)}"
+    per_use[o.name] = p
+    return q, f"gather=explicit; with gather=auto, XLA's partitioner: {estimate.fmt_bytes(p)}"
+  return peak
+
+
+def _print_json(args, shown, psi, fit, extra_flags) -> None:
+  out = {"devices": args.devices, "params": psi,
+         "options": [{**dataclasses.asdict(o), "device": o.device} for o in shown]}
+  if fit is not None:
+    best, why, peaks = fit
+    out["fit"] = {"budget": args.fit, "recommendation": best.name if best else None,
+                  "why": why, "compiled_peak": peaks,
+                  "gather": "explicit" if extra_flags else None}
+  print(json.dumps(out, indent=1))
+
+
+def _print_fit(args, options, fit, extra_flags, compile_note) -> int:
+  """The ``--fit`` verdict under the table; the exit status (1: nothing fits)."""
+  from zerojax.tools.estimate import fmt_bytes  # lazy: JAX
+  best, why, peaks = fit
+  n = args.devices
+  if compile_note:
+    print(compile_note)
+  elif args.model is not None:
+    from zerojax.models import PRESETS  # lazy: JAX
+    seq = args.seq or PRESETS[args.model].seq_len
+    print(f"compiled peaks: the real training step (AdamW) for a batch of {args.batch or n} "
+          f"rows x {seq} tokens over {n} devices, compiled only")
+  print(f"\n--fit {fmt_bytes(args.fit)} per device, lowest communication first:")
+  for w in why:
+    print(f"  {w}")
+  if best is None and peaks:
+    print("nothing fits: every option whose model state fits compiles to a step that does "
+          "not; use a smaller --batch, remat=full, more devices or a smaller model")
+    return 1
+  if best is None:
+    full = options[-1]
+    need = math.ceil(n * full.device / args.fit) if args.fit > 0 else float("inf")
+    print(f"nothing fits: even {full.name} keeps {fmt_bytes(full.device)} per device; use more "
+          f"devices (about {need}) or a smaller model")
+    return 1
+  # the overrides to type (config construction: the option's stage number as a ZeroConfig key)
+  flags = f"stage={best.stage}" + (" offload_optimizer=true" if best.offload_optimizer
+                                    else "") + (" offload_params=true"
+                                                if best.offload_params else "")
+  flags += extra_flags
+  print(f"recommendation: {best.name}{' with' + extra_flags if extra_flags else ''} "
+        f"(communication {best.comm}); zerojax overrides: {flags}")
+  return 0
 
 
 def cmd_compile(args) -> int:
   loaded = load_config(args.config, args.overrides, apply_xla_flags=False,
                        for_training=False)
-  from zerojax.runtime import memory
+  from zerojax.tools import estimate  # lazy: JAX
   if args.batch < 1 or args.seq < 1:
     raise ConfigError(f"--batch {args.batch} --seq {args.seq}: both must be >= 1")
   try:
-    r = memory.compile_for_topology(loaded.config, args.model, (args.batch, args.seq),
-                                    args.topology, memory_fraction=args.memory_fraction)
+    r = estimate.compile_for_topology(loaded.config, args.model, (args.batch, args.seq),
+                                      args.topology, memory_fraction=args.memory_fraction)
   except ImportError as e:
     print(f"{PROG} compile: error: {e}", file=sys.stderr)
     return 2
@@ -270,10 +289,9 @@ def _partitioner_gathers(config) -> bool:
   """Whether a stage-3 step under ``config`` leaves its gathers to XLA's partitioner on this
   machine: ``gather='auto'`` on CPU devices, without a per-use feature (offloaded parameters,
   ``reduce_dtype``, ZeRO++). On accelerators ``'auto'`` gathers per use at stage 3 already."""
-  if config.stage != 3 or config.gather != "auto" or config.offload_params or (
-      config.reduce_dtype is not None or config.quantized):
+  if not config.shards_params or config.gather != "auto" or config.per_use_settings:
     return False
-  import jax
+  import jax  # lazy: JAX
   return jax.devices()[0].platform == "cpu"
 
 
@@ -281,7 +299,7 @@ def _compile_note(args, n: int) -> str | None:
   """Why `--fit` uses the model-state estimate alone, or None when it compiles the step."""
   if args.no_compile:
     return "(--no-compile: model-state estimate only; activations and temporaries come on top)"
-  import jax
+  import jax  # lazy: JAX
   if jax.device_count() != n:
     return (f"(the compiled peak needs {n} devices, this machine has {jax.device_count()} "
             f"{jax.devices()[0].platform} devices: model-state estimate only; activations "
@@ -303,8 +321,8 @@ def cmd_config(args) -> int:
     for n in loaded.notes:
       print(f"  {n}")
   lines = []
-  if loaded.config.quantized:  # (zeropp imports JAX: not needed for the common case)
-    from zerojax.core.zeropp import explain
+  if loaded.config.quantized:
+    from zerojax.core.zeropp import explain  # lazy: JAX, for ZeRO++ configs only
     lines = explain(loaded.config)
   if lines:
     print("ZeRO++ (quantised collectives):")
@@ -314,7 +332,7 @@ def cmd_config(args) -> int:
 
 
 def cmd_export(argv: list[str]) -> int:
-  from zerojax.tools import export
+  from zerojax.tools import export  # lazy: JAX
   rc = int(export.main(argv, prog=f"{PROG} export") or 0)
   # export.main answers a missing, damaged or mismatched checkpoint (the input) with 1; every
   # zerojax command exits 2 for an input error, as argparse does for a bad argument.
@@ -325,6 +343,8 @@ def cmd_export(argv: list[str]) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+  """The ``zerojax`` parser: one subcommand per job (``export`` and ``launch`` parse their own
+  arguments)."""
   fmt = argparse.RawDescriptionHelpFormatter
   p = argparse.ArgumentParser(
       prog=PROG, formatter_class=fmt,
@@ -344,9 +364,23 @@ def build_parser() -> argparse.ArgumentParser:
              "exit status: 0 done; 1 a negative answer (estimate --fit, compile: it does not "
              "fit) or an\nunexpected error; 2 bad input (an argument, a missing or invalid file "
              "or value).")
-  p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+  p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
   sub = p.add_subparsers(dest="command", metavar="COMMAND")
 
+  _add_train(sub, fmt)
+  _add_finetune(sub, fmt)
+  _add_plan(sub, fmt)
+  _add_estimate(sub, fmt)
+  _add_compile(sub, fmt)
+  _add_config(sub, fmt)
+  sub.add_parser("export", add_help=False, help="write consolidated weights from a checkpoint "
+                 "(see `zerojax export --help`)")
+  sub.add_parser("launch", add_help=False, help="run a script as N local processes "
+                 "(multi-host on one machine; see `zerojax launch --help`)")
+  return p
+
+
+def _add_train(sub: Any, fmt: type) -> None:
   t = sub.add_parser(
       "train", formatter_class=fmt, help="train the GPT example from a config plus overrides",
       description=_wrap(
@@ -355,8 +389,9 @@ def build_parser() -> argparse.ArgumentParser:
           "event files, loss.png and run.json to out_dir. On multi-host runs only process 0 "
           "prints and writes. Without an accelerator it simulates cpu_devices (default 8) CPU "
           "devices."),
-      epilog=EPILOG_OVERRIDES + "\n" + _train_options_help() + "\nexamples:\n  zerojax train configs/zero3.json steps=20 "
-             "model=tiny\n  zerojax train configs/ds_zero3_offload.json lr=1e-3 "
+      epilog=EPILOG_OVERRIDES + "\n" + _train_options_help() + "\nexamples:\n"
+             "  zerojax train configs/zero3.json steps=20 model=tiny\n"
+             "  zerojax train configs/ds_zero3_offload.json lr=1e-3 "
              "out_dir=runs/offload")
   t.add_argument("config", nargs="?", help="zerojax (.json/.yaml) or DeepSpeed (.json) config; "
                  "default: ZeroConfig() (stage 3)")
@@ -370,6 +405,8 @@ def build_parser() -> argparse.ArgumentParser:
                       "checkpoint_dir, then start a new run")
   t.set_defaults(func=cmd_train)
 
+
+def _add_finetune(sub: Any, fmt: type) -> None:
   f = sub.add_parser(
       "finetune", formatter_class=fmt,
       help="fine-tune a Hugging Face checkpoint on local data, then export it",
@@ -423,6 +460,8 @@ def build_parser() -> argparse.ArgumentParser:
                  help="delete the previous run's files and checkpoints, then start anew")
   f.set_defaults(func=cmd_finetune)
 
+
+def _add_plan(sub: Any, fmt: type) -> None:
   pl = sub.add_parser(
       "plan", formatter_class=fmt, help="print the sharding table for a model and config",
       description=_wrap(
@@ -438,6 +477,8 @@ def build_parser() -> argparse.ArgumentParser:
   pl.add_argument("--devices", type=int, default=8, help="devices to plan for (default 8)")
   pl.set_defaults(func=cmd_plan)
 
+
+def _add_estimate(sub: Any, fmt: type) -> None:
   e = sub.add_parser(
       "estimate", formatter_class=fmt, help="model-state memory per device at each stage",
       description=_wrap(
@@ -446,7 +487,7 @@ def build_parser() -> argparse.ArgumentParser:
           "--params N uses the ZeRO paper's assumptions (mixed-precision Adam: 2+2+K bytes per "
           "parameter, K=12); --params 7.5e9 --devices 64 reproduces the paper's Figure 1 "
           "(120 / 31.4 / 16.6 / 1.9 GB). --model PRESET plans a real model's leaves with their "
-          "dtypes and optax.adamw state (zerojax.runtime.memory.estimate). GB = 1e9 bytes, as in the "
+          "dtypes and optax.adamw state (zerojax.memory.estimate). GB = 1e9 bytes, as in the "
           "paper."),
       epilog="examples:\n  zerojax estimate --params 7.5e9 --devices 64\n"
              "  zerojax estimate --params 7.5B --devices 64 --fit 16GB\n"
@@ -481,6 +522,8 @@ def build_parser() -> argparse.ArgumentParser:
   e.add_argument("--json", action="store_true", help="machine-readable output")
   e.set_defaults(func=cmd_estimate)
 
+
+def _add_compile(sub: Any, fmt: type) -> None:
   cp = sub.add_parser(
       "compile", formatter_class=fmt, help="will it fit? compile the step for a TPU or GPU pod",
       description=_wrap(
@@ -521,6 +564,8 @@ def build_parser() -> argparse.ArgumentParser:
                   "XLA_PYTHON_CLIENT_MEM_FRACTION, else 0.75)")
   cp.set_defaults(func=cmd_compile)
 
+
+def _add_config(sub: Any, fmt: type) -> None:
   c = sub.add_parser(
       "config", formatter_class=fmt, help="show what a (DeepSpeed) config maps to",
       description=_wrap(
@@ -531,30 +576,16 @@ def build_parser() -> argparse.ArgumentParser:
   c.add_argument("overrides", nargs="*", metavar="key=value", help="overrides")
   c.set_defaults(func=cmd_config)
 
-  sub.add_parser("export", add_help=False, help="write consolidated weights from a checkpoint "
-                 "(see `zerojax export --help`)")
-  sub.add_parser("launch", add_help=False, help="run a script as N local processes "
-                 "(multi-host on one machine; see `zerojax launch --help`)")
-  return p
-
 
 def _wrap(*paragraphs: str) -> str:
-  import textwrap
   return "\n\n".join(textwrap.fill(p, 79) for p in paragraphs)
 
 
 def _train_options_help() -> str:
-  from zerojax.tools.train import TrainOptions
   parts = [f"{f.name}={f.default}" for f in dataclasses.fields(TrainOptions)
            if f.name != "scheduler"]
-  import textwrap
   return "training options and defaults:\n" + textwrap.fill(
       " ".join(parts), 79, initial_indent="  ", subsequent_indent="  ") + "\n"
-
-
-def _version() -> str:
-  from zerojax import __version__
-  return __version__
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -562,7 +593,6 @@ def main(argv: Sequence[str] | None = None) -> int:
   if argv and argv[0] == "export":  # its own parser lives in zerojax.tools.export
     return cmd_export(argv[1:])
   if argv and argv[0] == "launch":  # its own parser lives in zerojax.tools.launch
-    from zerojax.tools import launch
     return int(launch.main(argv[1:]) or 0)
   parser = build_parser()
   # key=value overrides may follow options (`train cfg.json --no-progress steps=5`): argparse

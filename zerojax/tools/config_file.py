@@ -11,11 +11,16 @@ so nothing a file says is dropped silently.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 from typing import Any, Mapping, Sequence
 
+import yaml
+
 from zerojax.core.config import (ConfigError, ZeroConfig, did_you_mean, in_file, read_config_file,
-                            unknown_key_error)
+                                 unknown_key_error)
+from zerojax.tools import deepspeed
+from zerojax.tools.options import TrainOptions, deepspeed_train_fields
 
 __all__ = ["LoadedConfig", "load_config", "parse_overrides", "parse_value"]
 
@@ -26,7 +31,7 @@ class LoadedConfig:
 
   Attributes:
     config: the `ZeroConfig` (overrides applied).
-    train: `zerojax.tools.train.TrainOptions` fields from the file (a ``train:`` section of a
+    train: `zerojax.tools.options.TrainOptions` fields from the file (a ``train:`` section of a
       zerojax file, or DeepSpeed's optimizer/scheduler/steps_per_print) and the overrides.
     notes: what each DeepSpeed key became (empty for zerojax files).
     xla_flags: XLA flags set for DeepSpeed keys.
@@ -47,7 +52,6 @@ def parse_value(text: str) -> Any:
       return conv(text)
     except ValueError:
       pass
-  import yaml
   try:
     return yaml.safe_load(text)
   except yaml.YAMLError:
@@ -56,7 +60,6 @@ def parse_value(text: str) -> Any:
 
 def parse_overrides(pairs: Sequence[str]) -> tuple[dict[str, Any], dict[str, Any]]:
   """Splits ``key=value`` pairs into (`ZeroConfig` fields, `TrainOptions` fields)."""
-  from zerojax.tools.train import TrainOptions
   zfields = {f.name for f in dataclasses.fields(ZeroConfig)}
   tfields = set(TrainOptions.fields())
   zc, tr = {}, {}
@@ -97,8 +100,6 @@ def load_config(path: str | os.PathLike | None, overrides: Sequence[str] = (), *
   nothing resolves is a `ConfigError` naming the key and how to set it; without (planning,
   showing a config), it stays a note and the `ZeroConfig` keeps its default there.
   """
-  from zerojax.tools import deepspeed
-  from zerojax.tools.train import TrainOptions, deepspeed_train_fields
   d: dict[str, Any] = {}
   if path is not None:
     try:
@@ -145,8 +146,6 @@ def _deepspeed_lookalike(d: Mapping[str, Any]) -> None:
   are DeepSpeed's, or closer to a DeepSpeed key than to any `ZeroConfig` field (e.g. the
   British ``zero_optimisation``), fails naming the DeepSpeed key: ``ZeroConfig has no field``
   would send the user to the wrong list."""
-  import difflib
-  from zerojax.tools import deepspeed
   fields = {f.name for f in dataclasses.fields(ZeroConfig)}
   ds_keys = sorted(deepspeed.TOP_LEVEL_KEYS - fields)
   score = lambda a, b: difflib.SequenceMatcher(None, a, b).ratio()

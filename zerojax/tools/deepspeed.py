@@ -36,9 +36,11 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import warnings
 from typing import Any, Mapping
 
 from zerojax.core.config import ConfigError, ZeroConfig, in_file, read_config_file, unknown_key_error
+from zerojax.tools.options import TrainOptions
 
 __all__ = ["RS_COMBINE", "AG_COMBINE", "AR_COMBINE", "LHS", "TOP_LEVEL_KEYS",
            "DeepSpeedMapping", "from_deepspeed", "load_deepspeed", "is_deepspeed",
@@ -102,9 +104,8 @@ class DeepSpeedMapping:
     if added:
       env["XLA_FLAGS"] = (current + " " + " ".join(added)).strip()
       if environ is None:
-        from zerojax._compat import backends_initialized
+        from zerojax._compat import backends_initialized  # lazy: JAX, unneeded by --help
         if backends_initialized():
-          import warnings
           warnings.warn("zerojax: XLA_FLAGS changed after the JAX backend started; the DeepSpeed "
                         f"flags {added} take effect in the next process only")
     return added
@@ -704,7 +705,6 @@ class _AutoValues:
 def _resolve_auto(d: Mapping[str, Any], given: Mapping[str, Any]) -> tuple[dict, _AutoValues]:
   """``d`` with every "auto" it knows replaced by the run's value (or removed, where zerojax's
   own setting applies), and the record of what was chosen and what could not be."""
-  from zerojax.tools.train.options import TrainOptions
   a = _AutoValues(given, {f.name: f.default for f in dataclasses.fields(TrainOptions)})
   d = dict(d)
 

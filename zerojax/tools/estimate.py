@@ -1,18 +1,34 @@
 """Will it fit, and which stage: ZeRO model-state estimates per option, the lowest-communication
 option that fits a per-device budget (by the estimate, or by the compiled step's peak), and
-the table and plot `zerojax estimate` prints. The numbers come from `zerojax.runtime.memory`.
+the table and plot `zerojax estimate` prints. The numbers come from `zerojax.runtime.memory`;
+this module adds what names a model or config by a string: GPT presets and config files
+(`compile_for_topology`, `preset_model`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, Sequence
 
-from zerojax.core.config import ConfigError, ZeroConfig
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax.core import meta
+from jax.sharding import AbstractMesh, AxisType
 
-__all__ = ["fmt_bytes", "Option", "COMM", "SHARDS", "paper_options", "model_options",
+from zerojax.core.config import ConfigError, ZeroConfig
+from zerojax import ShardingPlan, zero_step
+from zerojax.models import GPT, PRESETS
+from zerojax.runtime import memory
+from zerojax.runtime.checkpoint import abstract_train_state
+from zerojax.tools.config_file import load_config
+from zerojax.tools.train.metrics import require
+
+__all__ = ["fmt_bytes", "Option", "COMM", "paper_options", "model_options",
            "recommend", "recommend_compiled", "format_table", "plot_options", "model_shapes",
-           "step_peak"]
+           "step_peak", "preset_options", "abstract_plan", "preset_model", "compile_for_topology"]
 
 
 def fmt_bytes(n: float) -> str:
@@ -45,18 +61,26 @@ class Option:
 
 COMM = {0: "2Ψ all-reduce", 1: "2Ψ (reduce-scatter + all-gather)",
         2: "2Ψ (reduce-scatter + all-gather)", 3: "3Ψ (2 all-gathers + reduce-scatter)"}
-SHARDS = {0: "nothing", 1: "optimizer state", 2: "+ gradients", 3: "+ parameters"}
+
+
+def _shards(o: Option) -> str:
+  """What an option shards, as the table's column names it."""
+  if o.offload_optimizer or o.offload_params:
+    return "offload"
+  c = ZeroConfig(stage=o.stage)
+  return ("+ parameters" if c.shards_params else "+ gradients" if c.shards_grads else
+          "optimizer state" if c.shards_opt_state else "nothing")
 
 
 def paper_options(psi: float, n: int, k: int = 12) -> list[Option]:
   """The ZeRO paper's per-device model-state bytes (fp16 params/grads, K bytes of optimizer
   state per parameter), for stages 0-3 and stage 3 with offload."""
-  from zerojax.runtime.memory import paper_bytes
   opts = []
   for s in range(4):
-    total = paper_bytes(psi, s, n, k)
-    p = 2 * psi / (n if s >= 3 else 1)
-    g = 2 * psi / (n if s >= 2 else 1)
+    total = memory.paper_bytes(psi, s, n, k)
+    c = ZeroConfig(stage=s)
+    p = 2 * psi / (n if c.shards_params else 1)
+    g = 2 * psi / (n if c.shards_grads else 1)
     o = total - p - g
     opts.append(Option(f"stage {s}", s, False, False, p, g, o, 0.0, COMM[s], s))
   p, g, o = 2 * psi / n, 2 * psi / n, k * psi / n
@@ -69,7 +93,6 @@ def paper_options(psi: float, n: int, k: int = 12) -> list[Option]:
 
 def model_options(params: Any, tx: Any, config: ZeroConfig, n: int) -> list[Option]:
   """`paper_options` for a real parameter tree and optimizer (`zerojax.runtime.memory.estimate`)."""
-  from zerojax.runtime.memory import estimate
   out = []
   variants = [(f"stage {s}", s, False, False) for s in range(4)]
   variants += [("stage 3 + offload_optimizer", 3, True, False),
@@ -77,7 +100,7 @@ def model_options(params: Any, tx: Any, config: ZeroConfig, n: int) -> list[Opti
   for rank, (name, s, oo, op) in enumerate(variants):
     cfg = config.replace(stage=s, offload_optimizer=oo, offload_params=op,
                          optimizer_on_host=False)
-    e = estimate(params, tx, config=cfg, num_devices=n)
+    e = memory.estimate(params, tx, config=cfg, num_devices=n)
     comm = COMM[s] + ("" if not oo else " + optimizer shard over PCIe" if not op else
                       " + optimizer and parameter shards over PCIe")
     out.append(Option(name, s, oo, op, e.params, e.grads, e.opt_state, e.host, comm, rank))
@@ -136,8 +159,7 @@ def format_table(options: Sequence[Option], title: str) -> str:
   rows = [("option", "shards", "params", "grads", "optimizer", "device total", "host",
            "communication/step")]
   for o in options:
-    shards = SHARDS[o.stage] if not (o.offload_optimizer or o.offload_params) else "offload"
-    rows.append((o.name, shards, fmt_bytes(o.params), fmt_bytes(o.grads), fmt_bytes(o.opt_state),
+    rows.append((o.name, _shards(o), fmt_bytes(o.params), fmt_bytes(o.grads), fmt_bytes(o.opt_state),
                  fmt_bytes(o.device), fmt_bytes(o.host) if o.host else "-", o.comm))
   widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
   right = {2, 3, 4, 5, 6}
@@ -150,10 +172,9 @@ def format_table(options: Sequence[Option], title: str) -> str:
 def plot_options(options: Sequence[Option], path: str, title: str,
                  budget: float | None = None) -> str:
   """Stacked bars (params, grads, optimizer state) of device memory per option."""
-  from zerojax.tools.train import require
   matplotlib = require("matplotlib", "zerojax estimate --plot")
   matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  import matplotlib.pyplot as plt  # optional: the train extra
   names = [o.name.replace(" + ", "\n+ ") for o in options]
   gb = lambda xs: [x / 1e9 for x in xs]
   p, g, s = gb([o.params for o in options]), gb([o.grads for o in options]), \
@@ -178,10 +199,7 @@ def plot_options(options: Sequence[Option], path: str, title: str,
 
 
 def model_shapes(preset: str, config: ZeroConfig):
-  import jax
-  import jax.numpy as jnp
-  from flax.core import meta
-  from zerojax.models import GPT, PRESETS
+  """``(model, its GPTConfig, abstract parameters)`` of a GPT preset, in the config's dtypes."""
   if preset not in PRESETS:
     raise ConfigError(f"--model {preset!r} is unknown; presets are {sorted(PRESETS)}")
   mcfg = dataclasses.replace(PRESETS[preset], dtype=jnp.dtype(config.compute_dtype))
@@ -194,32 +212,69 @@ def model_shapes(preset: str, config: ZeroConfig):
   return model, mcfg, shapes
 
 
+def preset_options(preset: str, config: ZeroConfig, n: int) -> tuple[list[Option], int]:
+  """`model_options` of a GPT preset under AdamW, and its parameter count."""
+  _, _, shapes = model_shapes(preset, config)
+  return model_options(shapes, optax.adamw(1e-3), config, n), memory.num_params(shapes)
+
+
+def abstract_plan(preset: str, config: ZeroConfig, n: int) -> tuple[ShardingPlan, int]:
+  """The plan of a GPT preset under AdamW over ``n`` devices that need not exist (an abstract
+  mesh), and its parameter count."""
+  shape = config.resolved_mesh_shape(n)
+  mesh = AbstractMesh(shape, config.mesh_axes, axis_types=(AxisType.Auto,) * len(shape))
+  _, _, shapes = model_shapes(preset, config)
+  plan = ShardingPlan.create(config, mesh, shapes, tx=optax.adamw(1e-3))
+  return plan, memory.num_params(shapes)
+
+
 def step_peak(preset: str, config: ZeroConfig, batch: int, seq: int | None = None) -> int:
   """Per-device peak of the GPT training step (`zerojax.tools.train`'s step: AdamW, the config's
   stage, offload, remat and batch sizes) for ``batch`` rows of ``seq`` tokens, from XLA's
   memory analysis of the compiled step (arguments + outputs - aliased + temporaries).
 
   The step is lowered and compiled on abstract state: nothing is allocated. The mesh is
-  ``config``'s over this machine's devices.
+  ``config``'s over this machine's devices; a config without batch sizes gets ``batch`` rows.
   """
-  import jax
-  import jax.numpy as jnp
-  import optax
-  import zerojax
-  from zerojax.runtime.checkpoint import abstract_train_state
-  from zerojax.runtime.memory import compiled_peak, lm_train_step
   model, mcfg, _ = model_shapes(preset, config)
   seq = seq or mcfg.seq_len
   if seq > mcfg.seq_len:
     raise ConfigError(f"--seq {seq} is longer than the {preset} model's seq_len {mcfg.seq_len}")
   if (config.train_batch_size, config.micro_batch_per_device) == (None, None):
-    config = config.replace(train_batch_size=batch)
+    config = config.replace(train_batch_size=batch)  # before the mesh: abstract_train_state's
   tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
   state, plan = abstract_train_state(model, optax.adamw(1e-3), jax.random.key(0), tokens,
                                      config=config)
-
-  train_step = zerojax.zero_step(plan)(lm_train_step)
-
+  train_step = zero_step(plan)(memory.lm_train_step)
   b = plan.bytes_per_device()
   compiled = train_step.lower(state, {"x": tokens, "y": tokens}).compile()
-  return compiled_peak(compiled, host_resident=b["params_host"] + b["opt_state_host"])[0]
+  return memory.compiled_peak(compiled,
+                              host_resident=b["params_host"] + b["opt_state_host"])[0]
+
+
+def preset_model(model: Any, config: ZeroConfig, seq_len: Any = None) -> Any:
+  """A Flax module as it is, or the GPT preset of that name in ``config.compute_dtype`` (its
+  position table ``seq_len`` long when given)."""
+  if not isinstance(model, str):
+    return model
+  if model not in PRESETS:
+    raise ValueError(f"model={model!r} is not a GPT preset; presets are {sorted(PRESETS)} "
+                     "(or pass a Flax linen module)")
+  cfg = dataclasses.replace(PRESETS[model], dtype=jnp.dtype(config.compute_dtype))
+  if isinstance(seq_len, (int, np.integer)) and seq_len > 0:  # position table = sequence
+    cfg = dataclasses.replace(cfg, seq_len=int(seq_len))
+  return GPT(cfg)
+
+
+def compile_for_topology(config: ZeroConfig | str | os.PathLike, model: Any, batch: Any,
+                         topology: str, **kwargs: Any) -> memory.TopologyCompile:
+  """`zerojax.runtime.memory.compile_for_topology` for a config given as a `ZeroConfig` or the
+  path of a zerojax or DeepSpeed config file, and a model given as a Flax linen module or a
+  GPT preset name (``zerojax.models.PRESETS``; compute dtype from ``config.compute_dtype``,
+  position table as long as ``batch``'s sequence). ``kwargs``: that function's (``tx``,
+  ``train_step``, ``init_args``, ``compiler_options``, ``memory_fraction``)."""
+  if not isinstance(config, ZeroConfig):
+    config = load_config(config, apply_xla_flags=False).config
+  seq_len = batch[1] if isinstance(batch, tuple) and len(batch) == 2 else None
+  return memory.compile_for_topology(config, preset_model(model, config, seq_len), batch,
+                                     topology, **kwargs)

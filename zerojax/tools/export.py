@@ -35,12 +35,22 @@ import argparse
 import json
 import math
 import os
+import shutil
 import struct
 import sys
 import zipfile
 from typing import Any, Sequence
 
+import jax
+import ml_dtypes
 import numpy as np
+from flax import nnx
+
+from zerojax.core.plan import path_str
+from zerojax.models import llama
+from zerojax.runtime import weights
+from zerojax.runtime.checkpoint import (STATE_ITEM, CheckpointError, Checkpointer,
+                                        numpy_checksum, read_leaf)
 
 DTYPES = {"float32": "float32", "fp32": "float32", "f32": "float32",
           "bfloat16": "bfloat16", "bf16": "bfloat16"}
@@ -53,7 +63,6 @@ __all__ = ["export", "main", "load_npz"]
 
 def _np_dtype(name: str) -> np.dtype:
   if name == "bfloat16":
-    import ml_dtypes
     return np.dtype(ml_dtypes.bfloat16)
   return np.dtype(name)
 
@@ -65,7 +74,7 @@ def export(checkpoint_dir: str | os.PathLike, out_path: str | os.PathLike, *,
   """Writes a checkpoint's parameters, unsharded, to ``out_path``.
 
   Args:
-    checkpoint_dir: a `zerojax.runtime.checkpoint.Checkpointer` directory.
+    checkpoint_dir: a `zerojax.checkpoint.Checkpointer` directory.
     out_path: the output file (written to a temporary name, then renamed into place).
     step: the step to export; ``None`` is the latest complete checkpoint.
     dtype: ``'float32'`` (``'fp32'``) or ``'bfloat16'`` (``'bf16'``); floating-point leaves
@@ -89,65 +98,11 @@ def export(checkpoint_dir: str | os.PathLike, out_path: str | os.PathLike, *,
     CheckpointError: a leaf cannot be read or its checksum differs from the recorded one.
     ValueError: an unknown ``dtype`` or ``format``.
   """
-  from zerojax.runtime.checkpoint import (STATE_ITEM, CheckpointError, Checkpointer, numpy_checksum,
-                                  read_leaf)
-  from zerojax.core.plan import path_str
-  import jax
-
   out_path = os.fspath(out_path)
-  if dtype not in DTYPES:
-    raise ValueError(f"export(dtype={dtype!r}) is invalid: allowed are {sorted(DTYPES)}")
-  dtype = DTYPES[dtype]
-  if format is None:
-    format = ("hf" if hf_config is not None else  # noqa: A001
-              "safetensors" if out_path.endswith(".safetensors") else "npz")
-  if format not in FORMATS:
-    raise ValueError(f"export(format={format!r}) is invalid: allowed are {FORMATS}")
-  if (format == "hf") != (hf_config is not None):
-    raise ValueError(f"export(format={format!r}, hf_config={hf_config!r}) is invalid: the "
-                     "'hf' format needs hf_config (the model's Hugging Face config.json), and "
-                     "hf_config is only used by the 'hf' format")
-
-  ckpt = Checkpointer(checkpoint_dir, read_only=True)
-  try:
-    step = ckpt._resolve_step(step)
-    where = ckpt.step_dir(step)
-    meta = ckpt.read_meta(step)
-    md = ckpt._mgr.metadata(step).item_metadata[STATE_ITEM]
-    tree = md.tree if hasattr(md, "tree") else md
-  finally:
-    ckpt.close()
-  if not isinstance(tree, dict) or "params" not in tree:
-    raise CheckpointError(f"checkpoint {where!r} holds no 'params' in its state item "
-                          f"(it has {sorted(tree) if isinstance(tree, dict) else type(tree)})")
-  item_dir = os.path.join(where, STATE_ITEM)
-  leaves = []  # (name, keypath, stored shape, stored dtype, out dtype)
-  for kp, m in jax.tree_util.tree_flatten_with_path(tree["params"])[0]:
-    sdt = np.dtype(m.dtype)
-    odt = _np_dtype(dtype) if np.issubdtype(sdt, np.floating) or sdt.name == "bfloat16" else sdt
-    leaves.append((path_str(kp), (jax.tree_util.DictKey("params"),) + tuple(kp),
-                   tuple(m.shape), sdt, odt))
-  checksums = meta.get("checksums") or {}
-
-  def load(name, kp, shape, sdt, odt) -> np.ndarray:
-    try:
-      x = read_leaf(item_dir, kp, tree)
-    except Exception as e:
-      raise CheckpointError(f"checkpoint {where!r}: leaf 'params/{name}' cannot be read "
-                            f"(corrupted or truncated?): {type(e).__name__}: {str(e)[:500]}"
-                            ) from e
-    if x.shape != shape or x.dtype != sdt:
-      raise CheckpointError(f"checkpoint {where!r}: leaf 'params/{name}' was read as shape "
-                            f"{x.shape} {x.dtype}, its metadata says {shape} {sdt}")
-    want = checksums.get(f"params/{name}")
-    got = list(numpy_checksum(x))
-    if want is None or list(want) != got:
-      raise CheckpointError(
-          f"checkpoint {where!r} is corrupted: leaf 'params/{name}' read back with checksum "
-          f"{got[0]:08x}{got[1]:08x}, but "
-          + (f"{want[0]:08x}{want[1]:08x}" if want else "none") + " was recorded when it was saved")
-    return x.astype(odt, copy=False) if x.dtype != odt else x
-
+  dtype, format = _check_args(out_path, dtype, format, hf_config)  # noqa: A001
+  step, where, meta, tree = _read_params_tree(checkpoint_dir, step)
+  leaves = _leaves(tree["params"], dtype)
+  load = _leaf_loader(where, tree, meta.get("checksums") or {})
   info = {"format": "zerojax-export", "checkpoint": where, "step": step, "dtype": dtype,
           "config": meta.get("config")}
   if format == "hf":
@@ -171,6 +126,78 @@ def export(checkpoint_dir: str | os.PathLike, out_path: str | os.PathLike, *,
   return {"path": out_path, "step": step, "format": format, "dtype": dtype,
           "num_params": sum(math.prod(s) for _, _, s, _, _ in leaves),
           "num_leaves": len(leaves), "bytes": os.path.getsize(out_path)}
+
+
+def _check_args(out_path: str, dtype: str, format: str | None,  # noqa: A002
+                hf_config: Any) -> tuple[str, str]:
+  """``(dtype, format)`` resolved from `export`'s arguments, or the error naming the bad one."""
+  if dtype not in DTYPES:
+    raise ValueError(f"export(dtype={dtype!r}) is invalid: allowed are {sorted(DTYPES)}")
+  if format is None:
+    format = ("hf" if hf_config is not None else  # noqa: A001
+              "safetensors" if out_path.endswith(".safetensors") else "npz")
+  if format not in FORMATS:
+    raise ValueError(f"export(format={format!r}) is invalid: allowed are {FORMATS}")
+  if (format == "hf") != (hf_config is not None):
+    raise ValueError(f"export(format={format!r}, hf_config={hf_config!r}) is invalid: the "
+                     "'hf' format needs hf_config (the model's Hugging Face config.json), and "
+                     "hf_config is only used by the 'hf' format")
+  return DTYPES[dtype], format
+
+
+def _read_params_tree(checkpoint_dir: str | os.PathLike, step: int | None
+                      ) -> tuple[int, str, dict, Any]:
+  """``(step, its directory, its metadata, the state item's tree of leaf metadata)``."""
+  ckpt = Checkpointer(checkpoint_dir, read_only=True)
+  try:
+    step = ckpt._resolve_step(step)
+    where = ckpt.step_dir(step)
+    meta = ckpt.read_meta(step)
+    md = ckpt._mgr.metadata(step).item_metadata[STATE_ITEM]
+    tree = md.tree if hasattr(md, "tree") else md
+  finally:
+    ckpt.close()
+  if not isinstance(tree, dict) or "params" not in tree:
+    raise CheckpointError(f"checkpoint {where!r} holds no 'params' in its state item "
+                          f"(it has {sorted(tree) if isinstance(tree, dict) else type(tree)})")
+  return step, where, meta, tree
+
+
+def _leaves(params: Any, dtype: str) -> list[tuple]:
+  """``(name, keypath, stored shape, stored dtype, out dtype)`` of each parameter leaf."""
+  leaves = []
+  for kp, m in jax.tree_util.tree_flatten_with_path(params)[0]:
+    sdt = np.dtype(m.dtype)
+    odt = _np_dtype(dtype) if np.issubdtype(sdt, np.floating) or sdt.name == "bfloat16" else sdt
+    leaves.append((path_str(kp), (jax.tree_util.DictKey("params"),) + tuple(kp),
+                   tuple(m.shape), sdt, odt))
+  return leaves
+
+
+def _leaf_loader(where: str, tree: Any, checksums: dict):
+  """``load(name, keypath, shape, stored dtype, out dtype) -> array``: one leaf read from the
+  checkpoint, checked against its recorded checksum, in the out dtype."""
+  item_dir = os.path.join(where, STATE_ITEM)
+
+  def load(name, kp, shape, sdt, odt) -> np.ndarray:
+    try:
+      x = read_leaf(item_dir, kp, tree)
+    except Exception as e:
+      raise CheckpointError(f"checkpoint {where!r}: leaf 'params/{name}' cannot be read "
+                            f"(corrupted or truncated?): {type(e).__name__}: {str(e)[:500]}"
+                            ) from e
+    if x.shape != shape or x.dtype != sdt:
+      raise CheckpointError(f"checkpoint {where!r}: leaf 'params/{name}' was read as shape "
+                            f"{x.shape} {x.dtype}, its metadata says {shape} {sdt}")
+    want = checksums.get(f"params/{name}")
+    got = list(numpy_checksum(x))
+    if want is None or list(want) != got:
+      raise CheckpointError(
+          f"checkpoint {where!r} is corrupted: leaf 'params/{name}' read back with checksum "
+          f"{got[0]:08x}{got[1]:08x}, but "
+          + (f"{want[0]:08x}{want[1]:08x}" if want else "none") + " was recorded when it was saved")
+    return x.astype(odt, copy=False) if x.dtype != odt else x
+  return load
 
 
 def _write_npz(path, leaves, load, info) -> None:
@@ -235,13 +262,36 @@ def _write_hf(out_dir, leaves, load, info, hf_config, lora_alpha, dtype, model_m
   """A Hugging Face model directory from the base's own files: its ``config.json`` (only the
   dtype changed), its ``generation_config.json`` and tokenizer files (copied), and the trained
   tensors (LoRA merged) under the family's names in ``model.safetensors``."""
-  import shutil
-  from zerojax.models import llama
-  from zerojax.runtime import weights
-  from zerojax.core.plan import path_str
-  import jax
-  from flax import nnx
+  base_dir, base, cfg = _read_base(hf_config)
+  family = (model_meta or {}).get("family")
+  if family is not None and family != cfg.model_type:
+    raise ValueError(f"checkpoint {info['checkpoint']!r} records a {family!r} model, but the "
+                     f"Hugging Face config {base_dir or 'given'} is model_type "
+                     f"{cfg.model_type!r}: pass the base model the run started from")
+  where = info["checkpoint"]
+  _check_architecture(leaves, cfg, where, base_dir)
+  by_path = {leaf[0]: leaf for leaf in leaves}
+  adapters = sorted({p.rsplit("/", 1)[0] for p in by_path if p.endswith("/lora_a")})
+  alpha = _lora_alpha(adapters, lora_alpha, model_meta, where)
+  out = _merged(leaves, load, by_path, adapters, alpha)
+  os.makedirs(out_dir, exist_ok=True)
+  res = weights.save_hf(out, os.path.join(out_dir, "model.safetensors"), llama.hf_mapping(cfg),
+                        metadata={"zerojax": json.dumps(info)})
+  # What training changed: the weights, and their dtype. Everything else is the base's.
+  config = dict(base)
+  config["dtype"] = dtype
+  if "torch_dtype" in base:
+    config["torch_dtype"] = dtype
+  config.setdefault("architectures", llama.hf_config(cfg)["architectures"])
+  with open(os.path.join(out_dir, "config.json"), "w") as f:
+    json.dump(config, f, indent=2)
+  copied = _copy_base_files(base_dir, out_dir, base)
+  return {"num_params": sum(math.prod(s) for _, _, s, _ in out), "bytes": res["bytes"],
+          "copied": copied, "lora_alpha": alpha}
 
+
+def _read_base(hf_config: Any) -> tuple[str | None, dict, Any]:
+  """``(the base's directory or None, a copy of its config.json, its LlamaConfig)``."""
   base_dir = None
   if not isinstance(hf_config, dict):
     p = os.fspath(hf_config)
@@ -250,15 +300,11 @@ def _write_hf(out_dir, leaves, load, info, hf_config, lora_alpha, dtype, model_m
                               "or its directory)")
     base_dir = p if os.path.isdir(p) else os.path.dirname(os.path.abspath(p))
   base = json.loads(json.dumps(llama.read_hf_config(hf_config)))  # a copy
-  cfg = llama.from_hf_config(base)
-  family = (model_meta or {}).get("family")
-  if family is not None and family != cfg.model_type:
-    raise ValueError(f"checkpoint {info['checkpoint']!r} records a {family!r} model, but the "
-                     f"Hugging Face config {base_dir or 'given'} is model_type "
-                     f"{cfg.model_type!r}: pass the base model the run started from")
-  by_path = {leaf[0]: leaf for leaf in leaves}
-  where = info["checkpoint"]
-  # The checkpoint must be the base's architecture (anything else is a different model).
+  return base_dir, base, llama.from_hf_config(base)
+
+
+def _check_architecture(leaves: list[tuple], cfg: Any, where: str, base_dir: str | None) -> None:
+  """The checkpoint must be the base's architecture (anything else is a different model)."""
   want = {path_str(kp): tuple(x.shape) for kp, x in jax.tree_util.tree_flatten_with_path(
       nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: llama.Llama(cfg, nnx.Rngs(0))),
                                  nnx.Param)))[0]}
@@ -273,8 +319,10 @@ def _write_hf(out_dir, leaves, load, info, hf_config, lora_alpha, dtype, model_m
     raise ValueError(f"checkpoint {where!r} does not match the Hugging Face config "
                      f"{base_dir or 'given'} ({cfg.model_type}): " + "; ".join(problems[:6])
                      + (f"; and {len(problems) - 6} more" if len(problems) > 6 else ""))
-  adapters = sorted({p.rsplit("/", 1)[0] for p in by_path if p.endswith("/lora_a")})
-  alpha = _lora_alpha(adapters, lora_alpha, model_meta, where)
+
+
+def _merged(leaves, load, by_path, adapters, alpha) -> list[tuple]:
+  """``(name, read, shape, dtype)`` of each base tensor, LoRA adapters merged into theirs."""
   out = []
   for name, kp, shape, sdt, odt in leaves:
     if "/lora_" in name:
@@ -291,17 +339,12 @@ def _write_hf(out_dir, leaves, load, info, hf_config, lora_alpha, dtype, model_m
       out.append((name, merged, shape, odt))
     else:
       out.append((name, lambda leaf=(name, kp, shape, sdt, odt): load(*leaf), shape, odt))
-  os.makedirs(out_dir, exist_ok=True)
-  res = weights.save_hf(out, os.path.join(out_dir, "model.safetensors"), llama.hf_mapping(cfg),
-                        metadata={"zerojax": json.dumps(info)})
-  # What training changed: the weights, and their dtype. Everything else is the base's.
-  config = dict(base)
-  config["dtype"] = dtype
-  if "torch_dtype" in base:
-    config["torch_dtype"] = dtype
-  config.setdefault("architectures", llama.hf_config(cfg)["architectures"])
-  with open(os.path.join(out_dir, "config.json"), "w") as f:
-    json.dump(config, f, indent=2)
+  return out
+
+
+def _copy_base_files(base_dir: str | None, out_dir: str, base: dict) -> list[str]:
+  """Copies the base's tokenizer and generation config (or derives the latter from its
+  config, as transformers does for a checkpoint without one); returns the names copied."""
   copied = []
   if base_dir is not None:
     names = [n for n in TOKENIZER_FILES + ("generation_config.json",)
@@ -312,12 +355,10 @@ def _write_hf(out_dir, leaves, load, info, hf_config, lora_alpha, dtype, model_m
         shutil.copyfile(os.path.join(base_dir, n), os.path.join(out_dir, n))
       copied.append(n)
   if "generation_config.json" not in copied:
-    # As transformers derives it from the model config when a checkpoint has none.
     gen = {k: base[k] for k in _GENERATION_KEYS if base.get(k) is not None}
     with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
       json.dump({**gen, "_from_model_config": True}, f, indent=2)
-  return {"num_params": sum(math.prod(s) for _, _, s, _ in out), "bytes": res["bytes"],
-          "copied": copied, "lora_alpha": alpha}
+  return copied
 
 
 def load_npz(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], dict]:
@@ -360,7 +401,6 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m zerojax.tools
                  help="LoRA alpha to merge adapters with (default: the alpha recorded in the "
                       "checkpoint)")
   args = p.parse_args(argv)
-  from zerojax.runtime.checkpoint import CheckpointError
   try:
     info = export(args.checkpoint_dir, args.out, step=args.step, dtype=args.dtype,
                   format=args.format, hf_config=args.hf_config, lora_alpha=args.lora_alpha)

@@ -24,7 +24,23 @@ import dataclasses
 import os
 from typing import Any, Sequence
 
-from zerojax.core.config import ConfigError
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.experimental import multihost_utils
+
+from zerojax import create_nnx, value_and_grad, zero_step
+from zerojax.core import memory_kinds, offload
+from zerojax.core.config import ConfigError, read_config_file
+from zerojax.models import llama
+from zerojax.runtime import weights
+from zerojax.runtime.checkpoint import Checkpointer
+from zerojax.tools import deepspeed, hf_data
+from zerojax.tools.config_file import load_config, parse_overrides
+from zerojax.tools.export import export
+from zerojax.tools.options import TrainOptions
+from zerojax.tools.train import Task, is_main_process, log, setup_cpu_devices, train
 
 __all__ = ["FinetuneOptions", "finetune", "finetune_task", "run", "DEFAULTS"]
 
@@ -84,25 +100,13 @@ class FinetuneOptions:
 
 def _loss(logits, batch):
   """Mean cross-entropy over the targets the mask keeps."""
-  import jax.numpy as jnp
-  import optax
   ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
   m = batch["mask"].astype(jnp.float32)
   return (ce * m).sum() / jnp.maximum(m.sum(), 1.0)
 
 
-def finetune_task(fo: FinetuneOptions, opts: Any, config: Any):
+def finetune_task(fo: FinetuneOptions, opts: Any, config: Any) -> Task:
   """The `zerojax.tools.train.Task` of a fine-tuning run: the model, its data and evaluation."""
-  import jax
-  import jax.numpy as jnp
-  import optax
-  from flax import nnx
-  import zerojax
-  from zerojax.models import llama
-  from zerojax.runtime import weights
-  from zerojax.tools import hf_data
-  from zerojax.tools.train import Task, log
-
   base = llama.from_hf_config(fo.model_dir)
   cfg = llama.from_hf_config(fo.model_dir, remat=fo.remat, lora_rank=fo.lora,
                              lora_alpha=float(fo.lora_alpha), lora_targets=fo.lora_targets,
@@ -111,6 +115,32 @@ def finetune_task(fo: FinetuneOptions, opts: Any, config: Any):
   if seq_len > cfg.max_position_embeddings:
     raise ConfigError(f"seq_len={seq_len} is invalid for {fo.model_dir!r}: at most its "
                       f"max_position_embeddings={cfg.max_position_embeddings}")
+  rows, eval_rows = _read_data(fo, cfg, seq_len)
+
+  def sharding(plan, n):
+    return plan.batch({"x": jax.ShapeDtypeStruct((n, seq_len), jnp.int32)})["x"]
+
+  def batches(plan, n, data_step):
+    return hf_data.Batches(rows, n, seed=opts.seed, sharding=sharding(plan, n), step=data_step)
+
+  evaluate, cache = (None, {}) if eval_rows is None else _evaluator(eval_rows, sharding)
+
+  def make_step(plan):
+    if evaluate is not None:
+      cache["plan"] = plan
+    return _make_step(fo, plan)
+
+  name = os.path.basename(os.path.normpath(fo.model_dir)) + (f" + LoRA {fo.lora}"
+                                                             if fo.lora else "")
+  return Task(name, seq_len, _setup(fo, opts, cfg, base), make_step, batches,
+              num_params=lambda state: cfg.num_params(), save_item=_item,
+              checkpoint_model=llama.checkpoint_model(cfg), evaluate=evaluate,
+              eval_every=fo.eval_every)
+
+
+def _read_data(fo: FinetuneOptions, cfg: Any, seq_len: int) -> tuple[Any, Any]:
+  """The training rows and the evaluation rows (or None), tokenized with the checkpoint's
+  own tokenizer; logs what they hold."""
   tok = hf_data.load_tokenizer(fo.model_dir)
   if tok.vocab_size > cfg.vocab_size:
     raise ConfigError(f"the tokenizer in {fo.model_dir!r} has {tok.vocab_size} ids, the "
@@ -122,14 +152,22 @@ def finetune_task(fo: FinetuneOptions, opts: Any, config: Any):
       "targets in the loss" + (f", {rows.truncated} documents cut at seq_len"
                                if rows.truncated else "")
       + (f"; eval {fo.eval_data}: {len(eval_rows)} rows" if eval_rows is not None else ""))
+  return rows, eval_rows
+
+
+def _item(state):
+  """What a checkpoint of a fine-tuning run holds: the parameters and the optimizer's state."""
+  model, optimizer = state
+  o = nnx.to_pure_dict(nnx.state(optimizer))
+  return {"params": nnx.to_pure_dict(nnx.state(model, nnx.Param)),
+          "opt_state": o["opt_state"], "step": o["step"]}
+
+
+def _setup(fo: FinetuneOptions, opts: Any, cfg: Any, base: Any):
+  """`Task.setup`: the model read from the checkpoint directory's safetensors into its
+  shards, or a resumed run's state from its checkpoint."""
   wrt = nnx.LoRAParam if fo.lora else nnx.Param
   make = lambda: llama.Llama(cfg, nnx.Rngs(opts.seed))
-
-  def item(state):
-    model, optimizer = state
-    o = nnx.to_pure_dict(nnx.state(optimizer))
-    return {"params": nnx.to_pure_dict(nnx.state(model, nnx.Param)),
-            "opt_state": o["opt_state"], "step": o["step"]}
 
   def setup(config, mesh, tx, rng, resume_step):
     if resume_step is None:
@@ -138,12 +176,11 @@ def finetune_task(fo: FinetuneOptions, opts: Any, config: Any):
       src = weights.safetensors_source(
           fo.model_dir, llama.hf_mapping(base), skip="lora_" if fo.lora else None,
           allow_extra=[r"^lm_head\.weight$"] if cfg.tie_word_embeddings else False)
-      model, optimizer, plan = zerojax.create_nnx(make, tx, config=config, mesh=mesh, wrt=wrt,
-                                                  params=src)
+      model, optimizer, plan = create_nnx(make, tx, config=config, mesh=mesh, wrt=wrt,
+                                          params=src)
       return (model, optimizer), plan, 0, 0
-    from zerojax.runtime.checkpoint import Checkpointer
     with jax.set_mesh(mesh):
-      target = item(nnx.eval_shape(lambda: (lambda m: (m, nnx.Optimizer(m, tx, wrt=wrt)))(
+      target = _item(nnx.eval_shape(lambda: (lambda m: (m, nnx.Optimizer(m, tx, wrt=wrt)))(
           make())))
     got: dict = {}
 
@@ -153,8 +190,8 @@ def finetune_task(fo: FinetuneOptions, opts: Any, config: Any):
           got["state"], got["extras"] = ck.restore(target, plan, step=resume_step)
         return got["state"]["params"]
 
-    model, optimizer, plan = zerojax.create_nnx(make, tx, config=config, mesh=mesh, wrt=wrt,
-                                                params=_Restore())
+    model, optimizer, plan = create_nnx(make, tx, config=config, mesh=mesh, wrt=wrt,
+                                        params=_Restore())
     st = nnx.state(optimizer)
     nnx.replace_by_pure_dict(st, {"opt_state": got["state"]["opt_state"],
                                   "step": got["state"]["step"]})
@@ -162,74 +199,61 @@ def finetune_task(fo: FinetuneOptions, opts: Any, config: Any):
     extras = got["extras"]
     return ((model, optimizer), plan, int(extras.step),
             int((extras.data or {}).get("batches_step", extras.step)))
+  return setup
 
-  def make_step(plan):
-    def loss_of(model, batch):
-      return _loss(model(batch["x"], segment_ids=batch["segment_ids"],
-                         positions=batch["positions"]), batch)
 
-    # LoRA: the gradient of the adapters only; full: zerojax's (gradient accumulation).
-    grad = (nnx.value_and_grad(loss_of, argnums=nnx.DiffState(0, nnx.LoRAParam)) if fo.lora
-            else zerojax.value_and_grad(loss_of))
+def _make_step(fo: FinetuneOptions, plan: Any):
+  """`Task.make_step`: ``(state, batch) -> (state, metrics)`` over the plan."""
+  def loss_of(model, batch):
+    return _loss(model(batch["x"], segment_ids=batch["segment_ids"],
+                       positions=batch["positions"]), batch)
 
-    @zerojax.zero_step(plan)
-    def step(model, optimizer, batch):
-      loss, grads = grad(model, batch)
-      gn = optax.tree.norm(grads)
-      optimizer.update(model, grads)
-      return {"loss": loss, "grad_norm": gn,
-              "overflow": ~(jnp.isfinite(loss) & jnp.isfinite(gn))}
+  # LoRA: the gradient of the adapters only; full: zerojax's (gradient accumulation).
+  grad = (nnx.value_and_grad(loss_of, argnums=nnx.DiffState(0, nnx.LoRAParam)) if fo.lora
+          else value_and_grad(loss_of))
 
-    def run_step(state, batch):
-      return state, step(*state, batch)
+  @zero_step(plan)
+  def step(model, optimizer, batch):
+    loss, grads = grad(model, batch)
+    gn = optax.tree.norm(grads)
+    optimizer.update(model, grads)
+    return {"loss": loss, "grad_norm": gn,
+            "overflow": ~(jnp.isfinite(loss) & jnp.isfinite(gn))}
 
-    return run_step
+  def run_step(state, batch):
+    return state, step(*state, batch)
 
-  def sharding(plan, n):
-    return plan.batch({"x": jax.ShapeDtypeStruct((n, seq_len), jnp.int32)})["x"]
+  return run_step
 
-  def batches(plan, n, data_step):
-    return hf_data.Batches(rows, n, seed=opts.seed, sharding=sharding(plan, n), step=data_step)
 
-  evaluate = None
-  if eval_rows is not None:
-    cache: dict = {}
+def _evaluator(eval_rows: Any, sharding: Any) -> tuple[Any, dict]:
+  """``(evaluate, cache)``: `Task.evaluate` over every evaluation row; the caller puts the
+  run's plan in ``cache['plan']`` once it exists."""
+  cache: dict = {}
 
-    def eval_sums(params, rest, batch):  # pure: the trained model is not touched
-      plan = cache["plan"]
-      if plan.params_on_host:  # offloaded parameters come to the device, as the step does
-        from zerojax.core import memory_kinds, offload
-        params = offload.put_like(params, memory_kinds.on_device(plan.params))
-      model = nnx.merge(cache["graphdef"], params, rest)
-      logits = model(batch["x"], segment_ids=batch["segment_ids"], positions=batch["positions"])
-      ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
-      m = batch["mask"].astype(jnp.float32)
-      return (ce * m).sum(), m.sum()
+  def eval_sums(params, rest, batch):  # pure: the trained model is not touched
+    plan = cache["plan"]
+    if plan.params_on_host:  # offloaded parameters come to the device, as the step does
+      params = offload.put_like(params, memory_kinds.on_device(plan.params))
+    model = nnx.merge(cache["graphdef"], params, rest)
+    logits = model(batch["x"], segment_ids=batch["segment_ids"], positions=batch["positions"])
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
+    m = batch["mask"].astype(jnp.float32)
+    return (ce * m).sum(), m.sum()
 
-    def evaluate(state):
-      model, optimizer = state
-      n = cache["plan"].batch_sizes[0]  # the training batch's rows and sharding
-      if "batches" not in cache:
-        cache["batches"] = hf_data.eval_batches(eval_rows, n, sharding(cache["plan"], n))
-        cache["fn"] = jax.jit(eval_sums)
-      cache["graphdef"], params, rest = nnx.split(model, nnx.Param, ...)
-      total = count = 0.0
-      for b in cache["batches"]:
-        s, c = cache["fn"](params, rest, b)
-        total, count = total + s, count + c
-      return {"eval_loss": total / jnp.maximum(count, 1.0)}
-
-  def make_step_and_remember(plan):
-    if evaluate is not None:
-      cache["plan"] = plan
-    return make_step(plan)
-
-  name = os.path.basename(os.path.normpath(fo.model_dir)) + (f" + LoRA {fo.lora}"
-                                                             if fo.lora else "")
-  return Task(name, seq_len, setup, make_step_and_remember, batches,
-              num_params=lambda state: cfg.num_params(), save_item=item,
-              checkpoint_model=llama.checkpoint_model(cfg), evaluate=evaluate,
-              eval_every=fo.eval_every)
+  def evaluate(state):
+    model, optimizer = state
+    n = cache["plan"].batch_sizes[0]  # the training batch's rows and sharding
+    if "batches" not in cache:
+      cache["batches"] = hf_data.eval_batches(eval_rows, n, sharding(cache["plan"], n))
+      cache["fn"] = jax.jit(eval_sums)
+    cache["graphdef"], params, rest = nnx.split(model, nnx.Param, ...)
+    total = count = 0.0
+    for b in cache["batches"]:
+      s, c = cache["fn"](params, rest, b)
+      total, count = total + s, count + c
+    return {"eval_loss": total / jnp.maximum(count, 1.0)}
+  return evaluate, cache
 
 
 def finetune(fo: FinetuneOptions, config_path: str | None = None,
@@ -240,40 +264,26 @@ def finetune(fo: FinetuneOptions, config_path: str | None = None,
   (`zerojax.tools.train.TrainResult`, the export's summary or None). ``hooks``: extra
   `zerojax.tools.train.Hook`s for the loop; ``progress``/``resume``/``overwrite`` as the
   command's ``--no-progress``/``--no-resume``/``--overwrite``."""
-  from zerojax.tools.config_file import load_config, parse_overrides
-  from zerojax.tools import train as zt
-  overrides = list(overrides)
-  # The fine-tuning defaults fill what neither the command line nor the file sets (a DeepSpeed
-  # "auto" then takes them: they are the run's own settings).
-  first = load_config(config_path, overrides, apply_xla_flags=False, for_training=False)
-  _, given = parse_overrides(overrides)
-  have = set(first.train) | set(given)
-  if first.deepspeed:  # an optimizer "auto" resolved from zerojax train's defaults is not set
-    have = set(given) | (set(first.train) - {"lr", "weight_decay"}) | _numeric_optimizer_keys(
-        config_path)
-  defaults = dict(DEFAULTS, lr=LR_LORA if fo.lora else LR_FULL)
-  extra = [f"{k}={v}" for k, v in defaults.items() if k not in have]
-  extra += _deepspeed_auto_defaults(config_path, overrides)
-  loaded = load_config(config_path, extra + overrides)
-  train = dict(loaded.train)
+  loaded = _load_with_defaults(fo, config_path, list(overrides))
+  train_opts = dict(loaded.train)
   for k in ("corpus", "init_from"):
-    if train.get(k) is not None:
-      raise ConfigError(f"{k}={train[k]!r} is not read by zerojax finetune: it starts from "
+    if train_opts.get(k) is not None:
+      raise ConfigError(f"{k}={train_opts[k]!r} is not read by zerojax finetune: it starts from "
                         "MODEL_DIR's weights and reads --data")
-  train.setdefault("checkpoint_dir", os.path.join(train["out_dir"], "ckpt"))
+  train_opts.setdefault("checkpoint_dir", os.path.join(train_opts["out_dir"], "ckpt"))
   # What the run trains and on what, recorded in run.json: a resume with another data file,
   # packing or LoRA rank is refused as another run (zerojax train's check of the options).
-  train["model"] = (f"{os.path.normpath(fo.model_dir)} [packing={fo.packing}, "
-                    f"lora={fo.lora}]")
-  train["corpus"] = os.path.abspath(fo.data)
-  train["save_weights"] = False
-  opts = zt.TrainOptions(**train)
+  train_opts["model"] = (f"{os.path.normpath(fo.model_dir)} [packing={fo.packing}, "
+                         f"lora={fo.lora}]")
+  train_opts["corpus"] = os.path.abspath(fo.data)
+  train_opts["save_weights"] = False
+  opts = TrainOptions(**train_opts)
   if progress is not None:
     opts.progress = progress
   if resume is not None:
     opts.resume = resume
   opts.overwrite = overwrite or opts.overwrite
-  zt.setup_cpu_devices(opts.cpu_devices)
+  setup_cpu_devices(opts.cpu_devices)
   notes = [f"DeepSpeed {n}" for n in loaded.notes]
   if loaded.xla_flags:
     notes.append(f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')}")
@@ -285,21 +295,39 @@ def finetune(fo: FinetuneOptions, config_path: str | None = None,
   if config.nonfinite_policy == "skip":
     raise ConfigError("nonfinite_grads='skip' is not available to zerojax finetune: 'halt' "
                       "(stop at a non-finite step) or 'ignore'")
-  task = finetune_task(fo, opts, config)
-  result = zt.train(config, opts, xla_notes=notes, task=task, hooks=hooks)
-  info = None
-  if fo.export and result.history and result.history[-1]["step"] == opts.steps:
-    import jax
-    if jax.process_count() > 1:
-      from jax.experimental import multihost_utils
-      multihost_utils.sync_global_devices("zerojax finetune: checkpoints written")
-    if zt.is_main_process():
-      from zerojax.tools.export import export
-      out = fo.export_dir or os.path.join(opts.out_dir, "hf")
-      info = export(opts.checkpoint_dir, out, hf_config=fo.model_dir)
-      zt.log(f"exported step {info['step']} to {info['path']} ({info['num_params']:,} "
-             "parameters): transformers' AutoModelForCausalLM.from_pretrained reads it")
-  return {"result": result, "export": info}
+  result = train(config, opts, xla_notes=notes, task=finetune_task(fo, opts, config),
+                 hooks=hooks)
+  return {"result": result, "export": _export(fo, opts, result)}
+
+
+def _load_with_defaults(fo: FinetuneOptions, config_path: str | None, overrides: list[str]):
+  """The config file and overrides, with the fine-tuning defaults filling what neither sets (a
+  DeepSpeed "auto" then takes them: they are the run's own settings)."""
+  first = load_config(config_path, overrides, apply_xla_flags=False, for_training=False)
+  _, given = parse_overrides(overrides)
+  have = set(first.train) | set(given)
+  if first.deepspeed:  # an optimizer "auto" resolved from zerojax train's defaults is not set
+    have = set(given) | (set(first.train) - {"lr", "weight_decay"}) | _numeric_optimizer_keys(
+        config_path)
+  defaults = dict(DEFAULTS, lr=LR_LORA if fo.lora else LR_FULL)
+  extra = [f"{k}={v}" for k, v in defaults.items() if k not in have]
+  extra += _deepspeed_auto_defaults(config_path, overrides)
+  return load_config(config_path, extra + overrides)
+
+
+def _export(fo: FinetuneOptions, opts: TrainOptions, result: Any) -> dict | None:
+  """The Hugging Face export of a run that reached its last step (process 0 writes it)."""
+  if not (fo.export and result.history and result.history[-1]["step"] == opts.steps):
+    return None
+  if jax.process_count() > 1:
+    multihost_utils.sync_global_devices("zerojax finetune: checkpoints written")
+  if not is_main_process():
+    return None
+  out = fo.export_dir or os.path.join(opts.out_dir, "hf")
+  info = export(opts.checkpoint_dir, out, hf_config=fo.model_dir)
+  log(f"exported step {info['step']} to {info['path']} ({info['num_params']:,} "
+      "parameters): transformers' AutoModelForCausalLM.from_pretrained reads it")
+  return info
 
 
 # A DeepSpeed "auto" of a ZeroConfig field takes the HF Trainer's own default when the command
@@ -308,8 +336,6 @@ _HF_TRAINER_DEFAULTS = {"gradient_clipping": 1.0, "compute_dtype": "float32"}
 
 
 def _deepspeed_auto_defaults(config_path: str | None, overrides: Sequence[str]) -> list[str]:
-  from zerojax.tools import deepspeed
-  from zerojax.tools.config_file import parse_overrides, read_config_file
   if config_path is None:
     return []
   d = read_config_file(config_path)
@@ -329,7 +355,6 @@ def _deepspeed_auto_defaults(config_path: str | None, overrides: Sequence[str]) 
 
 def _numeric_optimizer_keys(config_path: str) -> set[str]:
   """``lr`` / ``weight_decay`` where a DeepSpeed file writes them as numbers."""
-  from zerojax.tools.config_file import read_config_file
   o = read_config_file(config_path).get("optimizer")
   p = o.get("params") if isinstance(o, dict) and isinstance(o.get("params"), dict) else {}
   return {k for k in ("lr", "weight_decay") if isinstance(p.get(k), (int, float))

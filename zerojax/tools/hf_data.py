@@ -22,7 +22,10 @@ import json
 import os
 from typing import Any, Iterator, Sequence
 
+import jax
 import numpy as np
+
+from zerojax.runtime.data import process_rows
 
 __all__ = ["Tokenizer", "load_tokenizer", "read_documents", "tokenize_documents", "Rows",
            "pack", "pad", "build_rows", "Batches", "eval_batches"]
@@ -54,12 +57,12 @@ class Tokenizer:
                                                          "pad_token", "unk_token")}
     self._tok = self._hf = None
     if os.path.isfile(os.path.join(self.dir, "tokenizer.json")):
-      import tokenizers
+      import tokenizers  # optional: the train extra
       self._tok = tokenizers.Tokenizer.from_file(os.path.join(self.dir, "tokenizer.json"))
       self.vocab_size = self._tok.get_vocab_size()
       ids = {k: (self._tok.token_to_id(v) if v else None) for k, v in self.special.items()}
     else:  # e.g. a SentencePiece model only: transformers reads it, offline
-      import transformers
+      import transformers  # optional: only for a checkpoint without tokenizer.json
       try:
         self._hf = transformers.AutoTokenizer.from_pretrained(self.dir, local_files_only=True)
       except (OSError, ValueError) as e:
@@ -102,8 +105,8 @@ class Tokenizer:
                        "give the data as {\"text\": ...}")
     if self._hf is not None:
       return self._hf.apply_chat_template(messages, tokenize=False)
-    import jinja2
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    import jinja2  # optional: the train extra
+    from jinja2.sandbox import ImmutableSandboxedEnvironment  # optional: the train extra
 
     def raise_exception(msg):
       raise jinja2.exceptions.TemplateError(msg)
@@ -185,7 +188,7 @@ def read_documents(path: str | os.PathLike) -> list[dict]:
                            "object per line") from None
         docs.append(_check_doc(rec, f"{path}:{n}"))
   elif ext == ".parquet":
-    import pyarrow.parquet as pq
+    import pyarrow.parquet as pq  # optional: the train extra
     table = pq.read_table(path)
     cols = [c for c in ("text", "messages") if c in table.column_names]
     if len(cols) != 1:
@@ -342,13 +345,12 @@ class Batches:
 
   def __init__(self, rows: Rows, global_batch: int, seed: int = 0, sharding: Any = None,
                step: int = 0):
-    import grain
+    import grain  # optional: the train extra
     self.rows, self.global_batch, self.sharding, self.step = rows, global_batch, sharding, step
     self._index = grain.MapDataset.range(len(rows)).shuffle(seed=seed).repeat().batch(
         global_batch)
     self._local = None
     if sharding is not None:
-      from zerojax.runtime.data import process_rows
       self._local = process_rows(sharding, global_batch)
 
   def batch(self, step: int) -> dict:
@@ -370,7 +372,6 @@ def _to_global(rows: Rows, idx: np.ndarray, local, sharding, global_batch: int) 
   data = rows.take(idx)
   if sharding is None:
     return data
-  import jax
   return {k: jax.make_array_from_process_local_data(sharding, v, (global_batch,) + v.shape[1:])
           for k, v in data.items()}
 
@@ -380,7 +381,6 @@ def eval_batches(rows: Rows, global_batch: int, sharding: Any = None) -> list[di
   with masked-out rows)."""
   local = None
   if sharding is not None:
-    from zerojax.runtime.data import process_rows
     local = process_rows(sharding, global_batch)
   n = len(rows)
   nb = -(-n // global_batch)

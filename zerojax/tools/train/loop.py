@@ -34,19 +34,32 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import sys
 import time
 from typing import Any, Callable, Iterable, Mapping
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import multihost_utils
+
+from zerojax import create_train_state, make_mesh, zero_step
+from zerojax._compat import backends_initialized
 from zerojax.core.config import ConfigError, ZeroConfig
-from zerojax.tools.train.options import DEFAULT_CORPUS, NonFiniteGradientsError, TrainOptions
+from zerojax.core.mesh import axis_size
+from zerojax.models import GPT, PRESETS
+from zerojax.runtime import memory
+from zerojax.runtime.checkpoint import Checkpointer, abstract_train_state
+from zerojax.runtime.data import VOCAB_SIZE, TextBatches, load_bytes
+from zerojax.tools.options import DEFAULT_CORPUS, NonFiniteGradientsError, TrainOptions
 from zerojax.tools.train.metrics import (MetricsWriter, StepClock, is_main_process, log, plot_loss,
                                    read_jsonl, require, throughput)
 from zerojax.tools.train.schedules import make_optimizer
 from zerojax.tools.train.params_io import load_weights, save_weights
 
 __all__ = ["setup_cpu_devices", "nothing_sharded_note", "Hook", "WriteMetrics", "ProgressBar",
-           "SaveCheckpoints", "TrainResult", "Task", "train"]
+           "SaveCheckpoints", "TrainResult", "Task", "resolve_config", "train"]
 
 
 def setup_cpu_devices(n: int) -> None:
@@ -54,12 +67,10 @@ def setup_cpu_devices(n: int) -> None:
 
   Only the CPU backend reads the setting, so it is harmless on accelerators.
   """
-  from zerojax._compat import backends_initialized
   if backends_initialized():
     return
   if "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
     return
-  import jax
   jax.config.update("jax_num_cpu_devices", n)
 
 
@@ -70,9 +81,9 @@ def nothing_sharded_note(plan: Any) -> str | None:
   (leaves below ``param_persistence_threshold``, no dimension divisible by the ``fsdp`` size,
   an ``fsdp`` axis of size 1) and what to change.
   """
-  if plan.config.stage < 1 or not plan.leaves or any(lp.is_sharded for lp in plan.leaves):
+  if not plan.config.shards_opt_state or not plan.leaves or any(
+      lp.is_sharded for lp in plan.leaves):
     return None
-  from zerojax.core.mesh import axis_size
   counts: dict[str, int] = {}
   for lp in plan.leaves:
     counts[lp.reason] = counts.get(lp.reason, 0) + 1
@@ -88,7 +99,7 @@ def nothing_sharded_note(plan: Any) -> str | None:
     fixes.append(f"param_persistence_threshold below {largest:,} or a larger model")
   if "fsdp=1" in counts:
     fixes.append("more devices on the fsdp axis")
-  return (f"note: stage {plan.config.stage} shards nothing here: all {len(plan.leaves)} "
+  return (f"note: {plan.config.label} shards nothing here: all {len(plan.leaves)} "
           f"parameter leaves stay replicated ({'; '.join(parts)}), so this run is plain data "
           "parallelism" + (f"; for ZeRO sharding use {' or '.join(fixes)}" if fixes else ""))
 
@@ -124,19 +135,14 @@ def _prepare_run(opts: TrainOptions, config: ZeroConfig) -> _RunDirs:
   """Decides whether this run resumes, starts beside a previous one or overwrites it, and
   arranges ``out_dir`` and ``checkpoint_dir`` for it (process 0 moves or deletes files; every
   process decides from the same files before anything changes)."""
-  import jax
   out_dir, ckdir = opts.out_dir, opts.checkpoint_dir
   latest = None
   if ckdir and os.path.isdir(ckdir):
-    from zerojax.runtime.checkpoint import Checkpointer
     with Checkpointer(ckdir, read_only=True) as ck:
       latest = ck.latest_step()
   run, records = _previous_run(out_dir)
-  flags = ("pass --no-resume (resume=false) to start a new run beside it, or --overwrite "
-           "(overwrite=true) to delete it first")
   notes: list[str] = []
   if jax.process_count() > 1:  # nobody changes a file before every process has read them
-    from jax.experimental import multihost_utils
     multihost_utils.sync_global_devices("zerojax.tools.train: run directories read")
 
   if opts.overwrite:
@@ -146,23 +152,7 @@ def _prepare_run(opts: TrainOptions, config: ZeroConfig) -> _RunDirs:
                  + (f" and its checkpoints in {ckdir!r}" if ckdir else ""))
     run, records, latest = None, [], None
   elif opts.resume and latest is not None:
-    if run is not None:
-      old = run.get("options", {})
-      new = json.loads(json.dumps(dataclasses.asdict(opts)))
-      diff = sorted(k for k in set(old) | set(new)
-                    if k not in _RESUMABLE_CHANGES and old.get(k) != new.get(k))
-      if diff:
-        what = ", ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in diff[:6])
-        raise ConfigError(
-            f"checkpoint_dir {ckdir!r} holds a run (latest step {latest}) with other training "
-            f"options than this one ({what}); resuming it would mix two runs. Pass "
-            "--no-resume (resume=false) with another checkpoint_dir to start a new run, or "
-            "--overwrite (overwrite=true) to delete the old one first")
-      old_cfg, new_cfg = run.get("config") or {}, json.loads(json.dumps(config.to_dict()))
-      changed = sorted(k for k in set(old_cfg) | set(new_cfg) if old_cfg.get(k) != new_cfg.get(k))
-      if changed:  # e.g. another stage or mesh: the checkpoint restores into the new plan
-        notes.append("resuming with a changed ZeroConfig: " + ", ".join(
-            f"{k}: {old_cfg.get(k)!r} -> {new_cfg.get(k)!r}" for k in changed))
+    notes += _resume_notes(opts, config, run, latest)
     run_id = (run or {}).get("run_id") or _new_run_id()
     notes.append(f"resuming from checkpoint step {latest} in {ckdir!r} (run {run_id}; "
                  "--no-resume or --overwrite for a new run)")
@@ -174,20 +164,7 @@ def _prepare_run(opts: TrainOptions, config: ZeroConfig) -> _RunDirs:
         "(drop --no-resume), delete it with --overwrite (overwrite=true), or choose another "
         "checkpoint_dir")
   elif records:
-    if opts.resume:
-      steps = f"steps {records[0].get('step')}..{records[-1].get('step')}"
-      raise ConfigError(
-          f"out_dir {opts.out_dir!r} holds the metrics of a previous run ({steps}"
-          + (f", run {run['run_id']}" if run and run.get("run_id") else "")
-          + ") and there is no checkpoint to resume it from"
-          + (f" in checkpoint_dir {ckdir!r}" if ckdir else " (checkpoint_dir is not set)")
-          + "; " + flags)
-    old_id = (run or {}).get("run_id") or time.strftime(
-        "%Y%m%d-%H%M%S", time.localtime(os.path.getmtime(os.path.join(out_dir, "metrics.jsonl"))))
-    moved = os.path.join(out_dir, f"metrics.{old_id}.jsonl")
-    if is_main_process():
-      os.replace(os.path.join(out_dir, "metrics.jsonl"), moved)
-    notes.append(f"--no-resume: the previous run's metrics were moved to {moved!r}")
+    notes.append(_move_metrics_aside(opts, run, records))
   run_id, n = _new_run_id(), 1
   base = run_id
   while os.path.exists(os.path.join(out_dir, "tb", run_id)) or (
@@ -196,12 +173,57 @@ def _prepare_run(opts: TrainOptions, config: ZeroConfig) -> _RunDirs:
   return _RunDirs(run_id, os.path.join(out_dir, "tb", run_id), None, notes)
 
 
+def _resume_notes(opts: TrainOptions, config: ZeroConfig, run: dict | None,
+                  latest: int) -> list[str]:
+  """Refuses to resume a run with other training options; notes a changed `ZeroConfig` (the
+  checkpoint restores into the new plan)."""
+  if run is None:
+    return []
+  old = run.get("options", {})
+  new = json.loads(json.dumps(dataclasses.asdict(opts)))
+  diff = sorted(k for k in set(old) | set(new)
+                if k not in _RESUMABLE_CHANGES and old.get(k) != new.get(k))
+  if diff:
+    what = ", ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in diff[:6])
+    raise ConfigError(
+        f"checkpoint_dir {opts.checkpoint_dir!r} holds a run (latest step {latest}) with other "
+        f"training options than this one ({what}); resuming it would mix two runs. Pass "
+        "--no-resume (resume=false) with another checkpoint_dir to start a new run, or "
+        "--overwrite (overwrite=true) to delete the old one first")
+  old_cfg, new_cfg = run.get("config") or {}, json.loads(json.dumps(config.to_dict()))
+  changed = sorted(k for k in set(old_cfg) | set(new_cfg) if old_cfg.get(k) != new_cfg.get(k))
+  if not changed:  # e.g. another stage or mesh: the checkpoint restores into the new plan
+    return []
+  return ["resuming with a changed ZeroConfig: " + ", ".join(
+      f"{k}: {old_cfg.get(k)!r} -> {new_cfg.get(k)!r}" for k in changed)]
+
+
+def _move_metrics_aside(opts: TrainOptions, run: dict | None, records: list[dict]) -> str:
+  """A previous run's metrics without a checkpoint: refused when resuming, else moved aside
+  (``--no-resume``); returns the note saying where."""
+  out_dir, ckdir = opts.out_dir, opts.checkpoint_dir
+  if opts.resume:
+    steps = f"steps {records[0].get('step')}..{records[-1].get('step')}"
+    raise ConfigError(
+        f"out_dir {opts.out_dir!r} holds the metrics of a previous run ({steps}"
+        + (f", run {run['run_id']}" if run and run.get("run_id") else "")
+        + ") and there is no checkpoint to resume it from"
+        + (f" in checkpoint_dir {ckdir!r}" if ckdir else " (checkpoint_dir is not set)")
+        + "; pass --no-resume (resume=false) to start a new run beside it, or --overwrite "
+        "(overwrite=true) to delete it first")
+  old_id = (run or {}).get("run_id") or time.strftime(
+      "%Y%m%d-%H%M%S", time.localtime(os.path.getmtime(os.path.join(out_dir, "metrics.jsonl"))))
+  moved = os.path.join(out_dir, f"metrics.{old_id}.jsonl")
+  if is_main_process():
+    os.replace(os.path.join(out_dir, "metrics.jsonl"), moved)
+  return f"--no-resume: the previous run's metrics were moved to {moved!r}"
+
+
 def _new_run_id() -> str:
   return time.strftime("%Y%m%d-%H%M%S")
 
 
 def _delete_previous(out_dir: str, ckdir: str | None, run: dict | None) -> None:
-  import shutil
   if os.path.isdir(out_dir):
     for name in os.listdir(out_dir):
       path = os.path.join(out_dir, name)
@@ -353,13 +375,6 @@ class Task:
 
 def _gpt_task(opts: TrainOptions, config: ZeroConfig) -> Task:
   """The GPT preset ``opts.model`` on the byte corpus ``opts.corpus``."""
-  import jax
-  import jax.numpy as jnp
-  import zerojax
-  import zerojax.runtime.memory
-  from zerojax.runtime.data import TextBatches, load_bytes, VOCAB_SIZE
-  from zerojax.models import GPT, PRESETS
-
   if opts.model not in PRESETS:
     raise ConfigError(f"TrainOptions.model={opts.model!r} is invalid: one of {sorted(PRESETS)}")
   mcfg = dataclasses.replace(PRESETS[opts.model], vocab_size=VOCAB_SIZE,
@@ -380,12 +395,11 @@ def _gpt_task(opts: TrainOptions, config: ZeroConfig) -> Task:
 
   def setup(config, mesh, tx, rng, resume_step):
     if resume_step is None:
-      state, plan = zerojax.create_train_state(model, tx, rng, sample, config=config, mesh=mesh)
+      state, plan = create_train_state(model, tx, rng, sample, config=config, mesh=mesh)
       if opts.init_from:
         state = state.replace(params=load_weights(opts.init_from, state.params, plan.params))
       return state, plan, 0, 0
     # read straight into the plan's layout: nothing is initialised
-    from zerojax.runtime.checkpoint import Checkpointer, abstract_train_state
     state, plan = abstract_train_state(model, tx, rng, sample, config=config, mesh=mesh)
     with Checkpointer(opts.checkpoint_dir, read_only=True) as ck:
       state, extras = ck.restore(state, plan, step=resume_step)
@@ -400,9 +414,16 @@ def _gpt_task(opts: TrainOptions, config: ZeroConfig) -> Task:
     return TextBatches(tokens, rows, mcfg.seq_len, seed=opts.seed, sharding=sh, step=data_step)
 
   return Task(opts.model, mcfg.seq_len, setup,
-              lambda plan: zerojax.zero_step(plan)(zerojax.runtime.memory.lm_train_step),
-              batches, lambda state: zerojax.runtime.memory.num_params(state.params),
-              measure=True)
+              lambda plan: zero_step(plan)(memory.lm_train_step),
+              batches, lambda state: memory.num_params(state.params), measure=True)
+
+
+def resolve_config(config: ZeroConfig, opts: TrainOptions) -> ZeroConfig:
+  """The run's final config: ``opts.batch`` rows per step where the config sets no batch
+  size. Everything a run decides about its config is decided here, before the mesh exists."""
+  if (config.train_batch_size, config.micro_batch_per_device) == (None, None):
+    return config.replace(train_batch_size=opts.batch)
+  return config
 
 
 def train(config: ZeroConfig, opts: TrainOptions | None = None, *,
@@ -417,152 +438,178 @@ def train(config: ZeroConfig, opts: TrainOptions | None = None, *,
     a `TrainResult` with the final state, the plan, the per-step metrics and the files written.
   """
   opts = opts or TrainOptions()
-  hooks = list(hooks)
-  for i, h in enumerate(hooks):
+  user_hooks = list(hooks)
+  for i, h in enumerate(user_hooks):
     if not isinstance(h, Hook):
       raise TypeError(f"train: hooks[{i}]={h!r} is not a zerojax.tools.train.Hook; subclass it and "
                       "override after_step, on_records or close")
   setup_cpu_devices(opts.cpu_devices)
-  import jax
-  import jax.numpy as jnp
-  import numpy as np
-  import zerojax
-  import zerojax.runtime.memory
-
-  mesh = zerojax.make_mesh(config)
-  if (config.train_batch_size, config.micro_batch_per_device) == (None, None):
-    config = config.replace(train_batch_size=opts.batch)
+  config = resolve_config(config, opts)
+  mesh = make_mesh(config)
   tx, sched = make_optimizer(opts)
   task = task or _gpt_task(opts, config)
   dirs = _prepare_run(opts, config)
   rng = jax.random.key(opts.seed)
   state, plan, start, data_step = task.setup(config, mesh, tx, rng, dirs.resume_step)
-
-  # Rows per optimizer step; zerojax.value_and_grad splits them into micro-batches.
-  total, micro, accum = plan.batch_sizes
-  rows, dp = total, plan.data_parallel_size
-  log(f"zerojax: {jax.device_count()} x {jax.devices()[0].platform} devices, "
-      f"{jax.process_count()} process(es), mesh {dict(mesh.shape)}, stage {config.stage}")
-  log(f"model {task.name}: {task.num_params(state):,} parameters; batch "
-      f"{total} rows x {task.seq_len} tokens = {micro} per device x {accum} accumulation x "
-      f"{dp} data parallel")
-  for n in list(xla_notes) + dirs.notes:
-    log(n)
-  if (note := nothing_sharded_note(plan)) is not None:
-    log(note)
-
+  _log_start(config, mesh, plan, task, state, list(xla_notes) + dirs.notes)
   train_step = task.make_step(plan)
-  batches = task.batches(plan, rows, data_step)
-
-  def next_batch():
-    return next(batches)
-
+  batches = task.batches(plan, plan.batch_sizes[0], data_step)
   if opts.show_plan:
-    log(plan.table())
-  if opts.show_plan and task.measure:
-    m = zerojax.runtime.memory.measure(train_step.lower(state, next_batch()).compile())
-    batches.step = data_step
-    mib = lambda b: f"{b / 2**20:.2f} MiB"
-    log(f"per-device memory (XLA): arguments {mib(m.argument)}, temp {mib(m.temp)}, "
-        f"peak {mib(m.peak)}; collectives/step {mib(m.collective_total)}")
-
-  out_dir = opts.out_dir
-  writer = MetricsWriter(out_dir, tensorboard=opts.tensorboard, tb_dir=dirs.tb_dir,
+    _show_plan(plan, task, train_step, state, batches, data_step)
+  writer = MetricsWriter(opts.out_dir, tensorboard=opts.tensorboard, tb_dir=dirs.tb_dir,
                          resume_after=dirs.resume_step)
   if is_main_process():
-    run_json = os.path.join(out_dir, "run.json")
-    resumes = []
-    if dirs.resume_step is not None and os.path.isfile(run_json):
-      with open(run_json) as f:
-        resumes = json.load(f).get("resumed_from", [])
-      resumes.append(dirs.resume_step)
-    with open(run_json, "w") as f:
-      json.dump({"run_id": dirs.run_id, "config": config.to_dict(),
-                 "options": dataclasses.asdict(opts), "resumed_from": resumes}, f, indent=1)
-
-  user_hooks = list(hooks)
+    _write_run_json(opts, config, dirs)
   hooks = [WriteMetrics(writer)]
-  tokens_per_step = total * task.seq_len
+  tokens_per_step = plan.batch_sizes[0] * task.seq_len
   if opts.progress and is_main_process():
     hooks.append(ProgressBar(opts.steps, start, tokens_per_step))
-
-  history: list[dict] = list(writer.previous)
-  pending: list[tuple[int, Any]] = []
-  scaling = config.loss_scale is not None
-  policy = config.nonfinite_policy
-  count_skips = policy == "skip"
-  warned_skip = False
-  t_start = time.perf_counter()
-  clock = StepClock()  # per-step completion times; the loop never waits for the device
-  last_fetched = start
-
-  def drain():
-    nonlocal last_fetched, warned_skip
-    if not pending:
-      return
-    fetched = jax.device_get([m for _, m in pending])
-    for (step, _), m in zip(pending, fetched):
-      finite = lambda v: v if math.isfinite(v) else None  # JSON has no NaN/inf
-      dt = clock.step_time(step)  # None for the run's first step (compilation, warm-up)
-      rec = {"step": step, "loss": finite(float(np.mean(m["loss"]))),
-             "grad_norm": finite(float(np.mean(m["grad_norm"]))),
-             "lr": float(sched(step - 1)),
-             "tokens_per_sec": None if not dt else round(tokens_per_step / dt, 1),
-             "elapsed_sec": round(clock.done(step) - t_start, 6)}
-      if scaling:
-        rec["loss_scale"] = float(m["loss_scale"])
-      if count_skips:
-        rec["skipped_steps"] = int(m["skipped_steps"])
-      if "eval_loss" in m:
-        ev = float(m["eval_loss"])
-        rec["eval_loss"] = finite(ev)
-        rec["eval_ppl"] = finite(math.exp(min(ev, 700.0))) if math.isfinite(ev) else None
-      if not scaling and count_skips and bool(m["overflow"]) and not warned_skip:
-        # fp16 overflows are routine while the loss scale settles; a NaN without loss scaling
-        # is not, and must not go unnoticed.
-        warned_skip = True
-        log(f"zerojax: WARNING: step {step}: the gradient is not finite (loss "
-            f"{float(np.mean(m['loss'])):g}, grad_norm {float(np.mean(m['grad_norm'])):g}); the "
-            "step was skipped: params and optimizer state are unchanged "
-            "(nonfinite_grads='skip'). Further skipped steps are counted in "
-            "skipped_steps (metrics.jsonl); nonfinite_grads='halt' stops the run instead.")
-      history.append(rec)
-    new = history[len(history) - len(pending):]
-    pending.clear()
-    for h in hooks:
-      h.on_records(new, last_fetched)
-    last_fetched = history[-1]["step"]
-
+  records = _Records(config, sched, tokens_per_step, writer.previous, start, hooks)
   ckpt = None
-  halt = policy == "halt"
   try:
     if opts.checkpoint_dir:
-      from zerojax.runtime.checkpoint import Checkpointer
       ckpt = Checkpointer(opts.checkpoint_dir, config=config)
       hooks.append(SaveCheckpoints(ckpt, opts.checkpoint_every, opts.steps, rng,
                                    lambda: {"batches_step": batches.step}, task.save_item,
                                    task.checkpoint_model))
     hooks += user_hooks
-    for step in range(start + 1, opts.steps + 1):
-      state, m = train_step(state, next_batch())  # no host sync: metrics are fetched in drain()
-      if task.evaluate is not None and (step == opts.steps or step == 1 or (
-          task.eval_every and step % task.eval_every == 0)):
-        m = {**m, **task.evaluate(state)}
-      pending.append((step, m))
-      clock.add(step, m["loss"])
-      if halt and bool(jax.device_get(m["overflow"])):  # the one per-step sync 'halt' costs
-        drain()
-        _halt(step, history[-1], ckpt)
-      for h in hooks:
-        h.after_step(step, state, drain)
-      if step % opts.log_every == 0 or step == opts.steps or step == start + 1:
-        drain()
-    drain()
+    state = _run_steps(opts, task, state, start, train_step, batches, records, hooks, ckpt)
   finally:  # also on an error: what was written stays consistent and is closed
-    clock.close()
+    records.clock.close()
     for h in hooks:
       h.close()  # the checkpoint hook waits for the pending save
+  files = _finish(opts, config, task, state, records, writer, ckpt, tokens_per_step)
+  return TrainResult(state, plan, records.history, opts.out_dir, files)
 
+
+def _log_start(config: ZeroConfig, mesh: Any, plan: Any, task: Task, state: Any,
+               notes: list[str]) -> None:
+  """The run's first lines: devices, mesh and stage; the model and its batch; the notes."""
+  total, micro, accum = plan.batch_sizes  # rows per optimizer step, split into micro-batches
+  log(f"zerojax: {jax.device_count()} x {jax.devices()[0].platform} devices, "
+      f"{jax.process_count()} process(es), mesh {dict(mesh.shape)}, {config.label}")
+  log(f"model {task.name}: {task.num_params(state):,} parameters; batch "
+      f"{total} rows x {task.seq_len} tokens = {micro} per device x {accum} accumulation x "
+      f"{plan.data_parallel_size} data parallel")
+  for n in notes:
+    log(n)
+  if (note := nothing_sharded_note(plan)) is not None:
+    log(note)
+
+
+def _show_plan(plan: Any, task: Task, train_step: Any, state: Any, batches: Any,
+               data_step: int) -> None:
+  """The sharding table, and the per-device memory XLA measures for the compiled step (its
+  first batch is put back)."""
+  log(plan.table())
+  if task.measure:
+    m = memory.measure(train_step.lower(state, next(batches)).compile())
+    batches.step = data_step
+    mib = lambda b: f"{b / 2**20:.2f} MiB"
+    log(f"per-device memory (XLA): arguments {mib(m.argument)}, temp {mib(m.temp)}, "
+        f"peak {mib(m.peak)}; collectives/step {mib(m.collective_total)}")
+
+
+def _write_run_json(opts: TrainOptions, config: ZeroConfig, dirs: _RunDirs) -> None:
+  run_json = os.path.join(opts.out_dir, "run.json")
+  resumes = []
+  if dirs.resume_step is not None and os.path.isfile(run_json):
+    with open(run_json) as f:
+      resumes = json.load(f).get("resumed_from", [])
+    resumes.append(dirs.resume_step)
+  with open(run_json, "w") as f:
+    json.dump({"run_id": dirs.run_id, "config": config.to_dict(),
+               "options": dataclasses.asdict(opts), "resumed_from": resumes}, f, indent=1)
+
+
+def _run_steps(opts: TrainOptions, task: Task, state: Any, start: int, train_step: Any,
+               batches: Any, records: _Records, hooks: list[Hook], ckpt: Any) -> Any:
+  """Steps ``start + 1 .. opts.steps``; metrics are fetched every ``log_every`` steps (and
+  after every step under ``nonfinite_grads='halt'``, which stops at a non-finite one)."""
+  halt = records.policy == "halt"
+  for step in range(start + 1, opts.steps + 1):
+    state, m = train_step(state, next(batches))  # no host sync: metrics are fetched in drain()
+    if task.evaluate is not None and (step == opts.steps or step == 1 or (
+        task.eval_every and step % task.eval_every == 0)):
+      m = {**m, **task.evaluate(state)}
+    records.add(step, m)
+    if halt and bool(jax.device_get(m["overflow"])):  # the one per-step sync 'halt' costs
+      records.drain()
+      _halt(step, records.history[-1], ckpt)
+    for h in hooks:
+      h.after_step(step, state, records.drain)
+    if step % opts.log_every == 0 or step == opts.steps or step == start + 1:
+      records.drain()
+  records.drain()
+  return state
+
+
+class _Records:
+  """The metrics of dispatched steps, fetched from the device only when `drain` is called (the
+  loop never waits for it), as records for the history and the hooks."""
+
+  def __init__(self, config: ZeroConfig, sched: Callable, tokens_per_step: int,
+               previous: list[dict], start: int, hooks: list[Hook]):
+    self.sched, self.tokens_per_step, self.hooks = sched, tokens_per_step, hooks
+    self.history: list[dict] = list(previous)
+    self.pending: list[tuple[int, Any]] = []
+    self.scaling = config.loss_scale is not None
+    self.policy = config.nonfinite_policy
+    self.warned_skip = False
+    self.t_start = time.perf_counter()
+    self.clock = StepClock()  # per-step completion times; the loop never waits for the device
+    self.last_fetched = start
+
+  def add(self, step: int, m: dict) -> None:
+    self.pending.append((step, m))
+    self.clock.add(step, m["loss"])
+
+  def drain(self) -> None:
+    """Fetches the pending metrics and hands their records to every hook."""
+    if not self.pending:
+      return
+    fetched = jax.device_get([m for _, m in self.pending])
+    for (step, _), m in zip(self.pending, fetched):
+      self.history.append(self._record(step, m))
+    new = self.history[len(self.history) - len(self.pending):]
+    self.pending.clear()
+    for h in self.hooks:
+      h.on_records(new, self.last_fetched)
+    self.last_fetched = self.history[-1]["step"]
+
+  def _record(self, step: int, m: dict) -> dict:
+    finite = lambda v: v if math.isfinite(v) else None  # JSON has no NaN/inf
+    dt = self.clock.step_time(step)  # None for the run's first step (compilation, warm-up)
+    rec = {"step": step, "loss": finite(float(np.mean(m["loss"]))),
+           "grad_norm": finite(float(np.mean(m["grad_norm"]))),
+           "lr": float(self.sched(step - 1)),
+           "tokens_per_sec": None if not dt else round(self.tokens_per_step / dt, 1),
+           "elapsed_sec": round(self.clock.done(step) - self.t_start, 6)}
+    if self.scaling:
+      rec["loss_scale"] = float(m["loss_scale"])
+    if self.policy == "skip":
+      rec["skipped_steps"] = int(m["skipped_steps"])
+    if "eval_loss" in m:
+      ev = float(m["eval_loss"])
+      rec["eval_loss"] = finite(ev)
+      rec["eval_ppl"] = finite(math.exp(min(ev, 700.0))) if math.isfinite(ev) else None
+    if not self.scaling and self.policy == "skip" and bool(m["overflow"]) and (
+        not self.warned_skip):
+      # fp16 overflows are routine while the loss scale settles; a NaN without loss scaling
+      # is not, and must not go unnoticed.
+      self.warned_skip = True
+      log(f"zerojax: WARNING: step {step}: the gradient is not finite (loss "
+          f"{float(np.mean(m['loss'])):g}, grad_norm {float(np.mean(m['grad_norm'])):g}); the "
+          "step was skipped: params and optimizer state are unchanged "
+          "(nonfinite_grads='skip'). Further skipped steps are counted in "
+          "skipped_steps (metrics.jsonl); nonfinite_grads='halt' stops the run instead.")
+    return rec
+
+
+def _finish(opts: TrainOptions, config: ZeroConfig, task: Task, state: Any, records: _Records,
+            writer: MetricsWriter, ckpt: Any, tokens_per_step: int) -> dict[str, str]:
+  """Writes the weights and the loss plot, logs the summary; returns the files written."""
+  out_dir, history = opts.out_dir, records.history
   files = {"metrics": writer.jsonl_path, "run": os.path.join(out_dir, "run.json")}
   if opts.save_weights and hasattr(state, "params"):
     files["weights"] = save_weights(os.path.join(out_dir, "weights.npz"), state.params)
@@ -572,8 +619,7 @@ def train(config: ZeroConfig, opts: TrainOptions | None = None, *,
     files["checkpoint"] = opts.checkpoint_dir
   if opts.plot and is_main_process() and history:
     files["loss_png"] = plot_loss(history, os.path.join(out_dir, "loss.png"),
-                                  f"{task.name}, ZeRO-{config.stage}, {jax.device_count()} "
-                                  "devices")
+                                  f"{task.name}, {config.label}, {jax.device_count()} devices")
   if history:
     first, last = history[0], history[-1]
     nan = float("nan")
@@ -584,10 +630,10 @@ def train(config: ZeroConfig, opts: TrainOptions | None = None, *,
     log(f"done: {opts.steps} steps, loss {first['loss'] or nan:.4f} -> {last['loss'] or nan:.4f}, "
         f"{speed}"
         + (f", {history[-1].get('skipped_steps', 0)} "
-           f"{'overflow' if scaling else 'non-finite'} step(s) skipped"
+           f"{'overflow' if records.scaling else 'non-finite'} step(s) skipped"
            if history[-1].get("skipped_steps") else ""))
     log("wrote " + ", ".join(files.values()))
-  return TrainResult(state, plan, history, out_dir, files)
+  return files
 
 
 def _num(v: float | None) -> str:

@@ -4,6 +4,7 @@ the loss curve, per-step timing (`StepClock`), and logging on the main process.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import pathlib
@@ -13,12 +14,13 @@ import threading
 import time
 from typing import Any, Iterable, Mapping
 
+import jax
+
 __all__ = ["is_main_process", "log", "require", "EventWriter", "read_run_events", "read_events",
            "MetricsWriter", "read_jsonl", "plot_loss", "StepClock", "throughput"]
 
 
 def is_main_process() -> bool:
-  import jax
   return jax.process_index() == 0
 
 
@@ -30,7 +32,6 @@ def log(*args: Any, **kwargs: Any) -> None:
 
 def require(module: str, what: str) -> Any:
   """``import module``, or an error that names the extra that installs it."""
-  import importlib
   try:
     return importlib.import_module(module)
   except ImportError as e:
@@ -100,8 +101,8 @@ def _scalars(events: Iterable[Any]) -> list[tuple[int, str, float]]:
 def _events(path: str | os.PathLike) -> Iterable[Any]:
   """The ``Event`` protos of a TFRecord event file, read with tensorboardX's own protobuf
   classes and CRC."""
-  from tensorboardX.proto import event_pb2
-  from tensorboardX.record_writer import masked_crc32c
+  from tensorboardX.proto import event_pb2  # optional: the train extra
+  from tensorboardX.record_writer import masked_crc32c  # optional: the train extra
   data = pathlib.Path(path).read_bytes()
   i = 0
   while i < len(data):
@@ -186,7 +187,7 @@ def plot_loss(records: Iterable[Mapping[str, Any]], png_path: str | os.PathLike,
   """Draws the loss curve of ``records`` (``step``/``loss``) to a PNG; returns its path."""
   matplotlib = require("matplotlib", "the loss plot")
   matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  import matplotlib.pyplot as plt  # optional: the train extra (`require` named it)
   records = list(records)
   fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
   ax.plot([r["step"] for r in records],
@@ -240,7 +241,6 @@ class StepClock:
     self._queue.put((step, output))
 
   def _run(self) -> None:
-    import jax
     while (item := self._queue.get()) is not None:
       step, output = item
       try:

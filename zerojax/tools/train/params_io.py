@@ -6,9 +6,21 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import tempfile
+import zipfile
 from typing import Any, Mapping
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import multihost_utils
+
 from zerojax.core.config import ConfigError
+from zerojax.core.plan import path_str
+from zerojax.models import GPT, PRESETS
+from zerojax.runtime.checkpoint import Checkpointer
+from zerojax.runtime.data import VOCAB_SIZE
+from zerojax.tools import export
 from zerojax.tools.train.metrics import is_main_process
 
 __all__ = ["flat_params", "save_weights", "infer_model", "load_weights"]
@@ -16,17 +28,12 @@ __all__ = ["flat_params", "save_weights", "infer_model", "load_weights"]
 
 def flat_params(params: Any) -> dict[str, Any]:
   """``{'blocks/qkv/kernel': leaf, ...}``: the tree flattened with ``/``-joined keys."""
-  import jax
-  from zerojax.core.plan import path_str
   flat, _ = jax.tree_util.tree_flatten_with_path(params)
   return {path_str(kp): x for kp, x in flat}
 
 
 def save_weights(path: str | os.PathLike, params: Any) -> str:
   """Writes parameters to a ``.npz`` keyed by ``/``-joined paths (process 0 only)."""
-  import jax
-  import numpy as np
-  from jax.experimental import multihost_utils
   arrays = {k: np.asarray(jax.device_get(
       multihost_utils.process_allgather(v, tiled=True)
       if jax.process_count() > 1 else v)) for k, v in flat_params(params).items()}
@@ -38,10 +45,7 @@ def save_weights(path: str | os.PathLike, params: Any) -> str:
 def _stored_shapes(path: str) -> dict[str, tuple[int, ...]]:
   """``{leaf path: shape}`` of the parameters in a ``.npz`` or a checkpoint directory, read
   from headers and metadata only (no array data)."""
-  import zipfile
-  import numpy as np
   if os.path.isdir(path):
-    from zerojax.runtime.checkpoint import Checkpointer
     ckpt = Checkpointer(path, read_only=True)
     try:
       return {k.removeprefix("params/"): shape for k, (shape, _) in ckpt.stored_leaves().items()
@@ -72,10 +76,6 @@ def infer_model(path: str | os.PathLike) -> tuple[str, int]:
   Raises:
     ConfigError: naming ``path`` when no preset matches, or when it holds no parameters.
   """
-  import jax
-  import jax.numpy as jnp
-  from zerojax.runtime.data import VOCAB_SIZE
-  from zerojax.models import GPT, PRESETS
   path = os.fspath(path)
   what = f"checkpoint {path!r}" if os.path.isdir(path) else f"weights file {path!r}"
   stored = _stored_shapes(path)
@@ -104,8 +104,6 @@ def load_weights(path: str | os.PathLike, params: Any, shardings: Any) -> Any:
   checkpoint directory, consolidated through ``zerojax.tools.export.export`` into a temporary file.
   Errors name ``path`` (the checkpoint, not the temporary file).
   """
-  import tempfile
-  from zerojax.tools import export  # lazily: it reads orbax checkpoints
   path = os.fspath(path)
   if os.path.isdir(path):
     with tempfile.TemporaryDirectory(prefix="zerojax_init_") as tmp:
@@ -121,7 +119,6 @@ def load_weights(path: str | os.PathLike, params: Any, shardings: Any) -> Any:
 
 
 def _place_weights(what: str, stored: Mapping[str, Any], params: Any, shardings: Any) -> Any:
-  import jax
   flat, treedef = jax.tree_util.tree_flatten_with_path(params)
   names = list(flat_params(params))
   hint = ("; the weights are of another model: pass the preset they were trained with "

@@ -7,15 +7,16 @@ from __future__ import annotations
 import math
 from typing import Callable
 
-from zerojax.tools.train.options import TrainOptions
+import jax.numpy as jnp
+import optax
+
+from zerojax.tools.options import TrainOptions
 
 __all__ = ["make_schedule", "make_optimizer"]
 
 
 def make_schedule(opts: TrainOptions, total_steps: int) -> Callable:
   """The learning-rate schedule of ``opts`` (or of its DeepSpeed ``scheduler``)."""
-  import jax.numpy as jnp
-  import optax
   s = opts.scheduler
   if s:
     name = s["name"]
@@ -52,7 +53,6 @@ def make_schedule(opts: TrainOptions, total_steps: int) -> Callable:
 
 def make_optimizer(opts: TrainOptions):
   """``(tx, schedule)``: the optax optimizer and its learning-rate schedule."""
-  import optax
   sched = make_schedule(opts, opts.steps)
   o = opts.optimizer
   if o == "adamw":

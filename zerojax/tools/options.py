@@ -1,5 +1,8 @@
 """What a training run is asked to do: `TrainOptions` (and DeepSpeed's training keys),
 the bundled corpus, and the error a non-finite gradient stops the loop with.
+
+Beside `config_file` and `deepspeed`, which read these options from files, and apart from the
+loop in `zerojax.tools.train`: reading options needs no JAX (`zerojax --help` lists them).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ __all__ = ["PACKAGE_DIR", "DEFAULT_CORPUS", "NonFiniteGradientsError", "TrainOpt
            "apply_deepspeed_train", "deepspeed_train_fields"]
 
 
-PACKAGE_DIR = pathlib.Path(__file__).resolve().parents[2]  # zerojax/
+PACKAGE_DIR = pathlib.Path(__file__).resolve().parents[1]  # zerojax/
 
 
 # Shipped as package data, so a non-editable install finds it too.
