@@ -180,10 +180,22 @@ def _scaled(fun, has_aux, scale):
 
 
 def _accumulate(scaled, params, args, steps, plan, scale):
+  """``(mean loss, mean aux, gradient)`` over ``steps`` micro-batches of ``args``: each device's
+  local gradient reduced once (`ShardingPlan.local_grads`, or stage 0), or each micro-batch's
+  gradient reduced to its layout as it is made (stages 2-3)."""
+  grads_sh = _like(params, plan.grads)
+  per_device = not plan.config.shards_grads and grads_sh is not None
+  xs = _micro_batches(args, steps, plan, per_device)
+  vg = jax.value_and_grad(scaled, has_aux=True)
+  if per_device:
+    return _accumulate_local(vg, params, xs, len(args), steps, plan, scale, grads_sh)
+  return _accumulate_reduced(vg, params, xs, steps, scale, grads_sh)
+
+
+def _micro_batches(args, steps, plan, per_device):
+  """``args`` with a leading micro-batch dimension, each device's rows kept local (and, for a
+  per-device gradient, the data-parallel dimension kept apart)."""
   dp, axes, mesh = plan.data_parallel_size, plan.data_axes, plan.mesh
-  grads_sh, reduced_sh = _like(params, plan.grads), _like(params, plan.grads_reduced)
-  params_match = grads_sh is not None
-  per_device = not plan.config.shards_grads and params_match
 
   def split(x):
     x = jnp.asarray(x)
@@ -197,73 +209,80 @@ def _accumulate(scaled, params, args, steps, plan, scale):
     m = b // (steps * dp)
     # Rows are laid out device-major (P(data) on dim 0); keep each device's rows local.
     x = x.reshape((dp, steps, m) + x.shape[1:]).swapaxes(0, 1)  # [steps, dp, m, ...]
-    if per_device:
-      spec = P(None, axes)
-    else:
+    if not per_device:
       x = x.reshape((steps, dp * m) + x.shape[3:])
-      spec = P(None, axes)
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(None, axes)))
 
-  xs = jax.tree.map(split, args)
+  return jax.tree.map(split, args)
+
+
+def _accumulate_local(vg, params, xs, nargs, steps, plan, scale, grads_sh):
+  """Each device accumulates the float32 gradient of its own rows (data axes on a new leading
+  dimension); the step's one reduction sums them into ``plan.grads_reduced``."""
+  dp, axes, mesh = plan.data_parallel_size, plan.data_axes, plan.mesh
+  reduced_sh = _like(params, plan.grads_reduced)
   reduce_dtype = jnp.dtype(plan.config.reduce_dtype) if plan.config.reduce_dtype else None
-  vg = jax.value_and_grad(scaled, has_aux=True)
 
-  if per_device:
-    def lead(s, nd):  # the gradient layout with the data axes on a new leading dimension
-      spec = tuple(s.spec) + (None,) * (nd - len(tuple(s.spec)))
-      return NamedSharding(mesh, P(axes, *spec))
+  def lead(s, nd):  # the gradient layout with the data axes on a new leading dimension
+    spec = tuple(s.spec) + (None,) * (nd - len(tuple(s.spec)))
+    return NamedSharding(mesh, P(axes, *spec))
 
-    acc_sh = jax.tree.map(lambda s, p: lead(s, jnp.ndim(p)), grads_sh, params)
-    grad_of_rows = jax.vmap(lambda p, *b: vg(p, *b), in_axes=(None,) + (0,) * len(args),
-                            spmd_axis_name=axes)
+  acc_sh = jax.tree.map(lambda s, p: lead(s, jnp.ndim(p)), grads_sh, params)
+  grad_of_rows = jax.vmap(lambda p, *b: vg(p, *b), in_axes=(None,) + (0,) * nargs,
+                          spmd_axis_name=axes)
 
-    def local(mb):
-      """Each device's float32 gradient of its own rows of ``mb``, its loss and aux."""
-      (_, (loss, aux)), g = grad_of_rows(params, *mb)
-      g = jax.tree.map(lambda x, s: jax.lax.with_sharding_constraint(x.astype(F32), s),
-                       g, acc_sh)
-      return g, (jnp.mean(loss.astype(F32)), _mean_aux(aux, 0))
+  def local(mb):
+    """Each device's float32 gradient of its own rows of ``mb``, its loss and aux."""
+    (_, (loss, aux)), g = grad_of_rows(params, *mb)
+    g = jax.tree.map(lambda x, s: jax.lax.with_sharding_constraint(x.astype(F32), s),
+                     g, acc_sh)
+    return g, (jnp.mean(loss.astype(F32)), _mean_aux(aux, 0))
 
-    if steps == 1:  # no accumulator: reduce the local gradient itself (one buffer, not two)
-      acc, outs = local(jax.tree.map(lambda x: x[0], xs))
-      losses, auxs = jax.tree.map(lambda x: jnp.asarray(x)[None], outs)
-      # Stage 1 reduces once the backward pass is over, as the paper's P_os: every leaf's
-      # reduction waits for a scalar of the whole local gradient. Without it XLA reduces each
-      # leaf as soon as it exists in models without scans, and stage 1 quietly becomes a
-      # stage 2 with a replicated gradient layout (measured: 52 MiB instead of >= G).
-      token = _token_of_all(acc)
-      acc = jax.tree.map(lambda a: after(a, token), acc)
-    else:
-      def body(acc, mb):
-        g, outs = local(mb)
-        acc = jax.tree.map(lambda a, x, s: jax.lax.with_sharding_constraint(a + x, s),
-                           acc, g, acc_sh)
-        return acc, outs
-
-      acc0 = jax.tree.map(lambda p, s: jax.lax.with_sharding_constraint(
-          jnp.zeros((dp,) + jnp.shape(p), F32), s), params, acc_sh)
-      acc, (losses, auxs) = ORIGINAL_SCAN(body, acc0, xs)
-
-    def reduce(a, p, s):
-      # The step's one gradient reduction: a sum over the sharded data-parallel axis.
-      a = a.astype(reduce_dtype) if reduce_dtype is not None else a
-      total = jax.lax.reduce(a, np.array(0, a.dtype), jax.lax.add, (0,))
-      total = jax.lax.with_sharding_constraint(total, s)
-      return _finish(total.astype(F32), steps * dp, scale, p.dtype)
-
-    grads = jax.tree.map(reduce, acc, params, reduced_sh)
+  if steps == 1:  # no accumulator: reduce the local gradient itself (one buffer, not two)
+    acc, outs = local(jax.tree.map(lambda x: x[0], xs))
+    losses, auxs = jax.tree.map(lambda x: jnp.asarray(x)[None], outs)
+    # Stage 1 reduces once the backward pass is over, as the paper's P_os: every leaf's
+    # reduction waits for a scalar of the whole local gradient. Without it XLA reduces each
+    # leaf as soon as it exists in models without scans, and stage 1 quietly becomes a
+    # stage 2 with a replicated gradient layout.
+    token = _token_of_all(acc)
+    acc = jax.tree.map(lambda a: after(a, token), acc)
   else:
-    constrain = (lambda t: jax.tree.map(jax.lax.with_sharding_constraint, t, grads_sh)) \
-        if params_match else (lambda t: t)
-    acc0 = constrain(jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), F32), params))
-
     def body(acc, mb):
-      (_, (loss, aux)), g = vg(params, *mb)
-      acc = constrain(jax.tree.map(lambda a, x: a + x.astype(F32), acc, g))
-      return acc, (loss.astype(F32), aux)
+      g, outs = local(mb)
+      acc = jax.tree.map(lambda a, x, s: jax.lax.with_sharding_constraint(a + x, s),
+                         acc, g, acc_sh)
+      return acc, outs
 
+    acc0 = jax.tree.map(lambda p, s: jax.lax.with_sharding_constraint(
+        jnp.zeros((dp,) + jnp.shape(p), F32), s), params, acc_sh)
     acc, (losses, auxs) = ORIGINAL_SCAN(body, acc0, xs)
-    grads = jax.tree.map(lambda a, p: _finish(a, steps, scale, p.dtype), acc, params)
+
+  def reduce(a, p, s):
+    # The step's one gradient reduction: a sum over the sharded data-parallel axis.
+    a = a.astype(reduce_dtype) if reduce_dtype is not None else a
+    total = jax.lax.reduce(a, np.array(0, a.dtype), jax.lax.add, (0,))
+    total = jax.lax.with_sharding_constraint(total, s)
+    return _finish(total.astype(F32), steps * dp, scale, p.dtype)
+
+  grads = jax.tree.map(reduce, acc, params, reduced_sh)
+  return jnp.mean(losses), _mean_aux(auxs, 0), grads
+
+
+def _accumulate_reduced(vg, params, xs, steps, scale, grads_sh):
+  """A float32 accumulator in the gradient's layout: each micro-batch's gradient is reduced
+  (reduce-scattered at stages 2-3) as it is made, then added."""
+  constrain = (lambda t: jax.tree.map(jax.lax.with_sharding_constraint, t, grads_sh)) \
+      if grads_sh is not None else (lambda t: t)
+  acc0 = constrain(jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), F32), params))
+
+  def body(acc, mb):
+    (_, (loss, aux)), g = vg(params, *mb)
+    acc = constrain(jax.tree.map(lambda a, x: a + x.astype(F32), acc, g))
+    return acc, (loss.astype(F32), aux)
+
+  acc, (losses, auxs) = ORIGINAL_SCAN(body, acc0, xs)
+  grads = jax.tree.map(lambda a, p: _finish(a, steps, scale, p.dtype), acc, params)
   return jnp.mean(losses), _mean_aux(auxs, 0), grads
 
 

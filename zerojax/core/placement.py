@@ -10,7 +10,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from zerojax.core.plan import _unbox, path_str
+from zerojax.core.leaves import path_str, unbox
 
 __all__ = ["WeightsError", "make_array", "place"]
 
@@ -53,7 +53,7 @@ def place(params: Any, plan: Any) -> Any:
   """
   if hasattr(params, "load") and callable(params.load):
     params = params.load(plan)  # checked below like any tree (its arrays are already placed)
-  params = _unbox(params)
+  params = unbox(params)
   flat, _ = jax.tree_util.tree_flatten_with_path(params)
   by_path = {path_str(kp): x for kp, x in flat}
   want = {lp.path for lp in plan.leaves}

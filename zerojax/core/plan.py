@@ -37,48 +37,28 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 import warnings
 from collections.abc import Mapping
 from typing import Any, Callable
 
 import jax
-import optax
-from flax import nnx
 import jax.numpy as jnp
 import numpy as np
-from flax.core import meta
+from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from zerojax.core import quantize as q
 from zerojax.core.config import ConfigError, ZeroConfig
 from zerojax.core.memory_kinds import HOST, memory_kinds
-from zerojax.core import quantize as q
 from zerojax.core.mesh import axis_size, data_axes
+from zerojax.core import formulation as fm, report
+from zerojax.core.leaves import (LeafPlan, as_shape, axes_of, flatten, metadata_specs,
+                                 opt_param_index, path_str, plan_leaf, plan_opt_state,
+                                 shard_bytes, unbox)
 
 __all__ = ["LeafPlan", "ShardingPlan", "path_str", "state_fields"]
 
 PyTree = Any
-
-
-@dataclasses.dataclass(frozen=True)
-class LeafPlan:
-  """The plan of one parameter leaf."""
-
-  path: str
-  shape: tuple[int, ...]
-  dtype: Any
-  sharded: P  # at-rest layout when this kind of state is sharded
-  gathered: P  # compute layout: fsdp removed, tensor axes kept
-  reason: str  # why the leaf is (not) sharded: sharded | threshold | indivisible | rule | ...
-  trainable: bool = True  # False: frozen (no gradient, no optimizer state), still sharded
-
-  @property
-  def nbytes(self) -> int:
-    return math.prod(self.shape) * np.dtype(self.dtype).itemsize
-
-  @property
-  def is_sharded(self) -> bool:
-    return "fsdp" in _axes_of(self.sharded)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,11 +108,11 @@ class ShardingPlan:
     if "fsdp" not in mesh.axis_names:
       raise ConfigError(f"mesh axes {mesh.axis_names} have no 'fsdp' axis to shard over")
     param_kind, opt_kind = memory_kinds(config, mesh)
-    meta_specs = _metadata_specs(params, mesh)
-    params = _unbox(params)
-    paths, flat, treedef = _flatten(params)
+    meta_specs = metadata_specs(params, mesh)
+    params = unbox(params)
+    paths, flat, treedef = flatten(params)
     leaves = tuple(
-        _plan_leaf(config, mesh, p, x, meta_specs.get(p)) for p, x in zip(paths, flat))
+        plan_leaf(config, mesh, p, x, meta_specs.get(p)) for p, x in zip(paths, flat))
     if trainable is not None:
       leaves = tuple(lp if trainable(lp.path) else dataclasses.replace(lp, trainable=False)
                      for lp in leaves)
@@ -148,11 +128,11 @@ class ShardingPlan:
     grads_sh = tree(sharded if config.shards_grads else gathered)
 
     if opt_state is None and tx is not None:
-      opt_state = jax.eval_shape(tx.init, jax.tree.map(_as_shape, params))
+      opt_state = jax.eval_shape(tx.init, jax.tree.map(as_shape, params))
     opt_sh, opt_leaves, opt_param = (None, (), ())
     if opt_state is not None:
-      opt_param = _opt_param_index(tx, opt_state, params, leaves)
-      opt_sh, opt_leaves = _plan_opt_state(config, mesh, opt_state, leaves, opt_param, opt_kind)
+      opt_param = opt_param_index(tx, opt_state, params, leaves)
+      opt_sh, opt_leaves = plan_opt_state(config, mesh, opt_state, leaves, opt_param, opt_kind)
     _warn_nothing_to_shard(config, mesh)
     return cls(config, mesh, params_sh, params_gathered, grads_sh, opt_sh, leaves, opt_leaves,
                opt_param)
@@ -301,6 +281,16 @@ class ShardingPlan:
     (`zerojax.core.formulation.choose`)."""
     return self.config.per_use_settings
 
+  def formulation(self, jaxpr: Any) -> fm.Formulation:
+    """How a model traced as ``jaxpr`` reaches its parameters on this plan's target
+    (`zerojax.core.formulation.choose`)."""
+    return fm.choose(self, jaxpr)
+
+  @property
+  def compiler_options(self) -> dict[str, Any] | None:
+    """XLA options the stage needs on this backend (`zerojax.core.formulation.compiler_options`)."""
+    return fm.compiler_options(self)
+
   @property
   def grads_reduced(self) -> PyTree:
     """Where a step's gradient reduction lands: ``grads``, except with `local_grads`, which
@@ -327,7 +317,7 @@ class ShardingPlan:
       per_device = math.prod(lp.shape) // n
       if c.quantize_weights is not None and lp.is_sharded and c.shards_params:
         d["weights"] = (q.num_blocks(per_device, bs), q.padding(per_device, bs))
-      if c.quantize_gradients is not None and lp.trainable and "fsdp" in _axes_of(gs.spec):
+      if c.quantize_gradients is not None and lp.trainable and "fsdp" in axes_of(gs.spec):
         d["gradients"] = (q.num_blocks(per_device, bs), q.padding(per_device, bs))
       out.append(d)
     return out
@@ -340,13 +330,13 @@ class ShardingPlan:
     for lp, ps, gs in zip(self.leaves, jax.tree.leaves(self.params),
                           jax.tree.leaves(self.grads)):
       key = "params_host" if ps.memory_kind == HOST else "params"
-      out[key] += _shard_bytes(lp.shape, lp.dtype, ps.spec, self.mesh)
+      out[key] += shard_bytes(lp.shape, lp.dtype, ps.spec, self.mesh)
       if lp.trainable:  # a frozen leaf has no gradient
-        out["grads"] += _shard_bytes(lp.shape, lp.dtype, gs.spec, self.mesh)
+        out["grads"] += shard_bytes(lp.shape, lp.dtype, gs.spec, self.mesh)
     if self.opt_state is not None:
       for (_, shape, dtype, spec), s in zip(self.opt_leaves, jax.tree.leaves(self.opt_state)):
         key = "opt_state_host" if s.memory_kind == HOST else "opt_state"
-        out[key] += _shard_bytes(shape, dtype, spec, self.mesh)
+        out[key] += shard_bytes(shape, dtype, spec, self.mesh)
     return out
 
   def unsharded_bytes(self) -> dict[str, int]:
@@ -358,61 +348,16 @@ class ShardingPlan:
     return out
 
   def table(self) -> str:
-    """The plan as a readable text table with totals."""
-    rows = [("path", "shape", "dtype", "param spec", "opt spec", "bytes/device", "note")]
-    opt_by_param = _opt_specs_by_param(self)
-    quant = self.quantization() if self.config.quantized else [{}] * len(self.leaves)
-    for lp, ps, qz in zip(self.leaves, jax.tree.leaves(self.params), quant):
-      host = " (host)" if ps.memory_kind == HOST else ""
-      opt = opt_by_param.get(lp.path)
-      rows.append((lp.path, str(lp.shape), np.dtype(lp.dtype).name, _spec_str(ps.spec) + host,
-                   "-" if opt is None else _spec_str(opt.spec)
-                   + (" (host)" if opt.memory_kind == HOST else ""),
-                   _fmt_bytes(_shard_bytes(lp.shape, lp.dtype, ps.spec, self.mesh)),
-                   _table_note(lp, self.config) + ("" if lp.trainable else ", frozen")
-                   + _quant_note(qz, self.config)))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    line = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()
-    out = [f"zerojax plan: {self.config.label}, mesh {dict(self.mesh.shape)}",
-           line(rows[0]), line(tuple("-" * w for w in widths))]
-    out += [line(r) for r in rows[1:]]
-    b = self.bytes_per_device()
-    total = sum(lp.nbytes for lp in self.leaves)
-    nparams = sum(math.prod(lp.shape) for lp in self.leaves)
-    out.append("")
-    out.append(f"parameters: {nparams:,} ({_fmt_bytes(total)} unsharded)")
-    out.append("per device: " + ", ".join(
-        f"{k} {_fmt_bytes(v)}" for k, v in b.items() if v or not k.endswith("_host")))
-    out.append(self.dtypes_line())
-    frozen = [lp for lp in self.leaves if not lp.trainable]
-    if frozen:
-      out.append(f"frozen: {len(frozen)} of {len(self.leaves)} leaves, "
-                 f"{sum(math.prod(lp.shape) for lp in frozen):,} parameters (no gradient, no "
-                 "optimizer state; stored as the stage says)")
-    uns = self.unsharded_bytes()
-    if uns:
-      out.append("left replicated over fsdp: " + ", ".join(
-          f"{_fmt_bytes(v)} ({k})" for k, v in sorted(uns.items())))
-    return "\n".join(out)
+    """The plan as a readable text table with totals (`zerojax.core.report.table`)."""
+    return report.table(self)
 
   def dtypes_line(self) -> str:
-    """The dtypes of the run as they are: master parameters and gradients (the gradient of a
-    parameter has its dtype), compute (the Flax modules' ``dtype``, from the config), gradient
-    reduction and optimizer state, read from the planned leaves."""
-    name = lambda d: np.dtype(d).name
-    params = sorted({name(lp.dtype) for lp in self.leaves})
-    opt = sorted({name(d) for _, _, d, _ in self.opt_leaves
-                  if np.issubdtype(np.dtype(d), np.floating)})
-    cfg = self.config
-    return (f"dtypes: params {'/'.join(params)}, compute {cfg.compute_dtype}, gradients "
-            f"{'/'.join(params)}, reduced in {cfg.reduce_dtype or '/'.join(params)}, "
-            f"optimizer state {'/'.join(opt) or '-'}")
+    """The run's dtypes as they are (`zerojax.core.report.dtypes_line`)."""
+    return report.dtypes_line(self)
 
   def __str__(self) -> str:  # pragma: no cover - convenience
     return self.table()
 
-
-# -- a warning for a plan that cannot shard --------------------------------------------------
 
 _warned_nothing_to_shard = False
 
@@ -448,255 +393,3 @@ def _warn_nothing_to_shard(config: ZeroConfig, mesh: Mesh) -> None:
            "mesh_shape")
   warnings.warn(f"zerojax: {config.label} planned over mesh {dict(mesh.shape)}: the "
                 f"'fsdp' axis has size 1, so nothing is sharded; {why}", stacklevel=3)
-
-
-# -- the leaf rule ----------------------------------------------------------------------------
-
-
-def _plan_leaf(config: ZeroConfig, mesh: Mesh, path: str, x: Any,
-               meta_spec: tuple | None) -> LeafPlan:
-  shape, dtype = tuple(x.shape), x.dtype
-  base, reason = None, None
-  for regex, spec in config.rules:
-    if re.search(regex, path):
-      base, reason = _check_spec(spec, shape, mesh, f"rule {regex!r}", path), "rule"
-      break
-  if base is None and meta_spec is not None:
-    base, reason = _check_spec(meta_spec, shape, mesh, "partitioning metadata", path), "metadata"
-  base = list(base) if base is not None else [None] * len(shape)
-  base += [None] * (len(shape) - len(base))
-  gathered = P(*[_drop_fsdp(a) for a in base])
-  if "fsdp" in _axes_of(P(*base)):  # user put fsdp somewhere: respect it
-    return LeafPlan(path, shape, dtype, P(*base), gathered, reason)
-  f = axis_size(mesh, "fsdp")
-  size = math.prod(shape)
-  if f == 1:
-    return LeafPlan(path, shape, dtype, gathered, gathered, reason or "fsdp=1")
-  if size < config.persistence_threshold:
-    return LeafPlan(path, shape, dtype, gathered, gathered, "threshold")
-  best = None
-  for d in range(len(shape)):
-    if base[d] is None and shape[d] % f == 0 and (best is None or shape[d] >= shape[best]):
-      best = d
-  if best is None:
-    return LeafPlan(path, shape, dtype, gathered, gathered, "indivisible")
-  spec = list(base)
-  spec[best] = "fsdp"
-  return LeafPlan(path, shape, dtype, P(*spec), gathered, reason or "sharded")
-
-
-def _opt_param_index(tx: Any, opt_state: PyTree, params: PyTree,
-                     leaves: tuple[LeafPlan, ...]) -> tuple[int | None, ...]:
-  """Per optimizer-state leaf, the index of the parameter leaf it mirrors, or ``None``.
-
-  ``optax.tree_map_params`` says which state leaves are parameter-shaped, from the
-  transformation itself; where it cannot (no ``tx``, or a state it does not recognise, such as
-  ``optax.masked``'s), a leaf whose key path ends with a parameter's path is taken. Either way
-  the shapes must agree: factored statistics (Adafactor's row and column factors) are
-  parameter-structured but not parameter-shaped, and get a plan of their own.
-  """
-  flat = jax.tree_util.tree_flatten_with_path(opt_state)[0]
-  found: list[int | None] | None = None
-  if tx is not None:
-    try:
-      idx = jax.tree.unflatten(jax.tree.structure(params), list(range(len(leaves))))
-      mapped = optax.tree_map_params(tx, lambda _, i: i, opt_state, idx,
-                                     transform_non_params=lambda _: -1)
-      got = jax.tree.leaves(mapped)
-      if len(got) == len(flat):
-        found = [None if i == -1 else i for i in got]
-    except Exception:  # noqa: BLE001 - a state optax cannot map: match by path below
-      found = None
-  if found is None:
-    by_keys = {_key_tuple(kp): i for i, (kp, _) in
-               enumerate(jax.tree_util.tree_flatten_with_path(params)[0])}
-    found = []
-    for kp, x in flat:
-      keys = _key_tuple(kp)
-      found.append(next((by_keys[keys[j:]] for j in range(len(keys))
-                         if keys[j:] in by_keys
-                         and leaves[by_keys[keys[j:]]].shape == tuple(np.shape(x))), None))
-  return tuple(i if i is not None and leaves[i].shape == tuple(np.shape(x)) else None
-               for i, (_, x) in zip(found, flat))
-
-
-def _plan_opt_state(config, mesh, opt_state, leaves, opt_param, kind):
-  """Optimizer-state shardings: mirror a parameter's plan where the leaf mirrors a parameter."""
-  flat, treedef = jax.tree_util.tree_flatten_with_path(opt_state)
-  specs, infos = [], []
-  for (kp, x), i in zip(flat, opt_param):
-    shape, dtype = tuple(np.shape(x)), getattr(x, "dtype", np.dtype(type(x)))
-    lp = leaves[i] if i is not None else None
-    if lp is None:
-      lp = _plan_leaf(config, mesh, path_str(kp), jax.ShapeDtypeStruct(shape, dtype), None)
-    spec = lp.sharded if config.shards_opt_state else lp.gathered
-    specs.append(NamedSharding(mesh, spec, memory_kind=kind))
-    infos.append((path_str(kp), shape, dtype, spec))
-  return jax.tree_util.tree_unflatten(treedef, specs), tuple(infos)
-
-
-# -- metadata ---------------------------------------------------------------------------------
-
-
-def _is_boxed(x: Any) -> bool:
-  if isinstance(x, meta.AxisMetadata):
-    return True
-  try:
-    return isinstance(x, nnx.Variable)
-  except ImportError:  # pragma: no cover
-    return False
-
-
-def _metadata_specs(tree: PyTree, mesh: Mesh) -> dict[str, tuple]:
-  """Per-dimension mesh axes from Flax boxes (linen ``Partitioned``, NNX ``out_sharding``).
-
-  Names that are not mesh axes (logical names without rules) count as unconstrained.
-  """
-  out = {}
-  flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_boxed)
-  for kp, x in flat:
-    names = None
-    if isinstance(x, meta.AxisMetadata):
-      names = getattr(x, "names", None)
-    elif _is_boxed(x):
-      names = x.get_metadata("out_sharding", None) if hasattr(x, "get_metadata") else None
-    if names is None:
-      continue
-    keep = lambda a: a if (a in mesh.axis_names) else (
-        tuple(b for b in a if b in mesh.axis_names) or None if isinstance(a, tuple) else None)
-    out[path_str(kp)] = tuple(keep(a) for a in names)
-  return out
-
-
-def _unbox(tree: PyTree) -> PyTree:
-  tree = meta.unbox(tree)
-  try:
-    return jax.tree.map(lambda x: x.get_value() if isinstance(x, nnx.Variable) else x, tree,
-                        is_leaf=lambda x: isinstance(x, nnx.Variable))
-  except ImportError:  # pragma: no cover
-    return tree
-
-
-# -- helpers ----------------------------------------------------------------------------------
-
-
-def _flatten(tree):
-  flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
-  return [path_str(kp) for kp, _ in flat], [x for _, x in flat], treedef
-
-
-def _key_tuple(kp) -> tuple:
-  return tuple(_key_name(k) for k in kp)
-
-
-def _key_name(k) -> str:
-  for attr in ("key", "name", "idx"):
-    if hasattr(k, attr):
-      return str(getattr(k, attr))
-  return str(k)
-
-
-def path_str(kp) -> str:
-  """A key path as the plan names leaves: ``"blocks/fc/kernel"``."""
-  return jax.tree_util.keystr(tuple(kp), simple=True, separator="/")
-
-
-def _as_shape(x):
-  return jax.ShapeDtypeStruct(np.shape(x), x.dtype) if hasattr(x, "dtype") else x
-
-
-def _axes_of(spec: P) -> tuple[str, ...]:
-  out = []
-  for a in spec:
-    if a is None:
-      continue
-    out.extend(a if isinstance(a, tuple) else (a,))
-  return tuple(out)
-
-
-def _drop_fsdp(a):
-  if a == "fsdp":
-    return None
-  if isinstance(a, tuple):
-    rest = tuple(b for b in a if b != "fsdp")
-    return rest if len(rest) > 1 else (rest[0] if rest else None)
-  return a
-
-
-def _check_spec(spec, shape, mesh, origin, path) -> tuple:
-  spec = tuple(spec)
-  if len(spec) > len(shape):
-    raise ConfigError(f"{origin} gives {path!r} the spec {spec}, which has more entries than "
-                      f"the leaf's {len(shape)} dimensions (shape {shape})")
-  for d, a in enumerate(spec):
-    axes = a if isinstance(a, tuple) else ((a,) if a is not None else ())
-    for b in axes:
-      if b not in mesh.axis_names:
-        raise ConfigError(f"{origin} gives {path!r} the spec {spec}: axis {b!r} is not a mesh "
-                          f"axis; mesh axes are {mesh.axis_names}")
-    n = math.prod(mesh.shape[b] for b in axes)
-    if shape[d] % n:
-      raise ConfigError(f"{origin} gives {path!r} (shape {shape}) the spec {spec}: dimension "
-                        f"{d} of size {shape[d]} does not divide by {n}")
-  return spec
-
-
-def _shard_bytes(shape, dtype, spec: P, mesh: Mesh) -> int:
-  n = math.prod(shape) * np.dtype(dtype).itemsize
-  return n // math.prod(axis_size(mesh, a) for a in _axes_of(spec)) if n else 0
-
-
-def _spec_str(spec: P) -> str:
-  return "P(" + ", ".join(repr(a) if a is not None else "None" for a in spec) + ")"
-
-
-def _fmt_bytes(n: float) -> str:
-  for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-    if abs(n) < 1024 or unit == "TiB":
-      return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-    n /= 1024
-  raise AssertionError
-
-
-def _opt_specs_by_param(plan: ShardingPlan) -> dict[str, NamedSharding]:
-  """The first optimizer-state sharding that mirrors each parameter (`ShardingPlan.opt_param`)."""
-  out: dict[str, NamedSharding] = {}
-  if plan.opt_state is None:
-    return out
-  for i, sh in zip(plan.opt_param, jax.tree.leaves(plan.opt_state)):
-    if i is not None:
-      out.setdefault(plan.leaves[i].path, sh)
-  return out
-
-
-# (opt state, grads, params) sharded -> the table's note
-_STAGE_NOTES = {(False, False, False): "replicated (stage 0)",
-                (True, False, False): "opt state sharded",
-                (True, True, False): "grads, opt state sharded", (True, True, True): "sharded"}
-
-
-def _quant_note(qz: dict[str, tuple[int, int]], cfg: ZeroConfig) -> str:
-  """The ZeRO++ part of a leaf's note: what travels quantised, in how many blocks, padded."""
-  if not cfg.quantized:
-    return ""
-  parts = []
-  for key, name, dtype in (("weights", "qwZ", cfg.quantize_weights),
-                           ("gradients", "qgZ", cfg.quantize_gradients)):
-    if dtype is None:
-      continue
-    if key in qz:
-      blocks, pad = qz[key]
-      parts.append(f"{name} {dtype} {blocks} block{'s' * (blocks != 1)}"
-                   + (f" +{pad} pad" if pad else ""))
-    else:
-      parts.append(f"{name} off (not {'gathered' if key == 'weights' else 'reduce-scattered'})")
-  return "; " + ", ".join(parts)
-
-
-def _table_note(lp: LeafPlan, config: ZeroConfig) -> str:
-  """What the stage does with a leaf: ``lp.reason`` says whether the leaf rule *can* shard it,
-  and a stage below 3 still keeps some of its state replicated."""
-  if not lp.is_sharded:
-    return f"replicated ({lp.reason})"
-  note = _STAGE_NOTES[(config.shards_opt_state, config.shards_grads, config.shards_params)]
-  return note if lp.reason == "sharded" else f"{note} ({lp.reason})"

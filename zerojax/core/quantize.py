@@ -2,7 +2,7 @@
 
 `quantize`/`dequantize` are pure functions of one array. `all_gather` (qwZ) and
 `reduce_scatter` (qgZ) are their collectives, for code that runs per device inside
-``jax.shard_map`` (the step's quantized formulation, `zerojax.core.formulation.ModelApply`):
+``jax.shard_map`` (the step's quantized formulation, `zerojax.core.apply.ModelApply`):
 
 * qwZ: each device quantises its own shard, the int8 values and the scales are all-gathered,
   and every device dequantises the whole weight.
@@ -76,7 +76,7 @@ def quantize(x: jax.Array, dtype: str = "int8", block_size: int = 256,
   if dtype == "int4":
     # Two 4-bit values per byte: the block's first half in the low nibbles, its second half
     # in the high ones (halves, not even/odd pairs: a trailing axis of 2 would be padded to
-    # TPU tiles, measured 1 GiB of temp on a 59M GPT).
+    # TPU tiles).
     h = block_size // 2
     q = (q[..., :h] & 0x0F) | (q[..., h:] << 4)
   return Quantized(q, scale)

@@ -28,11 +28,11 @@ def regather_layers(next_fun: Callable, args: tuple, kwargs: dict,
 
   Use as ``with nn.intercept_methods(regather_layers): model.apply(...)`` with `ZeroParam`-boxed
   parameters (the step does this). A module qualifies when every variable it owns directly is
-  a `ZeroParam` and at least one is gathered for compute (``params`` only, no submodules with parameters, no other
-  collections, not mutable); others run unchanged and their children are looked at in turn.
-  Leaves left replicated (under ``param_persistence_threshold``: biases, norm scales) do not
-  disqualify a module; they pass through as they are (issue: a ``Dense`` with a replicated bias
-  used to be skipped, so every layer's gathered kernel stayed alive).
+  a `ZeroParam` and at least one is gathered for compute (``params`` only, no submodules with
+  parameters, no other collections, not mutable); others run unchanged and their children are
+  looked at in turn. Leaves left replicated (biases, norm scales under
+  ``param_persistence_threshold``) pass through as they are, so a ``Dense`` with a replicated
+  bias still computes as one layer.
   A qualifying call becomes a ``custom_vjp`` over the module's shards and array arguments:
 
   * forward: gather the shards after the first float argument exists, run the module;
@@ -40,9 +40,8 @@ def regather_layers(next_fun: Callable, args: tuple, kwargs: dict,
   * backward: gather again after the output cotangent exists, and differentiate the module
     (its gradient is reduce-scattered by `gather`'s own backward).
 
-  So at most the weights of the layer that is computing are gathered, in both passes, for any
-  schedule. The module's forward is recomputed in the backward pass, but XLA drops what the
-  backward does not read (a ``Dense`` only re-gathers its kernel).
+  So at most the weights of the computing layer are gathered, in both passes, for any
+  schedule; XLA drops what the recomputed forward does not feed.
   """
   module, method = context.module, context.method_name
   if (_IN_LAYER.get() or method == "setup" or (method.startswith("_") and method != "__call__")

@@ -108,8 +108,8 @@ def scan_remat(config: Any, per_use: bool) -> ScanRemat:
   weights at once.
 
   * ``'auto'`` (default): a scanned layer the user did not rematerialise would keep what the
-    compiler gathered for it (every layer's gathered weights, stacked, until the backward pass;
-    measured 101.8 MB against 24.0 MB on a 12-layer MLP), so zerojax rematerialises it
+    compiler gathered for it (every layer's gathered weights, stacked, until the backward
+    pass), so zerojax rematerialises it
     (``nothing_saveable``; with per-use gathering, everything but the gathered weights).
     Layers the user wrapped in ``nn.remat``/``jax.checkpoint`` are left as written.
   * ``'none'``: scanned layers as written (per-use gathering still never saves gathered

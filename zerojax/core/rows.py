@@ -39,21 +39,16 @@ def per_layer_reads(apply_fn: Callable, plan: Any) -> Callable:
   it is made (``apply_fn`` itself at stage 1, which reduces once after the backward pass).
 
   Autodiff turns every ``w[i]`` into a zero-padded full-size cotangent and sums them at the end
-  of the backward pass; XLA keeps all the padded copies for one fused sum (the 12-layer MLP of
-  `benchmarks/patterns.py`: 1158 MiB of temp at stage 0, 169 MiB at stage 2 for a 96 MiB
-  gradient). Here the model is traced once and each ``w[i]`` of a leaf read that way at least
-  twice is threaded from read to read (`_read_row`), so the backward pass puts each row's
-  cotangent in the gradient's layout as it is made (all-reduce at stage 0, reduce-scatter at
-  2-3) and adds it into one gradient in place.
+  of the backward pass, and XLA keeps all the padded copies for one fused sum. Here the model is
+  traced once and each ``w[i]`` of a leaf read that way at least twice is threaded from read to
+  read (`_read_row`), so each row's cotangent is put in the gradient's layout as it is made and
+  added into one gradient in place.
 
-  A row that only feeds one matmul (``x @ params["w"][i]``, the usual case) goes further
-  (`_row_dot`): a slice of a stacked array is a copy, and XLA:CPU issued all 24 row copies of
-  that MLP at the start of the step and kept them for the backward pass (96 MiB, as much as
-  the gradient). There the row is sliced only once the matmul's other operand exists, is not
-  kept, and is sliced again in the backward pass once the matmul's output cotangent exists.
-  At stage 3 XLA's partitioner then gathers one row where it is read, not the whole stack
-  (hand-written FSDP's ``w[i]`` gathers every layer). Every other equation runs as written, so
-  values are unchanged.
+  A row that only feeds one matmul (``x @ params["w"][i]``) goes further (`_row_dot`): a slice
+  of a stacked array is a copy, which XLA:CPU issues early and keeps for the backward pass.
+  The row is sliced only once the matmul's other operand exists, is not kept, and is sliced
+  again once the matmul's output cotangent exists; at stage 3 the partitioner then gathers one
+  row, not the whole stack. Every other equation runs as written, so values are unchanged.
   """
   treedef = jax.tree.structure(plan.params)
   per_leaf = list(zip(jax.tree.leaves(plan.params), jax.tree.leaves(plan.grads)))  # rest, grad
@@ -176,9 +171,9 @@ def _row_dot(w: jax.Array, other: jax.Array, i: int, pos: int, dot: _Dot,
 
   Except the first read's row, which is saved: its re-slice would feed only the cotangent of
   ``other``, which the update of ``w`` need not wait for, so XLA:CPU kept the donated ``w``
-  alive past its update by copying the whole stack (96 MiB on pattern g). Saving one row per
-  leaf instead leaves every read of ``w`` ordered before its update by data dependency.
-  (Ordering that re-slice through a token instead cost XLA:TPU 46 MiB of temp there.)
+  alive past its update by copying the whole stack. Saving one row per leaf instead leaves
+  every read of ``w`` ordered before its update by data dependency (ordering that re-slice
+  through a token instead cost XLA:TPU more temp).
   """
   return dot(_row(w, i, other), other, pos), w
 

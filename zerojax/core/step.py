@@ -3,7 +3,7 @@
 ``@zero_step(plan)`` turns a plain ``train_step(state, batch) -> (state, metrics)`` into a jitted
 step whose input/output shardings come from the plan, whose state buffers are donated, and whose
 batch is split over every data-parallel axis. Inside, ``state.apply_fn`` runs as the chosen
-formulation says (`zerojax.core.formulation`) and the optimizer receives gradients laid out as
+formulation says (`zerojax.core.apply`) and the optimizer receives gradients laid out as
 the stage says (`zerojax.core.layout`). The user's code is unchanged.
 
 For Flax NNX the same decorator takes ``train_step(model, optimizer, batch) -> metrics`` that
@@ -25,7 +25,7 @@ from flax import nnx
 from zerojax.core import budget, context, distributed, layout, offload
 from zerojax.core.config import ConfigError
 from zerojax.core.dtypes import check_compute_dtype, compute_dtype_of, set_nnx_dtype
-from zerojax.core.formulation import ModelApply, compiler_options, per_use_reason
+from zerojax.core.apply import ModelApply, per_use_reason
 from zerojax.core.grad import check_batch
 from zerojax.core.plan import ShardingPlan
 from zerojax.core.remat import scan_remat, scanned_layers
@@ -81,7 +81,7 @@ class ZeroStep:
           step, in_shardings=(state_sh, plan.batch(batch), *_replicated(plan, rest)),
           out_shardings=(state_sh, plan.replicated),
           donate_argnums=(0,) if self.donate else (),
-          compiler_options=compiler_options(plan))
+          compiler_options=plan.compiler_options)
       lowered = jitted.lower(state, batch, *rest)  # one trace (cached for the first call)
       if compute_dtype_of(plan.config) is not None:
         check_compute_dtype(plan.config, lowered)
@@ -107,7 +107,7 @@ class ZeroStep:
       check_batch(plan, batch)
       _check_processes_agree(plan, getattr(optimizer, "tx", None), None)
       cfg = plan.config
-      if cfg.gather == "explicit" or cfg.reduce_dtype is not None or cfg.quantized:
+      if plan.gathers_per_use and not cfg.offload_params:  # host params: fetched whole
         raise ConfigError(
             f"{per_use_reason(plan)} needs per-use gathering, which zerojax does through a "
             "linen model's state.apply_fn; an NNX step cannot honour it. Use a linen model, or "
@@ -146,7 +146,7 @@ class ZeroStep:
           step, in_shardings=(state_sh, plan.batch(batch), *_replicated(plan, rest)),
           out_shardings=(state_sh, plan.replicated),
           donate_argnums=(0,) if self.donate else (),
-          compiler_options=compiler_options(plan))
+          compiler_options=plan.compiler_options)
       if cd is not None:
         check_compute_dtype(cfg, jitted.lower(state, batch, *rest))
       self.formulation[key] = "compiler"  # an NNX step is never boxed (see above)

@@ -182,6 +182,25 @@ def _pad(spec: P, ndim: int) -> tuple:
   return tuple(spec) + (None,) * (ndim - len(tuple(spec)))
 
 
+def _array_specs(arrays: list, dp: int, axes: tuple) -> tuple[list, list]:
+  """The model's array arguments split on their leading (batch) dimension over ``axes``; PRNG
+  keys and scalars whole. Also which arguments are keys."""
+  specs, is_key = [], []
+  for i, x in enumerate(arrays):
+    key = jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
+    is_key.append(key)
+    if key or jnp.ndim(x) == 0:
+      specs.append(P())
+    elif np.shape(x)[0] % dp:
+      raise ConfigError(
+          f"quantize_weights/quantize_gradients run the model per device on its batch shard: "
+          f"model argument {i} has shape {np.shape(x)}, whose leading (batch) dimension "
+          f"{np.shape(x)[0]} does not divide by the data-parallel size {dp} (axes {axes})")
+    else:
+      specs.append(P(axes))
+  return specs, is_key
+
+
 def shard_map_apply(body: Callable[[Any, tuple, dict], Any], plan: ShardingPlan, params: Any,
                     args: tuple, kwargs: dict, how: ManualGather | None = None) -> Any:
   """``body(boxed_params, args, kwargs)`` run per device over the plan's data axes, with every
@@ -208,19 +227,7 @@ def shard_map_apply(body: Callable[[Any, tuple, dict], Any], plan: ShardingPlan,
   flat, argdef = jax.tree.flatten((args, kwargs))
   dyn = [isinstance(x, (jax.Array, np.ndarray)) for x in flat]
   arrays = [x for x, d in zip(flat, dyn) if d]
-  array_specs, is_key = [], []
-  for i, x in enumerate(arrays):
-    key = jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
-    is_key.append(key)
-    if key or jnp.ndim(x) == 0:
-      array_specs.append(P())
-    elif np.shape(x)[0] % dp:
-      raise ConfigError(
-          f"quantize_weights/quantize_gradients run the model per device on its batch shard: "
-          f"model argument {i} has shape {np.shape(x)}, whose leading (batch) dimension "
-          f"{np.shape(x)[0]} does not divide by the data-parallel size {dp} (axes {axes})")
-    else:
-      array_specs.append(P(axes))
+  array_specs, is_key = _array_specs(arrays, dp, axes)
 
   def local(ins, arrays):
     boxes = []
