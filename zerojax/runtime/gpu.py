@@ -19,6 +19,8 @@ import os
 import re
 from typing import Any
 
+from jax.experimental import topologies
+
 __all__ = ["GPU_EXTRA", "GPUS", "GPU_TOPOLOGY_EXAMPLES", "DEFAULT_MEMORY_FRACTION", "GpuSpec",
            "is_gpu_topology", "parse_gpu_topology", "gpu_topology", "target_config",
            "memory_fraction", "usable_memory"]
@@ -85,7 +87,6 @@ def gpu_topology(name: str) -> Any:
   if importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
     raise ImportError(f"compiling for GPU topology {name!r} needs JAX's CUDA plugin, which is "
                       f"not installed; install it with: {GPU_EXTRA}")
-  from jax.experimental import topologies
   try:
     return topologies.get_topology_desc(platform="cuda", target_config=target_config(spec.name),
                                         topology=f"1x{hosts}x{per_host}")
