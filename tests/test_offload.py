@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import zerojax
-from zerojax.core import memory_kinds, offload
+from zerojax.core import memory_kinds
 from zerojax.models import GPT
 from tests import helpers
 
@@ -126,7 +126,7 @@ def test_offload_remat_policies_keep_parity(policy):
 
 
 def test_offload_missing_pinned_host_errors_or_falls_back(monkeypatch):
-  monkeypatch.setattr(offload, "supported_memory_kinds", lambda mesh: frozenset({"device"}))
+  monkeypatch.setattr(memory_kinds, "supported_memory_kinds", lambda mesh: frozenset({"device"}))
   cfg = zerojax.ZeroConfig(stage=2, offload_optimizer=True)
   with pytest.raises(zerojax.ConfigError, match="no 'pinned_host' memory"):
     zerojax.ShardingPlan.create(cfg, zerojax.make_mesh(cfg), {"w": jnp.zeros((64, 64))},
