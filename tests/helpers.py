@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 import jax
@@ -13,6 +14,35 @@ from flax.training import train_state
 
 import zerojax
 from zerojax.models import GPT, GPTConfig, loss_fn
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+
+
+def child_env(devices: int | None = 8, **overrides: str | None) -> dict[str, str]:
+  """The environment of a Python subprocess a test starts: this process's, with its XLA flags
+  (the -O0 of tests/conftest.py included: a child compiles as the parent does, so results match
+  bit for bit) and its compilation cache, and the repository root on PYTHONPATH.
+
+  ``devices`` replaces the device-count flag (8, the parent's, by default); ``None`` leaves the
+  count out, for a child that sets its own or whose launcher does. ``overrides`` set variables,
+  or remove them where the value is None.
+  """
+  env = dict(os.environ)
+  flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith(_DEVICE_COUNT_FLAG)]
+  if devices is not None:
+    flags.append(f"{_DEVICE_COUNT_FLAG}={devices}")
+  env["XLA_FLAGS"] = " ".join(flags)
+  env.pop("JAX_NUM_CPU_DEVICES", None)  # the count is the flag's alone
+  paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != ROOT]
+  env["PYTHONPATH"] = os.pathsep.join([ROOT] + paths)
+  for k, v in overrides.items():
+    if v is None:
+      env.pop(k, None)
+    else:
+      env[k] = v
+  return env
+
 
 # vocab 250 does not divide by 8: the head bias stays replicated (indivisible).
 TINY = GPTConfig(vocab_size=250, seq_len=32, num_layers=2, num_heads=4, d_model=64)

@@ -28,19 +28,8 @@ CHILD = os.path.join(ROOT, "tests", "checkpoint_child.py")
 N = 3  # steps before the checkpoint; the continuous run trains 2N
 
 
-def child_env(devices: int) -> dict:
-  env = dict(os.environ)
-  # The parent's compiler flags (tests/conftest.py) with the child's own device count: a
-  # resumed run matches the parent's bit for bit only when compiled the same way.
-  flags = [f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f]
-  env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={devices}"])
-  env["JAX_PLATFORMS"] = "cpu"
-  env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-  return env
-
-
 def run_child(mode: str, args: dict, devices: int = 8, timeout: int = 300) -> str:
-  p = subprocess.run([sys.executable, CHILD, mode, json.dumps(args)], env=child_env(devices),
+  p = subprocess.run([sys.executable, CHILD, mode, json.dumps(args)], env=helpers.child_env(devices),
                      capture_output=True, text=True, timeout=timeout)
   assert p.returncode == 0, f"child {mode} failed:\n{p.stdout}\n{p.stderr[-4000:]}"
   return p.stdout
@@ -292,7 +281,7 @@ def test_checkpoint_killed_save_leaves_last_complete(tmp_path):
   """A save killed (SIGKILL) after writing its shards but before its commit is ignored."""
   d = str(tmp_path / "k")
   p = subprocess.Popen([sys.executable, CHILD, "kill", json.dumps({"dir": d})],
-                       env=child_env(2), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                       env=helpers.child_env(2), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                        text=True)
   try:
     seen = []
@@ -606,7 +595,7 @@ def test_checkpoint_export_command_line_one_device(run, tmp_path):
   """`python -m zerojax.tools.export` on a 1-device process (trained on 8), bf16 safetensors."""
   out = str(tmp_path / "m.safetensors")
   p = subprocess.run([sys.executable, "-m", "zerojax.tools.export", run["dir"], out, "--dtype", "bf16"],
-                     env=child_env(1), capture_output=True, text=True, timeout=300, cwd=ROOT)
+                     env=helpers.child_env(1), capture_output=True, text=True, timeout=300, cwd=ROOT)
   assert p.returncode == 0, p.stderr[-3000:]
   assert f"exported step {N}" in p.stdout
   import safetensors.numpy
@@ -614,7 +603,7 @@ def test_checkpoint_export_command_line_one_device(run, tmp_path):
   np.testing.assert_array_equal(got["blocks/fc/kernel"],
                                 run["snap"].params["blocks"]["fc"]["kernel"].astype(jnp.bfloat16))
   p = subprocess.run([sys.executable, "-m", "zerojax.tools.export", str(tmp_path / "none"), out],
-                     env=child_env(1), capture_output=True, text=True, timeout=300, cwd=ROOT)
+                     env=helpers.child_env(1), capture_output=True, text=True, timeout=300, cwd=ROOT)
   assert p.returncode == 1 and "does not exist" in p.stderr
 
 

@@ -1,12 +1,10 @@
 """The `zerojax` console script (as `python -m zerojax.tools.cli`) and the examples, as subprocesses."""
 
 import json
-import os
 import pathlib
 import re
 import subprocess
 import sys
-import tempfile
 
 import pytest
 
@@ -14,23 +12,16 @@ from zerojax.tools import cli
 from zerojax.tools import estimate as est
 from zerojax.core.config import ZeroConfig
 from zerojax.runtime.memory import paper_bytes
+from tests import helpers
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 FIG1 = {0: 120.0, 1: 31.4, 2: 16.6, 3: 1.9}  # ZeRO paper, Figure 1: Ψ = 7.5B, N = 64, K = 12
 
 
-_CACHE = tempfile.mkdtemp(prefix="zerojax_test_jax_cache_")
-
-
 def run(*args, script=None, cwd=None, timeout=300):
-  env = dict(os.environ)
-  # One compilation cache for this session's subprocesses: the fine-tuning run reuses the
+  # The session's compilation cache (tests/conftest.py): the fine-tuning run reuses the
   # pretraining run's compiled step (same model, stage and batch).
-  env["JAX_COMPILATION_CACHE_DIR"] = _CACHE
-  env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
-  env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-  env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-  env["JAX_PLATFORMS"] = "cpu"
+  env = helpers.child_env(8, JAX_PLATFORMS="cpu")
   cmd = [sys.executable] + ([str(script)] if script else ["-m", "zerojax.tools.cli"]) + list(args)
   return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout)
 

@@ -4,7 +4,6 @@ parameters, a misspelled DeepSpeed key, and one exit-status convention."""
 
 import ast
 import json
-import os
 import pathlib
 import re
 import subprocess
@@ -21,18 +20,16 @@ import zerojax
 from zerojax.core.config import ConfigError
 from zerojax.tools import cli
 from zerojax.tools import deepspeed as ds
+from tests import helpers
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
 
 
 def _clean_env(**extra) -> dict:
-  """A fresh shell's environment: none of this session's JAX settings."""
-  env = {k: v for k, v in os.environ.items()
-         if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES", "JAX_PLATFORMS")}
-  env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-  env.update(extra)
-  return env
+  """A fresh shell's device settings: no device count and no platform from this session
+  (its compiler flags and compilation cache stay)."""
+  return helpers.child_env(None, **{"JAX_PLATFORMS": None, **extra})
 
 
 # -- 2. DeepSpeed "auto" values come from the run ----------------------------------------------

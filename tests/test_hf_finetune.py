@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from tests import helpers
 from zerojax.models import llama
 
 
@@ -243,7 +244,6 @@ E2E = ["steps=20", "seq_len=64", "batch=8", "lr=3e-3", "checkpoint_every=5", "lo
 
 @pytest.mark.slow
 def test_finetune_end_to_end_kill_resume_export_generate(base_dir, tmp_path):
-  import os
   import subprocess
   import sys
   import torch
@@ -263,7 +263,7 @@ def test_finetune_end_to_end_kill_resume_export_generate(base_dir, tmp_path):
   # the same run, killed (SIGKILL) at step 13 and run again: it resumes from its newest
   # complete checkpoint and ends as the uninterrupted run did
   out = tmp_path / "killed"
-  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  env = helpers.child_env(8, JAX_PLATFORMS="cpu")
   r = subprocess.run([sys.executable, "-c", _KILLED_CHILD, str(base_dir), str(out)] + E2E,
                      env=env, capture_output=True, text=True, timeout=600)
   assert r.returncode == -9, r.stderr[-3000:]

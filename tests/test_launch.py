@@ -7,6 +7,7 @@ import pytest
 
 from zerojax.tools import launch as zlaunch
 from zerojax.core.distributed import ENV_CPU_DEVICES
+from tests import helpers
 
 
 def test_default_gives_each_cpu_process_devices_to_shard(monkeypatch):
@@ -44,7 +45,7 @@ def test_launcher_reports_and_passes_the_resolved_count(monkeypatch):
   out = io.StringIO()
   show = "import os; print(os.environ['ZEROJAX_CPU_DEVICES'])"
   code = zlaunch.launch([sys.executable, "-c", show], 2,
-                        env={"PATH": "/usr/bin:/bin"}, out=out, timeout=60)
+                        env=helpers.child_env(None), out=out, timeout=60)
   assert code == 0, out.getvalue()
   log = out.getvalue()
   assert "[launch] 2 processes x 4 simulated CPU device(s)" in log

@@ -30,13 +30,12 @@ RUNS = ["flat:0", "flat:1", "flat:2", "flat:3", "hybrid:3"]
 
 
 def _env() -> dict:
-  env = dict(os.environ)
-  env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(
-      os.pathsep) if p])
-  env["JAX_PLATFORMS"] = "cpu"
-  for k in list(env):  # the parent's 8-device flags and any stray cluster settings
-    if k == "XLA_FLAGS" or k.startswith(("ZEROJAX_", "JAX_COORDINATOR", "JAX_NUM_PROCESSES",
-                                         "JAX_PROCESS_ID", "SLURM_", "OMPI_")):
+  # No device count: the launcher gives each process its own (it keeps one set in the
+  # environment). Nor any stray cluster settings.
+  env = helpers.child_env(None, JAX_PLATFORMS="cpu")
+  for k in list(env):
+    if k.startswith(("ZEROJAX_", "JAX_COORDINATOR", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID",
+                     "SLURM_", "OMPI_")):
       del env[k]
   return env
 

@@ -443,7 +443,7 @@ KILL_STEPS = 24
 
 
 def _child(nvme_path, ckpt, out):
-  env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu"}
+  env = helpers.child_env(8, JAX_PLATFORMS="cpu")
   return subprocess.Popen([sys.executable, "-m", "tests.nvme_child", nvme_path, ckpt,
                            str(KILL_STEPS), out], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import pathlib
 import subprocess
 import sys
@@ -22,6 +21,7 @@ from jax.sharding import AbstractMesh, AxisType, PartitionSpec as P
 import zerojax
 import zerojax.runtime.memory as zm
 from zerojax.models import GPT, PRESETS
+from tests import helpers
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 GPT89M = PRESETS["gpt-89m"]  # d_model 512, vocab 50257, 12 layers
@@ -128,11 +128,7 @@ def test_scale_1024_three_axis_mesh_with_tensor(gpt89m_tp_params):
 
 @pytest.mark.slow
 def test_scale_aot_compile_64_devices_memory_within_estimate():
-  env = dict(os.environ)
-  env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=64"
-  env["JAX_PLATFORMS"] = "cpu"
-  env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(
-      os.pathsep) if p])
+  env = helpers.child_env(64, JAX_PLATFORMS="cpu")
   p = subprocess.run([sys.executable, str(ROOT / "tests" / "scale_worker.py"), "64"], env=env,
                      cwd=ROOT, capture_output=True, text=True, timeout=400)
   assert p.returncode == 0, p.stderr[-4000:]
