@@ -2,10 +2,10 @@
 
 ``--init`` is either a ``.npz`` of consolidated weights (``examples/train_gpt.py
 --save-weights`` or ``zerojax export --format npz``) or a zerojax checkpoint directory, which is
-consolidated through ``zerojax.tools.export`` (the checkpoint modules are imported only then). The
-model preset (and sequence length) is read from the stored parameter shapes unless
-``--preset`` names it. The weights are placed straight into the run's ZeRO layout, so
-fine-tuning may use a different stage or device count than pretraining. Usage::
+consolidated through ``zerojax.export``. The model preset (and sequence length) is
+read from the stored parameter shapes unless ``--preset`` names it. The weights are placed
+straight into the run's ZeRO layout, so fine-tuning may use a different stage or device count
+than pretraining. Usage::
 
   python examples/train_gpt.py --save-weights --out-dir runs/pretrain
   python examples/finetune.py --init runs/pretrain/weights.npz --stage 2 --lr 5e-4
@@ -21,7 +21,7 @@ import sys
 
 HERE = pathlib.Path(__file__).resolve().parent
 
-from zerojax.tools.train import DEFAULT_CORPUS  # the bundled corpus (package data)
+from zerojax import DEFAULT_CORPUS  # the bundled corpus (package data)
 
 
 def parse_args(argv=None):
@@ -47,7 +47,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
   args = parse_args(argv)
-  from zerojax.tools import train as zt
+  from zerojax import train as zt
   from zerojax import ConfigError, load_config
   if not os.path.exists(args.init):
     print(f"finetune: --init {args.init!r} does not exist", file=sys.stderr)

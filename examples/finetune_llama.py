@@ -5,7 +5,7 @@ From a local Hugging Face model directory (``config.json`` + ``model.safetensors
 one that ``transformers`` loads with ``from_pretrained``:
 
 1. each parameter is read from the safetensors files straight into its ZeRO-3 shards
-   (`zerojax.runtime.weights`): no process reads or holds the whole model;
+   (`zerojax.weights`): no process reads or holds the whole model;
 2. the run trains at stage 3 with the optimizer state and the parameters offloaded to host
    memory (``--no-offload`` keeps them on the device), saving sharded checkpoints every
    ``--save-every`` steps; run it again with the same ``--out-dir`` and it resumes from the
@@ -38,7 +38,7 @@ import sys
 
 HERE = pathlib.Path(__file__).resolve().parent
 
-from zerojax.tools.train import DEFAULT_CORPUS  # the bundled corpus (package data)
+from zerojax import DEFAULT_CORPUS  # the bundled corpus (package data)
 
 RANDOM_LLAMA = dict(vocab_size=256, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
@@ -112,16 +112,16 @@ class Resume:
 
 def main(argv=None) -> int:
   args = parse_args(argv)
-  from zerojax.tools import train as zt
+  from zerojax import train as zt
   zt.setup_cpu_devices(args.cpu_devices)
   import jax
   import jax.numpy as jnp
   from flax import nnx
   import zerojax
-  from zerojax.runtime import weights
-  from zerojax.runtime.checkpoint import Checkpointer
-  from zerojax.runtime.data import TextBatches, load_bytes
-  from zerojax.tools.export import export
+  from zerojax import weights
+  from zerojax.checkpoint import Checkpointer
+  from zerojax.data import TextBatches, load_bytes
+  from zerojax import export
   from zerojax.models import llama, loss_fn
 
   out = pathlib.Path(args.out_dir)

@@ -2,13 +2,13 @@
 
 The same script runs everywhere: alone (1 process), under the local launcher, or under a
 cluster scheduler (SLURM, Kubernetes; see docs/multihost.md). Each process reads only its own
-rows of every global batch (`zerojax.runtime.data.TextBatches`), and the mesh spans the devices of all
+rows of every global batch (`zerojax.data.TextBatches`), and the mesh spans the devices of all
 processes.
 
 Usage::
 
   # 2 processes x 4 simulated CPU devices on this machine, hybrid sharding (HSDP):
-  python -m zerojax.tools.launch -n 2 --devices-per-process 4 -- \\
+  zerojax launch -n 2 --devices-per-process 4 -- \\
       examples/multihost_train.py --mesh hybrid --steps 20
 
   # single process, 8 CPU devices (same numbers as the 2-process run):
@@ -25,7 +25,7 @@ import time
 
 HERE = pathlib.Path(__file__).resolve().parent
 
-from zerojax.tools.train import DEFAULT_CORPUS  # the bundled corpus (package data)
+from zerojax import DEFAULT_CORPUS  # the bundled corpus (package data)
 
 
 def parse_args(argv=None):
@@ -50,16 +50,16 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
   args = parse_args(argv)
-  import zerojax.core.distributed
+  import zerojax.distributed
   # First, before anything touches devices: joins the other processes (launcher, SLURM,
   # Kubernetes or explicit environment variables), or does nothing when running alone.
-  info = zerojax.core.distributed.initialize(cpu_devices=args.cpu_devices, timeout=args.init_timeout)
+  info = zerojax.distributed.initialize(cpu_devices=args.cpu_devices, timeout=args.init_timeout)
 
   import jax
   import jax.numpy as jnp
   import optax
   import zerojax
-  from zerojax.runtime.data import TextBatches, load_bytes
+  from zerojax.data import TextBatches, load_bytes
   from zerojax.models import GPT, PRESETS, loss_fn
 
   nproc = jax.process_count()

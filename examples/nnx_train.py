@@ -2,7 +2,7 @@
 
 The NNX model is built directly in its sharded layout (``zerojax.create_nnx``) and the step
 updates ``model`` and ``optimizer`` in place, as under ``nnx.jit``. Metrics, TensorBoard
-events and the loss curve come from `zerojax.tools.train`'s writers. Usage::
+events and the loss curve come from `zerojax.train`'s writers. Usage::
 
   python examples/nnx_train.py                      # ZeRO-3 on 8 simulated CPU devices
   python examples/nnx_train.py --stage 2 --steps 50
@@ -19,7 +19,7 @@ import time
 
 HERE = pathlib.Path(__file__).resolve().parent
 
-from zerojax.tools.train import DEFAULT_CORPUS  # the bundled corpus (package data)
+from zerojax import DEFAULT_CORPUS  # the bundled corpus (package data)
 
 
 def parse_args(argv=None):
@@ -39,7 +39,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
   args = parse_args(argv)
-  from zerojax.tools import train as zt
+  from zerojax import train as zt
   from zerojax import load_config
   loaded = load_config(args.config, [] if args.stage is None else [f"stage={args.stage}"])
   zt.setup_cpu_devices(args.cpu_devices)
@@ -48,7 +48,7 @@ def main(argv=None) -> int:
   import optax
   from flax import nnx
   import zerojax
-  from zerojax.runtime.data import TextBatches, VOCAB_SIZE, load_bytes
+  from zerojax.data import TextBatches, VOCAB_SIZE, load_bytes
   from zerojax.models import PRESETS, loss_fn, nnx_gpt
 
   config = loaded.config

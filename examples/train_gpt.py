@@ -19,7 +19,7 @@ import sys
 
 HERE = pathlib.Path(__file__).resolve().parent
 
-from zerojax.tools.train import DEFAULT_CORPUS  # the bundled corpus (package data)
+from zerojax import DEFAULT_CORPUS  # the bundled corpus (package data)
 
 
 def parse_args(argv=None):
@@ -54,7 +54,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
   args = parse_args(argv)
-  from zerojax.tools import train as zt
+  from zerojax import train as zt
   from zerojax import load_config
 
   # Loads zerojax or DeepSpeed configs; DeepSpeed's XLA flags are set before JAX starts.

@@ -2,12 +2,17 @@
 
 Data flows one way: `ZeroConfig` -> `make_mesh` -> `ShardingPlan` -> `zero_step` -> checkpoint.
 
+What to import: the names below (`export` consolidates a checkpoint), and the modules named
+for what they hold: `zerojax.models` (GPT, Llama), `zerojax.memory` (estimates, measurement,
+ahead-of-time compilation), `zerojax.checkpoint` (sharded checkpoints), `zerojax.weights`
+(Hugging Face safetensors), `zerojax.data` (per-process batches), `zerojax.train` (the
+training loop), `zerojax.finetune`, `zerojax.distributed` (multi-host start-up) and
+`zerojax.nvme`. The folders `core`, `runtime` and `tools` are the implementation's layers,
+internal: a module may move between them without changing any of these names.
+
 The names below are imported on first use: ``import zerojax`` loads neither JAX, Flax nor
 optax and starts no JAX backend (so it prints nothing, even with libtpu installed on a machine
-without a TPU), and the ``zerojax`` command starts in a fraction of a second. The public
-modules beside them: `zerojax.weights` (safetensors checkpoints read into a plan; the same
-module as `zerojax.runtime.weights`), `zerojax.checkpoint` (`zerojax.runtime.checkpoint`),
-`zerojax.models`.
+without a TPU), and the ``zerojax`` command starts in a fraction of a second.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ _EXPORTS = {
     "ConfigError": "zerojax.core.config",
     "ZeroConfig": "zerojax.core.config",
     "load_config": "zerojax.tools.config_file",
+    "DEFAULT_CORPUS": "zerojax.tools.options",
+    "export": "zerojax.tools.export",
     "make_mesh": "zerojax.core.mesh",
     "LeafPlan": "zerojax.core.plan",
     "ShardingPlan": "zerojax.core.plan",
@@ -33,12 +40,13 @@ _EXPORTS = {
     "StepSettings": "zerojax.core.train_state",
     "ZeroTrainState": "zerojax.core.train_state",
 }
-_SUBMODULES = ("core", "runtime", "tools", "models", "weights", "checkpoint")
+_SUBMODULES = ("models", "memory", "checkpoint", "weights", "data", "train", "finetune",
+               "distributed", "nvme", "core", "runtime", "tools")
 
 __all__ = [
     "ConfigError", "ZeroConfig", "make_mesh", "LeafPlan", "ShardingPlan", "create_nnx",
     "create_train_state", "zero_step", "ZeroStep", "value_and_grad", "ZeroTrainState",
-    "StepSettings", "load_config",
+    "StepSettings", "load_config", "DEFAULT_CORPUS", "export",
 ]
 
 if TYPE_CHECKING:  # what type checkers and IDEs see; at run time `__getattr__` imports these
@@ -50,6 +58,8 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time `__getattr__` 
   from zerojax.core.step import ZeroStep, zero_step
   from zerojax.core.train_state import StepSettings, ZeroTrainState
   from zerojax.tools.config_file import load_config
+  from zerojax.tools.export import export
+  from zerojax.tools.options import DEFAULT_CORPUS
 
 
 def __getattr__(name: str) -> Any:

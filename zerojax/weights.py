@@ -1,6 +1,7 @@
-"""`zerojax.weights`: Hugging Face safetensors checkpoints read shard by shard into a plan, and
-their name mappings. The public name of `zerojax.runtime.weights` (the same functions and
-classes; see that module for the details)."""
+"""`zerojax.weights`: Hugging Face safetensors checkpoints read shard by shard into a plan
+(`safetensors_source`, `load_safetensors`), written back (`save_hf`), and their name mappings
+(`TensorMap`).
+"""
 
 from zerojax.runtime.weights import *  # noqa: F401,F403 - the public surface, re-exported
 from zerojax.runtime.weights import __all__  # noqa: F401
