@@ -439,9 +439,18 @@ def _map_partitioning(z: Mapping[str, Any], m: _Mapped) -> None:
 def _map_collectives(z: Mapping[str, Any], m: _Mapped) -> None:
   """``zero_optimization`` keys whose job XLA does (combining, overlap), hpZ/MiCS groups,
   and ZeRO++'s quantised collectives (qwZ, qgZ)."""
-  kw, flags, note = m.kw, m.flags, m.note
-  # Keys whose job XLA does: collective combining and overlap.
-  grad_dtype = kw.get("reduce_dtype") or "float32"
+  _map_combining(z, m)
+  _map_groups(z, m)
+  _map_quantized(z, m)
+  for key, why in _ZERO_IGNORED.items():
+    if key in z:
+      m.note(f"zero_optimization.{key}", why)
+
+
+def _map_combining(z: Mapping[str, Any], m: _Mapped) -> None:
+  """Keys whose job XLA does: collective combining (bucket sizes) and overlap."""
+  flags, note = m.flags, m.note
+  grad_dtype = m.kw.get("reduce_dtype") or "float32"
   param_bytes = _BYTES["float32"]
   for key, targets, nbytes, what in (
       ("reduce_bucket_size", (RS_COMBINE, AR_COMBINE), _BYTES[grad_dtype],
@@ -465,7 +474,11 @@ def _map_collectives(z: Mapping[str, Any], m: _Mapped) -> None:
     note("zero_optimization.overlap_comm", f"{LHS}={v} (XLA's latency-hiding scheduler "
          "overlaps collectives with compute)")
 
-  # ZeRO++ hpZ / MiCS: shard within groups, replicate across groups = the replica x fsdp mesh.
+
+def _map_groups(z: Mapping[str, Any], m: _Mapped) -> None:
+  """ZeRO++ hpZ / MiCS: shard within groups, replicate across groups = the replica x fsdp
+  mesh."""
+  kw, note = m.kw, m.note
   for key in ("zero_hpz_partition_size", "mics_shard_size"):
     if key in z and not _auto(z[key]):
       v = _int(f"zero_optimization.{key}", z[key])
@@ -475,7 +488,11 @@ def _map_collectives(z: Mapping[str, Any], m: _Mapped) -> None:
              "'fsdp'] (shard within groups, data parallel across them)")
       else:
         note(f"zero_optimization.{key}", f"{v}: no hierarchical partitioning")
-  # ZeRO++ qwZ / qgZ: zerojax's own quantised collectives (zerojax.core.zeropp).
+
+
+def _map_quantized(z: Mapping[str, Any], m: _Mapped) -> None:
+  """ZeRO++ qwZ / qgZ: zerojax's own quantised collectives."""
+  kw, note = m.kw, m.note
   for key, field, what in (
       ("zero_quantized_weights", "quantize_weights", "qwZ: each stage-3 forward all-gather "
        "moves int8 values plus a float32 scale per 256-element block, dequantised after the "
@@ -497,9 +514,6 @@ def _map_collectives(z: Mapping[str, Any], m: _Mapped) -> None:
     raise _err("zero_optimization.zero_quantized_nontrainable_weights", True,
                "zerojax keeps frozen weights in their dtype at rest; set it to false (or remove "
                "it), and use zero_quantized_weights to quantise their all-gather")
-  for key, why in _ZERO_IGNORED.items():
-    if key in z:
-      note(f"zero_optimization.{key}", why)
 
 
 def _map_training(d: Mapping[str, Any], m: _Mapped) -> None:
@@ -660,7 +674,7 @@ def _scheduler(s: Any) -> dict:
 # -- "auto" (Hugging Face Trainer configs) ----------------------------------------------------
 #
 # "auto" means "from the trainer's own arguments". zerojax's are the run's settings: the
-# training options (`zerojax.tools.train.TrainOptions`: lr, steps, batch, warmup_steps, the
+# training options (`zerojax.tools.options.TrainOptions`: lr, steps, batch, warmup_steps, the
 # optimizer's hyperparameters) and the ZeroConfig fields the run was given (overrides). Each
 # "auto" becomes one of them, and says which; where none gives a value, the key is listed in
 # `DeepSpeedMapping.unresolved` with how to set it, and a training run refuses to start.
@@ -707,8 +721,15 @@ def _resolve_auto(d: Mapping[str, Any], given: Mapping[str, Any]) -> tuple[dict,
   own setting applies), and the record of what was chosen and what could not be."""
   a = _AutoValues(given, {f.name: f.default for f in dataclasses.fields(TrainOptions)})
   d = dict(d)
+  for resolve in (_auto_batch, _auto_clipping, _auto_precision, _auto_fp16,
+                  _auto_hyperparameters, _auto_zero_sizes):
+    resolve(d, a)  # each replaces its "auto" values in d and records them in a
+  return d, a
 
-  # Batch sizes: the run's batch option, or what the numeric ones imply.
+
+def _auto_batch(d: dict, a: _AutoValues) -> None:
+  """Batch sizes: the run's batch option, or what the numeric ones imply."""
+  given = a.given
   numeric = [k for k, _ in _BATCH_KEYS if k in d and not _auto(d[k])]
   for ds_key, field in _BATCH_KEYS:
     if not _auto(d.get(ds_key)):
@@ -730,6 +751,10 @@ def _resolve_auto(d: Mapping[str, Any], given: Mapping[str, Any]) -> tuple[dict,
                           else (None, "the run's global batch over the data-parallel devices "
                                 f"({why})"))
 
+
+def _auto_clipping(d: dict, a: _AutoValues) -> None:
+  """gradient_clipping: the run's; with none given, the run must say (no default suits)."""
+  given = a.given
   if _auto(d.get("gradient_clipping")):
     if "gradient_clipping" in given:
       d["gradient_clipping"] = given["gradient_clipping"] or 0
@@ -741,7 +766,10 @@ def _resolve_auto(d: Mapping[str, Any], given: Mapping[str, Any]) -> tuple[dict,
           "pass gradient_clipping=1.0 (the maximum global gradient norm; 0: no clipping), e.g. "
           "`zerojax train ds_config.json gradient_clipping=1.0`, or write the number in the file")
 
-  # Precision: the compute_dtype the run was given.
+
+def _auto_precision(d: dict, a: _AutoValues) -> None:
+  """Precision: the compute_dtype the run was given."""
+  given = a.given
   cd = given.get("compute_dtype")
   names = [n for n in ("bf16", "bfloat16", "fp16") if isinstance(d.get(n), Mapping)]
   explicit = {n for n in names if d[n].get("enabled") is True}
@@ -762,6 +790,11 @@ def _resolve_auto(d: Mapping[str, Any], given: Mapping[str, Any]) -> tuple[dict,
       a.unresolved[key] = ("pass compute_dtype=bfloat16 (bf16), float16 (fp16) or float32 "
                            "(neither), e.g. `zerojax train ds_config.json "
                            "compute_dtype=bfloat16`, or write true or false in the file")
+
+
+def _auto_fp16(d: dict, a: _AutoValues) -> None:
+  """fp16 loss-scaling settings: the run's, when fp16 is on."""
+  given = a.given
   fp16 = d.get("fp16")
   if isinstance(fp16, Mapping):
     fp16 = d["fp16"] = dict(fp16)
@@ -780,7 +813,9 @@ def _resolve_auto(d: Mapping[str, Any], given: Mapping[str, Any]) -> tuple[dict,
             "0: dynamic loss scaling, > 0: a static scale" if k == "loss_scale" else
             "see ZeroConfig") + ") or write the number in the file")
 
-  # The optimizer's hyperparameters and the schedule: the training options.
+
+def _auto_hyperparameters(d: dict, a: _AutoValues) -> None:
+  """The optimizer's hyperparameters and the schedule: the training options."""
   def optimizer_value(k):
     if k == "lr":
       return a.lr({})  # the optimizer's own lr is the "auto" one
@@ -820,7 +855,10 @@ def _resolve_auto(d: Mapping[str, Any], given: Mapping[str, Any]) -> tuple[dict,
         a.chosen[f"{section}.params.{k}"] = (v, why)
     d[section] = {**sec, "params": params}
 
-  # zero_optimization sizes the Trainer derives from the model's hidden size: zerojax's own.
+
+def _auto_zero_sizes(d: dict, a: _AutoValues) -> None:
+  """zero_optimization sizes the Trainer derives from the model's hidden size: zerojax's own."""
+  given = a.given
   z = d.get("zero_optimization")
   if isinstance(z, Mapping):
     z = d["zero_optimization"] = dict(z)
@@ -845,7 +883,6 @@ def _resolve_auto(d: Mapping[str, Any], given: Mapping[str, Any]) -> tuple[dict,
         a.chosen[key] = (given[field], f"{field}={given[field]!r}, given")
       else:
         a.chosen[key] = (None, f"{default}; set {field}=... to change it")
-  return d, a
 
 
 def _auto_notes(a: _AutoValues) -> list[str]:

@@ -31,7 +31,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Sequence
+from typing import Any, Sequence
 
 from zerojax.core.distributed import (ENV_COORDINATOR, ENV_CPU_DEVICES, ENV_HEARTBEAT_TIMEOUT,
                                  ENV_INIT_TIMEOUT, ENV_NUM_PROCESSES, ENV_PROCESS_ID)
@@ -205,35 +205,46 @@ def launch(command: Sequence[str], num_processes: int = 2, *,
   """
   out = out or sys.stdout
   port = port or free_port(host)
-  coordinator = f"{host}:{port}"
   base = dict(os.environ if env is None else env)
-  argv = command_line(command)
   lock = threading.Lock()
-  devices_per_process, why = resolve_devices_per_process(devices_per_process, base)
-  if devices_per_process is not None:
-    with lock:
-      out.write(f"[launch] {num_processes} processes x {devices_per_process} simulated CPU "
-                f"device(s) ({why})\n")
-      out.flush()
-  procs: list[subprocess.Popen] = []
-  pumps: list[threading.Thread] = []
-  width = len(str(num_processes - 1))
-  for i in range(num_processes):
-    e = child_env(base, i, num_processes, coordinator, devices_per_process, heartbeat_timeout,
-                  init_timeout)
-    p = subprocess.Popen(argv, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                         stdin=subprocess.DEVNULL, start_new_session=True)
-    procs.append(p)
-    t = threading.Thread(target=_pump, args=(p.stdout, f"[p{i:0{width}d}] " if prefix else "",
-                                             out, lock), daemon=True)
-    t.start()
-    pumps.append(t)
 
   def note(msg: str) -> None:
     with lock:
       out.write(f"[launch] {msg}\n")
       out.flush()
 
+  devices_per_process, why = resolve_devices_per_process(devices_per_process, base)
+  if devices_per_process is not None:
+    note(f"{num_processes} processes x {devices_per_process} simulated CPU device(s) ({why})")
+  procs, pumps = [], []
+  width = len(str(num_processes - 1))
+  for i in range(num_processes):
+    e = child_env(base, i, num_processes, f"{host}:{port}", devices_per_process,
+                  heartbeat_timeout, init_timeout)
+    p = subprocess.Popen(command_line(command), env=e, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                         start_new_session=True)
+    procs.append(p)
+    t = threading.Thread(target=_pump, args=(p.stdout, f"[p{i:0{width}d}] " if prefix else "",
+                                             out, lock), daemon=True)
+    t.start()
+    pumps.append(t)
+  code = _supervise(procs, note, grace, timeout)
+  for t in pumps:
+    t.join(timeout=5)
+  if code == 0:
+    for i, p in enumerate(procs):
+      if p.returncode:
+        code = _exit_code(p.returncode)
+        note(f"process {i} exited with code {code}")
+        break
+  return code
+
+
+def _supervise(procs: list[subprocess.Popen], note: Any, grace: float,
+               timeout: float | None) -> int:
+  """Waits for the children; on the first failure gives the others ``grace`` seconds, then
+  stops them (also past ``timeout``, or on Ctrl-C). Returns the exit code so far."""
   start = time.monotonic()
   code = 0
   failed_at = None
@@ -261,14 +272,6 @@ def launch(command: Sequence[str], num_processes: int = 2, *,
     note("interrupted; terminating every process")
     _stop(procs)
     code = code or 130
-  for t in pumps:
-    t.join(timeout=5)
-  if code == 0:
-    for i, p in enumerate(procs):
-      if p.returncode:
-        code = _exit_code(p.returncode)
-        note(f"process {i} exited with code {code}")
-        break
   return code
 
 
