@@ -9,11 +9,13 @@ Measure
   device) and counts collective bytes in the compiled HLO, weighting ops inside ``while`` loops
   (scans) by their trip counts.
 
-Compile for a TPU pod
-  `compile_for_topology` compiles the real train step for a TPU slice (``'v5e:8x8'``) on any
-  machine with libtpu installed (``pip install "zerojax[tpu]"``), from abstract state. XLA:TPU
-  reports HBM and ``pinned_host`` bytes apart and refuses a step that does not fit the chip;
-  `gather_schedule` reads from its schedule which all-gathers run beside computation.
+Compile for a TPU or GPU pod
+  `compile_for_topology` compiles the real train step of a `ZeroConfig` and a Flax module for a
+  TPU slice (``'v5e:8x8'``, with libtpu: ``pip install "zerojax[tpu]"``) or a GPU pod
+  (``'h100:8'``) on any machine, from abstract state. XLA:TPU reports HBM and ``pinned_host``
+  bytes apart and refuses a step that does not fit the chip; `gather_schedule` reads from its
+  schedule which all-gathers run beside computation. (Config files and GPT preset names are
+  resolved above this layer: `zerojax.memory.compile_for_topology` takes them.)
 """
 
 from __future__ import annotations
@@ -689,8 +691,8 @@ def textbook_bytes(plan: Any) -> int:
 GiB = 2**30
 
 # HBM per chip from Google's Cloud TPU pages (docs.cloud.google.com/tpu/docs/v4, v5e, v5p, v6e).
-# The pages write "GB" for v5e/v5p/v6e, but the compiler's own usable HBM on v5e is 15.75 GiB
-# (`hbm_available`), more than 16e9 bytes: the figures are GiB.
+# The pages write "GB" for v5e/v5p/v6e, but the compiler's usable HBM on a v5e
+# (`hbm_available`, BENCHMARKS.md) exceeds 16e9 bytes: the figures are GiB.
 HBM_PER_CHIP = {"v4": 32 * GiB, "v5e": 16 * GiB, "v5p": 95 * GiB, "v6e": 32 * GiB}
 TOPOLOGY_EXAMPLES = ("v5e:2x4", "v5e:8x8", "v5e:16x16", "v5p:2x2x1", "v5p:4x4x4", "v5p:8x8x8",
                      "v4:2x2x1", "v4:8x8x8", "v6e:4x4", "v6e:16x16")
@@ -732,8 +734,8 @@ def hbm_available(device: Any) -> int:
   """HBM bytes the TPU compiler lets one program use on ``device`` (a topology device).
 
   Measured, not looked up: a program needing far more than any chip has is compiled for the
-  device, and the compiler's out-of-memory message states the available bytes (v5e: 15.75
-  GiB of 16; v4 devices are single TensorCores: 15.25 GiB of a chip's 32).
+  device, and the compiler's out-of-memory message states the available bytes (less than the
+  chip's HBM; BENCHMARKS.md lists them).
   """
   kind = device.device_kind
   if kind not in _AVAILABLE:
