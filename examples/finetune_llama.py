@@ -163,7 +163,7 @@ def main(argv=None) -> int:
     nnx.update(optimizer, state)
     start = int(resume.extras.data["position"])
     zt.log(f"resumed from {ckpt.step_dir(resume.extras.step)} at step {start}")
-  zt.log(f"zerojax Llama fine-tuning: {jax.device_count()} devices, stage {config.stage}"
+  zt.log(f"zerojax Llama fine-tuning: {jax.device_count()} devices, {config.label}"
          f"{' + offload' if offload else ''}, {cfg.num_params():,} base parameters"
          + (f", LoRA rank {args.lora} on {targets}" if args.lora else ""))
   zt.log(plan.table())

@@ -60,7 +60,7 @@ def main(argv=None) -> int:
   model, optimizer, plan = zerojax.create_nnx(lambda: nnx_gpt(mcfg, nnx.Rngs(0)), tx,
                                               config=config)
   zt.log(f"zerojax NNX: {jax.device_count()} devices, mesh {dict(plan.mesh.shape)}, "
-         f"stage {config.stage}, {mcfg.num_params():,} parameters")
+         f"{config.label}, {mcfg.num_params():,} parameters")
   zt.log(plan.table())
 
   @zerojax.zero_step(plan)
