@@ -32,6 +32,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import zerojax.core.agreement  # noqa: E402
 import zerojax.core.distributed  # noqa: E402
 
 
@@ -208,7 +209,7 @@ def agree(args) -> None:
   step = zerojax.zero_step(plan)(helpers.train_step)
   try:
     state, m = step(state, jax.tree.map(jnp.asarray, data[0]))
-  except zerojax.core.distributed.ProcessMismatchError as e:
+  except zerojax.core.agreement.ProcessMismatchError as e:
     print(f"MISMATCH process {jax.process_index()}: {e}", flush=True)
     raise
   print(f"STEP-DONE process {jax.process_index()}: loss {float(m['loss'])}", flush=True)

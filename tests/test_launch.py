@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from zerojax.tools import launch as zlaunch
-from zerojax.core.distributed import ENV_CPU_DEVICES
+from zerojax.core.launch_env import ENV_CPU_DEVICES
 from tests import helpers
 
 

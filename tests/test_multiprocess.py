@@ -20,7 +20,9 @@ import pytest
 
 import zerojax
 from tests import helpers
+from zerojax.core import agreement
 from zerojax.core import distributed as zd
+from zerojax.core.launch_env import DistributedInitError
 from zerojax.tools import launch as zlaunch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -275,15 +277,15 @@ def test_multiprocess_fingerprint_fields():
   x = jax.ShapeDtypeStruct((8, helpers.TINY.seq_len), jnp.int32)
   tx = optax.inject_hyperparams(optax.adamw)(learning_rate=1e-3)
   state, plan = abstract_train_state(GPT(helpers.TINY), tx, jax.random.key(0), x, config=zc)
-  fp = zd.fingerprint(zc, plan, tx=tx)
+  fp = agreement.fingerprint(zc, plan, tx=tx)
   assert fp["process_count"] == 1 and fp["version.jax"] == jax.__version__
   assert {k[len("config."):] for k in fp if k.startswith("config.")} == set(zc.to_dict())
   assert fp["plan.params/blocks/fc/kernel"].startswith("(2, 64, 256) float32 P(None, None, "
                                                        "'fsdp') device")
   assert any(k.startswith("plan.opt_state/") for k in fp)
   assert fp["optimizer.init.numeric_hps.learning_rate"] == 1e-3
-  other = zd.fingerprint(zc, plan, tx=optax.adamw(1e-1))
-  assert other != fp and zd.check_agreement(zc, plan, tx=tx) == fp  # 1 process: no exchange
+  other = agreement.fingerprint(zc, plan, tx=optax.adamw(1e-1))
+  assert other != fp and agreement.check_agreement(zc, plan, tx=tx) == fp  # 1 process: no exchange
 
 
 def _launch_until_exit(args: list[str], timeout: float):
@@ -390,11 +392,11 @@ def test_multiprocess_launcher_fails_fast():
 @pytest.mark.slow
 def test_multiprocess_unreachable_coordinator_is_a_clear_error():
   port = zlaunch.free_port()
-  code = ("import time, zerojax.core.distributed as zd\n"
+  code = ("import time, zerojax.core.distributed as zd, zerojax.core.launch_env as env\n"
           "t = time.monotonic()\n"
           "try:\n"
           f"  zd.initialize('127.0.0.1:{port}', 2, 1, initialization_timeout=2)\n"
-          "except zd.DistributedInitError as e:\n"
+          "except env.DistributedInitError as e:\n"
           "  print('ERROR', round(time.monotonic() - t, 1), e)\n"
           "  print('AGAIN', zd.initialize(cpu_devices=1))\n")
   t0 = time.monotonic()
@@ -476,7 +478,7 @@ def test_multiprocess_initialize_in_a_single_process_is_harmless():
   b = zd.initialize()
   assert a == b and a.num_processes == 1 and not a.is_multiprocess
   assert jax.device_count() == 8
-  with pytest.raises(zd.DistributedInitError, match="num_processes"):
+  with pytest.raises(DistributedInitError, match="num_processes"):
     zd.initialize(num_processes=2)
 
 
@@ -485,6 +487,6 @@ def test_multiprocess_coordinator_without_port_is_named(monkeypatch, address):
   # Checked before anything starts (JAX itself fails with a bare IndexError on 'localhost').
   monkeypatch.setattr(zd, "_info", None)
   monkeypatch.setattr(jax.distributed, "is_initialized", lambda: False)
-  with pytest.raises(zd.DistributedInitError) as e:
+  with pytest.raises(DistributedInitError) as e:
     zd.initialize(coordinator_address=address, num_processes=2, process_id=0)
   assert f"coordinator address {address!r} is invalid: expected host:port" in str(e.value)

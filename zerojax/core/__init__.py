@@ -1,7 +1,10 @@
 """What a train step needs, in the order data flows:
 
-* set-up and decisions: `distributed` -> `config` -> `mesh` -> `plan` (with `leaves`, the leaf
-  rule, `memory_kinds`, where state rests, and `report`, the plan as a table);
+* set-up and decisions: `distributed` (start-up, with `launch_env`, the launcher's variables,
+  `coordinator`, reaching process 0, and `agreement`, the check that processes agree) ->
+  `config` (with `validation`, what each field allows, and `mapping_file`, reading a settings
+  file) -> `mesh` -> `plan` (with `leaves`, the leaf rule, `memory_kinds`, where state rests,
+  and `report`, the plan as a table);
 * the step: `formulation` (which of the two ways a model reaches its parameters, chosen
   through the plan) and `apply` (the model run that way) over `gather`
   (per-use boxes), `regather` (layer re-gathering), `rows` (row reads), `remat` (what a layer

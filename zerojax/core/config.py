@@ -2,7 +2,8 @@
 
 Every other module reads this frozen dataclass; nothing else holds settings. It is validated
 at construction so a bad value fails before any device work, with a message that names the
-field, the value and what is allowed.
+field, the value and what is allowed (the rules per field are in `zerojax.core.validation`; a
+file is read by `zerojax.core.mapping_file`).
 
 DeepSpeed ``ds_config.json`` files map into the same dataclass (see `zerojax.tools.deepspeed`).
 """
@@ -12,27 +13,15 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
-import json
 import math
 import os
-import re
 from typing import Any, Iterator, Mapping, Sequence
 
-import numpy as np
-import yaml
+from zerojax.core import validation
+from zerojax.core.mapping_file import MappingFileError, read_mapping
 
-__all__ = ["STAGES", "MESH_AXES", "DTYPES", "REMAT_POLICIES", "GATHER_MODES", "QUANTIZED_DTYPES",
-           "OFFLOAD_FALLBACKS", "NONFINITE_POLICIES", "NVME", "ConfigError", "did_you_mean",
-           "unknown_key_error", "BOOL_FIELDS", "ZeroConfig", "in_file", "read_config_file"]
-
-STAGES = (0, 1, 2, 3)
-MESH_AXES = ("replica", "fsdp", "tensor")
-DTYPES = ("float32", "bfloat16", "float16")
-REMAT_POLICIES = ("auto", "none", "full", "dots", "offload")
-GATHER_MODES = ("auto", "explicit")
-OFFLOAD_FALLBACKS = ("error", "warn")
-NONFINITE_POLICIES = ("auto", "skip", "halt", "ignore")
-NVME = "nvme"  # offload_optimizer's one string value: the state in files (ZeRO-Infinity)
+__all__ = ["ConfigError", "did_you_mean", "unknown_key_error", "ZeroConfig", "in_file",
+           "read_config_file"]
 
 
 class ConfigError(ValueError):
@@ -57,12 +46,6 @@ def unknown_key_error(what: str, unknown: Any, allowed: Any, where: str = "",
   more = f" (unknown keys: {unknown})" if len(unknown) > 1 else ""
   return ConfigError(f"{what} {unknown[0]!r}{where}{did_you_mean(unknown[0], allowed)}{more}; "
                      f"{allowed_text} {sorted(allowed)}")
-
-
-# Fields that must hold a real bool: a string such as "false" is truthy in Python.
-BOOL_FIELDS = ("offload_optimizer", "offload_params", "optimizer_on_host",
-               "quantize_weights_backward", "nvme_pipeline_read", "nvme_pipeline_write")
-QUANTIZED_DTYPES = ("int8", "int4")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -249,7 +232,7 @@ class ZeroConfig:
   def optimizer_on_nvme(self) -> bool:
     """Whether the optimizer state lives in files under ``nvme_path``
     (``offload_optimizer='nvme'``)."""
-    return self.offload_optimizer == NVME
+    return self.offload_optimizer == validation.NVME
 
   @property
   def quantized(self) -> bool:
@@ -264,185 +247,12 @@ class ZeroConfig:
       return self.nonfinite_grads
     return "skip" if self.loss_scale is not None else "halt"
 
-  # -- validation -------------------------------------------------------------------------
-  # One validator per topic, run in this order: the first bad field found is the one reported.
-
   def _validate(self) -> None:
-    """Checks every field; the first bad one raises `ConfigError` naming it."""
-    self._validate_bools()
-    self._validate_nvme()
-    self._validate_mesh()
-    self._validate_dtypes()
-    self._validate_offload()
-    self._validate_remat()
-    self._validate_quantize()
-    self._validate_batch()
-    self._validate_loss_scale()
-    self._validate_rules()
-
-  def _validate_bools(self) -> None:
-    """Boolean fields hold real booleans (``offload_optimizer`` may also be ``'nvme'``)."""
-    for f in BOOL_FIELDS:
-      if f == "offload_optimizer" and isinstance(self.offload_optimizer, str) and (
-          self.offload_optimizer.strip().lower() == NVME):
-        object.__setattr__(self, f, NVME)
-        continue
-      if not isinstance(getattr(self, f), (bool, np.bool_)):
-        extra = (f", or {NVME!r} (the optimizer state in files under nvme_path)"
-                 if f == "offload_optimizer" else "")
-        _fail(f, getattr(self, f), "true or false (a boolean; strings such as 'false' or 'no' "
-              f"are not booleans){extra}")
-      object.__setattr__(self, f, bool(getattr(self, f)))
-
-  def _validate_mesh(self) -> None:
-    """The stage, the mesh's axes and its shape."""
-    if not _is_int(self.stage) or self.stage not in STAGES:
-      _fail("stage", self.stage, "allowed stages are 0, 1, 2 and 3")
-    if not isinstance(self.mesh_axes, tuple) or not self.mesh_axes:
-      _fail("mesh_axes", self.mesh_axes, f"a non-empty list of names from {MESH_AXES}")
-    for a in self.mesh_axes:
-      if a not in MESH_AXES:
-        _fail("mesh_axes", self.mesh_axes, f"axis {a!r} is unknown; allowed axes are {MESH_AXES}")
-    if len(set(self.mesh_axes)) != len(self.mesh_axes):
-      _fail("mesh_axes", self.mesh_axes, "axis names must be unique")
-    if "fsdp" not in self.mesh_axes:
-      _fail("mesh_axes", self.mesh_axes, "must contain 'fsdp', the axis the stages shard over")
-    if not isinstance(self.mesh_shape, tuple) or len(self.mesh_shape) != len(self.mesh_axes):
-      _fail("mesh_shape", self.mesh_shape,
-            f"needs one size per axis of mesh_axes={self.mesh_axes}")
-    for s in self.mesh_shape:
-      if not _is_int(s) or (s < 1 and s != -1):
-        _fail("mesh_shape", self.mesh_shape, "sizes must be positive integers, or -1 (once) for "
-              "'all remaining devices'")
-    if sum(1 for s in self.mesh_shape if s == -1) > 1:
-      _fail("mesh_shape", self.mesh_shape, "at most one size may be -1")
-
-  def _validate_dtypes(self) -> None:
-    """The persistence threshold and the parameter, compute and reduction dtypes."""
-    if self.param_persistence_threshold is not None and (
-        not _is_int(self.param_persistence_threshold) or self.param_persistence_threshold < 0):
-      _fail("param_persistence_threshold", self.param_persistence_threshold,
-            "a number of elements >= 0")
-    for f in ("param_dtype", "compute_dtype"):
-      if getattr(self, f) not in DTYPES:
-        _fail(f, getattr(self, f), f"allowed dtypes are {DTYPES}")
-    if self.reduce_dtype is not None and self.reduce_dtype not in DTYPES:
-      _fail("reduce_dtype", self.reduce_dtype, f"None or one of {DTYPES}")
-
-  def _validate_offload(self) -> None:
-    """Host offload: each setting needs the stage that shards what it moves."""
-    if self.offload_fallback not in OFFLOAD_FALLBACKS:
-      _fail("offload_fallback", self.offload_fallback, f"one of {OFFLOAD_FALLBACKS}")
-    if self.offload_optimizer and not self.shards_opt_state:
-      _fail("offload_optimizer", self.offload_optimizer, "needs stage >= 1: at stage 0 every "
-            "device keeps a full optimizer state, so offload would copy it to every host; use "
-            "stage 1 or higher")
-    if self.offload_params and not self.shards_params:
-      _fail("offload_params", True, f"needs stage 3 (stage is {self.stage}): below stage 3 the "
-            "parameters are replicated and used whole by every layer on every device")
-    if self.optimizer_on_host and self.offload_optimizer is not True:
-      _fail("optimizer_on_host", True, "needs offload_optimizer=True" + (
-          " (with offload_optimizer='nvme' the update always runs on the host)"
-          if self.optimizer_on_nvme else ""))
-
-  def _validate_remat(self) -> None:
-    """Rematerialisation, gather mode and live layers."""
-    if self.remat not in REMAT_POLICIES:
-      _fail("remat", self.remat, f"allowed policies are {REMAT_POLICIES}")
-    if self.gather not in GATHER_MODES:
-      _fail("gather", self.gather, f"allowed modes are {GATHER_MODES}")
-    if self.remat == "offload" and not self.remat_offload_names:
-      _fail("remat_offload_names", self.remat_offload_names,
-            "remat='offload' needs the checkpoint_name names of the residuals to offload")
-    if not _is_int(self.max_live_layers) or self.max_live_layers < 1:
-      _fail("max_live_layers", self.max_live_layers, "an integer >= 1")
-
-  def _validate_quantize(self) -> None:
-    """ZeRO++ quantisation: dtypes, the stages it needs, and what it cannot combine with."""
-    for f in ("quantize_weights", "quantize_gradients"):
-      if getattr(self, f) is not None and getattr(self, f) not in QUANTIZED_DTYPES:
-        _fail(f, getattr(self, f), f"None (off) or one of {QUANTIZED_DTYPES}")
-    if self.quantize_weights is not None and not self.shards_params:
-      _fail("quantize_weights", self.quantize_weights, f"needs stage 3 (stage is {self.stage}): "
-            "below stage 3 the parameters are replicated and never gathered")
-    if self.quantize_gradients is not None and not self.shards_grads:
-      _fail("quantize_gradients", self.quantize_gradients, f"needs stage 2 or 3 (stage is "
-            f"{self.stage}): below stage 2 the gradient is all-reduced, not reduce-scattered")
-    if self.quantize_weights_backward and self.quantize_weights is None:
-      _fail("quantize_weights_backward", True, "needs quantize_weights")
-    if not _is_int(self.quantize_block_size) or self.quantize_block_size < 2 or (
-        self.quantize_block_size % 2):
-      _fail("quantize_block_size", self.quantize_block_size, "an even integer >= 2")
-    if self.quantized and self.offload_params:
-      _fail("offload_params", True, "cannot be combined with quantize_weights/"
-            "quantize_gradients: the quantised formulation gathers from device memory")
-    if self.quantized and "tensor" in self.mesh_axes and (
-        self.mesh_shape[self.mesh_axes.index("tensor")] != 1):
-      _fail("mesh_axes", self.mesh_axes, "a 'tensor' axis larger than 1 cannot be combined with "
-            "quantize_weights/quantize_gradients: the quantised formulation runs the model per "
-            "device over the data axes ('replica', 'fsdp')")
-
-  def _validate_batch(self) -> None:
-    """Batch sizes and gradient clipping."""
-    for f in ("train_batch_size", "micro_batch_per_device", "gradient_accumulation_steps"):
-      v = getattr(self, f)
-      if v is not None and (not _is_int(v) or v < 1):
-        _fail(f, v, "a positive integer or None")
-    if self.gradient_clipping is not None and not (
-        _is_num(self.gradient_clipping) and self.gradient_clipping > 0):
-      _fail("gradient_clipping", self.gradient_clipping, "a positive finite number or None")
-
-  def _validate_loss_scale(self) -> None:
-    """fp16 loss scaling and the non-finite gradient policy it constrains."""
-    if self.loss_scale is not None and not (_is_num(self.loss_scale) and self.loss_scale >= 0):
-      _fail("loss_scale", self.loss_scale, "None (off), 0 (dynamic) or a positive finite "
-            "static scale")
-    if not _is_int(self.initial_scale_power) or not 0 <= self.initial_scale_power <= 64:
-      _fail("initial_scale_power", self.initial_scale_power, "an integer in [0, 64]")
-    for f in ("loss_scale_window", "hysteresis"):
-      if not _is_int(getattr(self, f)) or getattr(self, f) < 1:
-        _fail(f, getattr(self, f), "an integer >= 1")
-    if not _is_num(self.min_loss_scale) or self.min_loss_scale <= 0:
-      _fail("min_loss_scale", self.min_loss_scale, "a positive finite number")
-    if self.nonfinite_grads not in NONFINITE_POLICIES:
-      _fail("nonfinite_grads", self.nonfinite_grads, f"one of {NONFINITE_POLICIES}")
-    if self.loss_scale is not None and self.nonfinite_grads not in ("auto", "skip"):
-      _fail("nonfinite_grads", self.nonfinite_grads, f"with loss scaling (loss_scale="
-            f"{self.loss_scale!r}) an overflowing step is always skipped and the scale "
-            "adjusted; use 'skip', or loss_scale=None")
-
-  def _validate_rules(self) -> None:
-    """User partitioning rules: ``(regex, partition_spec)`` pairs whose regexes compile."""
-    for i, r in enumerate(self.rules):
-      if not (isinstance(r, tuple) and len(r) == 2 and isinstance(r[0], str)):
-        _fail("rules", self.rules, "a list of (regex, partition_spec) pairs")
-      try:
-        re.compile(r[0])
-      except re.error as e:
-        _fail(f"rules[{i}]", r, f"the regex {r[0]!r} does not compile ({e}); rules are "
-              "(regex, partition_spec) pairs matched with re.search against leaf paths such as "
-              "'params/layers/mlp/kernel'")
-
-  def _validate_nvme(self) -> None:
-    """``nvme_path`` and the NVMe pool's sizes (``offload_optimizer='nvme'``)."""
-    if not self.optimizer_on_nvme:
-      if self.nvme_path is not None:
-        _fail("nvme_path", self.nvme_path, "only used with offload_optimizer='nvme' "
-              f"(offload_optimizer is {self.offload_optimizer!r}); set both, or drop nvme_path")
-    else:
-      if not isinstance(self.nvme_path, (str, os.PathLike)) or not os.fspath(self.nvme_path):
-        _fail("nvme_path", self.nvme_path, "offload_optimizer='nvme' needs the directory of "
-              "the optimizer-state files (a path string on a local disk, e.g. '/local_nvme')")
-      object.__setattr__(self, "nvme_path", os.fspath(self.nvme_path))
-      if self.offload_params:
-        _fail("offload_params", True, "cannot be combined with offload_optimizer='nvme': the "
-              "NVMe update returns parameter shards to device memory; keep the parameters on "
-              "the devices (stage 3 shards them)")
-    if not _is_int(self.nvme_chunk_size) or self.nvme_chunk_size < 1:
-      _fail("nvme_chunk_size", self.nvme_chunk_size, "a number of parameters >= 1")
-    if not _is_int(self.nvme_buffer_count) or self.nvme_buffer_count < 1:
-      _fail("nvme_buffer_count", self.nvme_buffer_count, "an integer >= 1 (3 or more let "
-            "reading, updating and writing overlap)")
+    """Checks every field (`zerojax.core.validation`); the first bad one raises `ConfigError`
+    naming it."""
+    problem = validation.first_problem(self)
+    if problem is not None:
+      _fail(*problem)
 
   # -- derived values -----------------------------------------------------------------------
 
@@ -537,40 +347,6 @@ def in_file(path: str | os.PathLike | None) -> Iterator[None]:
     raise ConfigError(f"config file {os.fspath(path)!r}: {e}") from None
 
 
-class _Duplicate(Exception):
-  def __init__(self, key: Any, first: int | None = None, again: int | None = None):
-    super().__init__(key, first, again)
-    self.key, self.first, self.again = key, first, again
-
-
-class _StrictLoader(yaml.SafeLoader):
-  """``SafeLoader`` that refuses a key given twice in one mapping (it would silently win)."""
-
-  def construct_mapping(self, node, deep=False):
-    if isinstance(node, yaml.MappingNode):
-      seen: dict[Any, int] = {}
-      for key_node, _ in node.value:
-        if key_node.tag == "tag:yaml.org,2002:merge":
-          continue  # `<<: *anchor` merges are meant to be overridden
-        key = self.construct_object(key_node, deep=True)
-        try:
-          if key in seen:
-            raise _Duplicate(key, seen[key] + 1, key_node.start_mark.line + 1)
-        except TypeError:  # an unhashable key: SafeLoader reports it below
-          continue
-        seen[key] = key_node.start_mark.line
-    return super().construct_mapping(node, deep)
-
-
-def _json_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-  out: dict[str, Any] = {}
-  for k, v in pairs:
-    if k in out:
-      raise _Duplicate(k)
-    out[k] = v
-  return out
-
-
 def read_config_file(path: str | os.PathLike, *, allow_empty: bool = False) -> dict[str, Any]:
   """The mapping in a ``.json``, ``.yaml`` or ``.yml`` config file.
 
@@ -580,71 +356,14 @@ def read_config_file(path: str | os.PathLike, *, allow_empty: bool = False) -> d
       empty (unless ``allow_empty``: then ``{}``), is not valid JSON/YAML, repeats a key in one
       mapping, or does not hold a mapping.
   """
-  path = os.fspath(path)
-  if not os.path.exists(path):
-    raise FileNotFoundError(f"zerojax config file {path!r} does not exist")
-  if not path.endswith((".yaml", ".yml", ".json")):
-    raise ConfigError(f"config file {path!r}: unknown extension; use .json, .yaml or .yml")
-  with open(path) as f:
-    text = f.read()
-  if not text.strip() or (path.endswith((".yaml", ".yml")) and _yaml_is_empty(text)):
-    if allow_empty:
-      return {}
-    raise ConfigError(f"config file {path!r} is empty; write the settings to use (e.g. "
-                      "'stage: 2'), or pass no config file to run with the defaults")
   try:
-    if path.endswith((".yaml", ".yml")):
-      try:
-        d = yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
-      except yaml.MarkedYAMLError as e:
-        mark = e.problem_mark or e.context_mark
-        where = f", line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        line = text.splitlines()[mark.line] if mark and mark.line < len(text.splitlines()) else ""
-        hint = ("; YAML does not allow tab characters for indentation, use spaces"
-                if "\t" in line or "'\\t'" in str(e.problem) else "")
-        raise ConfigError(f"config file {path!r}{where}: not valid YAML: {e.problem}"
-                          + (f" ({e.context})" if e.context else "") + hint) from None
-      except yaml.YAMLError as e:
-        raise ConfigError(f"config file {path!r}: not valid YAML: {e}") from None
-    else:
-      try:
-        d = json.loads(text, object_pairs_hook=_json_pairs)
-      except json.JSONDecodeError as e:
-        raise ConfigError(f"config file {path!r}, line {e.lineno}, column {e.colno}: not valid "
-                          f"JSON: {e.msg}") from None
-  except _Duplicate as e:
-    lines = f" (lines {e.first} and {e.again})" if e.first else ""
-    raise ConfigError(f"config file {path!r}: key {e.key!r} is given twice in one mapping"
-                      f"{lines}; each key may appear once (the second would silently replace "
-                      "the first)") from None
-  if not isinstance(d, Mapping):
-    raise ConfigError(f"config file {path!r} must hold a mapping of settings, got "
-                      f"{type(d).__name__}")
-  return dict(d)
-
-
-def _yaml_is_empty(text: str) -> bool:
-  """Whether a YAML document has only comments, blank lines and document markers."""
-  for line in text.splitlines():
-    s = line.strip()
-    if s and not s.startswith("#") and s not in ("---", "..."):
-      return False
-  return True
+    return read_mapping(path, allow_empty=allow_empty)
+  except MappingFileError as e:
+    raise ConfigError(str(e)) from None
 
 
 def _is_seq(x: Any) -> bool:
   return isinstance(x, (list, tuple))
-
-
-def _is_int(x: Any) -> bool:
-  return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
-
-
-def _is_num(x: Any) -> bool:
-  """A finite real number (NaN and infinity are refused: they pass or fail comparisons
-  silently)."""
-  return (isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool)
-          and math.isfinite(x))
 
 
 def _batch_fail(t, m, g, dp) -> None:

@@ -22,7 +22,7 @@ import numpy as np
 
 from flax import nnx
 
-from zerojax.core import budget, context, distributed, layout, offload
+from zerojax.core import agreement, budget, context, layout, offload
 from zerojax.core.config import ConfigError
 from zerojax.core.dtypes import check_compute_dtype, compute_dtype_of, set_nnx_dtype
 from zerojax.core.apply import ModelApply, per_use_reason
@@ -263,8 +263,8 @@ def _check_processes_agree(plan: ShardingPlan, tx: Any, state: Any) -> None:
   """Multi-process runs: every process must have the same config, plan and optimizer before
   the first compile (a mismatch would hang in a collective or diverge silently)."""
   if jax.process_count() > 1:
-    distributed.check_agreement(plan.config, plan, tx=tx,
-                                state=state if hasattr(state, "opt_state") else None)
+    agreement.check_agreement(plan.config, plan, tx=tx,
+                              state=state if hasattr(state, "opt_state") else None)
 
 
 def _check_state_features(plan: ShardingPlan, state: Any) -> None:

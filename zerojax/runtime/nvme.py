@@ -49,7 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from zerojax.core import create, distributed
+from zerojax.core import agreement, create
 from zerojax.core.config import ConfigError, ZeroConfig
 from zerojax.core.plan import ShardingPlan
 from zerojax.core.step import zero_step
@@ -833,7 +833,7 @@ def create_train_state(model: Any, tx: Any, rng: jax.Array, *init_args: Any,
       model, capture_gradients(), rng, *init_args, config=device_config(config), mesh=mesh,
       state_cls=state_cls, params=params, **init_kwargs)
   if jax.process_count() > 1:
-    distributed.check_agreement(config, extra={"nvme_tx": _name(tx.update)})
+    agreement.check_agreement(config, extra={"nvme_tx": _name(tx.update)})
   # The host's programs run on one of the devices (XLA:CPU): none may start while a
   # multi-device program is in flight, whose devices could then reach its collectives in
   # different orders and deadlock.

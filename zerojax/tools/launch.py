@@ -33,8 +33,8 @@ import threading
 import time
 from typing import Any, Sequence
 
-from zerojax.core.distributed import (ENV_COORDINATOR, ENV_CPU_DEVICES, ENV_HEARTBEAT_TIMEOUT,
-                                 ENV_INIT_TIMEOUT, ENV_NUM_PROCESSES, ENV_PROCESS_ID)
+from zerojax.core.launch_env import (ENV_COORDINATOR, ENV_CPU_DEVICES, ENV_HEARTBEAT_TIMEOUT,
+                                     ENV_INIT_TIMEOUT, ENV_NUM_PROCESSES, ENV_PROCESS_ID)
 
 __all__ = ["DEFAULT_CPU_DEVICES_PER_PROCESS", "free_port", "parse_args", "command_line",
            "resolve_devices_per_process", "child_env", "launch", "main"]
