@@ -317,7 +317,6 @@ def fsdp_spec(shape, n):
 def baseline_runner(pattern: str, size: Size, devices=None) -> Runner:
   """Hand-written JAX FSDP: jit in/out shardings on params, optimizer state and batch."""
   import jax
-  import jax.numpy as jnp
   import numpy as np
   import optax
   from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
@@ -354,13 +353,7 @@ def baseline_runner(pattern: str, size: Size, devices=None) -> Runner:
     params = lambda: jax.tree.map(np.asarray, nnx.state(nnx.merge(graphdef, live[0])[0],
                                                         nnx.Param))
   else:
-    if pattern == "g":
-      p0 = pytree_init(size, jax.random.key(0))
-      apply = pytree_apply
-    else:
-      model = linen_models(size)[pattern]
-      p0 = model.init(jax.random.key(0), jnp.asarray(data[0]["x"]))["params"]
-      apply = lambda p, x: model.apply({"params": p}, x)
+    p0, apply = pure_model(pattern, size, data[0]["x"])
     o0 = tx.init(p0)
     state_sh = (shard(p0), shard(o0))
     live = [jax.device_put((p0, o0), state_sh)]
@@ -383,10 +376,20 @@ def baseline_runner(pattern: str, size: Size, devices=None) -> Runner:
   return Runner(compiled, run, params)
 
 
+def pure_model(pattern: str, size: Size, x: Any) -> tuple[Any, Any]:
+  """``(params, apply(params, x))`` of a linen or plain pytree pattern, initialised from key 0."""
+  import jax
+  import jax.numpy as jnp
+  if pattern == "g":
+    return pytree_init(size, jax.random.key(0)), pytree_apply
+  model = linen_models(size)[pattern]
+  params = model.init(jax.random.key(0), jnp.asarray(x))["params"]
+  return params, lambda p, x: model.apply({"params": p}, x)
+
+
 def reference_losses(pattern: str, size: Size, steps: int) -> tuple[list[float], Any]:
   """The same training on one device, no sharding at all: losses and final params."""
   import jax
-  import jax.numpy as jnp
   import numpy as np
   import optax
   dev = jax.devices()[0]
@@ -406,13 +409,7 @@ def reference_losses(pattern: str, size: Size, steps: int) -> tuple[list[float],
         return loss
       losses = [float(step(model, opt, jax.device_put(b, dev))) for b in data]
       return losses, jax.tree.map(np.asarray, nnx.state(model, nnx.Param))
-    if pattern == "g":
-      p = pytree_init(size, jax.random.key(0))
-      apply = pytree_apply
-    else:
-      model = linen_models(size)[pattern]
-      p = model.init(jax.random.key(0), jnp.asarray(data[0]["x"]))["params"]
-      apply = lambda p, x: model.apply({"params": p}, x)
+    p, apply = pure_model(pattern, size, data[0]["x"])
     o = tx.init(p)
 
     @jax.jit
