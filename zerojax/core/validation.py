@@ -12,12 +12,12 @@ from __future__ import annotations
 import math
 import os
 import re
-from typing import TYPE_CHECKING, Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
-if TYPE_CHECKING:  # annotations only: config imports this module
-  from zerojax.core.config import ZeroConfig
+# The checks read a `ZeroConfig`'s fields; config imports this module, so it is not named here.
+Config = Any
 
 __all__ = ["STAGES", "MESH_AXES", "DTYPES", "REMAT_POLICIES", "GATHER_MODES", "QUANTIZED_DTYPES",
            "OFFLOAD_FALLBACKS", "NONFINITE_POLICIES", "NVME", "BOOL_FIELDS", "Problem",
@@ -46,7 +46,7 @@ class Problem(NamedTuple):
   allowed: str
 
 
-def first_problem(c: ZeroConfig) -> Problem | None:
+def first_problem(c: Config) -> Problem | None:
   """The first `Problem` of ``c``, checking topic by topic in `CHECKS` order; ``None`` if
   every field is allowed."""
   for check in CHECKS:
@@ -56,7 +56,7 @@ def first_problem(c: ZeroConfig) -> Problem | None:
   return None
 
 
-def check_bools(c: ZeroConfig) -> Problem | None:
+def check_bools(c: Config) -> Problem | None:
   """Boolean fields hold real booleans (``offload_optimizer`` may also be ``'nvme'``)."""
   for f in BOOL_FIELDS:
     if f == "offload_optimizer" and isinstance(c.offload_optimizer, str) and (
@@ -71,7 +71,7 @@ def check_bools(c: ZeroConfig) -> Problem | None:
     object.__setattr__(c, f, bool(getattr(c, f)))
 
 
-def check_mesh(c: ZeroConfig) -> Problem | None:
+def check_mesh(c: Config) -> Problem | None:
   """The stage, the mesh's axes and its shape."""
   if not _is_int(c.stage) or c.stage not in STAGES:
     return Problem("stage", c.stage, "allowed stages are 0, 1, 2 and 3")
@@ -97,7 +97,7 @@ def check_mesh(c: ZeroConfig) -> Problem | None:
     return Problem("mesh_shape", c.mesh_shape, "at most one size may be -1")
 
 
-def check_dtypes(c: ZeroConfig) -> Problem | None:
+def check_dtypes(c: Config) -> Problem | None:
   """The persistence threshold and the parameter, compute and reduction dtypes."""
   if c.param_persistence_threshold is not None and (
       not _is_int(c.param_persistence_threshold) or c.param_persistence_threshold < 0):
@@ -110,7 +110,7 @@ def check_dtypes(c: ZeroConfig) -> Problem | None:
     return Problem("reduce_dtype", c.reduce_dtype, f"None or one of {DTYPES}")
 
 
-def check_offload(c: ZeroConfig) -> Problem | None:
+def check_offload(c: Config) -> Problem | None:
   """Host offload: each setting needs the stage that shards what it moves."""
   if c.offload_fallback not in OFFLOAD_FALLBACKS:
     return Problem("offload_fallback", c.offload_fallback, f"one of {OFFLOAD_FALLBACKS}")
@@ -127,7 +127,7 @@ def check_offload(c: ZeroConfig) -> Problem | None:
         if c.optimizer_on_nvme else ""))
 
 
-def check_remat(c: ZeroConfig) -> Problem | None:
+def check_remat(c: Config) -> Problem | None:
   """Rematerialisation, gather mode and live layers."""
   if c.remat not in REMAT_POLICIES:
     return Problem("remat", c.remat, f"allowed policies are {REMAT_POLICIES}")
@@ -140,7 +140,7 @@ def check_remat(c: ZeroConfig) -> Problem | None:
     return Problem("max_live_layers", c.max_live_layers, "an integer >= 1")
 
 
-def check_quantize(c: ZeroConfig) -> Problem | None:
+def check_quantize(c: Config) -> Problem | None:
   """ZeRO++ quantisation: dtypes, the stages it needs, and what it cannot combine with."""
   for f in ("quantize_weights", "quantize_gradients"):
     if getattr(c, f) is not None and getattr(c, f) not in QUANTIZED_DTYPES:
@@ -166,7 +166,7 @@ def check_quantize(c: ZeroConfig) -> Problem | None:
                    "model per device over the data axes ('replica', 'fsdp')")
 
 
-def check_batch(c: ZeroConfig) -> Problem | None:
+def check_batch(c: Config) -> Problem | None:
   """Batch sizes and gradient clipping."""
   for f in ("train_batch_size", "micro_batch_per_device", "gradient_accumulation_steps"):
     v = getattr(c, f)
@@ -178,7 +178,7 @@ def check_batch(c: ZeroConfig) -> Problem | None:
                    "a positive finite number or None")
 
 
-def check_loss_scale(c: ZeroConfig) -> Problem | None:
+def check_loss_scale(c: Config) -> Problem | None:
   """fp16 loss scaling and the non-finite gradient policy it constrains."""
   if c.loss_scale is not None and not (_is_num(c.loss_scale) and c.loss_scale >= 0):
     return Problem("loss_scale", c.loss_scale, "None (off), 0 (dynamic) or a positive finite "
@@ -198,7 +198,7 @@ def check_loss_scale(c: ZeroConfig) -> Problem | None:
                    "adjusted; use 'skip', or loss_scale=None")
 
 
-def check_rules(c: ZeroConfig) -> Problem | None:
+def check_rules(c: Config) -> Problem | None:
   """User partitioning rules: ``(regex, partition_spec)`` pairs whose regexes compile."""
   for i, r in enumerate(c.rules):
     if not (isinstance(r, tuple) and len(r) == 2 and isinstance(r[0], str)):
@@ -211,7 +211,7 @@ def check_rules(c: ZeroConfig) -> Problem | None:
                      "such as 'params/layers/mlp/kernel'")
 
 
-def check_nvme(c: ZeroConfig) -> Problem | None:
+def check_nvme(c: Config) -> Problem | None:
   """``nvme_path`` and the NVMe pool's sizes (``offload_optimizer='nvme'``)."""
   if not c.optimizer_on_nvme:
     if c.nvme_path is not None:
@@ -235,7 +235,7 @@ def check_nvme(c: ZeroConfig) -> Problem | None:
                    "reading, updating and writing overlap)")
 
 
-CHECKS: tuple[Callable[[ZeroConfig], Problem | None], ...] = (
+CHECKS: tuple[Callable[[Config], Problem | None], ...] = (
     check_bools, check_nvme, check_mesh, check_dtypes, check_offload, check_remat,
     check_quantize, check_batch, check_loss_scale, check_rules)
 
