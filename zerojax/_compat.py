@@ -94,7 +94,7 @@ def backends_initialized() -> bool:
   JAX has no public query; without the internal one this says ``False`` and the checks that
   ask are skipped (JAX then raises its own, later error)."""
   try:
-    from jax._src import xla_bridge
+    from jax._src import xla_bridge  # internal: looked up late, it may move
     return bool(xla_bridge.backends_are_initialized())
   except (ImportError, AttributeError):  # pragma: no cover - depends on the installed JAX
     return False
@@ -105,7 +105,7 @@ def distributed_state() -> Any:
   ``coordinator_address``, ``client``: the coordination service's key-value store), or
   ``None`` where this JAX keeps it elsewhere (callers then use public APIs only)."""
   try:
-    from jax._src import distributed
+    from jax._src import distributed  # internal: looked up late, it may move
     return distributed.global_state
   except (ImportError, AttributeError):  # pragma: no cover - depends on the installed JAX
     return None
@@ -117,7 +117,7 @@ def detect_cluster(coordinator: Any, num_processes: Any, process_id: Any, local_
   unset, as ``jax.distributed.initialize`` does it; the settings unchanged where this JAX does
   not expose it."""
   try:
-    from jax._src import clusters
+    from jax._src import clusters  # internal: looked up late, it may move
     detect = clusters.ClusterEnv.auto_detect_unset_distributed_params
   except (ImportError, AttributeError):  # pragma: no cover - depends on the installed JAX
     return coordinator, num_processes, process_id, local_device_ids
