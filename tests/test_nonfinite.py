@@ -75,10 +75,10 @@ BAD_STEP = 3  # the optimizer step whose loss is NaN
 def nan_at_step(monkeypatch):
   """Makes the loss of optimizer step `BAD_STEP` NaN: its batch gets a 0 byte (the corpus has
   none) and the loss is multiplied by NaN where a target is 0."""
-  import zerojax.runtime.data
-  import zerojax.models
+  import zerojax.runtime.memory
+  import zerojax.tools.train.loop
 
-  class Batches(zerojax.runtime.data.TextBatches):
+  class Batches(zerojax.tools.train.loop.TextBatches):
     def global_rows(self, step):
       rows = super().global_rows(step)
       assert not (rows == 0).any()
@@ -87,10 +87,11 @@ def nan_at_step(monkeypatch):
         rows[0, 5] = 0
       return rows
 
-  base = zerojax.models.loss_fn
-  monkeypatch.setattr(zerojax.runtime.data, "TextBatches", Batches)
-  monkeypatch.setattr(zerojax.models, "loss_fn", lambda logits, y: base(logits, y) * jnp.where(
-      jnp.any(y == 0), jnp.nan, 1.0))
+  # Patched where `zerojax train` reads them: its batches, and the loss of its GPT step.
+  base = zerojax.runtime.memory.next_token_loss
+  monkeypatch.setattr(zerojax.tools.train.loop, "TextBatches", Batches)
+  monkeypatch.setattr(zerojax.runtime.memory, "next_token_loss",
+                      lambda logits, y: base(logits, y) * jnp.where(jnp.any(y == 0), jnp.nan, 1.0))
 
 
 def _opts(tmp_path, **kw):

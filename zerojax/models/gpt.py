@@ -18,6 +18,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from zerojax.core.budget import num_params
+from zerojax.runtime.memory import next_token_loss
 
 __all__ = ["GPTConfig", "PRESETS", "Block", "GPT", "loss_fn", "nnx_gpt"]
 
@@ -124,10 +125,7 @@ class GPT(nn.Module):
                     name="head")(x).astype(jnp.float32)
 
 
-def loss_fn(logits: jax.Array, targets: jax.Array) -> jax.Array:
-  """Mean next-token cross entropy in fp32."""
-  logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-  return -jnp.take_along_axis(logp, targets[..., None], axis=-1).mean()
+loss_fn = next_token_loss  # mean next-token cross entropy in fp32, as `zerojax train` computes it
 
 
 # -- NNX ------------------------------------------------------------------------------------------

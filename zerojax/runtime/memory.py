@@ -906,8 +906,7 @@ def _fmt(b: float) -> str:
 
 
 def next_token_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
-  """Mean next-token cross entropy in fp32 (the loss of `zerojax.models.loss_fn`, written out
-  here because the measurement layer sits below the models)."""
+  """Mean next-token cross entropy in fp32 (`zerojax.models.loss_fn` is this function)."""
   logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
   return -jnp.take_along_axis(logp, targets[..., None], axis=-1).mean()
 
