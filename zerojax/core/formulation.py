@@ -28,10 +28,6 @@ class Formulation(NamedTuple):
   per_use: bool
   has_scan: bool
 
-  @property
-  def name(self) -> str:
-    return "per use" if self.per_use else "compiler"
-
 
 def choose(plan: Any, jaxpr: Any) -> Formulation:
   """The formulation for a model traced (with the compiler's formulation) as ``jaxpr``.

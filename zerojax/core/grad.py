@@ -105,7 +105,7 @@ def value_and_grad(fun: Callable, argnums: int = 0, has_aux: bool = False, *,
   plain = jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux)
 
   def wrapped(params, *args):
-    if _is_nnx(params):
+    if isinstance(params, nnx.Module):
       return _nnx_value_and_grad(fun, argnums, has_aux, loss_scale)(params, *args)
     ctx = context.current()
     if ctx is not None:
@@ -128,10 +128,6 @@ def value_and_grad(fun: Callable, argnums: int = 0, has_aux: bool = False, *,
     return ((loss, aux) if has_aux else loss), grads
 
   return wrapped
-
-
-def _is_nnx(x: Any) -> bool:
-  return isinstance(x, nnx.Module)
 
 
 def _nnx_value_and_grad(fun, argnums, has_aux, loss_scale):

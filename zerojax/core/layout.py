@@ -17,7 +17,7 @@ import optax
 
 from zerojax.core.plan import ShardingPlan
 
-__all__ = ["shard_gradients", "prepare", "apply_before"]
+__all__ = ["shard_gradients", "prepare", "prepared", "apply_before"]
 
 
 def shard_gradients(plan: ShardingPlan) -> optax.GradientTransformation:
@@ -42,14 +42,18 @@ def prepare(plan: ShardingPlan, clip: float | None = None) -> optax.GradientTran
   return optax.chain(shard_gradients(plan), optax.clip_by_global_norm(clip))
 
 
+def prepared(pre: optax.GradientTransformation, grads: Any, params: Any = None) -> Any:
+  """``grads`` after the stateless transformation ``pre`` (e.g. `prepare`)."""
+  return pre.update(grads, pre.init(params), params)[0]
+
+
 def apply_before(pre: optax.GradientTransformation,
                  tx: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
   """``tx`` with the stateless ``pre`` applied to its updates first. Unlike ``optax.chain``
   the state is ``tx``'s own, so a state made by ``tx.init`` works unchanged."""
 
   def update(updates, state, params=None, **extra):
-    updates, _ = pre.update(updates, pre.init(params), params)
-    return tx.update(updates, state, params, **extra)
+    return tx.update(prepared(pre, updates, params), state, params, **extra)
 
   return optax.GradientTransformationExtraArgs(tx.init, update)
 

@@ -13,7 +13,7 @@ import jax
 import optax
 from jax.experimental.compute_on import compute_on
 
-from zerojax.core.layout import apply_before
+from zerojax.core.layout import apply_before, prepared
 from zerojax.core.memory_kinds import on_device, on_host
 
 __all__ = ["put_like", "wrap_tx"]
@@ -54,7 +54,7 @@ def wrap_tx(tx: optax.GradientTransformation, plan: Any,
 
   def update(grads, state, params=None):
     if not params_host:
-      grads, _ = prepare.update(grads, prepare.init(params), params)
+      grads = prepared(prepare, grads, params)
     if cfg.optimizer_on_host and opt_host:
       return _update_on_host(tx, plan, grads, state, params, params_host)
     if opt_host:

@@ -156,7 +156,7 @@ class ZeroStep:
   def _dispatch(self, args):
     """``(kind, leading, batch, rest)`` by the type of the first argument: an ``nnx.Module``
     starts ``(model, optimizer, batch, *rest)``; anything else ``(state, batch, *rest)``."""
-    if args and _is_nnx(args[0]):
+    if args and isinstance(args[0], nnx.Module):
       if len(args) < 3:
         raise TypeError("an NNX zerojax step is called as step(model, optimizer, batch, ...); "
                         f"got {len(args)} arguments")
@@ -297,10 +297,6 @@ def _check_features_used(ctx: context.StepContext) -> None:
         "the train step must compute its gradient with zerojax.value_and_grad(loss_fn)"
         "(params, batch) (a drop-in for jax.value_and_grad; linen TrainState steps), else "
         "the accumulation/loss scaling would silently not happen")
-
-
-def _is_nnx(x: Any) -> bool:
-  return isinstance(x, nnx.Module)
 
 
 def _replicated(plan: ShardingPlan, tree: Any) -> Any:
