@@ -12,6 +12,13 @@
 * ``loss.png``: the loss curve, drawn at the end;
 * ``run.json``: the run id, the resolved `ZeroConfig` and `TrainOptions`.
 
+With ``offload_optimizer='nvme'`` (ZeRO-Infinity, `zerojax.runtime.nvme`) the optimizer state
+lives in files under ``nvme_path``: a new run writes them afresh, each step streams them through
+the host update, each checkpoint snapshots them beside the orbax one
+(``<checkpoint_dir>/nvme-<step>``), a resumed run restores them from its checkpoint, and
+``metrics.jsonl`` gains ``nvme_read_mb_s``, ``nvme_write_mb_s``, ``nvme_update_s``,
+``nvme_wait_s`` and ``nvme_wall_s`` (the step's host part).
+
 With a ``checkpoint_dir`` that holds checkpoints, the same command resumes the run exactly
 (`TrainOptions.resume`): ``metrics.jsonl`` and the TensorBoard run are continued. Two runs are
 never mixed in one ``out_dir``: a previous run without a checkpoint is refused unless
@@ -49,7 +56,7 @@ from zerojax._compat import backends_initialized
 from zerojax.core.config import ConfigError, ZeroConfig
 from zerojax.core.mesh import axis_size
 from zerojax.models import GPT, PRESETS
-from zerojax.runtime import memory
+from zerojax.runtime import memory, nvme
 from zerojax.runtime.checkpoint import Checkpointer, abstract_train_state
 from zerojax.runtime.data import VOCAB_SIZE, TextBatches, load_bytes
 from zerojax.tools.options import DEFAULT_CORPUS, NonFiniteGradientsError, TrainOptions
@@ -192,6 +199,15 @@ def _resume_notes(opts: TrainOptions, config: ZeroConfig, run: dict | None,
         "--overwrite (overwrite=true) to delete the old one first")
   old_cfg, new_cfg = run.get("config") or {}, json.loads(json.dumps(config.to_dict()))
   changed = sorted(k for k in set(old_cfg) | set(new_cfg) if old_cfg.get(k) != new_cfg.get(k))
+  old_opt, new_opt = old_cfg.get("offload_optimizer"), new_cfg.get("offload_optimizer")
+  if "offload_optimizer" in changed and "nvme" in (old_opt, new_opt):
+    # An NVMe checkpoint keeps the optimizer state in files beside it, an in-memory one inside.
+    raise ConfigError(
+        f"ZeroConfig.offload_optimizer={new_opt!r} cannot resume checkpoint step {latest} in "
+        f"{opts.checkpoint_dir!r}, saved with offload_optimizer={old_opt!r}: the optimizer "
+        f"state is kept {'in files beside it' if old_opt == 'nvme' else 'inside it'}. Resume "
+        f"with offload_optimizer={old_opt!r}, or start a new run (--overwrite, or --no-resume "
+        "with another checkpoint_dir)")
   if not changed:  # e.g. another stage or mesh: the checkpoint restores into the new plan
     return []
   return ["resuming with a changed ZeroConfig: " + ", ".join(
@@ -234,8 +250,8 @@ def _delete_previous(out_dir: str, ckdir: str | None, run: dict | None) -> None:
         os.remove(path)
     shutil.rmtree(os.path.join(out_dir, "tb"), ignore_errors=True)
   if ckdir and os.path.isdir(ckdir):
-    for name in os.listdir(ckdir):  # only what zerojax.runtime.checkpoint writes: numbered steps
-      if name.split(".")[0].isdigit():
+    for name in os.listdir(ckdir):  # only numbered steps and their NVMe snapshots (nvme-<step>)
+      if name.split(".")[0].removeprefix("nvme-").isdigit():
         path = os.path.join(ckdir, name)
         shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.remove(path)
 
@@ -296,6 +312,8 @@ class ProgressBar(Hook):
       self.eval_loss = evals[-1]["eval_loss"]
     extra = {} if getattr(self, "eval_loss", None) is None else {
         "eval_loss": f"{self.eval_loss:.4f}"}
+    if last.get("nvme_read_mb_s") is not None:  # offload_optimizer='nvme': the stream's rates
+      extra["nvme_MB_s"] = f"r{last['nvme_read_mb_s']:,.0f}/w{last['nvme_write_mb_s'] or 0:,.0f}"
     self.bar.set_postfix(loss=f"{last['loss'] or float('nan'):.4f}", **extra,
                          tok_s="-" if tps is None else f"{tps:,.0f}", refresh=False)
     self.bar.update(last["step"] - previous_step)
@@ -305,22 +323,27 @@ class ProgressBar(Hook):
 
 
 class SaveCheckpoints(Hook):
-  """An asynchronous checkpoint every ``every`` steps and at the last step."""
+  """An asynchronous checkpoint every ``every`` steps and at the last step; with ``optimizer``
+  (an NVMe run's `zerojax.runtime.nvme.NvmeOptimizer`) a synchronous one through its
+  ``save_checkpoint``, which snapshots the optimizer-state files beside it."""
 
   def __init__(self, checkpointer: Any, every: int | None, last: int, rng: Any,
                data: Callable[[], dict], item: Callable[[Any], Any] | None = None,
-               model: dict | None = None):
+               model: dict | None = None, optimizer: Any = None):
     self.checkpointer, self.every, self.last, self.rng, self.data = (
         checkpointer, every, last, rng, data)
-    self.item, self.model = item or (lambda state: state), model
+    self.item, self.model, self.optimizer = item or (lambda state: state), model, optimizer
 
   def after_step(self, step: int, state: Any, flush: Callable[[], None]) -> None:
     if step == self.last or (self.every and step % self.every == 0):
       # Metrics up to a checkpoint are on disk before it exists: a resumed run's
       # metrics.jsonl then has every step.
       flush()
-      self.checkpointer.save(step, self.item(state), rng=self.rng, data=self.data(),
-                             model=self.model)  # async
+      kw = dict(rng=self.rng, data=self.data(), model=self.model)
+      if self.optimizer is not None:  # the files, then orbax's commit; waits for both
+        self.optimizer.save_checkpoint(self.checkpointer, self.item(state), **kw)
+      else:
+        self.checkpointer.save(step, self.item(state), **kw)  # async
 
   def close(self) -> None:
     self.checkpointer.close()  # waits for the pending save
@@ -358,6 +381,10 @@ class Task:
       steps (and at the first and last step); the records get ``eval_loss`` and ``eval_ppl``.
     eval_every: steps between evaluations (0: only at the last step).
     measure: compile the step once to print the per-device memory under ``show_plan``.
+    nvme: ``setup`` and ``make_step`` keep the optimizer state on NVMe when the config says
+      ``offload_optimizer='nvme'``; the loop refuses such a config for a task without.
+    optimizer: set by ``setup`` on such a run: the `zerojax.runtime.nvme.NvmeOptimizer`
+      (checkpoints are saved and restored through it; its throughput is logged).
   """
 
   name: str
@@ -371,6 +398,8 @@ class Task:
   evaluate: Callable[[Any], dict] | None = None
   eval_every: int = 0
   measure: bool = False
+  nvme: bool = False
+  optimizer: Any = None
 
 
 def _gpt_task(opts: TrainOptions, config: ZeroConfig) -> Task:
@@ -394,15 +423,22 @@ def _gpt_task(opts: TrainOptions, config: ZeroConfig) -> Task:
   sample = jnp.zeros((1, mcfg.seq_len), jnp.int32)  # shapes for init; the plan sets the batch
 
   def setup(config, mesh, tx, rng, resume_step):
-    if resume_step is None:
+    if config.optimizer_on_nvme:
+      state, plan, task.optimizer = _nvme_state(opts, config, resume_step, lambda **kw: (
+          nvme.create_train_state(model, tx, rng, sample, config=config, mesh=mesh, **kw)))
+    elif resume_step is None:
       state, plan = create_train_state(model, tx, rng, sample, config=config, mesh=mesh)
+    else:  # read straight into the plan's layout: nothing is initialised
+      state, plan = abstract_train_state(model, tx, rng, sample, config=config, mesh=mesh)
+    if resume_step is None:
       if opts.init_from:
         state = state.replace(params=load_weights(opts.init_from, state.params, plan.params))
       return state, plan, 0, 0
-    # read straight into the plan's layout: nothing is initialised
-    state, plan = abstract_train_state(model, tx, rng, sample, config=config, mesh=mesh)
     with Checkpointer(opts.checkpoint_dir, read_only=True) as ck:
-      state, extras = ck.restore(state, plan, step=resume_step)
+      if task.optimizer is not None:
+        state, extras = _nvme_restore(opts, config, task.optimizer, ck, state, resume_step)
+      else:
+        state, extras = ck.restore(state, plan, step=resume_step)
     start = int(extras.step)
     if int(state.step) != start:
       raise ConfigError(f"checkpoint {opts.checkpoint_dir!r} step {start} holds a state at "
@@ -413,9 +449,46 @@ def _gpt_task(opts: TrainOptions, config: ZeroConfig) -> Task:
     sh = plan.batch({"x": jax.ShapeDtypeStruct((rows, mcfg.seq_len), jnp.int32)})["x"]
     return TextBatches(tokens, rows, mcfg.seq_len, seed=opts.seed, sharding=sh, step=data_step)
 
-  return Task(opts.model, mcfg.seq_len, setup,
-              lambda plan: zero_step(plan)(memory.lm_train_step),
-              batches, lambda state: memory.num_params(state.params), measure=True)
+  def make_step(plan):
+    if task.optimizer is not None:  # the device part under zero_step, then the host update
+      return task.optimizer.step(memory.lm_train_step)
+    return zero_step(plan)(memory.lm_train_step)
+
+  task = Task(opts.model, mcfg.seq_len, setup, make_step, batches,
+              lambda state: memory.num_params(state.params), measure=True, nvme=True)
+  return task
+
+
+def _nvme_state(opts: TrainOptions, config: ZeroConfig, resume_step: int | None,
+                create: Callable[..., tuple[Any, Any, Any]]) -> tuple[Any, Any, Any]:
+  """``(state, plan, NvmeOptimizer)`` of an ``offload_optimizer='nvme'`` run (``create`` is
+  `zerojax.runtime.nvme.create_train_state` on the model). A new run writes its optimizer-state
+  files afresh over what ``nvme_path`` holds; a resumed one restores them from its checkpoint
+  (`_nvme_restore`)."""
+  if resume_step is None:
+    return create(overwrite=True)
+  try:
+    return create()
+  except nvme.NvmeStateError as e:
+    raise _nvme_resume_error(opts, config, resume_step, e) from e
+
+
+def _nvme_restore(opts: TrainOptions, config: ZeroConfig, opt: Any, ck: Checkpointer,
+                  state: Any, step: int) -> tuple[Any, Any]:
+  """Checkpoint ``step``'s train state and its snapshot of the optimizer-state files."""
+  try:
+    return opt.restore_checkpoint(ck, state, step=step)
+  except nvme.NvmeStateError as e:
+    raise _nvme_resume_error(opts, config, step, e) from e
+
+
+def _nvme_resume_error(opts: TrainOptions, config: ZeroConfig, step: int,
+                       e: Exception) -> ConfigError:
+  return ConfigError(
+      f"checkpoint step {step} in checkpoint_dir {opts.checkpoint_dir!r} cannot resume with "
+      f"offload_optimizer='nvme', nvme_path={config.nvme_path!r}: {e}. The optimizer-state "
+      "files are laid out for the model, stage and mesh the run was saved with: resume with "
+      "that config (run.json in out_dir), or start a new run (--overwrite)")
 
 
 def resolve_config(config: ZeroConfig, opts: TrainOptions) -> ZeroConfig:
@@ -448,6 +521,11 @@ def train(config: ZeroConfig, opts: TrainOptions | None = None, *,
   mesh = make_mesh(config)
   tx, sched = make_optimizer(opts)
   task = task or _gpt_task(opts, config)
+  if config.optimizer_on_nvme and not task.nvme:
+    raise ConfigError(
+        f"ZeroConfig.offload_optimizer='nvme' is not supported by the {task.name!r} task: it "
+        "keeps its optimizer state in memory (zerojax train's GPT task streams it from "
+        "nvme_path); use offload_optimizer=true (pinned host memory) or false here")
   dirs = _prepare_run(opts, config)
   rng = jax.random.key(opts.seed)
   state, plan, start, data_step = task.setup(config, mesh, tx, rng, dirs.resume_step)
@@ -471,7 +549,7 @@ def train(config: ZeroConfig, opts: TrainOptions | None = None, *,
       ckpt = Checkpointer(opts.checkpoint_dir, config=config)
       hooks.append(SaveCheckpoints(ckpt, opts.checkpoint_every, opts.steps, rng,
                                    lambda: {"batches_step": batches.step}, task.save_item,
-                                   task.checkpoint_model))
+                                   task.checkpoint_model, optimizer=task.optimizer))
     hooks += user_hooks
     state = _run_steps(opts, task, state, start, train_step, batches, records, hooks, ckpt)
   finally:  # also on an error: what was written stays consistent and is closed
@@ -495,6 +573,10 @@ def _log_start(config: ZeroConfig, mesh: Any, plan: Any, task: Task, state: Any,
     log(n)
   if (note := nothing_sharded_note(plan)) is not None:
     log(note)
+  if (opt := task.optimizer) is not None:
+    log(f"optimizer state on NVMe: {opt.state_bytes / 2**20:,.1f} MiB per process in "
+        f"{len(opt.bounds)} chunk(s) of <= {config.nvme_chunk_size:,} parameters under "
+        f"{opt.directory!r}, streamed through {config.nvme_buffer_count} buffers")
 
 
 def _show_plan(plan: Any, task: Task, train_step: Any, state: Any, batches: Any,
@@ -503,7 +585,8 @@ def _show_plan(plan: Any, task: Task, train_step: Any, state: Any, batches: Any,
   first batch is put back)."""
   log(plan.table())
   if task.measure:
-    m = memory.measure(train_step.lower(state, next(batches)).compile())
+    device_step = getattr(train_step, "device_step", train_step)  # NVMe: the device part's
+    m = memory.measure(device_step.lower(state, next(batches)).compile())
     batches.step = data_step
     mib = lambda b: f"{b / 2**20:.2f} MiB"
     log(f"per-device memory (XLA): arguments {mib(m.argument)}, temp {mib(m.temp)}, "
@@ -542,6 +625,10 @@ def _run_steps(opts: TrainOptions, task: Task, state: Any, start: int, train_ste
       records.drain()
   records.drain()
   return state
+
+
+_NVME_METRICS = ("nvme_read_mb_s", "nvme_write_mb_s", "nvme_update_s", "nvme_wait_s",
+                 "nvme_wall_s")
 
 
 class _Records:
@@ -589,6 +676,9 @@ class _Records:
       rec["loss_scale"] = float(m["loss_scale"])
     if self.policy == "skip":
       rec["skipped_steps"] = int(m["skipped_steps"])
+    for k in _NVME_METRICS:  # offload_optimizer='nvme': the step's host part
+      if k in m:
+        rec[k] = finite(round(float(m[k]), 3))
     if "eval_loss" in m:
       ev = float(m["eval_loss"])
       rec["eval_loss"] = finite(ev)
@@ -632,6 +722,8 @@ def _finish(opts: TrainOptions, config: ZeroConfig, task: Task, state: Any, reco
         + (f", {history[-1].get('skipped_steps', 0)} "
            f"{'overflow' if records.scaling else 'non-finite'} step(s) skipped"
            if history[-1].get("skipped_steps") else ""))
+    if task.optimizer is not None:
+      log(f"nvme optimizer state, this run's updates: {task.optimizer.total.summary()}")
     log("wrote " + ", ".join(files.values()))
   return files
 
