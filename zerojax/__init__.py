@@ -39,6 +39,8 @@ _EXPORTS = {
     "ZeroStep": "zerojax.core.step",
     "StepSettings": "zerojax.core.train_state",
     "ZeroTrainState": "zerojax.core.train_state",
+    "master_weights": "zerojax.core.master",
+    "MasterWeightsState": "zerojax.core.master",
 }
 _SUBMODULES = ("models", "memory", "checkpoint", "weights", "data", "train", "finetune",
                "distributed", "nvme", "core", "runtime", "tools")
@@ -46,12 +48,14 @@ _SUBMODULES = ("models", "memory", "checkpoint", "weights", "data", "train", "fi
 __all__ = [
     "ConfigError", "ZeroConfig", "make_mesh", "LeafPlan", "ShardingPlan", "create_nnx",
     "create_train_state", "zero_step", "ZeroStep", "value_and_grad", "ZeroTrainState",
-    "StepSettings", "load_config", "DEFAULT_CORPUS", "export",
+    "StepSettings", "load_config", "DEFAULT_CORPUS", "export", "master_weights",
+    "MasterWeightsState",
 ]
 
 if TYPE_CHECKING:  # what type checkers and IDEs see; at run time `__getattr__` imports these
   from zerojax.core.config import ConfigError, ZeroConfig
   from zerojax.core.grad import value_and_grad
+  from zerojax.core.master import MasterWeightsState, master_weights
   from zerojax.core.mesh import make_mesh
   from zerojax.core.plan import LeafPlan, ShardingPlan
   from zerojax.core.create import create_nnx, create_train_state
