@@ -476,6 +476,27 @@ def _chunks(segments: list[_Segment], chunk_size: int
   return chunks, [(c[0].start, c[-1].stop) for c in chunks]
 
 
+class _HostSegments:
+  """Per segment, a flat host array made on first use: a view of the segment's device array
+  on XLA:CPU (a copy from an accelerator), or new memory of ``dtype`` where there is no array.
+  `release` drops a segment's host array and this object's reference to its device array."""
+
+  def __init__(self, arrays: list, segments: list[_Segment], dtype: np.dtype | None = None):
+    self.arrays, self.segments, self.dtype = arrays, segments, dtype
+    self.host: dict[int, np.ndarray] = {}
+
+  def piece(self, pc: _Piece) -> np.ndarray:
+    k, seg = pc.segment, self.segments[pc.segment]
+    if k not in self.host:
+      self.host[k] = (np.empty(seg.stop - seg.start, self.dtype) if self.arrays[k] is None
+                      else np.asarray(self.arrays[k]).reshape(-1))
+    return self.host[k][pc.start - seg.start:pc.stop - seg.start].reshape(pc.shape)
+
+  def release(self, k: int) -> None:
+    self.host.pop(k, None)
+    self.arrays[k] = None
+
+
 class NvmeOptimizer:
   """The optimizer state of one run on NVMe: its files, its chunked update, its statistics.
 
@@ -520,14 +541,21 @@ class NvmeOptimizer:
                            [(n, self.chunked.dtypes[k]) for n, k in
                             zip(names, self.chunked.streamed)], self.size, layout)
     self._cpu = jax.local_devices(backend="cpu")[0]
-    self._update = jax.jit(self.chunked.update)  # inputs on the host CPU: it runs there
+    self._update_chunk = jax.jit(self.chunked.update)  # inputs on the host CPU: it runs there
     self._init = jax.jit(self.chunked.init)
     self.stats = StreamStats()
     self.total = StreamStats()
-    self._reshard_in = jax.jit(lambda p: p, out_shardings=jax.tree.unflatten(
-        self._treedef, self._opt_shardings))
-    self._reshard_out = jax.jit(lambda p: p, out_shardings=jax.tree.unflatten(
-        self._treedef, self._param_shardings))
+    self._reshard_in = self._reshard_out = lambda p: p
+    if self._opt_shardings != self._param_shardings:  # stages 1-2; a jitted identity copies
+      self._reshard_in = jax.jit(lambda p: p, out_shardings=jax.tree.unflatten(
+          self._treedef, self._opt_shardings))
+      self._reshard_out = jax.jit(lambda p: p, out_shardings=jax.tree.unflatten(
+          self._treedef, self._param_shardings))
+    last: dict[int, int] = {}
+    for i, chunk in enumerate(self.pieces):
+      for pc in chunk:
+        last[pc.segment] = i
+    self._finished = [[k for k, c in last.items() if c == i] for i in range(len(self.pieces))]
 
   def _existing_bytes(self) -> int:
     d = os.path.join(self.directory)
@@ -547,21 +575,18 @@ class NvmeOptimizer:
       out[s.start:s.stop] = np.asarray(shards[s.devices[0]].data).reshape(-1)
     return out
 
-  def _views(self, tree: PyTree) -> list[np.ndarray]:
-    """Each segment's shard as a flat host array: a view of the device buffer where the
-    device is the host CPU (no copy), else one copy of the local shards."""
+  def _segment_arrays(self, tree: PyTree) -> list[jax.Array]:
+    """Each segment's shard of ``tree`` as a single-device array (it shares the shard's
+    buffer: the buffer lives as long as either does)."""
     leaves = jax.tree.leaves(tree)
     shards = [{sh.device: sh for sh in x.addressable_shards} for x in leaves]
-    return [np.asarray(shards[s.leaf][s.devices[0]].data).reshape(-1) for s in self.segments]
+    return [shards[s.leaf][s.devices[0]].data for s in self.segments]
 
-  def _piece(self, per_segment: Sequence[np.ndarray], pc: "_Piece") -> np.ndarray:
-    seg = self.segments[pc.segment]
-    return per_segment[pc.segment][pc.start - seg.start:pc.stop - seg.start].reshape(pc.shape)
-
-  def _from_segments(self, per_segment: Sequence[np.ndarray]) -> PyTree:
+  def _assemble(self, per_segment: Sequence[list[jax.Array]]) -> PyTree:
+    """The tree laid out as the optimizer shards, from each segment's device arrays."""
     per_leaf: list[list] = [[] for _ in self._shapes]
-    for s, host in zip(self.segments, per_segment):
-      per_leaf[s.leaf] += [jax.device_put(host.reshape(s.shape), d) for d in s.devices]
+    for s, bufs in zip(self.segments, per_segment):
+      per_leaf[s.leaf] += bufs
     arrays = [jax.make_array_from_single_device_arrays(shape, sh, bufs)
               for shape, sh, bufs in zip(self._shapes, self._opt_shardings, per_leaf)]
     return jax.tree.unflatten(self._treedef, arrays)
@@ -616,6 +641,14 @@ class NvmeOptimizer:
     """The host part of a step: ``state`` after the device part (its ``opt_state`` holds the
     reduced gradient) -> the state with updated parameters. The optimizer state on disk moves
     to the next generation."""
+    return self._update([state])
+
+  def _update(self, owned: list) -> Any:
+    """`update` of the state in ``owned``, which it takes out. Where that was the only
+    reference (`step`), each old parameter shard is freed as soon as its new values are on its
+    device, so that host and device memory hold the parameters once, the gradient shards and
+    the buffer pool, plus one segment: never the optimizer state, nor two parameter copies."""
+    state = owned.pop()
     jax.block_until_ready(state)  # see create_train_state: no host program beside the step's
     step = int(state.step)
     settings = getattr(state, "settings", None)
@@ -625,11 +658,11 @@ class NvmeOptimizer:
       self.store._commit(self.store.manifest["generation"], step, self.store.shared())
       self.stats = StreamStats()
       return state
-    # Host memory: views of the gradient and parameter shards (copies where the devices are
-    # not the host), the new parameter shards, and the buffer pool; never the state.
-    grads = self._views(state.opt_state["grads"])
-    params = self._views(self._reshard_in(state.params))
-    new = [np.empty(s.stop - s.start, self.chunked.param_dtype) for s in self.segments]
+    grads = _HostSegments(self._segment_arrays(state.opt_state["grads"]), self.segments)
+    params = _HostSegments(self._segment_arrays(self._reshard_in(state.params)), self.segments)
+    state = state.replace(params=None)  # the segments' arrays now hold the old parameters
+    new = _HostSegments([None] * len(self.segments), self.segments, self.chunked.param_dtype)
+    out: list[list[jax.Array]] = [[] for _ in self.segments]
     norm = jax.device_put(np.asarray(state.opt_state["norm"]), self._cpu)
     old_shared = [jax.device_put(x, self._cpu) for x in self.store.shared()]
     new_shared: list = []
@@ -637,11 +670,11 @@ class NvmeOptimizer:
     def one(i: int, bufs: list[np.ndarray]) -> None:
       a = self.bounds[i][0]
       for pc, views in self._piece_arrays(i, bufs, offset=a):
-        g = jax.device_put(self._piece(grads, pc), self._cpu)
-        p = jax.device_put(self._piece(params, pc), self._cpu)
+        g = jax.device_put(grads.piece(pc), self._cpu)
+        p = jax.device_put(params.piece(pc), self._cpu)
         per = [jax.device_put(x, self._cpu) for x in views]
-        new_p, new_per, new_sh, _ = self._update(g, p, per, old_shared, norm)
-        np.copyto(self._piece(new, pc), np.asarray(new_p))
+        new_p, new_per, new_sh, _ = self._update_chunk(g, p, per, old_shared, norm)
+        np.copyto(new.piece(pc), np.asarray(new_p))
         for view, x in zip(views, new_per):
           np.copyto(view, np.asarray(x))
         sh = [np.asarray(x) for x in new_sh]
@@ -650,6 +683,13 @@ class NvmeOptimizer:
         elif not all(_same_bits(x, y) for x, y in zip(new_shared, sh)):
           raise NvmeStateError("pieces disagree on the shared optimizer state (a step count): "
                                f"the transformation {self.chunked.name!r} is not elementwise")
+      for k in self._finished[i]:  # segments whose last piece this chunk held
+        seg = self.segments[k]
+        out[k] = [jax.device_put(new.host[k].reshape(seg.shape), d) for d in seg.devices]
+        jax.block_until_ready(out[k])
+        new.release(k)
+        params.release(k)
+        grads.release(k)
 
     cfg = self.config
     self.stats = self.store.stream(
@@ -657,8 +697,8 @@ class NvmeOptimizer:
         pipeline_read=cfg.nvme_pipeline_read, pipeline_write=cfg.nvme_pipeline_write,
         shared=lambda: new_shared, step=step)
     self.total.add(self.stats)
-    del grads, params
-    new_params = self._reshard_out(self._from_segments(new))
+    new_params = self._reshard_out(self._assemble(out))
+    del out
     # One multi-device program in flight at a time: the all-gather above and the next step's
     # collectives, both in flight, can deadlock XLA:CPU's collective rendezvous.
     jax.block_until_ready(new_params)
@@ -753,6 +793,8 @@ class NvmeOptimizer:
     if self.store.step != step:
       raise NvmeStateError(f"the optimizer state is at step {self.store.step}, the train state "
                            f"at {step}: save after the host update (NvmeOptimizer.step does)")
+    if os.path.exists(snap) and step not in checkpointer.all_steps():
+      shutil.rmtree(snap)  # left by a save killed before orbax's commit: maybe other values
     if not os.path.exists(snap):
       self.store.snapshot(snap)
     checkpointer.save(step, state, force=True, **save_kw)
@@ -798,7 +840,9 @@ class NvmeOptimizer:
         self.check_resume(state)
         checked.append(True)
       state, metrics = device_step(state, batch, *rest)
-      state = self.update(state)
+      owned = [state]
+      del state  # the host update frees each old parameter shard as its new one is made
+      state = self._update(owned)
       if isinstance(metrics, dict):
         metrics = {**metrics, "nvme_read_mb_s": self.stats.read_mb_s,
                    "nvme_write_mb_s": self.stats.write_mb_s,

@@ -19,8 +19,8 @@ is next opened. This costs disk room for two generations while a step runs (chec
 
 **The stream.** `NvmeStore.stream` moves the state through a bounded pool of chunk buffers:
 a reader thread fills free buffers with chunk ``i+1`` (and on), the calling thread updates
-chunk ``i`` in place, and a writer thread writes chunk ``i-1`` to the next generation and
-returns its buffer to the pool. ``os.preadv``/``os.pwrite`` release the GIL, so the three run
+chunk ``i`` in place, and a writer thread writes and syncs chunk ``i-1`` to the next
+generation and returns its buffer to the pool. ``os.preadv``/``os.pwrite`` release the GIL, so the three run
 at once; host memory holds ``buffer_count`` chunks of optimizer state, never the whole state.
 Pages read or written are dropped from the page cache (``posix_fadvise``), so that neither the
 reads of the next step nor the process's memory count on the cache.
@@ -432,6 +432,11 @@ class _ChunkPipeline:
     t = time.perf_counter()
     for fd, (_, dtype), buf in zip(self.wfds, self.leaves, bufs):
       _pwrite_from(fd, buf[:b - a], a * dtype.itemsize)
+      # Synced here, in the writer's time, not all at once before the commit: a sync of the
+      # whole generation at the end overlaps with nothing. Dropping the written pages keeps the
+      # page cache (which a memory cgroup charges to the process) at one chunk.
+      os.fdatasync(fd)
+      _drop_cache(fd, a * dtype.itemsize, (b - a) * dtype.itemsize)
       self.stats.bytes_written += (b - a) * dtype.itemsize
     self.stats.write_s += time.perf_counter() - t
     self.pool.put(bufs)
