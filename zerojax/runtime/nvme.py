@@ -34,6 +34,15 @@ Example::
   for batch in data:
     state, metrics = step(state, batch)
   print(opt.stats.summary())           # MB/s read and written, update and wait time
+
+A Flax NNX model goes through `create_nnx` instead (as `zerojax.create_nnx`), and its step is
+the same ``train_step(model, optimizer, batch) -> metrics``::
+
+  model, optimizer, plan, opt = zerojax.runtime.nvme.create_nnx(lambda: Model(nnx.Rngs(0)),
+                                                                optax.adamw(1e-3), config=config)
+  step = opt.step(train_step)
+  for batch in data:
+    metrics = step(model, optimizer, batch)
 """
 
 from __future__ import annotations
@@ -48,6 +57,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import nnx, struct
 
 from zerojax.core import agreement, create
 from zerojax.core.config import ConfigError, ZeroConfig
@@ -58,7 +68,7 @@ from zerojax.runtime.nvme_store import (NvmeError, NvmePathError, NvmeStateError
 
 __all__ = ["NotChunkableError", "NvmeError", "NvmePathError", "NvmeStateError", "StreamStats",
            "ChunkedTransformation", "chunked_transformation", "capture_gradients",
-           "NvmeOptimizer", "create_train_state", "device_config"]
+           "NvmeOptimizer", "NnxView", "create_train_state", "create_nnx", "device_config"]
 
 PyTree = Any
 
@@ -416,6 +426,23 @@ def device_config(config: ZeroConfig) -> ZeroConfig:
   return config.replace(offload_optimizer=False, nvme_path=None)
 
 
+@struct.dataclass
+class NnxView:
+  """An NNX ``(model, optimizer)`` pair from `create_nnx` as `NvmeOptimizer` reads a linen
+  train state: the trained parameters, the captured gradient (``opt_state``) and the step, as
+  plain arrays (no copies)."""
+
+  step: Any
+  params: Any
+  opt_state: Any
+
+  @classmethod
+  def of(cls, model: Any, optimizer: Any) -> "NnxView":
+    return cls(step=optimizer.step[...],
+               params=nnx.as_pure(nnx.state(model, optimizer.wrt)),
+               opt_state=nnx.as_pure(optimizer.opt_state))
+
+
 # -- the host part ------------------------------------------------------------------------------
 
 
@@ -659,7 +686,10 @@ class NvmeOptimizer:
       self.stats = StreamStats()
       return state
     grads = _HostSegments(self._segment_arrays(state.opt_state["grads"]), self.segments)
-    params = _HostSegments(self._segment_arrays(self._reshard_in(state.params)), self.segments)
+    # Ready before any host program starts (see create_train_state): the reshard is a
+    # multi-device program at stages 1-2.
+    params = _HostSegments(self._segment_arrays(jax.block_until_ready(
+        self._reshard_in(state.params))), self.segments)
     state = state.replace(params=None)  # the segments' arrays now hold the old parameters
     new = _HostSegments([None] * len(self.segments), self.segments, self.chunked.param_dtype)
     out: list[list[jax.Array]] = [[] for _ in self.segments]
@@ -831,27 +861,37 @@ class NvmeOptimizer:
 
   def step(self, train_step: Callable, donate: bool = True) -> Callable:
     """``train_step`` as a full NVMe step: `zerojax.zero_step` on the devices, then
-    `update` on the host. Metrics gain ``nvme_*`` timings of the host part."""
+    `update` on the host. Called as ``step(state, batch, ...) -> (state, metrics)``, or, for
+    an NNX pair from `create_nnx`, ``step(model, optimizer, batch, ...) -> metrics`` (the
+    model's parameters are updated in place, as under ``nnx.jit``). Metrics gain ``nvme_*``
+    timings of the host part."""
     device_step = zero_step(self.plan, donate=donate)(train_step)
     checked: list[bool] = []
 
-    def run(state, batch, *rest):
+    def run(*args):
+      pair = bool(args) and isinstance(args[0], nnx.Module)
       if not checked:
-        self.check_resume(state)
+        self.check_resume(NnxView.of(*args[:2]) if pair else args[0])
         checked.append(True)
-      state, metrics = device_step(state, batch, *rest)
+      if pair:  # the NNX step updates (model, optimizer) in place and returns metrics; the
+        # model holds its old parameters until nnx.update, so they are not freed early
+        metrics = device_step(*args)
+        nnx.update(args[0], self._update([NnxView.of(*args[:2])]).params)
+        return self._metrics(metrics)
+      state, metrics = device_step(*args)
       owned = [state]
       del state  # the host update frees each old parameter shard as its new one is made
-      state = self._update(owned)
-      if isinstance(metrics, dict):
-        metrics = {**metrics, "nvme_read_mb_s": self.stats.read_mb_s,
-                   "nvme_write_mb_s": self.stats.write_mb_s,
-                   "nvme_update_s": self.stats.update_s, "nvme_wait_s": self.stats.wait_s,
-                   "nvme_wall_s": self.stats.wall_s}
-      return state, metrics
+      return self._update(owned), self._metrics(metrics)
 
     run.device_step = device_step  # type: ignore[attr-defined]
     return run
+
+  def _metrics(self, metrics: Any) -> Any:
+    if not isinstance(metrics, dict):
+      return metrics
+    return {**metrics, "nvme_read_mb_s": self.stats.read_mb_s,
+            "nvme_write_mb_s": self.stats.write_mb_s, "nvme_update_s": self.stats.update_s,
+            "nvme_wait_s": self.stats.wait_s, "nvme_wall_s": self.stats.wall_s}
 
 
 def create_train_state(model: Any, tx: Any, rng: jax.Array, *init_args: Any,
@@ -870,12 +910,53 @@ def create_train_state(model: Any, tx: Any, rng: jax.Array, *init_args: Any,
   Returns:
     ``(state, plan, nvme)``: the device state, the device part's plan, the `NvmeOptimizer`.
   """
-  if not isinstance(config, ZeroConfig) or not config.optimizer_on_nvme:
-    raise ConfigError("zerojax.runtime.nvme.create_train_state needs a ZeroConfig with "
-                      "offload_optimizer='nvme' and nvme_path")
+  _check_config(config, "create_train_state")
+  if isinstance(model, nnx.Module) or not hasattr(model, "init"):
+    raise ConfigError(
+        f"zerojax.runtime.nvme.create_train_state takes a linen model (with .init); got "
+        f"{type(model).__name__}. For a Flax NNX model use zerojax.runtime.nvme.create_nnx("
+        "model_fn, tx, config=config), as zerojax.create_nnx")
   state, plan = create.create_train_state(
       model, capture_gradients(), rng, *init_args, config=device_config(config), mesh=mesh,
       state_cls=state_cls, params=params, **init_kwargs)
+  return state, plan, _start(config, plan, tx, state, overwrite)
+
+
+def create_nnx(model_fn: Callable[[], Any], tx: Any, *, config: ZeroConfig,
+               mesh: jax.sharding.Mesh | None = None, wrt: Any = None, params: Any = None,
+               overwrite: bool = False) -> tuple[Any, Any, ShardingPlan, NvmeOptimizer]:
+  """`zerojax.create_nnx` with the optimizer state on NVMe.
+
+  The ``nnx.Optimizer`` returned is the device part's: its ``opt_state`` holds only the
+  reduced gradient (`capture_gradients`); the optimizer state of ``tx`` is in the files, as
+  with `create_train_state`. Step with ``opt.step(train_step)``, the same
+  ``train_step(model, optimizer, batch)`` as in memory.
+
+  Returns:
+    ``(model, optimizer, plan, nvme)``.
+  """
+  _check_config(config, "create_nnx")
+  if config.loss_scale is not None:
+    # The NNX step skips an overflowing step inside nnx.Optimizer.update; the host update
+    # would apply the captured non-finite gradient all the same.
+    raise ConfigError(f"loss_scale={config.loss_scale!r} with offload_optimizer='nvme' needs "
+                      "a linen model (zerojax.runtime.nvme.create_train_state)")
+  model, optimizer, plan = create.create_nnx(
+      model_fn, capture_gradients(), config=device_config(config), mesh=mesh, wrt=wrt,
+      params=params)
+  return model, optimizer, plan, _start(config, plan, tx, NnxView.of(model, optimizer),
+                                        overwrite)
+
+
+def _check_config(config: Any, fn: str) -> None:
+  if not isinstance(config, ZeroConfig) or not config.optimizer_on_nvme:
+    raise ConfigError(f"zerojax.runtime.nvme.{fn} needs a ZeroConfig with "
+                      "offload_optimizer='nvme' and nvme_path")
+
+
+def _start(config: ZeroConfig, plan: ShardingPlan, tx: Any, state: Any,
+           overwrite: bool) -> NvmeOptimizer:
+  """The `NvmeOptimizer` of a device state just created, its first generation written."""
   if jax.process_count() > 1:
     agreement.check_agreement(config, extra={"nvme_tx": _name(tx.update)})
   # The host's programs run on one of the devices (XLA:CPU): none may start while a
@@ -884,4 +965,4 @@ def create_train_state(model: Any, tx: Any, rng: jax.Array, *init_args: Any,
   jax.block_until_ready(state)
   nvme = NvmeOptimizer(config, plan, tx, state)
   nvme.initialize(state, overwrite=overwrite)
-  return state, plan, nvme
+  return nvme
