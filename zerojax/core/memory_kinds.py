@@ -40,8 +40,9 @@ def memory_kinds(config: ZeroConfig, mesh: Mesh) -> tuple[str | None, str | None
     raise ConfigError(
         f"offload_optimizer='nvme' (nvme_path={config.nvme_path!r}) keeps the optimizer state "
         "in files, which zerojax.runtime.nvme streams through a host update: create the state "
-        "with zerojax.runtime.nvme.create_train_state and step with the NvmeOptimizer it "
-        "returns (nvme.step(train_step)); zerojax.create_train_state, zero_step and "
+        "with zerojax.runtime.nvme.create_train_state (an NNX model: "
+        "zerojax.runtime.nvme.create_nnx) and step with the NvmeOptimizer it returns "
+        "(nvme.step(train_step)); zerojax.create_train_state, create_nnx, zero_step and "
         "ShardingPlan.create place state in device or pinned_host memory only "
         "(offload_optimizer=True or False)")
   wants = config.offload_params or config.offload_optimizer
