@@ -47,6 +47,28 @@ def dd_bandwidth(directory: str, mib: int) -> dict[str, float]:
   return out
 
 
+class RssSampler:
+  """The process's resident set, sampled every 5 ms in a thread: peaks over time windows."""
+
+  def __init__(self):
+    import threading
+    self.samples: list[tuple[float, int]] = []
+    threading.Thread(target=self._run, daemon=True).start()
+
+  @staticmethod
+  def now() -> int:
+    with open("/proc/self/statm") as f:
+      return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+  def _run(self) -> None:
+    while True:
+      self.samples.append((time.perf_counter(), self.now()))
+      time.sleep(0.005)
+
+  def peak(self, t0: float, t1: float) -> int:
+    return max((r for t, r in self.samples if t0 <= t <= t1), default=0)
+
+
 def child(args: argparse.Namespace) -> dict:
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                              + f" --xla_force_host_platform_device_count={args.devices}")
@@ -76,7 +98,10 @@ def child(args: argparse.Namespace) -> dict:
     return state.apply_gradients(grads=grads), {"loss": loss}
 
   tx = optax.adamw(1e-4)
-  base = zerojax.ZeroConfig(stage=2)
+  base = zerojax.ZeroConfig(stage=args.stage)
+  if args.master:  # ZeRO-Infinity's accounting: bf16 on the devices, 12 bytes/param on disk
+    tx = zerojax.master_weights(tx)
+    base = base.replace(param_dtype="bfloat16", compute_dtype="bfloat16")
   x = jnp.asarray(data[0]["x"])
   out: dict = {"mode": args.mode}
   if args.mode == "nvme":
@@ -93,11 +118,17 @@ def child(args: argparse.Namespace) -> dict:
     step = zerojax.zero_step(plan)(train_step)
   out["params"] = int(sum(np.size(p) for p in jax.tree.leaves(state.params)))
   times, stats, losses = [], [], []
+  rss = RssSampler()
+  out["rss_start"] = rss.now()
+  phases = []
   for i, b in enumerate(data):
     t = time.perf_counter()
     state, m = step(state, b)
     jax.block_until_ready(state.params)
     times.append(time.perf_counter() - t)
+    if i > 0:  # the host update is the step's last nvme_wall_s seconds
+      split = time.perf_counter() - float(m.get("nvme_wall_s", 0.0))
+      phases.append((rss.peak(t, split), rss.peak(split, time.perf_counter()), rss.now()))
     losses.append(float(m["loss"]))
     if args.mode == "nvme" and i > 0:
       s = opt.stats
@@ -107,6 +138,9 @@ def child(args: argparse.Namespace) -> dict:
   out["step_s"] = float(np.median(times[1:]))  # the first step compiles
   out["losses"] = losses
   out["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+  out["rss_device_step"], out["rss_host_update"], out["rss_between"] = (
+      max(p[k] for p in phases) for k in range(3))
+  out["param_bytes"] = int(sum(p.nbytes for p in jax.tree.leaves(state.params)))
   if stats:
     out["nvme"] = {k: float(np.median([s[k] for s in stats])) for k in stats[0]}
   return out
@@ -121,6 +155,10 @@ def main() -> None:
   ap.add_argument("--batch", type=int, default=4)
   ap.add_argument("--steps", type=int, default=5)
   ap.add_argument("--devices", type=int, default=2)
+  ap.add_argument("--stage", type=int, default=2)
+  ap.add_argument("--master", action="store_true",
+                  help="bf16 parameters, zerojax.master_weights(adamw): float32 master, mu, nu "
+                       "on disk (12 bytes/parameter)")
   ap.add_argument("--chunk", type=int, default=1 << 22, help="nvme_chunk_size (parameters)")
   ap.add_argument("--buffers", type=int, default=4, help="nvme_buffer_count")
   ap.add_argument("--nvme-path", default=os.path.join(ROOT, ".nvme-bench"))
@@ -132,11 +170,13 @@ def main() -> None:
     print("RESULT " + json.dumps(child(args)))
     return
   os.makedirs(args.nvme_path, exist_ok=True)
+  shutil.rmtree(os.path.join(args.nvme_path, "zerojax-nvme"), ignore_errors=True)  # other runs'
   results = {"dd": dd_bandwidth(args.nvme_path, args.dd_mib)}
   for mode in ("memory", "host", "nvme"):
     cmd = [sys.executable, __file__, "--mode", mode] + [
         f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-        if k not in ("mode", "json") and v is not None]
+        if k not in ("mode", "json", "master") and v is not None] + (
+            ["--master"] if args.master else [])
     p = subprocess.run(cmd, capture_output=True, text=True)
     line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
     if p.returncode or not line:
@@ -155,7 +195,9 @@ def table(r: dict, args: argparse.Namespace) -> str:
   s = nv.get("nvme", {})
   mib = lambda b: f"{b / 2**20:.0f} MiB"
   lines = [f"GPT d_model={args.d_model} layers={args.layers} vocab={args.vocab}, "
-           f"{nv.get('params', 0) / 1e6:.1f}M parameters, adamw, stage 2 on {args.devices} CPU "
+           f"{nv.get('params', 0) / 1e6:.1f}M parameters, "
+           f"{'master_weights(adamw), bf16 parameters' if args.master else 'adamw'}, "
+           f"stage {args.stage} on {args.devices} CPU "
            f"devices, batch {args.batch}",
            "| quantity | value |", "|---|---|"]
   rows = [
@@ -183,6 +225,18 @@ def table(r: dict, args: argparse.Namespace) -> str:
     else:
       rows.append((f"step time / peak RSS, {mode}", f"{m['step_s']:.2f} s / "
                    f"{mib(m['peak_rss'])}"))
+  for mode in ("memory", "host", "nvme"):
+    m = r.get(mode, {})
+    if "rss_between" in m:
+      host = mib(m["rss_host_update"]) if mode == "nvme" else "-"
+      rows.append((f"RSS {mode}: between steps / device-step peak / host-update peak",
+                   f"{mib(m['rss_between'])} / {mib(m['rss_device_step'])} / {host}"))
+  if "rss_between" in nv and nv.get("params"):
+    pool = args.buffers * args.chunk * nv["state_bytes"] / nv["params"]
+    rows.append(("NVMe host update above the between-steps RSS / buffer pool",
+                 f"{mib(nv['rss_host_update'] - nv['rss_between'])} / {mib(pool)}"))
+    rows.append(("parameters on the devices / optimizer state on disk",
+                 f"{mib(nv['param_bytes'])} / {mib(nv['state_bytes'])}"))
   if "losses" in r.get("memory", {}) and "losses" in nv:
     same = r["memory"]["losses"] == nv["losses"]
     rows.append(("losses NVMe vs in memory", "identical" if same else
