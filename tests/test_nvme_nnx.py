@@ -71,8 +71,9 @@ def _runs(tmp_path, stage: int):
 
 # About 20 s for the first stage on 2 cores, less for the next (the in-memory programs and the
 # host update are compiled once).
+# Stage 1 on NVMe is covered for linen (tests/test_nvme.py); here 2 and 3 keep CI's time.
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("stage", [2, 3])
 def test_nvme_nnx_bit_identical_to_in_memory(tmp_path, stage):
   (ref, ref_params), (got, params, opt, optimizer, metrics) = _runs(tmp_path, stage)
   assert [x.tobytes() for x in got] == [x.tobytes() for x in ref]
