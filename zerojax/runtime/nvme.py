@@ -670,6 +670,16 @@ class NvmeOptimizer:
     to the next generation."""
     return self._update([state])
 
+  def _finish_segment(self, k: int, new: "_HostSegments", *old: "_HostSegments"
+                      ) -> list[jax.Array]:
+    """Segment ``k``'s new values on its devices; its host buffer and old shards let go."""
+    seg = self.segments[k]
+    arrays = [jax.device_put(new.host[k].reshape(seg.shape), d) for d in seg.devices]
+    jax.block_until_ready(arrays)
+    for h in (new, *old):
+      h.release(k)
+    return arrays
+
   def _update(self, owned: list) -> Any:
     """`update` of the state in ``owned``, which it takes out. Where that was the only
     reference (`step`), each old parameter shard is freed as soon as its new values are on its
@@ -714,12 +724,7 @@ class NvmeOptimizer:
           raise NvmeStateError("pieces disagree on the shared optimizer state (a step count): "
                                f"the transformation {self.chunked.name!r} is not elementwise")
       for k in self._finished[i]:  # segments whose last piece this chunk held
-        seg = self.segments[k]
-        out[k] = [jax.device_put(new.host[k].reshape(seg.shape), d) for d in seg.devices]
-        jax.block_until_ready(out[k])
-        new.release(k)
-        params.release(k)
-        grads.release(k)
+        out[k] = self._finish_segment(k, new, params, grads)
 
     cfg = self.config
     self.stats = self.store.stream(
@@ -728,7 +733,6 @@ class NvmeOptimizer:
         shared=lambda: new_shared, step=step)
     self.total.add(self.stats)
     new_params = self._reshard_out(self._assemble(out))
-    del out
     # One multi-device program in flight at a time: the all-gather above and the next step's
     # collectives, both in flight, can deadlock XLA:CPU's collective rendezvous.
     jax.block_until_ready(new_params)
