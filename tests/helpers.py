@@ -76,6 +76,17 @@ def train_step(state, batch):
   return state.apply_gradients(grads=grads), {"loss": loss}
 
 
+def nnx_train_step(model, optimizer, batch):
+  """The same step for Flax NNX: ``(model, optimizer, batch) -> metrics``."""
+  from flax import nnx
+
+  def lf(m):
+    return loss_fn(m(batch["x"]), batch["y"])
+  loss, grads = nnx.value_and_grad(lf)(model)
+  optimizer.update(model, grads)
+  return {"loss": loss}
+
+
 @dataclasses.dataclass
 class Run:
   losses: list

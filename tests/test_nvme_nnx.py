@@ -4,7 +4,7 @@
 so an NNX model needs its own entry point, as `zerojax.create_nnx` is to
 `zerojax.create_train_state`: ``nvme.create_nnx(model_fn, tx, config=...)`` ->
 ``(model, optimizer, plan, opt)``, stepped by ``opt.step(train_step)(model, optimizer, batch)``
-with the same NNX ``train_step`` as in memory. Until the library has it, these tests xfail.
+with the same NNX ``train_step`` as in memory.
 """
 
 from __future__ import annotations
@@ -20,23 +20,12 @@ from flax import nnx
 import zerojax
 from tests import helpers
 from zerojax.core.config import ConfigError, ZeroConfig
-from zerojax.models import loss_fn, nnx_gpt
+from zerojax.models import nnx_gpt
 from zerojax.runtime import nvme
 
 CFG = dataclasses.replace(helpers.TINY, scan=False)  # nnx_gpt's blocks are unscanned
 STEPS = 6
-PENDING = ("zerojax.runtime.nvme has no create_nnx: nvme.create_train_state calls the linen "
-           "model.init, and NvmeOptimizer.step expects step(state, batch) -> (state, metrics); "
-           "the NNX entry point is a pending library patch")
-
-
-def nnx_train_step(model, optimizer, batch):
-  """The NNX step of tests/test_step.py: the same with and without NVMe."""
-  def lf(m):
-    return loss_fn(m(batch["x"]), batch["y"])
-  loss, grads = nnx.value_and_grad(lf)(model)
-  optimizer.update(model, grads)
-  return {"loss": loss}
+nnx_train_step = helpers.nnx_train_step  # the NNX step of tests/test_step.py
 
 
 def _model():
@@ -50,8 +39,6 @@ def _params(model) -> list[np.ndarray]:
 def _runs(tmp_path, stage: int):
   """``(in-memory losses, params), (NVMe losses, params, NvmeOptimizer, nnx.Optimizer, last
   metrics)`` after `STEPS` steps of each."""
-  if not hasattr(nvme, "create_nnx"):
-    pytest.xfail(PENDING)
   data = helpers.batches(CFG, STEPS)
   zc = ZeroConfig(stage=stage, param_persistence_threshold=helpers.THRESHOLD)
   model, optimizer, plan = zerojax.create_nnx(_model, helpers.make_tx(), config=zc)
@@ -89,8 +76,6 @@ def test_nvme_nnx_bit_identical_to_in_memory(tmp_path, stage):
 
 
 def test_nvme_create_train_state_points_an_nnx_model_to_create_nnx(tmp_path):
-  if not hasattr(nvme, "create_nnx"):
-    pytest.xfail(PENDING)
   zn = ZeroConfig(stage=3, offload_optimizer="nvme", nvme_path=str(tmp_path))
   x = np.zeros((8, CFG.seq_len), np.int32)
   with pytest.raises(ConfigError, match="zerojax.runtime.nvme.create_nnx"):
@@ -99,8 +84,6 @@ def test_nvme_create_train_state_points_an_nnx_model_to_create_nnx(tmp_path):
 
 
 def test_nvme_create_nnx_refuses_loss_scaling(tmp_path):
-  if not hasattr(nvme, "create_nnx"):
-    pytest.xfail(PENDING)
   zn = ZeroConfig(stage=3, offload_optimizer="nvme", nvme_path=str(tmp_path), loss_scale=0)
   with pytest.raises(ConfigError, match="loss_scale"):
     nvme.create_nnx(_model, helpers.make_tx(), config=zn)

@@ -5,13 +5,12 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from flax import nnx
 
 import zerojax
 from zerojax.runtime.memory import collective_bytes
-from zerojax.models import GPT, GPTConfig, loss_fn, nnx_gpt
+from zerojax.models import GPT, GPTConfig, nnx_gpt
 from tests import helpers
 
 
@@ -62,12 +61,7 @@ def test_parity_vocab_50257_stage3():
 NNX_CFG = dataclasses.replace(helpers.TINY, scan=False)
 
 
-def nnx_train_step(model, optimizer, batch):
-  def lf(m):
-    return loss_fn(m(batch["x"]), batch["y"])
-  loss, grads = nnx.value_and_grad(lf)(model)
-  optimizer.update(model, grads)
-  return {"loss": loss}
+nnx_train_step = helpers.nnx_train_step
 
 
 @pytest.fixture(scope="module")
