@@ -68,9 +68,14 @@ from zerojax.runtime.nvme_store import (NvmeError, NvmePathError, NvmeStateError
 
 __all__ = ["NotChunkableError", "NvmeError", "NvmePathError", "NvmeStateError", "StreamStats",
            "ChunkedTransformation", "chunked_transformation", "capture_gradients",
-           "NvmeOptimizer", "NnxView", "create_train_state", "create_nnx", "device_config"]
+           "NvmeOptimizer", "NnxView", "create_train_state", "create_nnx", "device_config",
+           "METRICS"]
 
 PyTree = Any
+
+# The metrics `NvmeOptimizer.step` adds, each the `StreamStats` attribute it reports.
+METRICS = {"nvme_read_mb_s": "read_mb_s", "nvme_write_mb_s": "write_mb_s",
+           "nvme_update_s": "update_s", "nvme_wait_s": "wait_s", "nvme_wall_s": "wall_s"}
 
 
 class NotChunkableError(ConfigError):
@@ -893,9 +898,7 @@ class NvmeOptimizer:
   def _metrics(self, metrics: Any) -> Any:
     if not isinstance(metrics, dict):
       return metrics
-    return {**metrics, "nvme_read_mb_s": self.stats.read_mb_s,
-            "nvme_write_mb_s": self.stats.write_mb_s, "nvme_update_s": self.stats.update_s,
-            "nvme_wait_s": self.stats.wait_s, "nvme_wall_s": self.stats.wall_s}
+    return {**metrics, **{k: getattr(self.stats, a) for k, a in METRICS.items()}}
 
 
 def create_train_state(model: Any, tx: Any, rng: jax.Array, *init_args: Any,

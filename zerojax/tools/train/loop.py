@@ -627,10 +627,6 @@ def _run_steps(opts: TrainOptions, task: Task, state: Any, start: int, train_ste
   return state
 
 
-_NVME_METRICS = ("nvme_read_mb_s", "nvme_write_mb_s", "nvme_update_s", "nvme_wait_s",
-                 "nvme_wall_s")
-
-
 class _Records:
   """The metrics of dispatched steps, fetched from the device only when `drain` is called (the
   loop never waits for it), as records for the history and the hooks."""
@@ -676,7 +672,7 @@ class _Records:
       rec["loss_scale"] = float(m["loss_scale"])
     if self.policy == "skip":
       rec["skipped_steps"] = int(m["skipped_steps"])
-    for k in _NVME_METRICS:  # offload_optimizer='nvme': the step's host part
+    for k in nvme.METRICS:  # offload_optimizer='nvme': the step's host part
       if k in m:
         rec[k] = finite(round(float(m[k]), 3))
     if "eval_loss" in m:
