@@ -44,63 +44,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # The patterns, their sizes and runners are shared with the tests (tests/test_patterns.py).
 from tests.model_patterns import (  # noqa: E402
-    DESCRIPTIONS, FULL, PATTERNS, SMALL, Runner, Size, baseline_runner, batches, fsdp_spec,
-    linen_models, loss_of, make_tx, max_diff, nnx_model, pytree_apply, pytree_compiled,
-    pytree_init, reference_losses, zero_runner)
+    DESCRIPTIONS, FULL, PATTERNS, SMALL, Runner, Size, abstract, baseline_runner, batches,
+    fsdp_spec, linen_models, loss_of, make_tx, max_diff, nnx_model, pytree_apply, pytree_init,
+    reference_losses, target_zero, zero_runner)
 
 # -- ahead of time, for an accelerator compiler (--target) -----------------------------------------
-
-
-def _abstract(tree, shardings):
-  import jax
-  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree,
-                      shardings)
-
-
-def target_zero(pattern: str, size: Size, stage: int, devices) -> tuple[Any, Any, float]:
-  """``(compiled, plan, seconds)``: zerojax's step at ``ZeroConfig(stage=stage)`` compiled for
-  ``devices`` (a topology's) from abstract state."""
-  import jax
-  import zerojax
-  from zerojax.core.create import abstract_nnx
-  from zerojax.runtime.checkpoint import abstract_train_state
-  if pattern == "g":
-    t0 = time.perf_counter()
-    compiled, plan = pytree_compiled(size, stage, devices)
-    return compiled, plan, time.perf_counter() - t0
-  config = zerojax.ZeroConfig(stage=stage)
-  mesh = zerojax.make_mesh(config, devices=list(devices))
-  data = batches(size, pattern, 1)[0]
-  tx = make_tx()
-  t0 = time.perf_counter()
-  if pattern in ("e", "f"):
-    from flax import nnx
-    model, opt, plan = abstract_nnx(lambda: nnx_model(size, pattern, nnx.Rngs(0)), tx,
-                                    config=config, mesh=mesh)
-
-    def nnx_step(model, optimizer, batch):
-      def lf(model, batch):
-        return loss_of(pattern, model(batch["x"]), batch["y"])
-      loss, grads = zerojax.value_and_grad(lf)(model, batch)
-      optimizer.update(model, grads)
-      return {"loss": loss}
-    batch = _abstract(data, plan.batch(data))
-    compiled = zerojax.zero_step(plan)(nnx_step).lower(model, opt, batch).compile()
-    return compiled, plan, time.perf_counter() - t0
-  model = linen_models(size)[pattern]
-  x0 = jax.ShapeDtypeStruct(data["x"].shape, data["x"].dtype)
-  state, plan = abstract_train_state(model, tx, jax.random.key(0), x0, config=config, mesh=mesh)
-  apply = ((lambda state, p, x: model.apply({"params": p}, x)) if pattern == "h"
-           else (lambda state, p, x: state.apply_fn({"params": p}, x)))
-
-  def train_step(state, batch):
-    def lf(p, batch):
-      return loss_of(pattern, apply(state, p, batch["x"]), batch["y"])
-    loss, grads = zerojax.value_and_grad(lf)(state.params, batch)
-    return state.apply_gradients(grads=grads), {"loss": loss}
-  batch = _abstract(data, plan.batch(data))
-  compiled = zerojax.zero_step(plan)(train_step).lower(state, batch).compile()
-  return compiled, plan, time.perf_counter() - t0
 
 
 def target_baseline(pattern: str, size: Size, devices, style: str = "hand"
@@ -162,8 +110,8 @@ def target_baseline(pattern: str, size: Size, devices, style: str = "hand"
   f = jax.jit(step, in_shardings=(state_sh, batch_sh),
               out_shardings=(state_sh, NamedSharding(mesh, P())), donate_argnums=(0,))
   t0 = time.perf_counter()
-  compiled = f.lower(_abstract(state, state_sh),
-                     _abstract(data, jax.tree.map(lambda _: batch_sh, data))).compile()
+  compiled = f.lower(abstract(state, state_sh),
+                     abstract(data, jax.tree.map(lambda _: batch_sh, data))).compile()
   return compiled, time.perf_counter() - t0
 
 

@@ -285,8 +285,6 @@ def pytree_compiled(size: Size, stage: int, devices) -> Any:
   plan = ShardingPlan.create(config, mesh, init, tx)
   state = jax.eval_shape(lambda p: zerojax.ZeroTrainState.create(
       apply_fn=pytree_apply, params=p, tx=tx, config=config), init)
-  abstract = lambda tree, sh: jax.tree.map(
-      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, sh)
   state = abstract(state, plan.state(state)).replace(apply_fn=pytree_apply)
   data = batches(size, "g", 1)[0]
   batch = abstract(data, plan.batch(data))
@@ -298,6 +296,60 @@ def pytree_compiled(size: Size, stage: int, devices) -> Any:
     return state.apply_gradients(grads=grads), {"loss": loss}
 
   return zerojax.zero_step(plan)(train_step).lower(state, batch).compile(), plan
+
+
+def abstract(tree: Any, shardings: Any) -> Any:
+  """``tree`` as ``jax.ShapeDtypeStruct``s carrying ``shardings`` (to compile from)."""
+  import jax
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree,
+                      shardings)
+
+
+def target_zero(pattern: str, size: Size, stage: int, devices) -> tuple[Any, Any, float]:
+  """``(compiled, plan, seconds)``: zerojax's step for ``pattern`` at
+  ``ZeroConfig(stage=stage)``, compiled ahead of time for ``devices`` (a TPU or GPU
+  topology's) from abstract state."""
+  import time
+  import jax
+  import zerojax
+  from zerojax.core.create import abstract_nnx
+  from zerojax.runtime.checkpoint import abstract_train_state
+  t0 = time.perf_counter()
+  if pattern == "g":
+    compiled, plan = pytree_compiled(size, stage, devices)
+    return compiled, plan, time.perf_counter() - t0
+  config = zerojax.ZeroConfig(stage=stage)
+  mesh = zerojax.make_mesh(config, devices=list(devices))
+  data = batches(size, pattern, 1)[0]
+  tx = make_tx()
+  if pattern in ("e", "f"):
+    from flax import nnx
+    model, opt, plan = abstract_nnx(lambda: nnx_model(size, pattern, nnx.Rngs(0)), tx,
+                                    config=config, mesh=mesh)
+
+    def nnx_step(model, optimizer, batch):
+      def lf(model, batch):
+        return loss_of(pattern, model(batch["x"]), batch["y"])
+      loss, grads = zerojax.value_and_grad(lf)(model, batch)
+      optimizer.update(model, grads)
+      return {"loss": loss}
+    batch = abstract(data, plan.batch(data))
+    compiled = zerojax.zero_step(plan)(nnx_step).lower(model, opt, batch).compile()
+    return compiled, plan, time.perf_counter() - t0
+  model = linen_models(size)[pattern]
+  x0 = jax.ShapeDtypeStruct(data["x"].shape, data["x"].dtype)
+  state, plan = abstract_train_state(model, tx, jax.random.key(0), x0, config=config, mesh=mesh)
+  apply = ((lambda state, p, x: model.apply({"params": p}, x)) if pattern == "h"
+           else (lambda state, p, x: state.apply_fn({"params": p}, x)))
+
+  def train_step(state, batch):
+    def lf(p, batch):
+      return loss_of(pattern, apply(state, p, batch["x"]), batch["y"])
+    loss, grads = zerojax.value_and_grad(lf)(state.params, batch)
+    return state.apply_gradients(grads=grads), {"loss": loss}
+  batch = abstract(data, plan.batch(data))
+  compiled = zerojax.zero_step(plan)(train_step).lower(state, batch).compile()
+  return compiled, plan, time.perf_counter() - t0
 
 
 def fsdp_spec(shape, n):

@@ -264,3 +264,47 @@ def test_one_compile_per_step_signature():
   # choice used to compile both and compare)
   assert len(step._jitted) == 1 and step.jitted(state, x)._cache_size() == 1
   assert set(step.formulation.values()) == {"per use"}
+
+
+@needs_gpu_compiler
+@pytest.mark.parametrize("pattern", ["e", "f", "g"])
+def test_gpu_nnx_and_pytree_models_move_weights_not_activations(pattern):
+  # NNX models (a list of blocks; nnx.scan over nnx.remat) and a plain pytree read row by
+  # row gather their weights per use at the default stage 3, as linen models do: left to
+  # itself the partitioner moved the layers' activations (the conformance table's e, f, g).
+  from tests.model_patterns import SMALL, target_zero
+  compiled, plan, _ = target_zero(pattern, SMALL, 3, gpu.gpu_topology(TOPOLOGY).devices)
+  text = compiled.as_text()
+  assert memory.activation_collectives(text, plan) == {}
+  assert memory.measure(compiled).collective_total <= 1.1 * memory.textbook_bytes(plan)
+
+
+@needs_gpu_compiler
+def test_gpu_nnx_step_records_its_formulation_and_warns_when_not_boxed():
+  # The per-use boxes enter an NNX model through zerojax.value_and_grad; a step that
+  # differentiates with nnx.value_and_grad is told so, and its record says "compiler".
+  from flax import nnx
+  from tests.model_patterns import SMALL, abstract, batches, loss_of, make_tx, nnx_model
+  from zerojax.core.create import abstract_nnx
+  config = zerojax.ZeroConfig(stage=3)
+  mesh = zerojax.make_mesh(config, devices=list(gpu.gpu_topology(TOPOLOGY).devices))
+  model, opt, plan = abstract_nnx(lambda: nnx_model(SMALL, "f", nnx.Rngs(0)), make_tx(),
+                                  config=config, mesh=mesh)
+  data = batches(SMALL, "f", 1)[0]
+  batch = abstract(data, plan.batch(data))
+  lf = lambda m, b: loss_of("f", m(b["x"]), b["y"])
+
+  def train_step(grad_fn):
+    def step(model, optimizer, batch):
+      loss, grads = grad_fn(lf)(model, batch)
+      optimizer.update(model, grads)
+      return {"loss": loss}
+    return zerojax.zero_step(plan)(step)
+
+  boxed = train_step(zerojax.value_and_grad)
+  boxed.lower(model, opt, batch)
+  assert set(boxed.formulation.values()) == {"per use"}
+  plain = train_step(nnx.value_and_grad)
+  with pytest.warns(UserWarning, match=r"zerojax\.value_and_grad"):
+    plain.lower(model, opt, batch)
+  assert set(plain.formulation.values()) == {"compiler"}

@@ -227,3 +227,14 @@ def test_tpu_pytree_stage2_drops_the_gradient():
   g = sum(lp.nbytes for lp in plan.leaves)
   assert temp[1] >= g  # stage 1 holds the local gradient through the backward pass
   assert temp[2] <= temp[1] - 0.75 * g * 7 / 8, (temp, g)
+
+
+@needs_libtpu
+@pytest.mark.parametrize("pattern", ["e", "f", "g"])
+def test_tpu_nnx_and_pytree_models_move_weights_not_activations(pattern):
+  # As on XLA:GPU (test_gpu_aot): NNX and plain-pytree models gather weights per use.
+  from tests.model_patterns import SMALL, target_zero
+  compiled, plan, _ = target_zero(pattern, SMALL, 3, memory.tpu_topology(TOPOLOGY).devices)
+  text = compiled.as_text()
+  assert memory.activation_collectives(text, plan) == {}
+  assert memory.measure(compiled).collective_total <= 1.1 * memory.textbook_bytes(plan)

@@ -41,7 +41,7 @@ class ModelApply:
     self.apply_fn, self.plan = apply_fn, plan
     self.formulation: Formulation | None = None
     self._treedef = jax.tree.structure(plan.params)
-    self._pure = per_layer_reads(apply_fn, plan)
+    self._pure = per_layer_reads(apply_fn, plan, functools.partial(setattr, self, "formulation"))
     self._dtype = compute_dtype_of(plan.config)
     self._warned = False
 

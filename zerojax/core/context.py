@@ -33,6 +33,8 @@ class StepContext:
     grad_calls: how often `zerojax.value_and_grad` ran in this trace.
     apply_calls: how often the model ran through the state's ``apply_fn`` in this trace.
     linen: whether the step takes a state with an ``apply_fn`` (not an NNX step).
+    boxed_calls: how often `zerojax.value_and_grad` ran an NNX model with its parameters in
+      per-use gather boxes in this trace.
   """
 
   plan: Any
@@ -41,6 +43,7 @@ class StepContext:
   grad_calls: int = 0
   apply_calls: int = 0
   linen: bool = True
+  boxed_calls: int = 0
 
 
 def current() -> StepContext | None:

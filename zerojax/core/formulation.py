@@ -29,23 +29,28 @@ class Formulation(NamedTuple):
   has_scan: bool
 
 
-def choose(plan: Any, jaxpr: Any) -> Formulation:
-  """The formulation for a model traced (with the compiler's formulation) as ``jaxpr``.
+def choose(plan: Any, jaxpr: Any, linen: bool = True) -> Formulation:
+  """The formulation for a model traced (with the compiler's formulation) as ``jaxpr``, or
+  for an NNX model (``jaxpr`` None). ``linen``: a linen model through ``state.apply_fn``; a
+  plain function of the parameter tree is gathered per use by rewriting its matmuls
+  (`zerojax.core.rows`), an NNX model through boxes in its ``nnx.Param`` variables
+  (`zerojax.core.grad`).
 
   A setting that acts at each use (`ShardingPlan.gathers_per_use`) always gathers per use.
   Otherwise ``gather='auto'`` at stage 3 gathers per use on TPU and GPU, where XLA's
   partitioner left to itself keeps square kernels sharded and moves the layer's activations
   instead of its weights; on XLA:CPU the partitioner's formulation matches hand-written FSDP
-  except for an unscanned model without remat, which would keep every layer's gathered
-  weights for the backward pass.
+  except for an unscanned linen model without remat, which would keep every layer's gathered
+  weights for the backward pass (other models keep the partitioner's formulation there, as
+  the CPU conformance table measures them).
   """
-  has_scan = jaxpr_has_primitive(jaxpr, frozenset({"scan"}))
-  remats = jaxpr_has_primitive(jaxpr, REMAT_PRIMITIVE_NAMES)
-  return Formulation(plan.gathers_per_use or _per_use_by_default(plan, has_scan, remats),
+  has_scan = jaxpr is not None and jaxpr_has_primitive(jaxpr, frozenset({"scan"}))
+  remats = jaxpr is not None and jaxpr_has_primitive(jaxpr, REMAT_PRIMITIVE_NAMES)
+  return Formulation(plan.gathers_per_use or _per_use_by_default(plan, has_scan, remats, linen),
                      has_scan)
 
 
-def _per_use_by_default(plan: Any, has_scan: bool, remats: bool) -> bool:
+def _per_use_by_default(plan: Any, has_scan: bool, remats: bool, linen: bool) -> bool:
   """Whether ``gather='auto'`` gathers per use for this model and target (see `choose`)."""
   if plan.config.gather != "auto" or not plan.params_sharded:
     return False
@@ -53,6 +58,8 @@ def _per_use_by_default(plan: Any, has_scan: bool, remats: bool) -> bool:
     return False
   if plan.platform != "cpu":
     return True
+  if not linen:
+    return False
   # XLA:CPU's partitioner keeps every layer's gathered weights of an unscanned model for the
   # backward pass when a kernel is sharded on the dimension its layer contracts; per use bounds
   # that to one layer whatever the shapes.

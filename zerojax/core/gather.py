@@ -75,8 +75,8 @@ AFTER: contextvars.ContextVar[Any] = contextvars.ContextVar("zerojax_after", def
 
 
 # Set while a layer's backward pass re-runs it (`regather_layers`, `recompute_in_backward`): the
-# quantised formulation's re-gather then moves full-precision weights unless
-# ``quantize_weights_backward``.
+# quantised formulation's re-gather then moves full-precision weights if the config's
+# ``quantizes_backward`` is false (``quantize_weights_backward=False``).
 BACKWARD: contextvars.ContextVar[bool] = contextvars.ContextVar("zerojax_backward",
                                                                  default=False)
 
@@ -133,7 +133,7 @@ class ZeroParam(struct.PyTreeNode, meta.AxisMetadata):
     v = self.value
     if not isinstance(v, jax.Array) or not jnp.issubdtype(v.dtype, jnp.inexact):
       return v
-    ns = lambda s: NamedSharding(self.mesh, P(*s))
+    ns = lambda s: NamedSharding(self.mesh, P(*_of_rank(s, jnp.ndim(v))))
     if self.offloaded:  # this layer's shard comes from pinned_host just before use
       v = fetch(v, NamedSharding(self.mesh, P(*self.at_rest), memory_kind="device"))
     if self.compute_dtype is not None and jnp.issubdtype(v.dtype, jnp.floating):
@@ -160,6 +160,14 @@ class ZeroParam(struct.PyTreeNode, meta.AxisMetadata):
   def __getitem__(self, idx: Any) -> jax.Array:
     return self.unbox()[idx]
 
+  # A gather keeps the global shape, so shape questions (``if self.scale``, ``len``) need none.
+  @property
+  def shape(self) -> tuple:
+    return jnp.shape(self.value)
+
+  def __len__(self) -> int:
+    return len(self.value)
+
   def __matmul__(self, other: Any) -> jax.Array:
     return self.unbox() @ other
 
@@ -173,6 +181,19 @@ class ZeroParam(struct.PyTreeNode, meta.AxisMetadata):
   def remove_axis(self, index: int, params: dict[Any, Any]) -> "ZeroParam":
     rm = lambda s: s[:index] + s[index + 1:]
     return self.replace(at_rest=rm(self.at_rest), compute=rm(self.compute), grad=rm(self.grad))
+
+
+def _of_rank(spec: tuple, ndim: int) -> tuple:
+  """``spec`` for a value of ``ndim`` dimensions. NNX's ``nnx.scan`` slices a box's value along
+  its leading (layer) axis without telling the box, so a leading unsharded axis is dropped."""
+  extra = len(spec) - ndim
+  if extra <= 0:
+    return spec
+  if any(s is not None for s in spec[:extra]):
+    raise ValueError(f"zerojax: a parameter laid out as {spec} was sliced to {ndim} "
+                     "dimensions along a sharded axis; shard the layer axis of a scanned "
+                     "stack with nothing (ZeroConfig's plan never does)")
+  return spec[extra:]
 
 
 def box_params(params: Any, plan: Any) -> Any:

@@ -43,6 +43,7 @@ Communication per optimizer step:
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import jax
@@ -53,8 +54,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zerojax.core import context
 from zerojax._compat import ORIGINAL_SCAN
-from zerojax.core.gather import after
+from zerojax.core.gather import ZeroParam, after, box_params
 from zerojax.core.config import ConfigError
+from zerojax.core.remat import remat_policy
 
 __all__ = ["F32", "check_batch", "value_and_grad"]
 
@@ -141,12 +143,24 @@ def _nnx_value_and_grad(fun, argnums, has_aux, loss_scale):
 
   def run(model, *args):
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    ctx = context.current()
 
-    def f(params, *args):
+    def f(params, *args, per_use=False):
+      if per_use:
+        params = _boxed(params, ctx.plan)
       m = nnx.merge(graphdef, params, rest)
       out = fun(m, *args)
       loss, aux = out if has_aux else (out, None)
       return loss, (aux, nnx.state(m, nnx.Not(nnx.Param)))
+
+    if ctx is not None and ctx.plan.formulation(None, linen=False).per_use:
+      # Traced once more only to see whether the model scans its layers (see `_layers`).
+      has_scan = ctx.plan.formulation(jax.make_jaxpr(f)(params, *args), linen=False).has_scan
+      policy = remat_policy(ctx.plan.config, True)
+      f = functools.partial(f, per_use=True)
+      ctx.boxed_calls += 1
+      if policy is not None and not has_scan:  # else autodiff keeps every gathered weight
+        f = jax.checkpoint(f, policy=policy)
 
     (loss, (aux, new_rest)), grads = value_and_grad(f, has_aux=True, loss_scale=loss_scale)(
         params, *args)
@@ -154,6 +168,19 @@ def _nnx_value_and_grad(fun, argnums, has_aux, loss_scale):
     return ((loss, aux) if has_aux else loss), grads
 
   return run
+
+
+def _boxed(params: Any, plan: Any) -> Any:
+  """An NNX model's ``nnx.Param`` state with each value in a `ZeroParam` box: a layer reading
+  ``self.kernel[...]`` gathers it there, in the compute dtype, and its gradient is
+  reduce-scattered as that use's backward pass makes it (the per-use formulation)."""
+  leaves, treedef = jax.tree.flatten(params)
+  if _like(params, plan.params) is None:
+    raise ConfigError("zerojax.value_and_grad: the NNX model's nnx.Param state does not match "
+                      "the plan's parameter tree; build the model with zerojax.create_nnx")
+  boxed = box_params(jax.tree.unflatten(jax.tree.structure(plan.params), leaves), plan)
+  return jax.tree.unflatten(treedef, jax.tree.leaves(
+      boxed, is_leaf=lambda x: isinstance(x, ZeroParam)))
 
 
 def _like(params, shardings):

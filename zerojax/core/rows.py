@@ -11,10 +11,11 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zerojax._compat import bind_dot_general, eval_jaxpr, var_uses
-from zerojax.core.gather import token_of
+from zerojax.core.gather import GATHERED, gather, token_of
 
 __all__ = ["per_layer_reads"]
 
@@ -33,7 +34,8 @@ def _row_read(eqn: Any, index: dict[Any, int]) -> tuple[int, int] | None:
   return None
 
 
-def per_layer_reads(apply_fn: Callable, plan: Any) -> Callable:
+def per_layer_reads(apply_fn: Callable, plan: Any,
+                    chosen: Callable[[Any], None] | None = None) -> Callable:
   """A pure-function model ``apply_fn(params, ...)`` whose stacked parameters are read one
   layer at a time (``params["w"][i]`` in a Python loop), with each row's gradient reduced where
   it is made (``apply_fn`` itself at stage 1, which reduces once after the backward pass).
@@ -49,9 +51,15 @@ def per_layer_reads(apply_fn: Callable, plan: Any) -> Callable:
   The row is sliced only once the matmul's other operand exists, is not kept, and is sliced
   again once the matmul's output cotangent exists; at stage 3 the partitioner then gathers one
   row, not the whole stack. Every other equation runs as written, so values are unchanged.
+
+  Per use (`ShardingPlan.formulation`: stage 3 on TPU and GPU) every matmul
+  that reads a sharded parameter, or a row of one, gathers it there and re-gathers it in the
+  backward pass, as linen models' boxes do (`zerojax.core.gather`); left to itself XLA's
+  partitioner would move the layer's activations instead. ``chosen`` is told the formulation.
   """
   treedef = jax.tree.structure(plan.params)
-  per_leaf = list(zip(jax.tree.leaves(plan.params), jax.tree.leaves(plan.grads)))  # rest, grad
+  per_leaf = list(zip(jax.tree.leaves(plan.params), jax.tree.leaves(plan.grads),
+                      jax.tree.leaves(plan.params_gathered)))  # rest, grad, compute
 
   if plan.local_grads:  # the gradient is reduced once, after the backward pass
     return apply_fn
@@ -77,8 +85,12 @@ def per_layer_reads(apply_fn: Callable, plan: Any) -> Callable:
       if (read := _row_read(eqn, index)) is not None:
         rows.setdefault(read[0], set()).add(read[1])
     split = {k for k, r in rows.items()
-             if len(r) >= 2 and _rows_stay_whole(per_leaf[k], jnp.ndim(leaves[k]))}
-    if not split:
+             if len(r) >= 2 and _rows_stay_whole(per_leaf[k][:2], jnp.ndim(leaves[k]))}
+    formulation = plan.formulation(closed, linen=False)
+    if chosen is not None:
+      chosen(formulation)
+    per_use = formulation.per_use
+    if not split and not per_use:
       return apply_fn(params, *args, **kwargs)
     matmul = _rows_into_matmuls(closed.jaxpr, index, split)
     carried: dict[int, jax.Array] = {}  # leaf -> the stacked value the next row is read from
@@ -89,9 +101,13 @@ def per_layer_reads(apply_fn: Callable, plan: Any) -> Callable:
       if eqn in matmul.dots:
         k, i, pos = matmul.dots[eqn]
         other = invals[1 - pos]
+        rest, grad, compute = (_bare(s) for s in per_leaf[k])
         out, carried[k] = _row_dot(carried.get(k, leaves[k]), other, i, pos, _Dot.of(eqn),
-                                   _bare(per_leaf[k][1]), k not in carried)
+                                   grad, k not in carried,
+                                   _Gather.of(rest, compute, grad) if per_use else None)
         return [out]
+      if per_use and eqn.primitive.name == "dot_general":
+        return _gathered_dot(eqn, invals, index, per_leaf)
       read = _row_read(eqn, index)
       if read is None or read[0] not in split:
         return None  # other reads of the leaf (w[i, :4], the whole stack) run as written
@@ -161,13 +177,15 @@ def _row(w: jax.Array, i: int, operand: jax.Array) -> jax.Array:
   return jax.lax.dynamic_index_in_dim(w, i, axis=0, keepdims=False)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6, 7))
 def _row_dot(w: jax.Array, other: jax.Array, i: int, pos: int, dot: _Dot,
-             grad: NamedSharding, first: bool) -> tuple[jax.Array, jax.Array]:
+             grad: NamedSharding, first: bool, gathered: "_Gather | None"
+             ) -> tuple[jax.Array, jax.Array]:
   """``(dot(w[i], other), w)``: a matmul with a row of ``w``, and ``w`` to read the next row
   from (threaded as in `_read_row`; ``first``: no read of ``w`` came before). The row is
   sliced after ``other`` exists and not saved: the backward pass slices it again after the
-  output's cotangent exists.
+  output's cotangent exists. Per use (``gathered``), the row is gathered for the matmul, both
+  times, and only its shard is ever saved.
 
   Except the first read's row, which is saved: its re-slice would feed only the cotangent of
   ``other``, which the update of ``w`` need not wait for, so XLA:CPU kept the donated ``w``
@@ -175,18 +193,21 @@ def _row_dot(w: jax.Array, other: jax.Array, i: int, pos: int, dot: _Dot,
   every read of ``w`` ordered before its update by data dependency (ordering that re-slice
   through a token instead cost XLA:TPU more temp).
   """
-  return dot(_row(w, i, other), other, pos), w
+  use = gathered or (lambda r: r)
+  return dot(use(_row(w, i, other)), other, pos), w
 
 
-def _row_dot_fwd(w, other, i, pos, dot, grad, first):
+def _row_dot_fwd(w, other, i, pos, dot, grad, first, gathered):
   row = _row(w, i, other)
-  return (dot(row, other, pos), w), (w, other, row if first else None)
+  use = gathered or (lambda r: r)
+  return (dot(use(row), other, pos), w), (w, other, row if first else None)
 
 
-def _row_dot_bwd(i, pos, dot, grad, first, res, cts):
+def _row_dot_bwd(i, pos, dot, grad, first, gathered, res, cts):
   w, other, saved = res
   ct_out, ct_w = cts
   row = saved if first else _row(w, i, ct_out)
+  row = gathered(row) if gathered is not None else row
   _, vjp = jax.vjp(lambda r, o: dot(r, o, pos), row, other)
   ct_row, ct_other = vjp(ct_out)
   return _add_row(ct_w, ct_row, i, grad), ct_other
@@ -229,6 +250,39 @@ def _add_row(ct_w: jax.Array, ct_row: jax.Array, i: int, grad: NamedSharding) ->
   old = jax.lax.dynamic_slice_in_dim(ct_w, i, 1, axis=0)
   ct_w = jax.lax.dynamic_update_slice_in_dim(ct_w, old + ct_row.astype(ct_w.dtype), i, axis=0)
   return jax.lax.with_sharding_constraint(ct_w, grad)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Gather:
+  """A row's layouts at rest, in compute and as a gradient (its leaf's, less axis 0): the
+  per-use gather of the row (hashable, a static argument of `_row_dot`)."""
+  rest: NamedSharding
+  compute: NamedSharding
+  grad: NamedSharding
+
+  @classmethod
+  def of(cls, rest: NamedSharding, compute: NamedSharding, grad: NamedSharding) -> "_Gather":
+    row = lambda s: NamedSharding(s.mesh, P(*tuple(s.spec)[1:]))
+    return cls(row(rest), row(compute), row(grad))
+
+  def __call__(self, row: jax.Array) -> jax.Array:
+    if self.rest == self.compute:
+      return row
+    return checkpoint_name(gather(row, self.rest, self.compute, self.grad, None), GATHERED)
+
+
+def _gathered_dot(eqn: Any, invals: list, index: dict[Any, int], per_leaf: list) -> list:
+  """A matmul that reads a whole sharded parameter, with the parameter gathered for it (and
+  re-gathered for its backward pass where a remat policy drops `GATHERED` values)."""
+  ins = list(invals)
+  for pos, v in enumerate(eqn.invars[:2]):
+    k = index.get(v)
+    if k is None:
+      continue
+    rest, grad, compute = (_bare(s) for s in per_leaf[k])
+    if rest != compute:
+      ins[pos] = checkpoint_name(gather(ins[pos], rest, compute, grad, None), GATHERED)
+  return [bind_dot_general(*ins, eqn.params)]
 
 
 def _rows_stay_whole(shardings: tuple, ndim: int) -> bool:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import math
 import time
+import warnings
 from typing import Any, Callable
 
 import jax
@@ -131,6 +132,7 @@ class ZeroStep:
         with _step_context(plan, None, scale) as ctx, scanned_layers(scan_remat(cfg, False)):
           metrics = self.fn(m, o, batch, *rest)
         _check_features_used(ctx)
+        self.formulation[key] = _nnx_formulation(plan, ctx)
         if scaling:
           if len(finite) != 1:
             raise ConfigError(
@@ -149,7 +151,7 @@ class ZeroStep:
           compiler_options=plan.compiler_options)
       if cd is not None:
         check_compute_dtype(cfg, jitted.lower(state, batch, *rest))
-      self.formulation[key] = "compiler"  # an NNX step is never boxed (see above)
+      self.formulation[key] = "compiler"  # until the trace says otherwise (`_nnx_formulation`)
       self._jitted[key] = jitted
     return self._jitted[key], state
 
@@ -297,6 +299,21 @@ def _check_features_used(ctx: context.StepContext) -> None:
         "the train step must compute its gradient with zerojax.value_and_grad(loss_fn)"
         "(params, batch) (a drop-in for jax.value_and_grad; linen TrainState steps), else "
         "the accumulation/loss scaling would silently not happen")
+
+
+def _nnx_formulation(plan: ShardingPlan, ctx: context.StepContext) -> str:
+  """The formulation an NNX step's trace used: per use where `zerojax.value_and_grad` boxed
+  the model's parameters. Where the plan asks for it but the step differentiated otherwise
+  (``nnx.value_and_grad``), XLA's partitioner places the gathers, and the user is told."""
+  if ctx.boxed_calls:
+    return "per use"
+  if plan.formulation(None, linen=False).per_use:
+    warnings.warn(
+        f"zerojax: on {plan.platform.upper()} stage 3 gathers an NNX model's parameters where "
+        "its layers read them only when the step differentiates with "
+        "zerojax.value_and_grad(loss_fn)(model, ...); this step did not, so XLA's partitioner "
+        "places the gathers and may move activations instead of weights", stacklevel=2)
+  return "compiler"
 
 
 def _replicated(plan: ShardingPlan, tree: Any) -> Any:
