@@ -131,9 +131,10 @@ def test_a_model_that_keeps_float32_everywhere_is_refused():
 
 
 def test_zeropp_backward_regather_in_the_compute_dtype():
-  """qwZ's full-precision backward re-gather moves the compute dtype, as the forward computed:
-  a scanned model that sets no dtype trains (it failed with a float32/bfloat16 cotangent
-  mismatch when the re-gather kept the master weights' float32)."""
+  """qwZ's full-precision backward re-gather (``quantize_weights_backward=False``) moves the
+  compute dtype, as the forward computed: a scanned model that sets no dtype trains (it failed
+  with a float32/bfloat16 cotangent mismatch when the re-gather kept the master weights'
+  float32)."""
 
   class Block(nn.Module):
     @nn.compact
@@ -149,7 +150,7 @@ def test_zeropp_backward_regather_in_the_compute_dtype():
       return x
 
   cfg = zerojax.ZeroConfig(stage=3, compute_dtype="bfloat16", quantize_weights="int8",
-                           param_persistence_threshold=0)
+                           quantize_weights_backward=False, param_persistence_threshold=0)
   x = jnp.ones((16, 32))
   state, plan = zerojax.create_train_state(Scanned(), optax.adam(1e-3), jax.random.key(0), x,
                                            config=cfg)

@@ -104,16 +104,22 @@ class ZeroConfig:
     max_live_layers: stage 3, scanned layers: how many gathered layers may be live at once;
       1 gathers each layer just before use, 2 lets the next layer's gather overlap the current
       layer. Unscanned linen layers always gather just before use (see `zerojax.core.gather`).
-    quantize_weights: ZeRO++ qwZ, stage 3: ``'int8'`` (or ``'int4'``) moves each forward
-      all-gather as block-quantised values plus one float32 scale per block, dequantised to
-      the compute dtype after the gather; the master parameters and the optimizer update stay
-      in ``param_dtype``. ``None`` (default): off. Like ``quantize_gradients``, it runs the
-      model per device on its batch shard inside ``jax.shard_map`` with zerojax's own
-      collectives (a linen model called through ``state.apply_fn``; no ``tensor`` axis, no
-      ``offload_params``).
-    quantize_weights_backward: with ``quantize_weights``, the backward pass's re-gather of each
-      layer's weights is quantised too (``True``) or moves in full precision (``False``,
-      default; DeepSpeed's qwZ quantises the forward gather).
+    quantize_weights: ZeRO++ qwZ, stage 3: ``'int8'`` (or ``'int4'``) moves each parameter
+      all-gather (the forward gather and, unless ``quantize_weights_backward=False``, the
+      backward pass's re-gather) as block-quantised values plus one float32 scale per block,
+      dequantised to the compute dtype after the gather; the master parameters and the
+      optimizer update stay in ``param_dtype``. ``None`` (default): off. Like
+      ``quantize_gradients``, it runs the model per device on its batch shard inside
+      ``jax.shard_map`` with zerojax's own collectives (a linen model called through
+      ``state.apply_fn``; no ``tensor`` axis, no ``offload_params``).
+    quantize_weights_backward: whether the backward pass's re-gather of each layer's weights
+      is quantised like the forward gather. ``None`` (default): the same as
+      ``quantize_weights`` (quantised whenever it is set, as DeepSpeed's qwZ quantises every
+      parameter all-gather, the backward pass's fetches included); ``True``: quantised (needs
+      ``quantize_weights``); ``False``: the backward re-gather moves full-precision weights
+      (compute dtype; more bytes, no quantisation noise in the backward pass), and each
+      scanned layer is then re-run whole in its backward pass. `quantizes_backward` is the
+      resolved value.
     quantize_gradients: ZeRO++ qgZ, stages 2-3: ``'int8'`` (or ``'int4'``) reduces each
       gradient by quantising the chunk every other device owns per block, exchanging them in
       one all-to-all, then dequantising and summing in float32 on the owner; the result has
@@ -165,7 +171,7 @@ class ZeroConfig:
   gather: str = "auto"
   max_live_layers: int = 1
   quantize_weights: str | None = None
-  quantize_weights_backward: bool = False
+  quantize_weights_backward: bool | None = None
   quantize_gradients: str | None = None
   quantize_block_size: int = 256
   train_batch_size: int | None = None
@@ -238,6 +244,15 @@ class ZeroConfig:
   def quantized(self) -> bool:
     """Whether ZeRO++ quantised collectives are on (``quantize_weights``/``_gradients``)."""
     return self.quantize_weights is not None or self.quantize_gradients is not None
+
+  @property
+  def quantizes_backward(self) -> bool:
+    """``quantize_weights_backward`` with ``None`` resolved: whether the backward pass's
+    re-gather of each layer's weights is quantised (``None``: whenever ``quantize_weights``
+    is set). The only read of that field; everything else reads this."""
+    if self.quantize_weights is None:
+      return False
+    return self.quantize_weights_backward is not False
 
   @property
   def nonfinite_policy(self) -> str:

@@ -116,13 +116,14 @@ def scan_remat(config: Any, per_use: bool) -> ScanRemat:
     weights: that is the point of stage 3).
   * ``'full'``, ``'dots'``, ``'offload'``: that policy on every scanned layer.
 
-  With ``quantize_weights`` and a full-precision backward re-gather (the default), every
-  scanned layer keeps only its inputs and is re-run whole in its backward pass
-  (`recompute_in_backward`), whatever ``remat`` says.
+  With ``quantize_weights`` and a full-precision backward re-gather
+  (``quantize_weights_backward=False``; by default it is quantised, see
+  `ZeroConfig.quantizes_backward`), every scanned layer keeps only its inputs and is re-run
+  whole in its backward pass (`recompute_in_backward`), whatever ``remat`` says.
   """
   cp = jax.checkpoint_policies
   live = config.max_live_layers
-  if per_use and config.quantize_weights is not None and not config.quantize_weights_backward:
+  if per_use and config.quantize_weights is not None and not config.quantizes_backward:
     # The backward pass re-gathers in full precision: each layer is re-run whole in its
     # backward pass, marked as such (a rematerialised forward would repeat the quantised one).
     return ScanRemat(None, False, live, marked_backward=True)

@@ -20,8 +20,8 @@ import numpy as np
 Config = Any
 
 __all__ = ["STAGES", "MESH_AXES", "DTYPES", "REMAT_POLICIES", "GATHER_MODES", "QUANTIZED_DTYPES",
-           "OFFLOAD_FALLBACKS", "NONFINITE_POLICIES", "NVME", "BOOL_FIELDS", "Problem",
-           "first_problem"]
+           "OFFLOAD_FALLBACKS", "NONFINITE_POLICIES", "NVME", "BOOL_FIELDS", "OPTIONAL_BOOL_FIELDS",
+           "Problem", "first_problem"]
 
 STAGES = (0, 1, 2, 3)
 MESH_AXES = ("replica", "fsdp", "tensor")
@@ -36,6 +36,8 @@ QUANTIZED_DTYPES = ("int8", "int4")
 # Fields that must hold a real bool: a string such as "false" is truthy in Python.
 BOOL_FIELDS = ("offload_optimizer", "offload_params", "optimizer_on_host",
                "quantize_weights_backward", "nvme_pipeline_read", "nvme_pipeline_write")
+# Boolean fields whose None means a default resolved elsewhere (a `ZeroConfig` property).
+OPTIONAL_BOOL_FIELDS = {"quantize_weights_backward": "null (the same as quantize_weights)"}
 
 
 class Problem(NamedTuple):
@@ -63,9 +65,12 @@ def check_bools(c: Config) -> Problem | None:
         c.offload_optimizer.strip().lower() == NVME):
       object.__setattr__(c, f, NVME)
       continue
+    if getattr(c, f) is None and f in OPTIONAL_BOOL_FIELDS:
+      continue
     if not isinstance(getattr(c, f), (bool, np.bool_)):
       extra = (f", or {NVME!r} (the optimizer state in files under nvme_path)"
-               if f == "offload_optimizer" else "")
+               if f == "offload_optimizer" else
+               f", or {OPTIONAL_BOOL_FIELDS[f]}" if f in OPTIONAL_BOOL_FIELDS else "")
       return Problem(f, getattr(c, f), "true or false (a boolean; strings such as 'false' or "
                      f"'no' are not booleans){extra}")
     object.__setattr__(c, f, bool(getattr(c, f)))
@@ -151,8 +156,10 @@ def check_quantize(c: Config) -> Problem | None:
   if c.quantize_gradients is not None and not c.shards_grads:
     return Problem("quantize_gradients", c.quantize_gradients, f"needs stage 2 or 3 (stage is "
                    f"{c.stage}): below stage 2 the gradient is all-reduced, not reduce-scattered")
-  if c.quantize_weights_backward and c.quantize_weights is None:
-    return Problem("quantize_weights_backward", True, "needs quantize_weights")
+  if c.quantize_weights_backward is True and c.quantize_weights is None:
+    return Problem("quantize_weights_backward", True, f"needs quantize_weights (one of "
+                   f"{QUANTIZED_DTYPES}): there is no quantised gather to re-gather; leave it "
+                   "None (the default: the same as quantize_weights) or set it to False")
   if not _is_int(c.quantize_block_size) or c.quantize_block_size < 2 or (
       c.quantize_block_size % 2):
     return Problem("quantize_block_size", c.quantize_block_size, "an even integer >= 2")

@@ -152,9 +152,11 @@ def explain(config: Any) -> list[str]:
   bs = c.quantize_block_size
   out = []
   if c.quantize_weights is not None:
-    back = ("quantised too (quantize_weights_backward=true)" if c.quantize_weights_backward
-            else "in full precision (quantize_weights_backward=false); each scanned layer is "
-                 "then re-run whole in its backward pass")
+    why = ("quantize_weights_backward=true" if c.quantize_weights_backward is not None
+           else "quantize_weights_backward=null: the same as quantize_weights")
+    back = (f"{c.quantize_weights} values too ({why})" if c.quantizes_backward
+            else f"full-precision {c.compute_dtype} weights (quantize_weights_backward=false); "
+                 "each scanned layer is then re-run whole in its backward pass")
     out.append(f"qwZ quantize_weights={c.quantize_weights!r}: each stage-3 forward all-gather "
                f"moves {c.quantize_weights} values plus one float32 scale per {bs} elements "
                f"and is dequantised to {c.compute_dtype} after the gather; the backward "
@@ -174,7 +176,7 @@ def explain(config: Any) -> list[str]:
 def manual_gather(plan: ShardingPlan) -> ManualGather:
   """The plan's quantisation settings as the boxes' collective."""
   c = plan.config
-  return ManualGather("fsdp", c.quantize_weights, c.quantize_weights_backward,
+  return ManualGather("fsdp", c.quantize_weights, c.quantizes_backward,
                       c.quantize_gradients, c.quantize_block_size, jnp.dtype(c.compute_dtype))
 
 

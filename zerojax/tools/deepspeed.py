@@ -494,10 +494,11 @@ def _map_quantized(z: Mapping[str, Any], m: _Mapped) -> None:
   """ZeRO++ qwZ / qgZ: zerojax's own quantised collectives."""
   kw, note = m.kw, m.note
   for key, field, what in (
-      ("zero_quantized_weights", "quantize_weights", "qwZ: each stage-3 forward all-gather "
+      ("zero_quantized_weights", "quantize_weights", "qwZ: each stage-3 parameter "
+       "all-gather, the forward gather and the backward pass's re-gather as in DeepSpeed, "
        "moves int8 values plus a float32 scale per 256-element block, dequantised after the "
-       "gather; master weights and the update stay in full precision; the backward re-gather "
-       "stays in full precision unless quantize_weights_backward=true"),
+       "gather (quantize_weights_backward=false keeps the re-gather in full precision); master "
+       "weights and the update stay in full precision"),
       ("zero_quantized_gradients", "quantize_gradients", "qgZ: each gradient is reduced by a "
        "quantised all-to-all (int8 per 256-element block) and summed in float32 on its owner, "
        "in place of the reduce-scatter")):
