@@ -272,14 +272,20 @@ def tpu_report(args, rows, desc) -> int:
   import jax
   table = bytes_table(rows, timed=False)
   checks = bytes_checks(rows)
+  return _report(args, "zeropp-tpu", (
+      f"### ZeRO++ on the TPU compiler ({args.tpu})\n\n`python benchmarks/zeropp.py --tpu "
+      f"{args.tpu}` (jax {jax.__version__}, libtpu ahead-of-time compilation on a CPU machine, "
+      f"nothing runs; {desc}):"), table, checks)
+
+
+def _report(args, section: str, heading: str, table: str, checks) -> int:
+  """Prints ``table`` and ``checks``, writes them under ``heading`` into ``section`` unless
+  ``--no-write``; the exit status says whether every check passed."""
   print(table)
   for what, ok in checks:
     print(f"{'PASS' if ok else 'FAIL'}  {what}")
   if not args.no_write:
-    write_section("zeropp-tpu", (
-        f"### ZeRO++ on the TPU compiler ({args.tpu})\n\n`python benchmarks/zeropp.py --tpu "
-        f"{args.tpu}` (jax {jax.__version__}, libtpu ahead-of-time compilation on a CPU machine, "
-        f"nothing runs; {desc}):\n\n{table}\n\n{_results(checks)}"), args.write_to)
+    write_section(section, f"{heading}\n\n{table}\n\n{_results(checks)}", args.write_to)
   return 0 if all(ok for _, ok in checks) else 1
 
 
@@ -327,16 +333,10 @@ def gpu_report(args, rows, desc) -> int:
   table = "\n".join(lines)
   checks = [(f"qwZ + qgZ int8 (default backward): all collectives <= {GPU_TARGET}x the default's",
              rows["qwZ + qgZ int8"]["total"] <= GPU_TARGET * base)]
-  print(table)
-  for what, ok in checks:
-    print(f"{'PASS' if ok else 'FAIL'}  {what}")
-  if not args.no_write:
-    write_section("zeropp-gpu", (
-        f"### ZeRO++ on XLA:GPU ({args.gpu})\n\n`python benchmarks/zeropp.py --gpu {args.gpu}` "
-        f"(jax {jax.__version__}, XLA:GPU ahead-of-time compilation on a CPU machine, nothing "
-        f"runs; {desc}; per device per step, paper convention):\n\n{table}\n\n"
-        f"{_results(checks)}"), args.write_to)
-  return 0 if all(ok for _, ok in checks) else 1
+  return _report(args, "zeropp-gpu", (
+      f"### ZeRO++ on XLA:GPU ({args.gpu})\n\n`python benchmarks/zeropp.py --gpu {args.gpu}` "
+      f"(jax {jax.__version__}, XLA:GPU ahead-of-time compilation on a CPU machine, nothing "
+      f"runs; {desc}; per device per step, paper convention):"), table, checks)
 
 
 def main(argv=None) -> int:
