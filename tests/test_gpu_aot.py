@@ -305,3 +305,20 @@ def test_gpu_nnx_step_records_its_formulation_and_warns_when_not_boxed():
   with pytest.warns(UserWarning, match=r"zerojax\.value_and_grad"):
     plain.lower(model, opt, batch)
   assert set(plain.formulation.values()) == {"compiler"}
+
+
+def test_gpu_compiler_options_yield_to_xla_flags(monkeypatch):
+  # zerojax's per-compile GPU options are defaults: a flag in XLA_FLAGS (the user's, or the
+  # DeepSpeed mapping's reduce_bucket_size / overlap_comm) is left to XLA_FLAGS.
+  from types import SimpleNamespace
+  from zerojax.core import formulation as fm
+  plan = SimpleNamespace(platform="gpu", config=zerojax.ZeroConfig(stage=3))
+  monkeypatch.delenv("XLA_FLAGS", raising=False)
+  assert fm.compiler_options(plan) == fm.GPU_COMPILER_OPTIONS
+  assert fm.compiler_options(plan)["xla_gpu_reduce_scatter_combine_threshold_bytes"] == 1
+  monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_reduce_scatter_combine_threshold_bytes=4194304 "
+                     "--xla_gpu_enable_latency_hiding_scheduler=false")
+  opts = fm.compiler_options(plan)
+  assert "xla_gpu_reduce_scatter_combine_threshold_bytes" not in opts
+  assert "xla_gpu_enable_latency_hiding_scheduler" not in opts
+  assert opts["xla_gpu_enable_pipelined_all_gather"] is True

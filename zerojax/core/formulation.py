@@ -15,6 +15,8 @@ decisions are read here, so the plan can import this module.
 
 from __future__ import annotations
 
+import os
+import re
 from typing import Any, NamedTuple
 
 from zerojax._compat import REMAT_PRIMITIVE_NAMES, jaxpr_has_primitive
@@ -69,7 +71,8 @@ def _per_use_by_default(plan: Any, has_scan: bool, remats: bool, linen: bool) ->
 GPU_COMPILER_OPTIONS = {"xla_gpu_enable_latency_hiding_scheduler": True,
                         "xla_gpu_enable_pipelined_all_gather": True,
                         "xla_gpu_enable_pipelined_reduce_scatter": True,
-                        "xla_gpu_enable_while_loop_double_buffering": True}
+                        "xla_gpu_enable_while_loop_double_buffering": True,
+                        "xla_gpu_reduce_scatter_combine_threshold_bytes": 1}
 
 
 def compiler_options(plan: Any) -> dict[str, Any] | None:
@@ -86,12 +89,16 @@ def compiler_options(plan: Any) -> dict[str, Any] | None:
 
   On XLA:GPU the latency-hiding scheduler with pipelined all-gathers and reduce-scatters and
   double-buffered loops issues the next layer's gather while the current one computes (the
-  flags MaxText ships for GPUs). They are per-compile options, so
-  they need no process-wide ``XLA_FLAGS``.
+  flags MaxText ships for GPUs). Each gradient is reduce-scattered on its own (combine
+  threshold 1 byte): combined, a layer's reductions waited for its last gradient (a norm's,
+  at the end of its backward pass) with nothing left to compute beside them. They are
+  per-compile options, so they need no process-wide ``XLA_FLAGS``; a flag set there (by the
+  user, or by a DeepSpeed config's bucket sizes and ``overlap_comm``) wins.
   """
   platform = plan.platform
   if plan.config.shards_opt_state and platform == "cpu":
     return {"xla_disable_hlo_passes": "cpu-all-reduce-combiner"}
   if platform == "gpu":
-    return dict(GPU_COMPILER_OPTIONS)
+    user = set(re.findall(r"--(xla_\w+)", os.environ.get("XLA_FLAGS", "")))
+    return {k: v for k, v in GPU_COMPILER_OPTIONS.items() if k not in user}
   return None
