@@ -267,11 +267,12 @@ def test_one_compile_per_step_signature():
 
 
 @needs_gpu_compiler
-@pytest.mark.parametrize("pattern", ["e", "f", "g"])
-def test_gpu_nnx_and_pytree_models_move_weights_not_activations(pattern):
-  # NNX models (a list of blocks; nnx.scan over nnx.remat) and a plain pytree read row by
-  # row gather their weights per use at the default stage 3, as linen models do: left to
-  # itself the partitioner moved the layers' activations (the conformance table's e, f, g).
+@pytest.mark.parametrize("pattern", ["e", "f", "g", "h"])
+def test_gpu_nnx_pytree_and_bypassing_models_move_weights_not_activations(pattern):
+  # NNX models (a list of blocks; nnx.scan over nnx.remat), a plain pytree read row by row
+  # and a linen model the step applies itself (not through state.apply_fn) gather their
+  # weights per use at the default stage 3, as linen models through state.apply_fn do: left
+  # to itself the partitioner moved the layers' activations (the conformance table's e-h).
   from tests.model_patterns import check_weights_move
   check_weights_move(pattern, gpu.gpu_topology(TOPOLOGY).devices)
 

@@ -253,20 +253,30 @@ def test_linen_step_with_a_third_argument_is_not_taken_for_nnx():
   assert np.isfinite(float(m1["loss"])) and float(m1["loss"]) != float(m2["loss"])
 
 
-def test_per_use_setting_without_apply_fn_fails_at_trace_time():
+def test_per_use_setting_through_model_apply_or_refused_at_trace_time():
   model = pt.linen_models(SIZE)["a"]
   x = jnp.ones((SIZE.rows, SIZE.d_model))
   cfg = zerojax.ZeroConfig(stage=3, reduce_dtype="bfloat16")
   state, plan = zerojax.create_train_state(model, optax.adam(1e-3), jax.random.key(0), x,
                                            config=cfg)
 
-  def step(state, batch):  # the model object, not state.apply_fn: no per-use gathering
+  def step(state, batch):  # the model object, not state.apply_fn: routed to the same boxes
     loss, g = jax.value_and_grad(
         lambda p: jnp.mean(model.apply({"params": p}, batch["x"]) ** 2))(state.params)
     return state.apply_gradients(grads=g), {"loss": loss}
 
+  routed = zerojax.zero_step(plan)(step)
+  text = routed.lower(state, {"x": x}).as_text()
+  assert set(routed.formulation.values()) == {"per use"}
+  assert "bf16" in text  # the reductions move reduce_dtype
+
+  def bypass(state, batch):  # no linen apply at all: nothing can gather per use
+    loss, g = jax.value_and_grad(
+        lambda p: jnp.mean(jax.tree.leaves(p)[0] ** 2))(state.params)
+    return state.apply_gradients(grads=g), {"loss": loss}
+
   with pytest.raises(zerojax.ConfigError, match=r"reduce_dtype='bfloat16'.*state\.apply_fn"):
-    zerojax.zero_step(plan)(step).lower(state, {"x": x})
+    zerojax.zero_step(plan)(bypass).lower(state, {"x": x})
 
 
 def test_tied_head_through_variables_with_explicit_gathering():

@@ -231,8 +231,8 @@ def test_tpu_pytree_stage2_drops_the_gradient():
 
 
 @needs_libtpu
-@pytest.mark.parametrize("pattern", ["e", "f", "g"])
-def test_tpu_nnx_and_pytree_models_move_weights_not_activations(pattern):
-  # As on XLA:GPU (test_gpu_aot): NNX and plain-pytree models gather weights per use.
+@pytest.mark.parametrize("pattern", ["e", "f", "g", "h"])
+def test_tpu_nnx_pytree_and_bypassing_models_move_weights_not_activations(pattern):
+  # As on XLA:GPU (test_gpu_aot): NNX, plain-pytree and bypassing linen models gather weights.
   from tests.model_patterns import check_weights_move
   check_weights_move(pattern, memory.tpu_topology(TOPOLOGY).devices)

@@ -16,10 +16,12 @@ from typing import Any, Callable, Iterator
 import jax
 from jax.ad_checkpoint import checkpoint_name
 from jax.extend.core import Literal, Var
+from flax import linen as nn
 
 __all__ = ["ORIGINAL_SCAN", "REMAT_PRIMITIVE_NAMES", "name_p", "sharding_constraint_p",
            "jaxpr_has_primitive", "subjaxprs", "eval_jaxpr", "var_uses", "bind_dot_general",
-           "install_scan_hook", "backends_initialized", "distributed_state", "detect_cluster"]
+           "install_scan_hook", "ORIGINAL_LINEN_APPLY", "install_linen_apply_hook",
+           "backends_initialized", "distributed_state", "detect_cluster"]
 
 # ``jax.lax.scan`` as JAX defines it, captured before zerojax installs its per-thread dispatcher
 # (`install_scan_hook`); zerojax's own loops call this one directly.
@@ -35,6 +37,21 @@ def install_scan_hook(dispatch: Callable[..., Any]) -> None:
     if jax.lax.scan is not dispatch:
       functools.update_wrapper(dispatch, ORIGINAL_SCAN)
       jax.lax.scan = dispatch
+
+
+# ``flax.linen.Module.apply`` as Flax defines it (see `install_linen_apply_hook`).
+ORIGINAL_LINEN_APPLY = nn.Module.apply
+
+
+def install_linen_apply_hook(dispatch: Callable[..., Any]) -> None:
+  """Replaces ``flax.linen.Module.apply``, once per process, with ``dispatch`` (same signature,
+  calling `ORIGINAL_LINEN_APPLY` itself). Flax has no hook for the variables a model is
+  applied to; a method bound before the hook (``state.apply_fn = model.apply``) keeps
+  Flax's own."""
+  with _scan_hook_lock:
+    if nn.Module.apply is not dispatch:
+      functools.update_wrapper(dispatch, ORIGINAL_LINEN_APPLY)
+      nn.Module.apply = dispatch
 
 
 def var_uses(jaxpr: Any) -> dict[Any, list[tuple[Any, int]]]:

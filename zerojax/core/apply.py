@@ -4,14 +4,17 @@
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import dataclasses
 import functools
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
+from zerojax._compat import ORIGINAL_LINEN_APPLY, install_linen_apply_hook
 from zerojax.core import context
 from zerojax.core.config import ConfigError
 from zerojax.core.dtypes import compute_dtype_of, to_compute
@@ -23,7 +26,7 @@ from zerojax.core.remat import remat_policy
 from zerojax.core.rows import per_layer_reads
 from zerojax.core.zeropp import shard_map_apply
 
-__all__ = ["ModelApply", "per_use_reason"]
+__all__ = ["ModelApply", "per_use_reason", "linen_applies"]
 
 
 class ModelApply:
@@ -130,3 +133,49 @@ def per_use_reason(plan: ShardingPlan) -> str:
   if cfg.reduce_dtype is not None:
     return f"reduce_dtype={cfg.reduce_dtype!r}"
   return "offload_params=True"
+
+
+# -- a linen model applied inside the step, not through state.apply_fn ---------------------
+
+
+@dataclasses.dataclass
+class _Applies:
+  """The `ModelApply` of each linen module applied to the plan's parameters in one trace."""
+  plan: ShardingPlan
+  by_module: dict = dataclasses.field(default_factory=dict)  # id(module) -> (module, apply)
+
+  @property
+  def formulation(self) -> Formulation | None:
+    chosen = [a.formulation for _, a in self.by_module.values() if a.formulation is not None]
+    return chosen[0] if chosen else None
+
+
+_APPLIES: contextvars.ContextVar[_Applies | None] = contextvars.ContextVar(
+    "zerojax_linen_applies", default=None)
+
+
+@contextlib.contextmanager
+def linen_applies(plan: ShardingPlan) -> Iterator[_Applies]:
+  """Inside the block, ``module.apply({"params": params}, ...)`` with the plan's parameter tree
+  (a linen model the step calls itself rather than through ``state.apply_fn``) runs as
+  `ModelApply` does, so it reaches its parameters as the plan's formulation says (per use on
+  TPU and GPU) and in the compute dtype. Other calls run as Flax's own."""
+  install_linen_apply_hook(_dispatch_apply)
+  applies = _Applies(plan)
+  token = _APPLIES.set(applies)
+  try:
+    yield applies
+  finally:
+    _APPLIES.reset(token)
+
+
+def _dispatch_apply(module, variables, *args, **kwargs):
+  applies = _APPLIES.get()
+  params = variables.get("params") if hasattr(variables, "get") else None
+  if (applies is None or params is None
+      or jax.tree.structure(params) != jax.tree.structure(applies.plan.params)):
+    return ORIGINAL_LINEN_APPLY(module, variables, *args, **kwargs)
+  if id(module) not in applies.by_module:  # the module is kept, so its id stays its own
+    applies.by_module[id(module)] = (
+        module, ModelApply(functools.partial(ORIGINAL_LINEN_APPLY, module), applies.plan))
+  return applies.by_module[id(module)][1](variables, *args, **kwargs)

@@ -26,7 +26,7 @@ from flax import nnx
 from zerojax.core import agreement, budget, context, layout, offload
 from zerojax.core.config import ConfigError
 from zerojax.core.dtypes import check_compute_dtype, compute_dtype_of, set_nnx_dtype
-from zerojax.core.apply import ModelApply, per_use_reason
+from zerojax.core.apply import ModelApply, linen_applies, per_use_reason
 from zerojax.core.grad import check_batch
 from zerojax.core.plan import ShardingPlan
 from zerojax.core.remat import scan_remat, scanned_layers
@@ -62,13 +62,15 @@ class ZeroStep:
 
       model = ModelApply(orig, plan)  # decides the formulation on its first trace
       tx = None if orig_tx is None else offload.wrap_tx(orig_tx, plan, layout.prepare(plan))
+      applied: list = []  # the trace's `linen_applies`: models the step applies itself
 
       def step(state, batch, *rest):
         changes = {"apply_fn": model} if tx is None else {"apply_fn": model, "tx": tx}
         state = state.replace(**changes)
         with _step_context(plan, state) as ctx, scanned_layers(
-            scan_remat(plan.config, plan.gathers_per_use)):
+            scan_remat(plan.config, plan.gathers_per_use)), linen_applies(plan) as others:
           new_state, metrics = self.fn(state, batch, *rest)
+        applied.append(others)
         _check_features_used(ctx)
         if not isinstance(new_state, type(state)):
           raise TypeError(f"train_step must return (state, metrics); got {type(new_state)}")
@@ -86,7 +88,8 @@ class ZeroStep:
       lowered = jitted.lower(state, batch, *rest)  # one trace (cached for the first call)
       if compute_dtype_of(plan.config) is not None:
         check_compute_dtype(plan.config, lowered)
-      per_use = plan.gathers_per_use if model.formulation is None else model.formulation.per_use
+      chosen = model.formulation or (applied[-1].formulation if applied else None)
+      per_use = plan.gathers_per_use if chosen is None else chosen.per_use
       self.formulation[key] = "per use" if per_use else "compiler"
       self._jitted[key] = jitted
     return self._jitted[key]
