@@ -80,41 +80,14 @@ def per_layer_reads(apply_fn: Callable, plan: Any,
     closed, out_shape = jax.make_jaxpr(model, return_shape=True)(
         [spec(x) for x in leaves], [spec(x) for x in arrays])
     index = {v: k for k, v in enumerate(closed.jaxpr.invars[:len(leaves)])}
-    rows: dict[int, set[int]] = {}
-    for eqn in closed.jaxpr.eqns:
-      if (read := _row_read(eqn, index)) is not None:
-        rows.setdefault(read[0], set()).add(read[1])
-    split = {k for k, r in rows.items()
-             if len(r) >= 2 and _rows_stay_whole(per_leaf[k][:2], jnp.ndim(leaves[k]))}
+    split = _rows_to_split(closed.jaxpr, index, leaves, per_leaf)
     formulation = plan.formulation(closed, linen=False)
     if chosen is not None:
       chosen(formulation)
-    per_use = formulation.per_use
-    if not split and not per_use:
+    if not split and not formulation.per_use:
       return apply_fn(params, *args, **kwargs)
-    matmul = _rows_into_matmuls(closed.jaxpr, index, split)
-    carried: dict[int, jax.Array] = {}  # leaf -> the stacked value the next row is read from
-
-    def rewrite(eqn, invals):
-      if eqn in matmul.deferred:  # the row's slice and squeeze: made by `_row_dot` instead
-        return [_DEFERRED]
-      if eqn in matmul.dots:
-        k, i, pos = matmul.dots[eqn]
-        other = invals[1 - pos]
-        rest, grad, compute = (_bare(s) for s in per_leaf[k])
-        out, carried[k] = _row_dot(carried.get(k, leaves[k]), other, i, pos, _Dot.of(eqn),
-                                   grad, k not in carried,
-                                   _Gather.of(rest, compute, grad) if per_use else None)
-        return [out]
-      if per_use and eqn.primitive.name == "dot_general":
-        return _gathered_dot(eqn, invals, index, per_leaf)
-      read = _row_read(eqn, index)
-      if read is None or read[0] not in split:
-        return None  # other reads of the leaf (w[i, :4], the whole stack) run as written
-      k, i = read
-      row, carried[k] = _read_row(carried.get(k, invals[0]), i, _bare(per_leaf[k][1]))
-      return [row]
-
+    rewrite = _Rewrite(leaves, per_leaf, index, split,
+                       _rows_into_matmuls(closed.jaxpr, index, split), formulation.per_use)
     outs = eval_jaxpr(closed, [*leaves, *arrays], rewrite)
     return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
 
@@ -122,6 +95,50 @@ def per_layer_reads(apply_fn: Callable, plan: Any,
 
 
 _DEFERRED = object()  # stands for a row whose matmul `_row_dot` reads it itself
+
+
+def _rows_to_split(jaxpr: Any, index: dict[Any, int], leaves: list, per_leaf: list) -> set[int]:
+  """The leaves read a whole row at a time, at two rows or more, whose rows are laid out as
+  the leaf is: those `per_layer_reads` threads from read to read."""
+  rows: dict[int, set[int]] = {}
+  for eqn in jaxpr.eqns:
+    if (read := _row_read(eqn, index)) is not None:
+      rows.setdefault(read[0], set()).add(read[1])
+  return {k for k, r in rows.items()
+          if len(r) >= 2 and _rows_stay_whole(per_leaf[k][:2], jnp.ndim(leaves[k]))}
+
+
+@dataclasses.dataclass
+class _Rewrite:
+  """`eval_jaxpr`'s rewrite for `per_layer_reads`: row reads threaded, row matmuls through
+  `_row_dot`, and per use every matmul of a sharded parameter gathered."""
+  leaves: list
+  per_leaf: list  # (rest, grad, compute) shardings per leaf
+  index: dict
+  split: set
+  matmul: "_RowMatmuls"
+  per_use: bool
+  carried: dict = dataclasses.field(default_factory=dict)  # leaf -> stack the next row reads
+
+  def __call__(self, eqn: Any, invals: list) -> list | None:
+    if eqn in self.matmul.deferred:  # the row's slice and squeeze: made by `_row_dot` instead
+      return [_DEFERRED]
+    if eqn in self.matmul.dots:
+      k, i, pos = self.matmul.dots[eqn]
+      rest, grad, compute = (_bare(s) for s in self.per_leaf[k])
+      out, self.carried[k] = _row_dot(
+          self.carried.get(k, self.leaves[k]), invals[1 - pos], i, pos, _Dot.of(eqn), grad,
+          k not in self.carried, _Gather.of(rest, compute, grad) if self.per_use else None)
+      return [out]
+    if self.per_use and eqn.primitive.name == "dot_general":
+      return _gathered_dot(eqn, invals, self.index, self.per_leaf)
+    read = _row_read(eqn, self.index)
+    if read is None or read[0] not in self.split:
+      return None  # other reads of the leaf (w[i, :4], the whole stack) run as written
+    k, i = read
+    row, self.carried[k] = _read_row(self.carried.get(k, invals[0]), i,
+                                     _bare(self.per_leaf[k][1]))
+    return [row]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -154,7 +154,6 @@ class ZeroStep:
           compiler_options=plan.compiler_options)
       if cd is not None:
         check_compute_dtype(cfg, jitted.lower(state, batch, *rest))
-      self.formulation[key] = "compiler"  # until the trace says otherwise (`_nnx_formulation`)
       self._jitted[key] = jitted
     return self._jitted[key], state
 
