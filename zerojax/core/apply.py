@@ -19,7 +19,7 @@ from zerojax.core import context
 from zerojax.core.config import ConfigError
 from zerojax.core.dtypes import compute_dtype_of, to_compute
 from zerojax.core.formulation import Formulation
-from zerojax.core.gather import box_params
+from zerojax.core.gather import box_params, setting
 from zerojax.core.plan import ShardingPlan
 from zerojax.core.regather import regather_layers
 from zerojax.core.remat import remat_policy
@@ -49,6 +49,10 @@ class ModelApply:
     self._warned = False
 
   def __call__(self, variables: Any, *args: Any, **kwargs: Any) -> Any:
+    with setting(_IN_MODEL, True):  # the model's own apply is not routed again
+      return self._call(variables, *args, **kwargs)
+
+  def _call(self, variables: Any, *args: Any, **kwargs: Any) -> Any:
     plan, cd = self.plan, self._dtype
     args = to_compute(args, cd)  # the batch's floating inputs enter in the compute dtype
     if not plan.gathers_per_use and jax.tree.structure(variables) == self._treedef:
@@ -152,6 +156,10 @@ class _Applies:
 
 _APPLIES: contextvars.ContextVar[_Applies | None] = contextvars.ContextVar(
     "zerojax_linen_applies", default=None)
+# Set while a `ModelApply` runs: a ``state.apply_fn`` bound to the hooked ``Module.apply`` (a
+# state created after the hook was installed) must not be wrapped a second time.
+_IN_MODEL: contextvars.ContextVar[bool] = contextvars.ContextVar("zerojax_in_model",
+                                                                 default=False)
 
 
 @contextlib.contextmanager
@@ -172,7 +180,7 @@ def linen_applies(plan: ShardingPlan) -> Iterator[_Applies]:
 def _dispatch_apply(module, variables, *args, **kwargs):
   applies = _APPLIES.get()
   params = variables.get("params") if hasattr(variables, "get") else None
-  if (applies is None or params is None
+  if (applies is None or params is None or _IN_MODEL.get()
       or jax.tree.structure(params) != jax.tree.structure(applies.plan.params)):
     return ORIGINAL_LINEN_APPLY(module, variables, *args, **kwargs)
   if id(module) not in applies.by_module:  # the module is kept, so its id stays its own
