@@ -261,9 +261,8 @@ _read_row.defvjp(_read_row_fwd, _read_row_bwd)
 def _add_row(ct_w: jax.Array, ct_row: jax.Array, i: int, grad: NamedSharding) -> jax.Array:
   """``ct_w`` with ``ct_row`` added into row ``i`` in place, after putting ``ct_row`` in the
   gradient's layout ``grad`` (reduce-scattered where it is made)."""
-  row = NamedSharding(grad.mesh, P(*tuple(grad.spec)[1:]))
   ct_w = jax.lax.with_sharding_constraint(ct_w, grad)
-  ct_row = jax.lax.with_sharding_constraint(ct_row, row)[None]
+  ct_row = jax.lax.with_sharding_constraint(ct_row, _of_row(grad))[None]
   old = jax.lax.dynamic_slice_in_dim(ct_w, i, 1, axis=0)
   ct_w = jax.lax.dynamic_update_slice_in_dim(ct_w, old + ct_row.astype(ct_w.dtype), i, axis=0)
   return jax.lax.with_sharding_constraint(ct_w, grad)
@@ -271,16 +270,15 @@ def _add_row(ct_w: jax.Array, ct_row: jax.Array, i: int, grad: NamedSharding) ->
 
 @dataclasses.dataclass(frozen=True)
 class _Gather:
-  """A row's layouts at rest, in compute and as a gradient (its leaf's, less axis 0): the
-  per-use gather of the row (hashable, a static argument of `_row_dot`)."""
+  """A parameter's (or, through `of`, a row's) layouts at rest, in compute and as a gradient:
+  its per-use gather (hashable, a static argument of `_row_dot`)."""
   rest: NamedSharding
   compute: NamedSharding
   grad: NamedSharding
 
   @classmethod
   def of(cls, rest: NamedSharding, compute: NamedSharding, grad: NamedSharding) -> "_Gather":
-    row = lambda s: NamedSharding(s.mesh, P(*tuple(s.spec)[1:]))
-    return cls(row(rest), row(compute), row(grad))
+    return cls(_of_row(rest), _of_row(compute), _of_row(grad))
 
   def __call__(self, row: jax.Array) -> jax.Array:
     if self.rest == self.compute:
@@ -297,9 +295,13 @@ def _gathered_dot(eqn: Any, invals: list, index: dict[Any, int], per_leaf: list)
     if k is None:
       continue
     rest, grad, compute = (_bare(s) for s in per_leaf[k])
-    if rest != compute:
-      ins[pos] = checkpoint_name(gather(ins[pos], rest, compute, grad, None), GATHERED)
+    ins[pos] = _Gather(rest, compute, grad)(ins[pos])
   return [bind_dot_general(*ins, eqn.params)]
+
+
+def _of_row(s: NamedSharding) -> NamedSharding:
+  """The layout of a row ``w[i]`` of a leaf laid out as ``s``."""
+  return NamedSharding(s.mesh, P(*tuple(s.spec)[1:]))
 
 
 def _rows_stay_whole(shardings: tuple, ndim: int) -> bool:
