@@ -221,18 +221,44 @@ def test_schedule_reads_gpu_pairs_is_sync_and_matmuls():
 
 
 def test_activation_collectives_tell_weights_from_activations():
+  from jax.sharding import PartitionSpec as P
+
   class Leaf:
     def __init__(self, shape):
-      self.shape = shape
+      self.shape, self.sharded = shape, P("fsdp")
 
   class Plan:
     leaves = (Leaf((1024, 4096)), Leaf((4096, 1024)))
+    mesh = type("Mesh", (), {"shape": {"fsdp": 8}})
 
   act = memory.activation_collectives(GPU_HLO, Plan())
   # the combined weight gather and gradient reduce-scatter are parameters'; the [64,1024]
   # gather is an activation; the flat 1024-element all-reduce is a combined buffer
   assert act == {("all-gather", "bf16[64,1024]", ""): 64 * 1024 * 2}
 
+
+
+PERMUTE_HLO = """\
+ENTRY %main (w: bf16[1024,512], x: bf16[2,1024,1024]) -> f32[] {
+  %w = bf16[1024,512]{1,0} parameter(0)
+  %x = bf16[2,1024,1024]{2,1,0} parameter(1)
+  %cp = bf16[1024,512]{1,0} collective-permute(%w), channel_id=1, source_target_pairs={{0,1},{1,2},{2,3},{3,4},{4,5},{5,6},{6,7},{7,0}}
+  %cx = bf16[2,1024,1024]{2,1,0} collective-permute(%x), channel_id=2, source_target_pairs={{0,1},{1,2},{2,3},{3,4},{4,5},{5,6},{6,7},{7,0}}
+  ROOT %r = f32[] constant(0)
+}
+"""
+
+
+def test_activation_collectives_count_a_ring_of_weight_shards_as_weights():
+  # XLA:TPU may gather a weight as collective-permutes of its at-rest shard beside slices of
+  # the matmul (its windowed einsum): the shard (1024, 4096 / 8) is the weight's, the
+  # batch-shaped permute is an activation.
+  import types
+  from jax.sharding import PartitionSpec as P
+  leaf = types.SimpleNamespace(shape=(1024, 4096), sharded=P(None, "fsdp"))
+  plan = types.SimpleNamespace(leaves=(leaf,), mesh=types.SimpleNamespace(shape={"fsdp": 8}))
+  act = memory.activation_collectives(PERMUTE_HLO, plan)
+  assert act == {("collective-permute", "bf16[2,1024,1024]", ""): 2 * 1024 * 1024 * 2}
 
 # -- one compile, and the compute dtype on CPU ------------------------------------------------
 

@@ -605,13 +605,22 @@ def reductions(hlo_text: str) -> list[tuple[str, list[frozenset[int]] | None, in
 
 def _param_sizes(plan: Any) -> set[int]:
   """Element counts a collective moving parameters (or their gradients, shards or layers) has:
-  a leaf, or any trailing part of it (one layer of a stacked leaf)."""
+  a leaf or its at-rest shard, or any trailing part of either (one layer of a stacked leaf).
+  Shards count because XLA:TPU may gather a weight as a ring of collective-permutes of its
+  shard, each beside a slice of the matmul that reads it."""
   sizes: set[int] = set()
   for lp in plan.leaves:
-    shape = tuple(lp.shape)
-    for j in range(len(shape)):
-      sizes.add(math.prod(shape[j:]))
+    for shape in (tuple(lp.shape), _shard_shape(lp, plan.mesh)):
+      for j in range(len(shape)):
+        sizes.add(math.prod(shape[j:]))
   return sizes
+
+
+def _shard_shape(lp: Any, mesh: Any) -> tuple[int, ...]:
+  """One device's block of ``lp`` in its at-rest (sharded) layout."""
+  spec = tuple(lp.sharded) + (None,) * (len(lp.shape) - len(tuple(lp.sharded)))
+  ways = lambda e: math.prod(mesh.shape[a] for a in ((e,) if isinstance(e, str) else e or ()))
+  return tuple(d // ways(e) for d, e in zip(lp.shape, spec))
 
 
 def activation_collectives(hlo_text: str, plan: Any) -> dict[tuple[str, str, str], int]:
