@@ -138,8 +138,11 @@ def collective_bytes_by_dtype(hlo_text: str, scope: str | None = None
   out: dict[tuple[str, str], int] = {}
   # XLA:TPU runs a collective asynchronously as a start fusion, continuation fusions that
   # compute while it is in flight, and a done fusion; each fused computation holds a copy of
-  # the collective with the same channel_id. One channel is one collective: count it once.
-  channels: dict[tuple[str, int, str, str], tuple[str, str, int]] = {}
+  # the collective with the same channel_id. One channel is one collective in the computation
+  # that runs those fusions: count it once there. A copy in another computation (a loop's
+  # first iteration peeled out of it by a pipeliner) runs on its own.
+  owner = _fusion_owners(comps)
+  channels: dict[tuple[str, str, int, str, str], tuple[str, str, int]] = {}
   for name, lines in comps.items():
     k = mult.get(name, 0)
     if not k:
@@ -169,7 +172,7 @@ def collective_bytes_by_dtype(hlo_text: str, scope: str | None = None
           # Collectives written out in shard_map may all carry channel_id=1, so within one
           # computation every op counts; a copy of one op in another (fused) computation
           # has the same channel, metadata name and element type.
-          key = (ch.group(1), i, op.group(1) if op else "", dt)
+          key = (owner.get(name, name), ch.group(1), i, op.group(1) if op else "", dt)
           prev = here.get(key, (kind, dt, 0))
           here[key] = (kind, dt, prev[2] + b)
     for key, v in here.items():
@@ -178,6 +181,18 @@ def collective_bytes_by_dtype(hlo_text: str, scope: str | None = None
   for kind, dt, b in channels.values():
     out[(kind, dt)] = out.get((kind, dt), 0) + b
   return out
+
+
+def _fusion_owners(comps: dict[str, list[str]]) -> dict[str, str]:
+  """``{fused computation: the computation whose instructions run it}``, through nested
+  fusions."""
+  caller = {c: name for name, lines in comps.items() for l in lines if " fusion(" in l
+            for c in _CALLEE.findall(l)}
+
+  def top(c: str, depth: int = 0) -> str:
+    return top(caller[c], depth + 1) if c in caller and depth < 16 else c
+
+  return {c: top(c) for c in caller}
 
 
 def _bytes_by_dtype(shapes: str) -> dict[str, int]:
@@ -603,17 +618,24 @@ def reductions(hlo_text: str) -> list[tuple[str, list[frozenset[int]] | None, in
   return out
 
 
-def _param_sizes(plan: Any) -> set[int]:
-  """Element counts a collective moving parameters (or their gradients, shards or layers) has:
-  a leaf or its at-rest shard, or any trailing part of either (one layer of a stacked leaf).
-  Shards count because XLA:TPU may gather a weight as a ring of collective-permutes of its
-  shard, each beside a slice of the matmul that reads it."""
-  sizes: set[int] = set()
+def _param_shapes(plan: Any) -> set[tuple[int, ...]]:
+  """Shapes a collective moving parameters (or their gradients, shards or layers) has: a leaf
+  or its at-rest shard, or any trailing part of either (one layer of a stacked leaf). Shards
+  count because XLA:TPU may gather a weight as a ring of collective-permutes of its shard, each
+  beside a slice of the matmul that reads it."""
+  shapes: set[tuple[int, ...]] = set()
   for lp in plan.leaves:
     for shape in (tuple(lp.shape), _shard_shape(lp, plan.mesh)):
-      for j in range(len(shape)):
-        sizes.add(math.prod(shape[j:]))
-  return sizes
+      shapes.update(shape[j:] for j in range(len(shape)))
+  return shapes
+
+
+def _padded(dims: tuple[int, ...], shapes: set[tuple[int, ...]]) -> bool:
+  """Whether ``dims`` is a parameter shape with dimensions padded up by less than 1/64 (XLA:TPU
+  reduces a 32000-row embedding gradient as 32256 rows, to split it in tile-aligned blocks)."""
+  return any(len(p) == len(dims) and len(p) > 1 and dims != p
+             and all(p_ <= d < p_ + max(1, p_ // 64) for d, p_ in zip(dims, p))
+             for p in shapes)
 
 
 def _shard_shape(lp: Any, mesh: Any) -> tuple[int, ...]:
@@ -629,12 +651,14 @@ def activation_collectives(hlo_text: str, plan: Any) -> dict[tuple[str, str, str
   operation the partitioner placed it for (its metadata name, e.g. ``'dot_general'``, or
   ``'scatter-add'`` for an embedding lookup's gradient) (the paper's convention,
   loop bodies by trip count). A tensor counts as a parameter's when its element count is a
-  parameter leaf's, a trailing part of one, or some of a stacked leaf's layers (a reshape of
-  a kernel keeps its count), or a flat buffer no larger than all parameters together (XLA's
+  parameter leaf's or its at-rest shard's, a trailing part of one, or some of a stacked leaf's
+  layers (a reshape of a kernel keeps its count), when its shape is one of those padded by
+  XLA by less than 1/64 per dimension, or when it is a flat buffer no larger than all parameters together (XLA's
   combiner concatenates gradients into one 1-D buffer); a collective of one element (a loss, a
   norm) is neither. What is left moves the model's activations: the partitioner chose to
   reshard them instead of gathering a weight."""
-  sizes = _param_sizes(plan)
+  shapes = _param_shapes(plan)
+  sizes = {math.prod(p) for p in shapes}
   total = sum(math.prod(lp.shape) for lp in plan.leaves)
   comps, mult = _parse_hlo(hlo_text)
   out: dict[tuple[str, str], int] = {}
@@ -660,7 +684,8 @@ def activation_collectives(hlo_text: str, plan: Any) -> dict[tuple[str, str, str
       for dt, dims in _SHAPE.findall(tensors):
         n = math.prod(int(d) for d in dims.split(",") if d) if dims else 1
         flat = dims.count(",") == 0 and n * group <= total
-        if n <= 1 or n * group in sizes or flat:
+        shape = tuple(int(d) for d in dims.split(",") if d)
+        if n <= 1 or n * group in sizes or flat or _padded(shape, shapes):
           continue
         b = n * group * _DTYPE_BYTES[dt] * (2 if kind == "all-reduce" else 1)
         op = _OP_NAME.search(line)
