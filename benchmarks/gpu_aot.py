@@ -9,7 +9,8 @@ XLA:GPU compiles steps that do not fit.
 
 Sections (markdown tables on stdout):
   issue  the accelerator-schedule issue's 219.7M Llama on h100:8: zerojax stages 1-3 against
-         hand-written FSDP and MaxText-style FSDP
+         hand-written FSDP and MaxText-style FSDP (``--issue-target v5e:2x4``: the same on
+         XLA:TPU, with libtpu)
   titan  torchtitan's row: a Llama-3-8B-shaped decoder, local batch 2 x 8192, h100:8
   scale  a 70B-class decoder at stage 3 on h100:8x8 (64 GPUs)
   hosts  h100:2x8: HSDP (replica across hosts, fsdp within) against flat FSDP over 16 GPUs
@@ -73,7 +74,8 @@ def _baseline(cfg, topology, batch, style, stage3_plan, usable):
   from jax.sharding import Mesh
   import numpy as np
   from zerojax.runtime import gpu, memory
-  devices = list(gpu.gpu_topology(topology).devices)
+  devices = list(gpu.gpu_topology(topology).devices if gpu.is_gpu_topology(topology)
+                 else memory.tpu_topology(topology).devices)
   mesh = Mesh(np.array(devices), ("fsdp",))
   jitted, (p, o), b = baseline_step(cfg, mesh, batch, style)
   t0 = time.perf_counter()
@@ -94,7 +96,7 @@ def _zerojax(cfg, topology, batch, **config):
 
 def section_issue(args):
   from benchmarks.decoder import ISSUE_LLAMA
-  topo, batch = "h100:8", (16, 1024)
+  topo, batch = args.issue_target, (16, 1024)
   runs = {}
   for s in (3, 2, 1):
     runs[s] = _zerojax(ISSUE_LLAMA, topo, batch, stage=s)
@@ -103,7 +105,7 @@ def section_issue(args):
   rows = [_baseline(ISSUE_LLAMA, topo, batch, "hand", plan3, runs[3].hbm_available),
           _baseline(ISSUE_LLAMA, topo, batch, "maxtext", plan3, runs[3].hbm_available)]
   rows += [_row(f"zerojax stage {s} ({runs[s].formulation})", runs[s]) for s in (1, 2, 3)]
-  print("\n### The issue's Llama (219.7M) on h100:8, global batch 16 x 1024, bf16 compute\n")
+  print(f"\n### The issue's Llama (219.7M) on {topo}, global batch 16 x 1024, bf16 compute\n")
   print(_table(rows))
 
 
@@ -183,6 +185,8 @@ def main(argv=None):
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--only", default=",".join(SECTIONS))
   p.add_argument("--quick", action="store_true", help="titan: stage 3 and the baseline only")
+  p.add_argument("--issue-target", default="h100:8", choices=("h100:8", "v5e:2x4"),
+                 help="issue: the pod to compile for")
   args = p.parse_args(argv)
   for s in [s.strip() for s in args.only.split(",") if s.strip()]:
     if s not in SECTIONS:

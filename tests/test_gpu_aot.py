@@ -244,6 +244,8 @@ ENTRY %main (w: bf16[1024,512], x: bf16[2,1024,1024]) -> f32[] {
   %x = bf16[2,1024,1024]{2,1,0} parameter(1)
   %cp = bf16[1024,512]{1,0} collective-permute(%w), channel_id=1, source_target_pairs={{0,1},{1,2},{2,3},{3,4},{4,5},{5,6},{6,7},{7,0}}
   %cx = bf16[2,1024,1024]{2,1,0} collective-permute(%x), channel_id=2, source_target_pairs={{0,1},{1,2},{2,3},{3,4},{4,5},{5,6},{6,7},{7,0}}
+  %g = bf16[1032,4096]{1,0} parameter(2)
+  %ar = bf16[1032,4096]{1,0} all-reduce(%g), channel_id=3, replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%add
   ROOT %r = f32[] constant(0)
 }
 """
@@ -252,7 +254,8 @@ ENTRY %main (w: bf16[1024,512], x: bf16[2,1024,1024]) -> f32[] {
 def test_activation_collectives_count_a_ring_of_weight_shards_as_weights():
   # XLA:TPU may gather a weight as collective-permutes of its at-rest shard beside slices of
   # the matmul (its windowed einsum): the shard (1024, 4096 / 8) is the weight's, the
-  # batch-shaped permute is an activation.
+  # batch-shaped permute is an activation. XLA:TPU may reduce a gradient padded for its tiles
+  # (1032 rows of 1024: less than 1/64 more); that is the weight's too.
   import types
   from jax.sharding import PartitionSpec as P
   leaf = types.SimpleNamespace(shape=(1024, 4096), sharded=P(None, "fsdp"))
@@ -303,6 +306,43 @@ def test_gpu_nnx_pytree_and_bypassing_models_move_weights_not_activations(patter
   check_weights_move(pattern, gpu.gpu_topology(TOPOLOGY).devices)
 
 
+def test_lookup_tables_are_the_leaves_a_model_gathers_rows_from():
+  # Through a cast, an nn.Embed and a raw index; a Dense kernel is not a table, and XLA:CPU
+  # keeps its formulation.
+  from types import SimpleNamespace
+  import jax.numpy as jnp
+  from flax import linen as nn
+  from zerojax.core import formulation as fm
+
+  class LM(nn.Module):
+    @nn.compact
+    def __call__(self, ids):
+      raw = self.param("pos", nn.initializers.normal(), (16, 8)).astype(jnp.bfloat16)
+      x = nn.Embed(32, 8, name="wte")(ids) + raw[jnp.arange(ids.shape[1])]
+      return nn.Dense(32, name="head")(x)
+
+  ids = jnp.zeros((2, 4), jnp.int32)
+  params = jax.eval_shape(LM().init, jax.random.key(0), ids)["params"]
+  names = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_leaves_with_path(params)]
+  jaxpr = jax.make_jaxpr(lambda p: LM().apply({"params": p}, ids))(params)
+  plan = lambda platform: SimpleNamespace(params_sharded=True, platform=platform)
+  assert {names[i] for i in fm.lookup_tables(plan("gpu"), jaxpr)} == {
+      "['pos']", "['wte']['embedding']"}
+  assert fm.lookup_tables(plan("cpu"), jaxpr) == frozenset()
+
+
+@needs_gpu_compiler
+def test_gpu_embedding_gradient_is_reduce_scattered_not_its_rows_gathered():
+  # Left to the partitioner, a lookup's gradient into a table sharded at rest gathered every
+  # device's token ids and cotangent rows (the global batch) to scatter-add into the local
+  # shard; summed whole, each device scatter-adds its own rows and the table's gradient is
+  # reduce-scattered like a weight's.
+  from tests.model_patterns import Size, target_zero
+  size = Size(layers=2, d_model=512, d_ff=512, rows=1024, vocab=8192, seq=32)
+  compiled, plan, _ = target_zero("d1", size, 3, gpu.gpu_topology(TOPOLOGY).devices)
+  assert memory.activation_collectives(compiled.as_text(), plan) == {}
+  assert memory.measure(compiled).collective_total <= 1.1 * memory.textbook_bytes(plan)
+
 @needs_gpu_compiler
 def test_gpu_nnx_step_records_its_formulation_and_warns_when_not_boxed():
   # The per-use boxes enter an NNX model through zerojax.value_and_grad; a step that
@@ -349,3 +389,13 @@ def test_gpu_compiler_options_yield_to_xla_flags(monkeypatch):
   assert "xla_gpu_reduce_scatter_combine_threshold_bytes" not in opts
   assert "xla_gpu_enable_latency_hiding_scheduler" not in opts
   assert opts["xla_gpu_enable_pipelined_all_gather"] is True
+
+
+def test_tpu_compiler_options_yield_to_libtpu_init_args(monkeypatch):
+  from types import SimpleNamespace
+  from zerojax.core import formulation as fm
+  plan = SimpleNamespace(platform="tpu", config=zerojax.ZeroConfig(stage=3))
+  monkeypatch.delenv("LIBTPU_INIT_ARGS", raising=False)
+  assert fm.compiler_options(plan) == {"xla_tpu_enable_ici_ag_pipelining": True}
+  monkeypatch.setenv("LIBTPU_INIT_ARGS", "--xla_tpu_enable_ici_ag_pipelining=false")
+  assert fm.compiler_options(plan) is None

@@ -88,7 +88,10 @@ def test_tpu_collectives_and_schedule(stage0, stage3):
   # gradient; XLA's partitioner, as hand-written FSDP does, may choose otherwise.
   explicit = _compile(stage=3, gather="explicit")
   c3 = explicit.measured.collectives
-  assert c3["all-gather"] >= 0.95 * p  # every parameter gathered at least once
+  # Every parameter gathered in both passes in bf16 (p/2 each), except that with ICI
+  # all-gather pipelining XLA:TPU may keep the last layer's gathered kernel from the forward
+  # pass for the backward pass instead of gathering it again.
+  assert c3["all-gather"] >= 0.85 * p
   assert c3["reduce-scatter"] >= 0.95 * p
   # On an accelerator stage 3 gathers per use by default, decided before compiling: weights
   # move, activations do not, at the textbook volume.

@@ -18,7 +18,7 @@ from zerojax._compat import ORIGINAL_LINEN_APPLY, install_linen_apply_hook
 from zerojax.core import context
 from zerojax.core.config import ConfigError
 from zerojax.core.dtypes import compute_dtype_of, to_compute
-from zerojax.core.formulation import Formulation
+from zerojax.core.formulation import Formulation, lookup_tables
 from zerojax.core.gather import box_params, setting
 from zerojax.core.plan import ShardingPlan
 from zerojax.core.regather import regather_layers
@@ -43,6 +43,7 @@ class ModelApply:
     functools.update_wrapper(self, apply_fn)
     self.apply_fn, self.plan = apply_fn, plan
     self.formulation: Formulation | None = None
+    self._tables: frozenset[int] = frozenset()  # leaves looked up in (`lookup_tables`)
     self._treedef = jax.tree.structure(plan.params)
     self._pure = per_layer_reads(apply_fn, plan, functools.partial(setattr, self, "formulation"))
     self._dtype = compute_dtype_of(plan.config)
@@ -68,7 +69,8 @@ class ModelApply:
     if self.formulation is None:
       # Shapes only: host-resident parameters may not meet the model unfetched, even in a trace.
       shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), x.dtype), params)
-      self.formulation = plan.formulation(jax.make_jaxpr(lambda p: run(p, False))(shapes))
+      jaxpr = jax.make_jaxpr(lambda p: run(p, False))(shapes)
+      self.formulation, self._tables = plan.formulation(jaxpr), lookup_tables(plan, jaxpr)
     per_use, has_scan = self.formulation
     if plan.config.quantized:  # ZeRO++: per device, zerojax's own (quantised) collectives
       def body(boxed, a, kw):
@@ -88,7 +90,8 @@ class ModelApply:
       boxed["params"] = to_compute(params, cd)
     else:
       early = plan.params_sharded and not plan.params_on_host
-      boxed["params"] = box_params(to_compute(params, cd) if early else params, plan)
+      boxed["params"] = box_params(to_compute(params, cd) if early else params, plan,
+                                   self._tables)
     return self.apply_fn(boxed, *args, **kwargs)
 
   def _foreign(self, variables, args, kwargs):

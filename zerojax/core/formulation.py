@@ -19,9 +19,10 @@ import os
 import re
 from typing import Any, NamedTuple
 
-from zerojax._compat import REMAT_PRIMITIVE_NAMES, jaxpr_has_primitive
+from zerojax._compat import REMAT_PRIMITIVE_NAMES, jaxpr_has_primitive, subjaxprs
 
-__all__ = ["Formulation", "choose", "compiler_options", "GPU_COMPILER_OPTIONS"]
+__all__ = ["Formulation", "choose", "lookup_tables", "compiler_options",
+           "GPU_COMPILER_OPTIONS", "TPU_COMPILER_OPTIONS"]
 
 
 class Formulation(NamedTuple):
@@ -68,11 +69,67 @@ def _per_use_by_default(plan: Any, has_scan: bool, remats: bool, linen: bool) ->
   return plan.config.remat == "auto" and not has_scan and not remats
 
 
+# Primitives that pass a parameter on as the same values (cast, reshaped, sliced, named).
+_SAME_VALUES = frozenset({"convert_element_type", "reshape", "squeeze", "expand_dims",
+                          "broadcast_in_dim", "transpose", "copy", "copy_p", "slice",
+                          "dynamic_slice", "sharding_constraint", "name", "optimization_barrier"})
+
+
+def lookup_tables(plan: Any, jaxpr: Any) -> frozenset[int]:
+  """Which inputs of a model's ``jaxpr`` (its parameter leaves, in tree order) are tables it
+  looks rows up in (the operand of a ``gather``, through casts, reshapes and slices), on a
+  plan whose per-use gathers sum their gradient whole before sharding it (`zerojax.core.gather`).
+
+  Left to itself, XLA:TPU's and XLA:GPU's partitioner computes the gradient of a lookup into a
+  table sharded at rest where the shard lives: it all-gathers every device's cotangent rows (the
+  global batch's activations) and scatter-adds them into the local shard. Summed whole first,
+  each device scatter-adds its own rows and the sum is reduce-scattered, as for any weight.
+  XLA:CPU keeps the formulation its conformance table measures."""
+  if not (plan.params_sharded and plan.platform != "cpu") or jaxpr is None:
+    return frozenset()
+  jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+  hits, _ = _gathered_inputs(jaxpr, [frozenset({i}) for i in range(len(jaxpr.invars))])
+  return hits
+
+
+def _gathered_inputs(jaxpr: Any, taint: list[frozenset[int]]
+                     ) -> tuple[frozenset[int], list[frozenset[int]]]:
+  """Inputs (labels in ``taint``, one per invar) reaching a ``gather``'s operand, and the labels
+  of the outputs."""
+  none = frozenset()
+  of = dict(zip(jaxpr.invars, taint))
+  get = lambda v: of.get(v, none) if hasattr(v, "aval") and not hasattr(v, "val") else none
+  hits: set[int] = set()
+  for eqn in jaxpr.eqns:
+    name = eqn.primitive.name
+    if name == "gather":
+      hits |= get(eqn.invars[0])
+    elif name in _SAME_VALUES:
+      for k, out in enumerate(eqn.outvars):
+        of[out] = get(eqn.invars[min(k, len(eqn.invars) - 1)])
+    else:
+      for sub in subjaxprs(eqn.params):
+        skip = len(eqn.invars) - len(sub.invars)  # cond's branch index
+        if skip < 0:
+          continue
+        inner, outs = _gathered_inputs(sub, [get(v) for v in eqn.invars[skip:]])
+        hits |= inner
+        if len(outs) == len(eqn.outvars):
+          for out, t in zip(eqn.outvars, outs):
+            of[out] = of.get(out, none) | t
+  return frozenset(hits), [get(v) for v in jaxpr.outvars]
+
+
 GPU_COMPILER_OPTIONS = {"xla_gpu_enable_latency_hiding_scheduler": True,
                         "xla_gpu_enable_pipelined_all_gather": True,
                         "xla_gpu_enable_pipelined_reduce_scatter": True,
                         "xla_gpu_enable_while_loop_double_buffering": True,
                         "xla_gpu_reduce_scatter_combine_threshold_bytes": 1}
+
+TPU_COMPILER_OPTIONS = {"xla_tpu_enable_ici_ag_pipelining": True}
+
+# Where a user sets the flags each backend's options stand for; a flag set there wins.
+_USER_FLAGS = {"gpu": "XLA_FLAGS", "tpu": "LIBTPU_INIT_ARGS"}
 
 
 def compiler_options(plan: Any) -> dict[str, Any] | None:
@@ -94,11 +151,16 @@ def compiler_options(plan: Any) -> dict[str, Any] | None:
   at the end of its backward pass) with nothing left to compute beside them. They are
   per-compile options, so they need no process-wide ``XLA_FLAGS``; a flag set there (by the
   user, or by a DeepSpeed config's bucket sizes and ``overlap_comm``) wins.
+
+  On XLA:TPU, ICI all-gather pipelining issues a scanned layer's gather an iteration ahead:
+  measured one by one among the flags MaxText ships (BENCHMARKS.md), it is the one that moved
+  the schedule. A flag in ``LIBTPU_INIT_ARGS`` wins there.
   """
   platform = plan.platform
   if plan.config.shards_opt_state and platform == "cpu":
     return {"xla_disable_hlo_passes": "cpu-all-reduce-combiner"}
-  if platform == "gpu":
-    user = set(re.findall(r"--(xla_\w+)", os.environ.get("XLA_FLAGS", "")))
-    return {k: v for k, v in GPU_COMPILER_OPTIONS.items() if k not in user}
-  return None
+  defaults = {"gpu": GPU_COMPILER_OPTIONS, "tpu": TPU_COMPILER_OPTIONS}.get(platform)
+  if defaults is None:
+    return None
+  user = set(re.findall(r"--(xla_\w+)", os.environ.get(_USER_FLAGS[platform], "")))
+  return {k: v for k, v in defaults.items() if k not in user} or None

@@ -34,10 +34,12 @@ __all__ = ["GATHERED", "AFTER", "BACKWARD", "setting", "zerojax_gather", "gather
 GATHERED = "zerojax_gathered"
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5))
 def zerojax_gather(w: jax.Array, at_rest: NamedSharding, compute: NamedSharding,
-                   grad: NamedSharding, reduce_dtype: Any) -> jax.Array:
-  """Identity that moves ``w`` from its at-rest to its compute layout; see module doc."""
+                   grad: NamedSharding, reduce_dtype: Any, whole: bool = False) -> jax.Array:
+  """Identity that moves ``w`` from its at-rest to its compute layout; see module doc.
+  ``whole``: the gradient is summed whole (in the compute layout) before it is sharded, so
+  a table's lookups are scatter-added per device (`zerojax.core.formulation.lookup_tables`)."""
   if at_rest == compute:
     # Nothing to gather (stages 0-2). Returning ``w`` itself, not a constrained copy, lets a
     # scan forward the layer's slice of the stacked parameter as its residual instead of
@@ -50,14 +52,16 @@ def zerojax_gather(w: jax.Array, at_rest: NamedSharding, compute: NamedSharding,
 gather = zerojax_gather
 
 
-def _gather_fwd(w, at_rest, compute, grad, reduce_dtype):
-  return zerojax_gather(w, at_rest, compute, grad, reduce_dtype), None
+def _gather_fwd(w, at_rest, compute, grad, reduce_dtype, whole):
+  return zerojax_gather(w, at_rest, compute, grad, reduce_dtype, whole), None
 
 
-def _gather_bwd(at_rest, compute, grad, reduce_dtype, _, ct):
+def _gather_bwd(at_rest, compute, grad, reduce_dtype, whole, _, ct):
   dtype = ct.dtype
   if reduce_dtype is not None:
     ct = ct.astype(reduce_dtype)
+  if whole:
+    ct = jax.lax.with_sharding_constraint(ct, compute)
   ct = jax.lax.with_sharding_constraint(ct, grad)
   return (ct.astype(dtype),)
 
@@ -126,6 +130,8 @@ class ZeroParam(struct.PyTreeNode, meta.AxisMetadata):
   manual: Any = struct.field(pytree_node=False, default=None)
   # Cast before the gather, so the all-gather moves the compute dtype (ZeRO's bf16 gathers).
   compute_dtype: Any = struct.field(pytree_node=False, default=None)
+  # A table the model looks rows up in: its gradient is summed whole before it is sharded.
+  lookup: bool = struct.field(pytree_node=False, default=False)
 
   def unbox(self) -> jax.Array:
     if self.manual is not None:
@@ -140,7 +146,8 @@ class ZeroParam(struct.PyTreeNode, meta.AxisMetadata):
       v = v.astype(self.compute_dtype)
     if self.at_rest != self.compute:
       v = after(v, AFTER.get())
-    out = gather(v, ns(self.at_rest), ns(self.compute), ns(self.grad), self.reduce_dtype)
+    out = gather(v, ns(self.at_rest), ns(self.compute), ns(self.grad), self.reduce_dtype,
+                 self.lookup)
     return checkpoint_name(out, GATHERED)
 
   def replace_boxed(self, val: Any) -> "ZeroParam":
@@ -196,17 +203,21 @@ def _of_rank(spec: tuple, ndim: int) -> tuple:
   return spec[extra:]
 
 
-def box_params(params: Any, plan: Any) -> Any:
-  """Wraps every parameter leaf in a `ZeroParam` carrying the plan's layouts."""
+def box_params(params: Any, plan: Any, lookups: frozenset[int] = frozenset()) -> Any:
+  """Wraps every parameter leaf in a `ZeroParam` carrying the plan's layouts; ``lookups``: the
+  leaves (in tree order) that are lookup tables (`zerojax.core.formulation.lookup_tables`)."""
   cfg = plan.config
   reduce_dtype = jnp.dtype(cfg.reduce_dtype) if cfg.reduce_dtype else None
   compute_dtype = compute_dtype_of(cfg)
   spec = lambda s, nd: tuple(s) + (None,) * (nd - len(tuple(s)))
 
-  def one(x, at_rest, compute, grad):
+  def one(x, at_rest, compute, grad, lookup):
     nd = jnp.ndim(x)
     return ZeroParam(x, plan.mesh, spec(at_rest.spec, nd), spec(compute.spec, nd),
                      spec(grad.spec, nd), reduce_dtype,
-                     offloaded=at_rest.memory_kind == HOST, compute_dtype=compute_dtype)
+                     offloaded=at_rest.memory_kind == HOST, compute_dtype=compute_dtype,
+                     lookup=lookup)
 
-  return jax.tree.map(one, params, plan.params, plan.params_gathered, plan.grads)
+  leaves, treedef = jax.tree.flatten(params)
+  tables = jax.tree.unflatten(treedef, [i in lookups for i in range(len(leaves))])
+  return jax.tree.map(one, params, plan.params, plan.params_gathered, plan.grads, tables)
