@@ -618,14 +618,17 @@ def reductions(hlo_text: str) -> list[tuple[str, list[frozenset[int]] | None, in
   return out
 
 
-def _param_shapes(plan: Any) -> set[tuple[int, ...]]:
-  """Shapes a collective moving parameters (or their gradients, shards or layers) has: a leaf
-  or its at-rest shard, or any trailing part of either (one layer of a stacked leaf). Shards
-  count because XLA:TPU may gather a weight as a ring of collective-permutes of its shard, each
-  beside a slice of the matmul that reads it."""
+def _param_shapes(plan: Any, shards: bool = False) -> set[tuple[int, ...]]:
+  """Shapes a collective moving parameters (or their gradients or layers) has: a leaf, or any
+  trailing part of it (one layer of a stacked leaf); with ``shards``, its at-rest shard too.
+  Shards are for collective-permutes and all-to-alls: XLA:TPU may gather a weight as a ring of
+  collective-permutes of its shard, each beside a slice of the matmul that reads it. (An
+  all-gather's result and a reduce-scatter's operand are whole tensors, and a batch shard can
+  have a weight shard's size.)"""
   shapes: set[tuple[int, ...]] = set()
   for lp in plan.leaves:
-    for shape in (tuple(lp.shape), _shard_shape(lp, plan.mesh)):
+    for shape in ((tuple(lp.shape), _shard_shape(lp, plan.mesh)) if shards
+                  else (tuple(lp.shape),)):
       shapes.update(shape[j:] for j in range(len(shape)))
   return shapes
 
@@ -657,8 +660,9 @@ def activation_collectives(hlo_text: str, plan: Any) -> dict[tuple[str, str, str
   combiner concatenates gradients into one 1-D buffer); a collective of one element (a loss, a
   norm) is neither. What is left moves the model's activations: the partitioner chose to
   reshard them instead of gathering a weight."""
-  shapes = _param_shapes(plan)
-  sizes = {math.prod(p) for p in shapes}
+  # (shapes, element counts) a parameter's collective has; shards only for permutes.
+  known = {k: (p, {math.prod(x) for x in p})
+           for k, p in ((False, _param_shapes(plan)), (True, _param_shapes(plan, shards=True)))}
   total = sum(math.prod(lp.shape) for lp in plan.leaves)
   comps, mult = _parse_hlo(hlo_text)
   out: dict[tuple[str, str], int] = {}
@@ -685,6 +689,7 @@ def activation_collectives(hlo_text: str, plan: Any) -> dict[tuple[str, str, str
         n = math.prod(int(d) for d in dims.split(",") if d) if dims else 1
         flat = dims.count(",") == 0 and n * group <= total
         shape = tuple(int(d) for d in dims.split(",") if d)
+        shapes, sizes = known[kind in ("collective-permute", "all-to-all")]
         if n <= 1 or n * group in sizes or flat or _padded(shape, shapes):
           continue
         b = n * group * _DTYPE_BYTES[dt] * (2 if kind == "all-reduce" else 1)
