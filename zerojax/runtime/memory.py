@@ -398,8 +398,7 @@ def collective_schedule(hlo_text: str, kind: str = "all-gather") -> GatherSchedu
   if kind not in ("all-gather", "reduce-scatter"):
     raise ValueError(f"kind={kind!r} is invalid: 'all-gather' or 'reduce-scatter'")
   comps, mult = _parse_hlo(hlo_text)
-  fused = {c for lines in comps.values() for l in lines if " fusion(" in l
-           for c in _CALLEE.findall(l)}
+  fused = _fusion_owners(comps).keys()
   has_matmul = _matmul_finder(comps)
   asynchronous = overlapped = overlapped_mm = synchronous = pairs = overlapped_pairs = 0
   for name, lines in comps.items():
@@ -654,11 +653,11 @@ def activation_collectives(hlo_text: str, plan: Any) -> dict[tuple[str, str, str
   operation the partitioner placed it for (its metadata name, e.g. ``'dot_general'``, or
   ``'scatter-add'`` for an embedding lookup's gradient) (the paper's convention,
   loop bodies by trip count). A tensor counts as a parameter's when its element count is a
-  parameter leaf's or its at-rest shard's, a trailing part of one, or some of a stacked leaf's
-  layers (a reshape of a kernel keeps its count), when its shape is one of those padded by
-  XLA by less than 1/64 per dimension, or when it is a flat buffer no larger than all parameters together (XLA's
-  combiner concatenates gradients into one 1-D buffer); a collective of one element (a loss, a
-  norm) is neither. What is left moves the model's activations: the partitioner chose to
+  parameter leaf's, a trailing part of one, or some of a stacked leaf's layers (a reshape of
+  a kernel keeps its count), for a collective-permute or all-to-all also its at-rest shard's;
+  when its shape is one of those padded by XLA by less than 1/64 per dimension; or when it is
+  a flat buffer no larger than all parameters together (XLA's combiner concatenates gradients
+  into one 1-D buffer). A collective of one element (a loss, a norm) is neither. What is left moves the model's activations: the partitioner chose to
   reshard them instead of gathering a weight."""
   # (shapes, element counts) a parameter's collective has; shards only for permutes.
   known = {k: (p, {math.prod(x) for x in p})
