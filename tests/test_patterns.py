@@ -111,7 +111,7 @@ def _mlp_temp(depth: int, **kw) -> int:
   x = jnp.ones((64, 512))
   state, plan = zerojax.create_train_state(_Mlp(depth), optax.adam(1e-3), jax.random.key(0), x,
                                            config=cfg)
-  if cfg.persistence_threshold:
+  if cfg.persistence_threshold():
     assert any(lp.reason == "threshold" for lp in plan.leaves)  # the biases stay replicated
 
   def step(state, batch):

@@ -239,3 +239,28 @@ def test_tpu_nnx_pytree_and_bypassing_models_move_weights_not_activations(patter
   # As on XLA:GPU (test_gpu_aot): NNX, plain-pytree and bypassing linen models gather weights.
   from tests.model_patterns import check_weights_move
   check_weights_move(pattern, memory.tpu_topology(TOPOLOGY).devices)
+
+
+@needs_libtpu
+def test_tpu_stage3_keeps_small_leaves_whole_by_default():
+  # Per use on XLA:TPU, leaves under 4096 elements stay replicated by default (the 220M
+  # Llama's final norm scale, sharded, cost 178 MiB of temp); on CPU every divisible leaf is
+  # sharded; an explicit threshold wins everywhere.
+  import math
+  import jax
+  import jax.numpy as jnp
+  import optax
+  from zerojax.models import GPT
+  from zerojax.runtime.checkpoint import abstract_train_state
+
+  def reasons(devices, **kw):
+    config = zerojax.ZeroConfig(stage=3, **kw)
+    mesh = zerojax.make_mesh(config, devices=list(devices))
+    _, plan = abstract_train_state(GPT(TINY), optax.adamw(1e-3), jax.random.key(0),
+                                   jnp.zeros(BATCH, jnp.int32), config=config, mesh=mesh)
+    return {lp.path: lp.reason for lp in plan.leaves if math.prod(lp.shape) < 4096}
+
+  tpu = memory.tpu_topology(TOPOLOGY).devices
+  assert reasons(tpu) and set(reasons(tpu).values()) == {"threshold"}
+  assert "threshold" not in set(reasons(tpu, param_persistence_threshold=0).values())
+  assert "threshold" not in set(reasons(jax.devices("cpu")[:8]).values())

@@ -62,9 +62,10 @@ class ZeroConfig:
     param_persistence_threshold: leaves with fewer elements stay replicated (DeepSpeed's
       ``stage3_param_persistence_threshold``). ``None`` (default): 4096 where zerojax gathers
       each parameter itself (``gather='explicit'``, ``reduce_dtype``, ``offload_params``), since
-      a separate collective per bias costs more than it saves; otherwise 0, every divisible
-      leaf sharded, because under XLA's partitioner replicated biases only change its
-      strategy and add temp (BENCHMARKS.md). See `persistence_threshold`.
+      a separate collective per bias costs more than it saves, and at stage 3 on TPU;
+      otherwise 0, every divisible leaf sharded: under XLA's partitioner replicated biases
+      only change its strategy and add temp, and so they do per use on XLA:GPU (BENCHMARKS.md).
+      See `persistence_threshold`.
     param_dtype: dtype of the master parameters and optimizer state.
     compute_dtype: dtype the model computes in (set on Flax modules as ``dtype``).
     reduce_dtype: dtype of the gradient reduction; ``None`` keeps the gradient's dtype.
@@ -227,12 +228,14 @@ class ZeroConfig:
     return (self.gather == "explicit" or self.reduce_dtype is not None
             or self.offload_params or self.quantized)
 
-  @property
-  def persistence_threshold(self) -> int:
-    """``param_persistence_threshold`` with ``None`` resolved (see the field)."""
+  def persistence_threshold(self, platform: str = "cpu") -> int:
+    """``param_persistence_threshold`` with ``None`` resolved for a backend (``'cpu'``,
+    ``'gpu'``, ``'tpu'``; see the field). Stage 3 gathers per use on TPU and GPU; XLA:TPU then
+    needs less temp with small leaves kept whole, XLA:GPU more (BENCHMARKS.md)."""
     if self.param_persistence_threshold is not None:
       return self.param_persistence_threshold
-    return 4096 if self.per_use_settings else 0
+    per_use_on_tpu = platform == "tpu" and self.shards_params
+    return 4096 if self.per_use_settings or per_use_on_tpu else 0
 
   @property
   def optimizer_on_nvme(self) -> bool:

@@ -22,7 +22,7 @@ from flax.core import meta
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from zerojax.core.config import ConfigError, ZeroConfig
-from zerojax.core.mesh import axis_size
+from zerojax.core.mesh import axis_size, platform
 
 __all__ = ["LeafPlan", "plan_leaf", "opt_param_index", "plan_opt_state", "metadata_specs",
            "unbox", "flatten", "path_str", "as_shape", "axes_of", "shard_bytes"]
@@ -70,7 +70,7 @@ def plan_leaf(config: ZeroConfig, mesh: Mesh, path: str, x: Any,
   size = math.prod(shape)
   if f == 1:
     return LeafPlan(path, shape, dtype, gathered, gathered, reason or "fsdp=1")
-  if size < config.persistence_threshold:
+  if size < config.persistence_threshold(platform(mesh)):
     return LeafPlan(path, shape, dtype, gathered, gathered, "threshold")
   best = None
   for d in range(len(shape)):

@@ -9,7 +9,7 @@ user code such as ``x @ w`` with differently sharded operands an error.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import jax
 import numpy as np
@@ -17,7 +17,7 @@ from jax.sharding import AxisType, Mesh
 
 from zerojax.core.config import ZeroConfig
 
-__all__ = ["make_mesh", "data_axes", "axis_size"]
+__all__ = ["make_mesh", "data_axes", "axis_size", "platform"]
 
 
 def make_mesh(config: ZeroConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
@@ -61,3 +61,12 @@ def data_axes(mesh: Mesh) -> tuple[str, ...]:
 
 def axis_size(mesh: Mesh, name: str) -> int:
   return mesh.shape[name] if name in mesh.axis_names else 1
+
+
+def platform(mesh: Any) -> str:
+  """The backend a mesh's devices compile for (``'cpu'``, ``'gpu'``, ``'tpu'``). An abstract
+  mesh (planning without devices) names the abstract device's platform, else ``'cpu'``."""
+  if isinstance(mesh, jax.sharding.AbstractMesh):
+    device = mesh.abstract_device
+    return device.platform if device is not None else "cpu"
+  return next(iter(mesh.devices.flat)).platform

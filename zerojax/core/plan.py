@@ -50,7 +50,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from zerojax.core import quantize as q
 from zerojax.core.config import ConfigError, ZeroConfig
 from zerojax.core.memory_kinds import HOST, memory_kinds
-from zerojax.core.mesh import axis_size, data_axes
+from zerojax.core.mesh import axis_size, data_axes, platform
 from zerojax.core import formulation as fm, report
 from zerojax.core.leaves import (LeafPlan, as_shape, axes_of, flatten, metadata_specs,
                                  opt_param_index, path_str, plan_leaf, plan_opt_state,
@@ -260,7 +260,7 @@ class ShardingPlan:
   @property
   def platform(self) -> str:
     """The backend the plan's devices compile for (``'cpu'``, ``'gpu'``, ``'tpu'``)."""
-    return next(iter(self.mesh.devices.flat)).platform
+    return platform(self.mesh)
 
   @property
   def params_sharded(self) -> bool:

@@ -169,7 +169,7 @@ def _model_options(args, config) -> tuple[list, int, str]:
   else:
     _shapes_only()
   options, psi = estimate.preset_options(args.model, config, n)
-  t = config.persistence_threshold
+  t = config.persistence_threshold()  # the estimate's devices are simulated CPUs
   kept = (f"leaves below param_persistence_threshold={t:,} elements or with no dimension "
           f"divisible by {n} stay replicated" if t else
           f"every leaf with a dimension divisible by {n} is sharded (the others stay "
