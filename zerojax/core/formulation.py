@@ -19,6 +19,8 @@ import os
 import re
 from typing import Any, NamedTuple
 
+from jax.extend.core import Var
+
 from zerojax._compat import REMAT_PRIMITIVE_NAMES, jaxpr_has_primitive, subjaxprs
 
 __all__ = ["Formulation", "choose", "lookup_tables", "compiler_options",
@@ -98,7 +100,7 @@ def _gathered_inputs(jaxpr: Any, taint: list[frozenset[int]]
   of the outputs."""
   none = frozenset()
   of = dict(zip(jaxpr.invars, taint))
-  get = lambda v: of.get(v, none) if hasattr(v, "aval") and not hasattr(v, "val") else none
+  get = lambda v: of.get(v, none) if isinstance(v, Var) else none  # a Literal is no input
   hits: set[int] = set()
   for eqn in jaxpr.eqns:
     name = eqn.primitive.name
