@@ -1,5 +1,7 @@
 """`zerojax.core.gather`: ordering data dependencies and the stage-3 per-layer custom VJP."""
 
+import types
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -13,19 +15,35 @@ from zerojax.core import gather
 
 def test_after_is_exact_identity():
   w = jnp.asarray([1.5, -2.0, 3e-38, 0.0], jnp.float32)
-  for token in (jnp.float32(7.0), jnp.float32(-1e30), None):
+  for token in (jnp.float32(7.0), jnp.float32(-1e30), jnp.ones((2, 3)), None):
     np.testing.assert_array_equal(np.asarray(gather.after(w, token)), np.asarray(w))
 
 
-def test_after_rejects_a_non_scalar_token():
-  with pytest.raises(ValueError, match=r"token must be a scalar, got shape \(3,\)"):
-    gather.after(jnp.zeros(3), jnp.ones(3))
+def test_after_an_array_orders_by_a_barrier_in_the_forward_pass_only():
+  # An array token (XLA:GPU, XLA:TPU) costs no computation: a barrier over (w, token), and
+  # the gradient passes through unbarriered.
+  w, x = jnp.arange(4.0), jnp.ones((2, 3))
+  fwd = str(jax.make_jaxpr(gather.after)(w, x))
+  assert "optimization_barrier" in fwd and "reduce_sum" not in fwd
+  grad = jax.grad(lambda w: jnp.sum(gather.after(w, x) ** 2))
+  np.testing.assert_array_equal(np.asarray(grad(w)), np.asarray(2 * w))
+  assert "optimization_barrier" not in str(jax.make_jaxpr(jax.vjp(gather.after, w, x)[1])(w))
 
 
-def test_token_is_finite_even_for_non_finite_input():
-  t = gather.token_of({"x": jnp.asarray([jnp.inf, 1.0])})
-  assert np.isfinite(np.asarray(t))
-  assert gather.token_of({"ids": jnp.asarray([1, 2])}) is None  # integers only: no token
+def _mesh_on(platform):
+  # `token_of` reads only the platform of the mesh's devices.
+  return types.SimpleNamespace(devices=np.asarray([types.SimpleNamespace(platform=platform)]))
+
+
+def test_token_on_cpu_is_a_finite_scalar_elsewhere_the_array():
+  x = jnp.asarray([jnp.inf, 1.0])
+  t = gather.token_of({"x": x}, _mesh_on("cpu"))
+  assert t.shape == () and np.isfinite(np.asarray(t))  # XLA:CPU drops barriers: a sum
+  for platform in ("gpu", "tpu"):
+    t = gather.token_of({"ids": jnp.asarray([1]), "x": x}, _mesh_on(platform))
+    np.testing.assert_array_equal(np.asarray(t), np.asarray(x))
+  for platform in ("cpu", "gpu"):  # integers only: no token
+    assert gather.token_of({"ids": jnp.asarray([1, 2])}, _mesh_on(platform)) is None
 
 
 class NoisyDense(nn.Module):

@@ -26,6 +26,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zerojax.core.dtypes import compute_dtype_of
 from zerojax.core.memory_kinds import HOST
+from zerojax.core.mesh import platform
 
 __all__ = ["GATHERED", "AFTER", "BACKWARD", "setting", "zerojax_gather", "gather", "fetch",
            "after", "token_of", "ZeroParam", "box_params"]
@@ -74,7 +75,7 @@ def fetch(w: jax.Array, device: NamedSharding) -> jax.Array:
   return jax.device_put(w, device)
 
 
-# The scalar a layer's gathers must wait for (see `regather_layers`); None outside one.
+# The token (`token_of`) a layer's gathers must wait for (see `regather_layers`); None outside one.
 AFTER: contextvars.ContextVar[Any] = contextvars.ContextVar("zerojax_after", default=None)
 
 
@@ -95,22 +96,40 @@ def setting(var: contextvars.ContextVar, value: Any) -> Iterator[None]:
 
 
 def after(w: jax.Array, token: jax.Array | None) -> jax.Array:
-  """``w``, computed only once ``token`` is: ``w + 0 * token`` (same value, exactly).
+  """``w``, computed only once ``token`` (from `token_of`) is, with the same value.
 
-  A data dependency is the one ordering XLA must respect; ``token`` is a finite scalar (see
-  `token_of`), so the sum is ``w`` bit for bit except that ``-0.0`` becomes ``+0.0``.
+  A scalar token orders by a data dependency, ``w + 0 * token``: the sum is ``w`` bit for bit
+  (the token is finite) except that ``-0.0`` becomes ``+0.0``. An array token orders by an
+  optimization barrier over ``(w, token)``, which computes nothing; its gradient passes
+  through unbarriered, so the backward pass is free to combine and reorder as before.
   """
   if token is None:
     return w
-  if jnp.ndim(token) != 0:  # a non-scalar would broadcast into w and change its shape
-    raise ValueError(f"after: token must be a scalar, got shape {jnp.shape(token)}")
-  return w + (token * 0).astype(w.dtype)
+  if jnp.ndim(token) == 0:
+    return w + (token * 0).astype(jnp.result_type(w))
+  return _behind(w, token)
 
 
-def token_of(tree: Any) -> jax.Array | None:
-  """A finite float32 scalar that exists only once the first float array in ``tree`` does."""
+@jax.custom_vjp
+def _behind(w: jax.Array, token: jax.Array) -> jax.Array:
+  return jax.lax.optimization_barrier((w, token))[0]
+
+
+_behind.defvjp(lambda w, token: (_behind(w, token), None), lambda _, ct: (ct, None))
+
+
+def token_of(tree: Any, mesh: Any) -> jax.Array | None:
+  """What work ordered after ``tree`` (by `after`) waits for; None if it holds no float array.
+
+  On XLA:GPU and XLA:TPU, the first float array itself: they keep optimization barriers until
+  they schedule, and a barrier costs nothing. XLA:CPU's pipeline removes barriers before it
+  schedules, so there it is a finite float32 scalar of that array (a sum: one pass over it,
+  and an all-reduce of the scalar when the array is sharded).
+  """
   for x in jax.tree.leaves(tree):
     if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jnp.inexact):
+      if platform(mesh) != "cpu":
+        return jax.lax.stop_gradient(x)
       t = jnp.sum(x.astype(jnp.float32))
       return jax.lax.stop_gradient(jnp.where(jnp.isfinite(t), t, 0.0))
   return None

@@ -35,7 +35,7 @@ def regather_layers(next_fun: Callable, args: tuple, kwargs: dict,
   bias still computes as one layer.
   A qualifying call becomes a ``custom_vjp`` over the module's shards and array arguments:
 
-  * forward: gather the shards after the first float argument exists, run the module;
+  * forward: gather the shards after the first float argument exists (`after`), run the module;
     residuals are the shards and the arguments, never the gathered weights;
   * backward: gather again after the output cotangent exists, and differentiate the module
     (its gradient is reduce-scattered by `gather`'s own backward).
@@ -58,6 +58,7 @@ def regather_layers(next_fun: Callable, args: tuple, kwargs: dict,
   leaves, treedef = jax.tree.flatten((args, kwargs))
   is_array = [isinstance(x, (jax.Array, np.ndarray)) for x in leaves]
   unbound = module.clone(parent=None)
+  mesh = boxes[0].mesh
 
   def run(shards, arrays, token):
     it = iter(arrays)
@@ -69,14 +70,14 @@ def regather_layers(next_fun: Callable, args: tuple, kwargs: dict,
 
   @jax.custom_vjp
   def layer(shards, arrays):
-    return run(shards, arrays, token_of(arrays))
+    return run(shards, arrays, token_of(arrays, mesh))
 
   def layer_fwd(shards, arrays):
-    return run(shards, arrays, token_of(arrays)), (shards, arrays)
+    return run(shards, arrays, token_of(arrays, mesh)), (shards, arrays)
 
   def layer_bwd(res, ct):
     shards, arrays = res
-    token = token_of(ct)
+    token = token_of(ct, mesh)
     with setting(BACKWARD, True):
       _, vjp = jax.vjp(lambda s, a: run(s, a, token), shards, arrays)
       return vjp(ct)

@@ -15,7 +15,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zerojax._compat import bind_dot_general, eval_jaxpr, var_uses
-from zerojax.core.gather import GATHERED, gather, token_of
+from zerojax.core.gather import GATHERED, after, gather, token_of
 
 __all__ = ["per_layer_reads"]
 
@@ -185,12 +185,11 @@ class _Dot:
     return bind_dot_general(a, b, dict(self.params))
 
 
-def _row(w: jax.Array, i: int, operand: jax.Array) -> jax.Array:
+def _row(w: jax.Array, i: int, operand: jax.Array, mesh: Any) -> jax.Array:
   """``w[i]``, sliced only once ``operand`` (an array the caller is about to use it with)
-  exists: the index is ``i + 0 * token`` (exactly ``i``; the token is finite, `token_of`), a
-  data dependency that costs one scalar rather than a pass over the row as `after` would."""
-  t = token_of(operand)
-  i = i if t is None else i + (t * 0).astype(jnp.int32)
+  exists: the index waits for ``operand`` (`after`), which orders one scalar rather than a
+  pass over the row."""
+  i = after(jnp.asarray(i, jnp.int32), token_of(operand, mesh))
   return jax.lax.dynamic_index_in_dim(w, i, axis=0, keepdims=False)
 
 
@@ -211,11 +210,11 @@ def _row_dot(w: jax.Array, other: jax.Array, i: int, pos: int, dot: _Dot,
   through a token instead cost XLA:TPU more temp).
   """
   use = gathered or (lambda r: r)
-  return dot(use(_row(w, i, other)), other, pos), w
+  return dot(use(_row(w, i, other, grad.mesh)), other, pos), w
 
 
 def _row_dot_fwd(w, other, i, pos, dot, grad, first, gathered):
-  row = _row(w, i, other)
+  row = _row(w, i, other, grad.mesh)
   use = gathered or (lambda r: r)
   return (dot(use(row), other, pos), w), (w, other, row if first else None)
 
@@ -223,7 +222,7 @@ def _row_dot_fwd(w, other, i, pos, dot, grad, first, gathered):
 def _row_dot_bwd(i, pos, dot, grad, first, gathered, res, cts):
   w, other, saved = res
   ct_out, ct_w = cts
-  row = saved if first else _row(w, i, ct_out)
+  row = saved if first else _row(w, i, ct_out, grad.mesh)
   row = gathered(row) if gathered is not None else row
   _, vjp = jax.vjp(lambda r, o: dot(r, o, pos), row, other)
   ct_row, ct_other = vjp(ct_out)
