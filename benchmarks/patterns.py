@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.model_patterns import (  # noqa: E402
     DESCRIPTIONS, FULL, PATTERNS, SMALL, Runner, Size, abstract, baseline_runner, batches,
     fsdp_spec, linen_models, loss_of, make_tx, max_diff, nnx_model, pytree_apply, pytree_init,
-    reference_losses, target_zero, zero_runner)
+    reference_losses, target_zero, timed_compile, zero_runner)
 
 # -- ahead of time, for an accelerator compiler (--target) -----------------------------------------
 
@@ -109,10 +109,8 @@ def target_baseline(pattern: str, size: Size, devices, style: str = "hand"
       return (optax.apply_updates(p, u), o), loss
   f = jax.jit(step, in_shardings=(state_sh, batch_sh),
               out_shardings=(state_sh, NamedSharding(mesh, P())), donate_argnums=(0,))
-  t0 = time.perf_counter()
-  compiled = f.lower(abstract(state, state_sh),
-                     abstract(data, jax.tree.map(lambda _: batch_sh, data))).compile()
-  return compiled, time.perf_counter() - t0
+  args = abstract(state, state_sh), abstract(data, jax.tree.map(lambda _: batch_sh, data))
+  return timed_compile(lambda: f.lower(*args).compile())
 
 
 def target_table(target: str, size: Size, pats, stages=(3,)) -> str:
