@@ -118,17 +118,18 @@ def _behind(w: jax.Array, token: jax.Array) -> jax.Array:
 _behind.defvjp(lambda w, token: (_behind(w, token), None), lambda _, ct: (ct, None))
 
 
-def token_of(tree: Any, mesh: Any) -> jax.Array | None:
+def token_of(tree: Any, mesh: Any | None) -> jax.Array | None:
   """What work ordered after ``tree`` (by `after`) waits for; None if it holds no float array.
 
-  On XLA:GPU and XLA:TPU, the first float array itself: they keep optimization barriers until
-  they schedule, and a barrier costs nothing. XLA:CPU's pipeline removes barriers before it
-  schedules, so there it is a finite float32 scalar of that array (a sum: one pass over it,
-  and an all-reduce of the scalar when the array is sharded).
+  On XLA:GPU and XLA:TPU (``mesh``'s devices), the first float array itself: they keep
+  optimization barriers until they schedule, and a barrier costs nothing. XLA:CPU's pipeline
+  removes barriers before it schedules, so there (and with ``mesh=None``) it is a finite
+  float32 scalar of that array (a sum: one pass over it, and an all-reduce of the scalar when
+  the array is sharded).
   """
   for x in jax.tree.leaves(tree):
     if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jnp.inexact):
-      if platform(mesh) != "cpu":
+      if mesh is not None and platform(mesh) != "cpu":
         return jax.lax.stop_gradient(x)
       t = jnp.sum(x.astype(jnp.float32))
       return jax.lax.stop_gradient(jnp.where(jnp.isfinite(t), t, 0.0))
