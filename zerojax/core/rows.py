@@ -190,8 +190,8 @@ def _row(w: jax.Array, i: int, operand: jax.Array, gathered: Any, grad: NamedSha
   """``w[i]``, sliced only once ``operand`` (an array the caller is about to use it with)
   exists: the index waits for ``operand`` (`after`), which orders one scalar rather than a
   pass over the row. A row gathered per use waits by the compiler's cheapest means
-  (`token_of`); one read where it is (stage 2) always waits for a summed scalar: waiting by a
-  barrier there cost XLA:TPU 46 MiB more temp on pattern g."""
+  (`token_of`); one read where it is (stage 2) always waits for a summed scalar: a barrier
+  there cost XLA:TPU the stage-2 gradient bound on a stacked-weight model."""
   i = after(jnp.asarray(i, jnp.int32), token_of(operand, grad.mesh if gathered else None))
   return jax.lax.dynamic_index_in_dim(w, i, axis=0, keepdims=False)
 
