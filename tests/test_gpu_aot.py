@@ -339,12 +339,12 @@ def test_gpu_embedding_gradient_is_reduce_scattered_not_its_rows_gathered():
   # reduce-scattered like a weight's.
   # Its unscanned layers gather after their input exists: ordered by barriers, no all-reduce
   # of an ordering token.
-  from tests.model_patterns import Size, all_reduces, target_zero
+  from tests.model_patterns import Size, scalar_all_reduces, target_zero
   size = Size(layers=2, d_model=512, d_ff=512, rows=1024, vocab=8192, seq=32)
   compiled, plan, _ = target_zero("d1", size, 3, gpu.gpu_topology(TOPOLOGY).devices)
   assert memory.activation_collectives(compiled.as_text(), plan) == {}
   assert memory.measure(compiled).collective_total <= 1.1 * memory.textbook_bytes(plan)
-  assert all_reduces(compiled.as_text()) <= 1
+  assert scalar_all_reduces(compiled.as_text()) <= 1
 
 @needs_gpu_compiler
 def test_gpu_nnx_step_records_its_formulation_and_warns_when_not_boxed():

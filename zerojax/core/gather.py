@@ -106,7 +106,7 @@ def after(w: jax.Array, token: jax.Array | None) -> jax.Array:
   if token is None:
     return w
   if jnp.ndim(token) == 0:
-    return w + (token * 0).astype(jnp.result_type(w))
+    return w + (token * 0).astype(w.dtype)
   return _behind(w, token)
 
 
