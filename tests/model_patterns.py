@@ -271,11 +271,17 @@ def zero_runner(pattern: str, size: Size, stage: int, mesh=None, **config_kw) ->
   return Runner(compiled, run, params, plan, formulation)
 
 
-def pytree_compiled(size: Size, stage: int, devices, timed: list | None = None) -> Any:
+def pytree_compiled(size: Size, stage: int, devices) -> Any:
   """Pattern g's zerojax step at ``ZeroConfig(stage=stage)``, compiled ahead of time over
   ``devices`` (e.g. a TPU topology's, `zerojax.runtime.memory.tpu_topology`) from abstract state:
-  nothing is allocated, so it runs on a machine without those devices. The step's compile
-  seconds (`timed_compile`) are appended to ``timed`` if given."""
+  nothing is allocated, so it runs on a machine without those devices."""
+  step, state, batch, plan = pytree_step(size, stage, devices)
+  return step.lower(state, batch).compile(), plan
+
+
+def pytree_step(size: Size, stage: int, devices) -> tuple[Any, Any, Any, Any]:
+  """``(step, state, batch, plan)``: pattern g's zerojax step over ``devices`` and the abstract
+  state and batch to lower it with."""
   import jax
   import zerojax
   from zerojax.core.plan import ShardingPlan
@@ -296,11 +302,7 @@ def pytree_compiled(size: Size, stage: int, devices, timed: list | None = None) 
     loss, grads = zerojax.value_and_grad(lf)(state.params, batch)
     return state.apply_gradients(grads=grads), {"loss": loss}
 
-  step = zerojax.zero_step(plan)(train_step)
-  compiled, secs = timed_compile(lambda: step.lower(state, batch).compile())
-  if timed is not None:
-    timed.append(secs)
-  return compiled, plan
+  return zerojax.zero_step(plan)(train_step), state, batch, plan
 
 
 def timed_compile(compile_: Callable[[], Any]) -> tuple[Any, float]:
@@ -328,9 +330,9 @@ def target_zero(pattern: str, size: Size, stage: int, devices) -> tuple[Any, Any
   from zerojax.core.create import abstract_nnx
   from zerojax.runtime.checkpoint import abstract_train_state
   if pattern == "g":
-    timed = []
-    compiled, plan = pytree_compiled(size, stage, devices, timed)
-    return compiled, plan, timed[0]
+    step, state, batch, plan = pytree_step(size, stage, devices)
+    compiled, secs = timed_compile(lambda: step.lower(state, batch).compile())
+    return compiled, plan, secs
   config = zerojax.ZeroConfig(stage=stage)
   mesh = zerojax.make_mesh(config, devices=list(devices))
   data = batches(size, pattern, 1)[0]
