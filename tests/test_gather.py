@@ -1,5 +1,6 @@
 """`zerojax.core.gather`: ordering data dependencies and the stage-3 per-layer custom VJP."""
 
+import dataclasses
 import types
 
 import flax.linen as nn
@@ -30,20 +31,30 @@ def test_after_an_array_orders_by_a_barrier_in_the_forward_pass_only():
 
 
 def _mesh_on(platform):
-  # `token_of` reads only the platform of the mesh's devices.
+  # `mesh.platform` reads only the platform of the mesh's devices.
   return types.SimpleNamespace(devices=np.asarray([types.SimpleNamespace(platform=platform)]))
 
 
-def test_token_on_cpu_is_a_finite_scalar_elsewhere_the_array():
+def test_the_plan_waits_by_a_barrier_except_on_cpu():
+  # XLA:CPU removes barriers before it schedules; XLA:GPU and XLA:TPU keep them.
+  state, plan = zerojax.create_train_state(Net(), optax.sgd(0.1), jax.random.key(0),
+                                       jnp.ones((16, 64)), config=zerojax.ZeroConfig(stage=3))
+  assert plan.waits_by_barrier is False
+  for platform, barrier in (("gpu", True), ("tpu", True), ("cpu", False)):
+    assert dataclasses.replace(plan, mesh=_mesh_on(platform)).waits_by_barrier is barrier
+  boxed = gather.box_params(state.params, plan)
+  assert {b.barrier for b in jax.tree.leaves(boxed, is_leaf=lambda x: isinstance(
+      x, gather.ZeroParam))} == {False}
+
+
+def test_token_is_the_array_with_a_barrier_else_a_finite_scalar():
   x = jnp.asarray([jnp.inf, 1.0])
-  for mesh in (_mesh_on("cpu"), None):  # XLA:CPU drops barriers; None asks for the scalar
-    t = gather.token_of({"x": x}, mesh)
-    assert t.shape == () and np.isfinite(np.asarray(t))
-  for platform in ("gpu", "tpu"):
-    t = gather.token_of({"ids": jnp.asarray([1]), "x": x}, _mesh_on(platform))
-    np.testing.assert_array_equal(np.asarray(t), np.asarray(x))
-  for platform in ("cpu", "gpu"):  # integers only: no token
-    assert gather.token_of({"ids": jnp.asarray([1, 2])}, _mesh_on(platform)) is None
+  t = gather.token_of({"x": x}, barrier=False)
+  assert t.shape == () and np.isfinite(np.asarray(t))
+  t = gather.token_of({"ids": jnp.asarray([1]), "x": x}, barrier=True)
+  np.testing.assert_array_equal(np.asarray(t), np.asarray(x))
+  for barrier in (False, True):  # integers only: no token
+    assert gather.token_of({"ids": jnp.asarray([1, 2])}, barrier) is None
 
 
 class NoisyDense(nn.Module):

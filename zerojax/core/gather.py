@@ -26,7 +26,6 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zerojax.core.dtypes import compute_dtype_of
 from zerojax.core.memory_kinds import HOST
-from zerojax.core.mesh import platform
 
 __all__ = ["GATHERED", "AFTER", "BACKWARD", "setting", "zerojax_gather", "gather", "fetch",
            "after", "token_of", "ZeroParam", "box_params"]
@@ -118,18 +117,16 @@ def _behind(w: jax.Array, token: jax.Array) -> jax.Array:
 _behind.defvjp(lambda w, token: (_behind(w, token), None), lambda _, ct: (ct, None))
 
 
-def token_of(tree: Any, mesh: Any | None) -> jax.Array | None:
+def token_of(tree: Any, barrier: bool) -> jax.Array | None:
   """What work ordered after ``tree`` (by `after`) waits for; None if it holds no float array.
 
-  On XLA:GPU and XLA:TPU (``mesh``'s devices), the first float array itself: they keep
-  optimization barriers until they schedule, and a barrier costs nothing. XLA:CPU's pipeline
-  removes barriers before it schedules, so there (and with ``mesh=None``) it is a finite
-  float32 scalar of that array (a sum: one pass over it, and an all-reduce of the scalar when
-  the array is sharded).
+  With ``barrier`` (`ShardingPlan.waits_by_barrier`), the first float array itself, which
+  `after` orders by an optimization barrier. Else a finite float32 scalar of that array (a sum:
+  one pass over it, and an all-reduce of the scalar when the array is sharded).
   """
   for x in jax.tree.leaves(tree):
     if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jnp.inexact):
-      if mesh is not None and platform(mesh) != "cpu":
+      if barrier:
         return jax.lax.stop_gradient(x)
       t = jnp.sum(x.astype(jnp.float32))
       return jax.lax.stop_gradient(jnp.where(jnp.isfinite(t), t, 0.0))
@@ -152,6 +149,8 @@ class ZeroParam(struct.PyTreeNode, meta.AxisMetadata):
   compute_dtype: Any = struct.field(pytree_node=False, default=None)
   # A table the model looks rows up in: its gradient is summed whole before it is sharded.
   lookup: bool = struct.field(pytree_node=False, default=False)
+  # How a layer re-gathering it waits for its input (`ShardingPlan.waits_by_barrier`).
+  barrier: bool = struct.field(pytree_node=False, default=False)
 
   def unbox(self) -> jax.Array:
     if self.manual is not None:
@@ -236,7 +235,7 @@ def box_params(params: Any, plan: Any, lookups: frozenset[int] = frozenset()) ->
     return ZeroParam(x, plan.mesh, spec(at_rest.spec, nd), spec(compute.spec, nd),
                      spec(grad.spec, nd), reduce_dtype,
                      offloaded=at_rest.memory_kind == HOST, compute_dtype=compute_dtype,
-                     lookup=lookup)
+                     lookup=lookup, barrier=plan.waits_by_barrier)
 
   leaves, treedef = jax.tree.flatten(params)
   tables = jax.tree.unflatten(treedef, [i in lookups for i in range(len(leaves))])

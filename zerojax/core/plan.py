@@ -263,6 +263,13 @@ class ShardingPlan:
     return platform(self.mesh)
 
   @property
+  def waits_by_barrier(self) -> bool:
+    """Whether a layer's gathers wait for its input (`zerojax.core.gather.after`) by an
+    optimization barrier, which computes nothing (XLA:GPU, XLA:TPU), rather than by a summed
+    scalar of it: XLA:CPU removes barriers before it schedules."""
+    return self.platform != "cpu"
+
+  @property
   def params_sharded(self) -> bool:
     """Whether parameters rest sharded and are gathered where they are used (stage 3)."""
     return self.config.shards_params

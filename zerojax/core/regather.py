@@ -58,7 +58,7 @@ def regather_layers(next_fun: Callable, args: tuple, kwargs: dict,
   leaves, treedef = jax.tree.flatten((args, kwargs))
   is_array = [isinstance(x, (jax.Array, np.ndarray)) for x in leaves]
   unbound = module.clone(parent=None)
-  mesh = boxes[0].mesh
+  barrier = boxes[0].barrier
 
   def run(shards, arrays, token):
     it = iter(arrays)
@@ -70,14 +70,14 @@ def regather_layers(next_fun: Callable, args: tuple, kwargs: dict,
 
   @jax.custom_vjp
   def layer(shards, arrays):
-    return run(shards, arrays, token_of(arrays, mesh))
+    return run(shards, arrays, token_of(arrays, barrier))
 
   def layer_fwd(shards, arrays):
-    return run(shards, arrays, token_of(arrays, mesh)), (shards, arrays)
+    return run(shards, arrays, token_of(arrays, barrier)), (shards, arrays)
 
   def layer_bwd(res, ct):
     shards, arrays = res
-    token = token_of(ct, mesh)
+    token = token_of(ct, barrier)
     with setting(BACKWARD, True):
       _, vjp = jax.vjp(lambda s, a: run(s, a, token), shards, arrays)
       return vjp(ct)
@@ -89,3 +89,4 @@ def regather_layers(next_fun: Callable, args: tuple, kwargs: dict,
   except (flax_errors.InvalidRngError, flax_errors.ScopeCollectionNotFound):
     # The module draws random numbers or writes a collection: run it as it is.
     return next_fun(*args, **kwargs)
+

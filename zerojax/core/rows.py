@@ -87,7 +87,8 @@ def per_layer_reads(apply_fn: Callable, plan: Any,
     if not split and not formulation.per_use:
       return apply_fn(params, *args, **kwargs)
     rewrite = _Rewrite(leaves, per_leaf, index, split,
-                       _rows_into_matmuls(closed.jaxpr, index, split), formulation.per_use)
+                       _rows_into_matmuls(closed.jaxpr, index, split), formulation.per_use,
+                       plan.waits_by_barrier)
     outs = eval_jaxpr(closed, [*leaves, *arrays], rewrite)
     return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
 
@@ -118,6 +119,7 @@ class _Rewrite:
   split: set
   matmul: "_RowMatmuls"
   per_use: bool
+  barrier: bool  # `ShardingPlan.waits_by_barrier`
   carried: dict = dataclasses.field(default_factory=dict)  # leaf -> stack the next row reads
 
   def __call__(self, eqn: Any, invals: list) -> list | None:
@@ -128,7 +130,7 @@ class _Rewrite:
       rest, grad, compute = (_bare(s) for s in self.per_leaf[k])
       out, self.carried[k] = _row_dot(
           self.carried.get(k, self.leaves[k]), invals[1 - pos], i, pos, _Dot.of(eqn), grad,
-          k not in self.carried, _Gather.of(rest, compute, grad) if self.per_use else None)
+          k not in self.carried, _Gather.of(rest, compute, grad, self.barrier) if self.per_use else None)
       return [out]
     if self.per_use and eqn.primitive.name == "dot_general":
       return _gathered_dot(eqn, invals, self.index, self.per_leaf)
@@ -189,10 +191,11 @@ def _row(w: jax.Array, i: int, operand: jax.Array, gathered: Any, grad: NamedSha
          ) -> jax.Array:
   """``w[i]``, sliced only once ``operand`` (an array the caller is about to use it with)
   exists: the index waits for ``operand`` (`after`), which orders one scalar rather than a
-  pass over the row. A row gathered per use waits by the compiler's cheapest means
-  (`token_of`); one read where it is (stage 2) always waits for a summed scalar: a barrier
-  there cost XLA:TPU the stage-2 gradient bound on a stacked-weight model."""
-  i = after(jnp.asarray(i, jnp.int32), token_of(operand, grad.mesh if gathered else None))
+  pass over the row. A row gathered per use waits as the plan says (``gathered.barrier``); one
+  read where it is (stage 2) always waits for a summed scalar: a barrier there cost XLA:TPU
+  the stage-2 gradient bound on a stacked-weight model."""
+  barrier = gathered is not None and gathered.barrier
+  i = after(jnp.asarray(i, jnp.int32), token_of(operand, barrier))
   return jax.lax.dynamic_index_in_dim(w, i, axis=0, keepdims=False)
 
 
@@ -277,10 +280,12 @@ class _Gather:
   rest: NamedSharding
   compute: NamedSharding
   grad: NamedSharding
+  barrier: bool = False  # how a row read for it waits (`ShardingPlan.waits_by_barrier`)
 
   @classmethod
-  def of(cls, rest: NamedSharding, compute: NamedSharding, grad: NamedSharding) -> "_Gather":
-    return cls(_of_row(rest), _of_row(compute), _of_row(grad))
+  def of(cls, rest: NamedSharding, compute: NamedSharding, grad: NamedSharding,
+         barrier: bool) -> "_Gather":
+    return cls(_of_row(rest), _of_row(compute), _of_row(grad), barrier)
 
   def __call__(self, row: jax.Array) -> jax.Array:
     if self.rest == self.compute:
