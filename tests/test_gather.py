@@ -128,3 +128,48 @@ def test_scan_remat_does_not_reach_other_threads():
   done.set()
   t.join(30)
   assert seen == {"step": True, "other": False}
+
+
+def test_nnx_layers_regather_exactly_and_a_layer_that_sows_runs_as_written():
+  # `regather_nnx_layers` turns each NNX module that owns only boxed params into one layer's
+  # custom VJP (as linen modules through `regather_layers`); one that writes state (``sow``)
+  # while it computes runs as written, so its intermediates are kept.
+  from flax import nnx
+  from zerojax.core import grad as grad_mod
+  from zerojax.core.regather import regather_nnx_layers
+
+  class SowLinear(nnx.Linear):
+    def __call__(self, x):
+      y = super().__call__(x)
+      self.sow(nnx.Intermediate, "y", y)
+      return y
+
+  class Net(nnx.Module):
+    def __init__(self, rngs):
+      self.a = nnx.Linear(128, 128, rngs=rngs)
+      self.b = SowLinear(128, 128, rngs=rngs)
+
+    def __call__(self, x):
+      return self.b(jnp.tanh(self.a(x)))
+
+  model, _, plan = zerojax.create_nnx(lambda: Net(nnx.Rngs(0)), optax.sgd(0.1),
+                                      config=zerojax.ZeroConfig(stage=3))
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(16, 128)), jnp.float32)
+
+  def loss(params, layers):
+    m = nnx.merge(graphdef, grad_mod._boxed(params, plan), rest)
+    if layers:
+      regather_nnx_layers(m)
+    out = m(x)
+    return jnp.sum(out ** 2), nnx.state(m, nnx.Intermediate)
+
+  (want, _), g_want = jax.value_and_grad(loss, has_aux=True)(params, False)
+  (got, sown), g_got = jax.value_and_grad(loss, has_aux=True)(params, True)
+  np.testing.assert_allclose(float(got), float(want), rtol=1e-6)
+  for a, b in zip(jax.tree.leaves(g_got), jax.tree.leaves(g_want)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+  assert [p for p, _ in nnx.to_flat_state(sown)] == [("b", "y")]
+  count = lambda layers: str(jax.make_jaxpr(lambda p: loss(p, layers)[0])(params)).count(
+      "custom_vjp_call")
+  assert count(True) == count(False) + 1  # `a` computes as one layer; `b` as written

@@ -12,10 +12,11 @@ import jax
 import numpy as np
 from flax import errors as flax_errors
 from flax import linen as nn
+from flax import nnx
 
 from zerojax.core.gather import AFTER, BACKWARD, ZeroParam, setting, token_of
 
-__all__ = ["regather_layers"]
+__all__ = ["regather_layers", "regather_nnx_layers"]
 
 
 # Set while a layer runs inside `regather_layers`, so its own module call is not wrapped again.
@@ -90,3 +91,82 @@ def regather_layers(next_fun: Callable, args: tuple, kwargs: dict,
     # The module draws random numbers or writes a collection: run it as it is.
     return next_fun(*args, **kwargs)
 
+
+# -- NNX ---------------------------------------------------------------------------------------
+
+class _WritesState(Exception):
+  """A layer run on its own changed its module's state (``sow``, a new attribute)."""
+
+
+def regather_nnx_layers(model: Any) -> None:
+  """`regather_layers` for a Flax NNX model: makes each module of ``model`` that computes as
+  one layer do so, in place.
+
+  ``model`` is the copy a zerojax NNX step has just merged, with `ZeroParam`-boxed
+  ``nnx.Param`` values, and is traced once: NNX has no method interceptor, so a qualifying
+  module's class becomes a subclass whose ``__call__`` is the layer's ``custom_vjp`` (gather
+  after the first float argument, re-gather after the output's cotangent). A module qualifies
+  as in `regather_layers`: every variable is an ``nnx.Param`` owned directly (no submodule has
+  variables; no RNG streams or batch statistics), all boxed, at least one gathered for
+  compute. A call that would change the module's state runs as written instead.
+  """
+  for _, module in nnx.iter_modules(model):
+    _, state = nnx.split(module)
+    flat = list(nnx.to_flat_state(state))
+    if (flat and all(len(p) == 1 and isinstance(v, nnx.Param) for p, v in flat)
+        and all(isinstance(v.get_value(), ZeroParam) for _, v in flat)
+        and any(v.get_value().at_rest != v.get_value().compute for _, v in flat)):
+      object.__setattr__(module, "__class__", _layer_class(type(module)))
+
+
+_LAYER_CLASSES: dict[type, type] = {}
+
+
+def _layer_class(cls: type) -> type:
+  if cls not in _LAYER_CLASSES:
+    _LAYER_CLASSES[cls] = type(cls.__name__, (cls,), {"__call__": _nnx_layer_call,
+                                                      "__module__": cls.__module__})
+  return _LAYER_CLASSES[cls]
+
+
+def _nnx_layer_call(self: Any, *args: Any, **kwargs: Any) -> Any:
+  call = type(self).__mro__[1].__call__
+  if _IN_LAYER.get():
+    return call(self, *args, **kwargs)
+  graphdef, state = nnx.split(self)
+  shards, state_def = jax.tree.flatten(state)
+  barrier = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, ZeroParam))[0].barrier
+  leaves, treedef = jax.tree.flatten((args, kwargs))
+  is_array = [isinstance(x, (jax.Array, np.ndarray)) for x in leaves]
+  paths = {p for p, _ in nnx.to_flat_state(state)}
+
+  def run(shards, arrays, token):
+    it = iter(arrays)
+    a, kw = jax.tree.unflatten(treedef, [next(it) if isa else x for x, isa in
+                                         zip(leaves, is_array)])
+    layer = nnx.merge(graphdef, jax.tree.unflatten(state_def, shards))
+    with setting(_IN_LAYER, True), setting(AFTER, token):
+      out = call(layer, *a, **kw)
+    if {p for p, _ in nnx.to_flat_state(nnx.state(layer))} != paths:
+      raise _WritesState
+    return out
+
+  @jax.custom_vjp
+  def layer(shards, arrays):
+    return run(shards, arrays, token_of(arrays, barrier))
+
+  def layer_fwd(shards, arrays):
+    return run(shards, arrays, token_of(arrays, barrier)), (shards, arrays)
+
+  def layer_bwd(res, ct):
+    shards, arrays = res
+    token = token_of(ct, barrier)
+    with setting(BACKWARD, True):
+      _, vjp = jax.vjp(lambda s, a: run(s, a, token), shards, arrays)
+      return vjp(ct)
+
+  layer.defvjp(layer_fwd, layer_bwd)
+  try:
+    return layer(shards, [x for x, isa in zip(leaves, is_array) if isa])
+  except _WritesState:
+    return call(self, *args, **kwargs)
