@@ -307,15 +307,29 @@ def test_gpu_nnx_pytree_and_bypassing_models_move_weights_not_activations(patter
 
 
 @needs_gpu_compiler
-def test_gpu_nnx_list_of_blocks_gathers_layer_by_layer_as_its_linen_twin():
-  # Pattern e (an nnx.List of blocks) is pattern c (a Python loop of linen blocks) written in
-  # NNX. Each of its layers now gathers after its input and re-gathers after its output's
-  # cotangent, as c's do, so it needs c's temp; unordered, XLA:GPU kept several layers'
-  # gathered weights at once (2.8 MiB against 1.0 at this size).
+def test_gpu_unscanned_layers_gather_one_ahead_and_nnx_lists_as_linen_loops(monkeypatch):
+  # Pattern c's layers (no scan) gather one layer ahead on XLA:GPU: each layer's forward
+  # gathers wait for the previous matmul layer's input, so more of them have a matmul beside
+  # them than when they wait for their own input, at the same temp. Pattern e (an nnx.List of blocks) is c
+  # written in NNX: its layers gather and re-gather one at a time as c's do, so it needs c's
+  # temp (unordered, XLA:GPU kept several layers' gathered weights: 2.8 MiB against 1.0).
   from tests.model_patterns import SMALL, target_zero
+  from zerojax.core.plan import ShardingPlan
   devices = gpu.gpu_topology(TOPOLOGY).devices
-  temp = {p: memory.measure(target_zero(p, SMALL, 3, devices)[0]).temp for p in ("c", "e")}
-  assert temp["e"] <= 1.01 * temp["c"], temp
+
+  def compile_(pattern):
+    compiled, plan, _ = target_zero(pattern, SMALL, 3, devices)
+    share = memory.collective_schedule(compiled.as_text(), "all-gather").matmul_share
+    return share, memory.measure(compiled).temp, plan.prefetches_next_layer
+
+  ahead, temp, on = compile_("c")
+  _, nnx_temp, _ = compile_("e")
+  monkeypatch.setattr(ShardingPlan, "prefetches_next_layer", property(lambda self: False))
+  own, own_temp, off = compile_("c")
+  assert (on, off) == (True, False)
+  assert ahead >= own + 0.1, (ahead, own)  # 37% against 25% at this size
+  assert temp <= own_temp * 1.01, (temp, own_temp)
+  assert nnx_temp <= temp * 1.01, (nnx_temp, temp)
 
 
 def test_lookup_tables_are_the_leaves_a_model_gathers_rows_from():

@@ -21,7 +21,7 @@ from zerojax.core.dtypes import compute_dtype_of, to_compute
 from zerojax.core.formulation import Formulation, lookup_tables
 from zerojax.core.gather import box_params, setting
 from zerojax.core.plan import ShardingPlan
-from zerojax.core.regather import regather_layers
+from zerojax.core.regather import prefetching, regather_layers
 from zerojax.core.remat import remat_policy
 from zerojax.core.rows import per_layer_reads
 from zerojax.core.zeropp import shard_map_apply
@@ -122,9 +122,9 @@ def _layers(run: Callable, params: Any, plan: ShardingPlan, per_use: bool,
     return run(params)
   # Stage 3, per use, no scans: nothing orders the layers' gathers but data dependencies, so
   # each layer gathers after its input and re-gathers after its output's cotangent.
-  layers = (nn.intercept_methods(regather_layers) if per_use and plan.params_sharded
-            else contextlib.nullcontext())
-  with layers:
+  regather = per_use and plan.params_sharded
+  layers = nn.intercept_methods(regather_layers) if regather else contextlib.nullcontext()
+  with layers, prefetching(regather and plan.prefetches_next_layer):
     return jax.checkpoint(run, policy=policy)(params)
 
 

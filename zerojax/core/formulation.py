@@ -126,7 +126,8 @@ GPU_COMPILER_OPTIONS = {"xla_gpu_enable_latency_hiding_scheduler": True,
                         "xla_gpu_enable_pipelined_all_gather": True,
                         "xla_gpu_enable_pipelined_reduce_scatter": True,
                         "xla_gpu_enable_while_loop_double_buffering": True,
-                        "xla_gpu_reduce_scatter_combine_threshold_bytes": 1}
+                        "xla_gpu_reduce_scatter_combine_threshold_bytes": 1,
+                        "xla_gpu_all_gather_combine_threshold_bytes": 1 << 20}
 
 TPU_COMPILER_OPTIONS = {"xla_tpu_enable_ici_ag_pipelining": True}
 
@@ -152,7 +153,11 @@ def compiler_options(plan: Any) -> dict[str, Any] | None:
   threshold 1 byte): combined, a layer's reductions waited for its last gradient (a norm's,
   at the end of its backward pass) with nothing left to compute beside them. They are
   per-compile options, so they need no process-wide ``XLA_FLAGS``; a flag set there (by the
-  user, or by a DeepSpeed config's bucket sizes and ``overlap_comm``) wins.
+  user, or by a DeepSpeed config's bucket sizes and ``overlap_comm``) wins. All-gathers are
+  combined only up to 1 MiB: XLA's combiner joins independent gathers into one op that waits
+  for the last of their inputs, so a weight prefetched for the next layer
+  (`ShardingPlan.prefetches_next_layer`) would wait for that layer's norm scales, and a
+  scanned layer's gathers for each other.
 
   On XLA:TPU, ICI all-gather pipelining issues a scanned layer's gather an iteration ahead:
   measured one by one among the flags MaxText ships (BENCHMARKS.md), it is the one that moved

@@ -56,7 +56,7 @@ from zerojax.core import context
 from zerojax._compat import ORIGINAL_SCAN
 from zerojax.core.gather import ZeroParam, after, box_params
 from zerojax.core.config import ConfigError
-from zerojax.core.regather import regather_nnx_layers
+from zerojax.core.regather import prefetching, regather_nnx_layers
 from zerojax.core.remat import remat_policy
 
 __all__ = ["F32", "check_batch", "value_and_grad"]
@@ -152,7 +152,8 @@ def _nnx_value_and_grad(fun, argnums, has_aux, loss_scale):
       m = nnx.merge(graphdef, params, rest)
       if layers:  # as a linen model without scans (`zerojax.core.apply`)
         regather_nnx_layers(m)
-      out = fun(m, *args)
+      with prefetching(layers and ctx.plan.prefetches_next_layer):
+        out = fun(m, *args)
       loss, aux = out if has_aux else (out, None)
       return loss, (aux, nnx.state(m, nnx.Not(nnx.Param)))
 

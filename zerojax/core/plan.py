@@ -270,6 +270,14 @@ class ShardingPlan:
     return self.platform != "cpu"
 
   @property
+  def prefetches_next_layer(self) -> bool:
+    """Whether, in a model without scans, each layer's forward gathers wait for the previous
+    matmul layer's input rather than its own, so they can run beside its matmuls
+    (`zerojax.core.regather.prefetching`): on XLA:GPU, at no temp there. XLA:TPU hoists the
+    gathers so freed further ahead that its temp grows instead."""
+    return self.platform == "gpu"
+
+  @property
   def params_sharded(self) -> bool:
     """Whether parameters rest sharded and are gathered where they are used (stage 3)."""
     return self.config.shards_params

@@ -5,10 +5,12 @@ gathered in either pass, whatever order XLA schedules the rest in.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import errors as flax_errors
 from flax import linen as nn
@@ -16,7 +18,7 @@ from flax import nnx
 
 from zerojax.core.gather import AFTER, BACKWARD, ZeroParam, setting, token_of
 
-__all__ = ["regather_layers", "regather_nnx_layers"]
+__all__ = ["regather_layers", "regather_nnx_layers", "prefetching"]
 
 
 # Set while a layer runs inside `regather_layers`, so its own module call is not wrapped again.
@@ -69,27 +71,64 @@ def regather_layers(next_fun: Callable, args: tuple, kwargs: dict,
     with setting(_IN_LAYER, True), setting(AFTER, token):
       return unbound.apply({"params": boxed}, *a, method=method, **kw)
 
-  @jax.custom_vjp
-  def layer(shards, arrays):
-    return run(shards, arrays, token_of(arrays, barrier))
+  arrays = [x for x, isa in zip(leaves, is_array) if isa]
+  try:
+    return _layer(run, [b.value for b in boxes], arrays, barrier, _has_matrix(boxes))
+  except (flax_errors.InvalidRngError, flax_errors.ScopeCollectionNotFound):
+    # The module draws random numbers or writes a collection: run it as it is.
+    return next_fun(*args, **kwargs)
 
-  def layer_fwd(shards, arrays):
-    return run(shards, arrays, token_of(arrays, barrier)), (shards, arrays)
+
+# -- one layer ---------------------------------------------------------------------------------
+
+# Inside `prefetching`: the input of the last layer that gathered a matrix ([] before one).
+_PREVIOUS: contextvars.ContextVar[list | None] = contextvars.ContextVar("zerojax_previous",
+                                                                       default=None)
+
+
+@contextlib.contextmanager
+def prefetching(on: bool) -> Iterator[None]:
+  """With ``on`` (`ShardingPlan.prefetches_next_layer`), each layer's forward gathers wait for
+  the input of the last layer before it that gathered a matrix, not for its own input: the
+  next layer's weights may arrive while that layer's matmuls run (two layers' weights
+  gathered at most). Waiting for its own input leaves nothing to run beside the gather. The
+  backward pass's re-gathers still wait for their own output's cotangent."""
+  with setting(_PREVIOUS, [] if on else None):
+    yield
+
+
+def _has_matrix(boxes: list) -> bool:
+  return any(jnp.ndim(b.value) >= 2 and b.at_rest != b.compute for b in boxes)
+
+
+def _layer(run: Callable, shards: list, arrays: list, barrier: bool, matrix: bool) -> Any:
+  """``run(shards, arrays, token)`` as one layer: a ``custom_vjp`` whose forward pass gathers
+  after its wait (`prefetching`; else its first float argument) exists, keeps the shards and
+  arguments as residuals, and whose backward pass re-gathers after the output's cotangent
+  exists and differentiates ``run`` again."""
+  wait, held = arrays, _PREVIOUS.get()
+  now = token_of(arrays, True)
+  if held is not None and now is not None:
+    wait = held[:] or arrays
+    if matrix:
+      held[:] = [now]
+
+  @jax.custom_vjp
+  def layer(shards, arrays, wait):
+    return run(shards, arrays, token_of(wait, barrier))
+
+  def layer_fwd(shards, arrays, wait):
+    return run(shards, arrays, token_of(wait, barrier)), (shards, arrays)
 
   def layer_bwd(res, ct):
     shards, arrays = res
     token = token_of(ct, barrier)
     with setting(BACKWARD, True):
       _, vjp = jax.vjp(lambda s, a: run(s, a, token), shards, arrays)
-      return vjp(ct)
+      return (*vjp(ct), None)  # the wait only orders
 
   layer.defvjp(layer_fwd, layer_bwd)
-  arrays = [x for x, isa in zip(leaves, is_array) if isa]
-  try:
-    return layer([b.value for b in boxes], arrays)
-  except (flax_errors.InvalidRngError, flax_errors.ScopeCollectionNotFound):
-    # The module draws random numbers or writes a collection: run it as it is.
-    return next_fun(*args, **kwargs)
+  return layer(shards, arrays, wait)
 
 
 # -- NNX ---------------------------------------------------------------------------------------
@@ -135,7 +174,7 @@ def _nnx_layer_call(self: Any, *args: Any, **kwargs: Any) -> Any:
     return call(self, *args, **kwargs)
   graphdef, state = nnx.split(self)
   shards, state_def = jax.tree.flatten(state)
-  barrier = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, ZeroParam))[0].barrier
+  boxes = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, ZeroParam))
   leaves, treedef = jax.tree.flatten((args, kwargs))
   is_array = [isinstance(x, (jax.Array, np.ndarray)) for x in leaves]
   paths = {p for p, _ in nnx.to_flat_state(state)}
@@ -151,22 +190,8 @@ def _nnx_layer_call(self: Any, *args: Any, **kwargs: Any) -> Any:
       raise _WritesState
     return out
 
-  @jax.custom_vjp
-  def layer(shards, arrays):
-    return run(shards, arrays, token_of(arrays, barrier))
-
-  def layer_fwd(shards, arrays):
-    return run(shards, arrays, token_of(arrays, barrier)), (shards, arrays)
-
-  def layer_bwd(res, ct):
-    shards, arrays = res
-    token = token_of(ct, barrier)
-    with setting(BACKWARD, True):
-      _, vjp = jax.vjp(lambda s, a: run(s, a, token), shards, arrays)
-      return vjp(ct)
-
-  layer.defvjp(layer_fwd, layer_bwd)
   try:
-    return layer(shards, [x for x, isa in zip(leaves, is_array) if isa])
+    return _layer(run, shards, [x for x, isa in zip(leaves, is_array) if isa],
+                  boxes[0].barrier, _has_matrix(boxes))
   except _WritesState:
     return call(self, *args, **kwargs)
