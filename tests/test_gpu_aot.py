@@ -310,9 +310,10 @@ def test_gpu_nnx_pytree_and_bypassing_models_move_weights_not_activations(patter
 def test_gpu_unscanned_layers_gather_one_ahead_and_nnx_lists_as_linen_loops(monkeypatch):
   # Pattern c's layers (no scan) gather one layer ahead on XLA:GPU: each layer's forward
   # gathers wait for the previous matmul layer's input, so more of them have a matmul beside
-  # them than when they wait for their own input, at the same temp. Pattern e (an nnx.List of blocks) is c
-  # written in NNX: its layers gather and re-gather one at a time as c's do, so it needs c's
-  # temp (unordered, XLA:GPU kept several layers' gathered weights: 2.8 MiB against 1.0).
+  # them than when they wait for their own input, at the same temp. Pattern e (an nnx.List
+  # of blocks) is c written in NNX: its layers gather and re-gather one at a time as c's do,
+  # so it needs c's temp (unordered, XLA:GPU kept several layers' gathered weights: 2.8 MiB
+  # against 1.0 at this size).
   from tests.model_patterns import SMALL, target_zero
   from zerojax.core.plan import ShardingPlan
   devices = gpu.gpu_topology(TOPOLOGY).devices

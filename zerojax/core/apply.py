@@ -121,7 +121,8 @@ def _layers(run: Callable, params: Any, plan: ShardingPlan, per_use: bool,
     # models without scans.
     return run(params)
   # Stage 3, per use, no scans: nothing orders the layers' gathers but data dependencies, so
-  # each layer gathers after its input and re-gathers after its output's cotangent.
+  # each layer gathers after its input (on XLA:GPU the previous layer's: `prefetching`) and
+  # re-gathers after its output's cotangent.
   regather = per_use and plan.params_sharded
   layers = nn.intercept_methods(regather_layers) if regather else contextlib.nullcontext()
   with layers, prefetching(regather and plan.prefetches_next_layer):

@@ -38,8 +38,9 @@ def regather_layers(next_fun: Callable, args: tuple, kwargs: dict,
   bias still computes as one layer.
   A qualifying call becomes a ``custom_vjp`` over the module's shards and array arguments:
 
-  * forward: gather the shards after the first float argument exists (`after`), run the module;
-    residuals are the shards and the arguments, never the gathered weights;
+  * forward: gather the shards after the first float argument exists (`after`; under
+    `prefetching`, the previous matmul layer's), run the module; residuals are the shards and
+    the arguments, never the gathered weights;
   * backward: gather again after the output cotangent exists, and differentiate the module
     (its gradient is reduce-scattered by `gather`'s own backward).
 
@@ -107,8 +108,7 @@ def _layer(run: Callable, shards: list, arrays: list, barrier: bool, matrix: boo
   arguments as residuals, and whose backward pass re-gathers after the output's cotangent
   exists and differentiates ``run`` again."""
   wait, held = arrays, _PREVIOUS.get()
-  now = token_of(arrays, True)
-  if held is not None and now is not None:
+  if held is not None and (now := token_of(arrays, True)) is not None:
     wait = held[:] or arrays
     if matrix:
       held[:] = [now]

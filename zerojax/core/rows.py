@@ -128,9 +128,10 @@ class _Rewrite:
     if eqn in self.matmul.dots:
       k, i, pos = self.matmul.dots[eqn]
       rest, grad, compute = (_bare(s) for s in self.per_leaf[k])
+      use = _Gather.of(rest, compute, grad, self.barrier) if self.per_use else None
       out, self.carried[k] = _row_dot(
           self.carried.get(k, self.leaves[k]), invals[1 - pos], i, pos, _Dot.of(eqn), grad,
-          k not in self.carried, _Gather.of(rest, compute, grad, self.barrier) if self.per_use else None)
+          k not in self.carried, use)
       return [out]
     if self.per_use and eqn.primitive.name == "dot_general":
       return _gathered_dot(eqn, invals, self.index, self.per_leaf)
