@@ -59,22 +59,17 @@ def regather_layers(next_fun: Callable, args: tuple, kwargs: dict,
     return next_fun(*args, **kwargs)
 
   names, boxes = list(params), list(params.values())
-  leaves, treedef = jax.tree.flatten((args, kwargs))
-  is_array = [isinstance(x, (jax.Array, np.ndarray)) for x in leaves]
+  arrays, rebuild = _array_args(args, kwargs)
   unbound = module.clone(parent=None)
-  barrier = boxes[0].barrier
 
   def run(shards, arrays, token):
-    it = iter(arrays)
-    a, kw = jax.tree.unflatten(treedef, [next(it) if isa else x for x, isa in
-                                         zip(leaves, is_array)])
+    a, kw = rebuild(arrays)
     boxed = {n: b.replace(value=v) for n, b, v in zip(names, boxes, shards)}
     with setting(_IN_LAYER, True), setting(AFTER, token):
       return unbound.apply({"params": boxed}, *a, method=method, **kw)
 
-  arrays = [x for x, isa in zip(leaves, is_array) if isa]
   try:
-    return _layer(run, [b.value for b in boxes], arrays, barrier, _has_matrix(boxes))
+    return _layer(run, [b.value for b in boxes], arrays, boxes[0].barrier, _has_matrix(boxes))
   except (flax_errors.InvalidRngError, flax_errors.ScopeCollectionNotFound):
     # The module draws random numbers or writes a collection: run it as it is.
     return next_fun(*args, **kwargs)
@@ -96,6 +91,19 @@ def prefetching(on: bool) -> Iterator[None]:
   backward pass's re-gathers still wait for their own output's cotangent."""
   with setting(_PREVIOUS, [] if on else None):
     yield
+
+
+def _array_args(args: tuple, kwargs: dict) -> tuple[list, Callable[[list], tuple]]:
+  """A call's array arguments (what a layer differentiates), and ``rebuild(arrays)``: the call's
+  ``(args, kwargs)`` with those arrays in their places."""
+  leaves, treedef = jax.tree.flatten((args, kwargs))
+  is_array = [isinstance(x, (jax.Array, np.ndarray)) for x in leaves]
+
+  def rebuild(arrays: list) -> tuple:
+    it = iter(arrays)
+    return jax.tree.unflatten(treedef, [next(it) if a else x for x, a in zip(leaves, is_array)])
+
+  return [x for x, a in zip(leaves, is_array) if a], rebuild
 
 
 def _has_matrix(boxes: list) -> bool:
@@ -175,14 +183,11 @@ def _nnx_layer_call(self: Any, *args: Any, **kwargs: Any) -> Any:
   graphdef, state = nnx.split(self)
   shards, state_def = jax.tree.flatten(state)
   boxes = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, ZeroParam))
-  leaves, treedef = jax.tree.flatten((args, kwargs))
-  is_array = [isinstance(x, (jax.Array, np.ndarray)) for x in leaves]
+  arrays, rebuild = _array_args(args, kwargs)
   paths = {p for p, _ in nnx.to_flat_state(state)}
 
   def run(shards, arrays, token):
-    it = iter(arrays)
-    a, kw = jax.tree.unflatten(treedef, [next(it) if isa else x for x, isa in
-                                         zip(leaves, is_array)])
+    a, kw = rebuild(arrays)
     layer = nnx.merge(graphdef, jax.tree.unflatten(state_def, shards))
     with setting(_IN_LAYER, True), setting(AFTER, token):
       out = call(layer, *a, **kw)
@@ -191,7 +196,6 @@ def _nnx_layer_call(self: Any, *args: Any, **kwargs: Any) -> Any:
     return out
 
   try:
-    return _layer(run, shards, [x for x, isa in zip(leaves, is_array) if isa],
-                  boxes[0].barrier, _has_matrix(boxes))
+    return _layer(run, shards, arrays, boxes[0].barrier, _has_matrix(boxes))
   except _WritesState:
     return call(self, *args, **kwargs)
