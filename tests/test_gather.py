@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 import zerojax
 from zerojax.core import gather
@@ -173,3 +174,55 @@ def test_nnx_layers_regather_exactly_and_a_layer_that_sows_runs_as_written():
   count = lambda layers: str(jax.make_jaxpr(lambda p: loss(p, layers)[0])(params)).count(
       "custom_vjp_call")
   assert count(True) == count(False) + 1  # `a` computes as one layer; `b` as written
+
+
+class _LoopBlock(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    h = nn.Dense(256, use_bias=False)(nn.LayerNorm()(x))
+    return x + nn.Dense(64)(jax.nn.gelu(h))
+
+
+class _Loop(nn.Module):
+  remat: bool
+
+  @nn.compact
+  def __call__(self, x):
+    block = nn.remat(_LoopBlock) if self.remat else _LoopBlock
+    for _ in range(3):
+      x = block()(x)
+    return nn.Dense(8)(x)
+
+
+def _loop_losses(stage, remat, steps=3):
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(16, 64)), jnp.float32)
+  config = zerojax.ZeroConfig(stage=stage, param_persistence_threshold=0)
+  state, plan = zerojax.create_train_state(_Loop(remat), optax.adam(1e-2), jax.random.key(0), x,
+                                           config=config)
+
+  @zerojax.zero_step(plan)
+  def step(state, x):
+    loss, g = jax.value_and_grad(
+        lambda p: jnp.mean(state.apply_fn({"params": p}, x) ** 2))(state.params)
+    return state.apply_gradients(grads=g), {"loss": loss}
+
+  out = []
+  for _ in range(steps):
+    state, m = step(state, x)
+    out.append(float(m["loss"]))
+  return out, plan.prefetches_next_layer
+
+
+@pytest.mark.parametrize("remat", [False, True])
+def test_layers_prefetched_one_ahead_train_exactly(monkeypatch, remat):
+  # With `prefetching` (XLA:GPU's default, forced here on XLA:CPU), a layer's forward gathers
+  # wait for the previous matmul layer's input and its backward re-gathers for the next one's
+  # output cotangent. Only the order changes: three steps' losses match stage 0's, with
+  # per-block `nn.remat` too (whose blocks' backward passes are traced apart, so the
+  # re-gathers there wait for their own cotangent at block boundaries).
+  from zerojax.core.plan import ShardingPlan
+  want, _ = _loop_losses(0, remat)
+  monkeypatch.setattr(ShardingPlan, "prefetches_next_layer", property(lambda self: True))
+  got, on = _loop_losses(3, remat)
+  assert on
+  np.testing.assert_allclose(got, want, rtol=1e-5)

@@ -272,7 +272,8 @@ class ShardingPlan:
   @property
   def prefetches_next_layer(self) -> bool:
     """Whether, in a model without scans, each layer's forward gathers wait for the previous
-    matmul layer's input rather than its own, so they can run beside its matmuls
+    matmul layer's input rather than its own, and its backward re-gathers for the next one's
+    output cotangent, so they can run beside that layer's matmuls
     (`zerojax.core.regather.prefetching`): on XLA:GPU, at no temp there. XLA:TPU hoists the
     gathers so freed further ahead that its temp grows instead."""
     return self.platform == "gpu"

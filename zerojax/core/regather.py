@@ -1,6 +1,7 @@
 """Layer re-gathering: in a model without scans, each layer gathers its weights after its input
 exists and again after its output's cotangent exists, so only the computing layer's weights are
-gathered in either pass, whatever order XLA schedules the rest in.
+gathered in either pass, whatever order XLA schedules the rest in (on XLA:GPU one matmul layer
+ahead: `prefetching`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import numpy as np
 from flax import errors as flax_errors
 from flax import linen as nn
 from flax import nnx
+from jax.extend.core import get_opaque_trace_state
 
 from zerojax.core.gather import AFTER, BACKWARD, ZeroParam, setting, token_of
 
@@ -41,7 +43,8 @@ def regather_layers(next_fun: Callable, args: tuple, kwargs: dict,
   * forward: gather the shards after the first float argument exists (`after`; under
     `prefetching`, the previous matmul layer's), run the module; residuals are the shards and
     the arguments, never the gathered weights;
-  * backward: gather again after the output cotangent exists, and differentiate the module
+  * backward: gather again after the output cotangent exists (under `prefetching`, the next
+    matmul layer's), and differentiate the module
     (its gradient is reduce-scattered by `gather`'s own backward).
 
   So at most the weights of the computing layer are gathered, in both passes, for any
@@ -77,18 +80,31 @@ def regather_layers(next_fun: Callable, args: tuple, kwargs: dict,
 
 # -- one layer ---------------------------------------------------------------------------------
 
-# Inside `prefetching`: the input of the last layer that gathered a matrix ([] before one).
+class _Previous:
+  """Under `prefetching`, a layer that gathered a matrix: its ``input`` (what the next layer's
+  forward gathers wait for); whether a later matmul layer follows it (``next``); and, once
+  that layer's backward pass has begun, its output ``cotangent`` (what this layer's re-gathers
+  wait for) with the ``trace`` it belongs to: it is used only in the same trace (per-block
+  ``nn.remat`` traces each block's backward pass apart), else the layer waits for its own."""
+
+  def __init__(self, input: list):
+    self.input, self.next, self.cotangent, self.trace = input, False, None, None
+
+
+# Inside `prefetching`: the `_Previous` layer ([] before one).
 _PREVIOUS: contextvars.ContextVar[list | None] = contextvars.ContextVar("zerojax_previous",
                                                                        default=None)
 
 
 @contextlib.contextmanager
 def prefetching(on: bool) -> Iterator[None]:
-  """With ``on`` (`ShardingPlan.prefetches_next_layer`), each layer's forward gathers wait for
-  the input of the last layer before it that gathered a matrix, not for its own input: the
-  next layer's weights may arrive while that layer's matmuls run (two layers' weights
-  gathered at most). Waiting for its own input leaves nothing to run beside the gather. The
-  backward pass's re-gathers still wait for their own output's cotangent."""
+  """With ``on`` (`ShardingPlan.prefetches_next_layer`), each layer's gathers run one matmul
+  layer ahead: forward, they wait for the input of the last layer before it that gathered a
+  matrix, not for its own input; backward, a matmul layer's re-gathers wait for the output
+  cotangent of the next matmul layer, not for its own (except behind the last matmul layer,
+  whose own re-gather runs then). So a layer's weights may arrive while
+  its neighbour's matmuls run (two layers' weights gathered at most, in either pass); waiting
+  for its own input or cotangent leaves nothing to run beside the gather."""
   with setting(_PREVIOUS, [] if on else None):
     yield
 
@@ -112,14 +128,19 @@ def _has_matrix(boxes: list) -> bool:
 
 def _layer(run: Callable, shards: list, arrays: list, barrier: bool, matrix: bool) -> Any:
   """``run(shards, arrays, token)`` as one layer: a ``custom_vjp`` whose forward pass gathers
-  after its wait (`prefetching`; else its first float argument) exists, keeps the shards and
-  arguments as residuals, and whose backward pass re-gathers after the output's cotangent
-  exists and differentiates ``run`` again."""
-  wait, held = arrays, _PREVIOUS.get()
-  if held is not None and (now := token_of(arrays, True)) is not None:
-    wait = held[:] or arrays
-    if matrix:
-      held[:] = [now]
+  after its first float argument exists (`prefetching`: the previous matmul layer's), keeps the
+  shards and arguments as residuals, and whose backward pass re-gathers after the output's
+  cotangent exists (`prefetching`: the next matmul layer's) and differentiates ``run`` again."""
+  held = _PREVIOUS.get()
+  if token_of(arrays, True) is None:
+    held = None
+  previous = held[0] if held else None
+  mine = _Previous(arrays) if held is not None and matrix else None
+  wait = arrays if previous is None else previous.input
+  if mine is not None:
+    if previous is not None:
+      previous.next = True
+    held[:] = [mine]
 
   @jax.custom_vjp
   def layer(shards, arrays, wait):
@@ -130,7 +151,13 @@ def _layer(run: Callable, shards: list, arrays: list, barrier: bool, matrix: boo
 
   def layer_bwd(res, ct):
     shards, arrays = res
-    token = token_of(ct, barrier)
+    trace = get_opaque_trace_state()
+    ahead = mine is not None and mine.cotangent is not None and mine.trace == trace
+    token = token_of(mine.cotangent if ahead else ct, barrier)
+    if previous is not None and mine is not None and mine.next:
+      # The previous matmul layer may re-gather once this one's backward pass begins; not
+      # behind the last one, whose own re-gather (often the largest, a head's) runs then.
+      previous.cotangent, previous.trace = ct, trace
     with setting(BACKWARD, True):
       _, vjp = jax.vjp(lambda s, a: run(s, a, token), shards, arrays)
       return (*vjp(ct), None)  # the wait only orders
