@@ -214,15 +214,97 @@ def _loop_losses(stage, remat, steps=3):
 
 
 @pytest.mark.parametrize("remat", [False, True])
-def test_layers_prefetched_one_ahead_train_exactly(monkeypatch, remat):
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_unscanned_layers_train_exactly(monkeypatch, remat, prefetch):
   # With `prefetching` (XLA:GPU's default, forced here on XLA:CPU), a layer's forward gathers
   # wait for the previous matmul layer's input and its backward re-gathers for the next one's
-  # output cotangent. Only the order changes: three steps' losses match stage 0's, with
-  # per-block `nn.remat` too (whose blocks' backward passes are traced apart, so the
-  # re-gathers there wait for their own cotangent at block boundaries).
+  # output cotangent; in the model's own `nn.remat` blocks, layers are no custom VJPs and the
+  # block's re-run gathers for its backward pass (`inside_checkpoints`). Only the order and
+  # the number of gathers change: three steps' losses match stage 0's.
   from zerojax.core.plan import ShardingPlan
   want, _ = _loop_losses(0, remat)
-  monkeypatch.setattr(ShardingPlan, "prefetches_next_layer", property(lambda self: True))
+  monkeypatch.setattr(ShardingPlan, "prefetches_next_layer", property(lambda self: prefetch))
   got, on = _loop_losses(3, remat)
-  assert on
+  assert on == prefetch
   np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+def test_a_models_own_checkpoints_keep_their_policy_inside_the_whole_model_one(capsys):
+  # JAX applies the outermost checkpoint's policy inside nested ones: under zerojax's
+  # whole-model checkpoint (save all but gathered weights) a model's own remat blocks saved
+  # every activation. `keeps_nested_policies` makes them save what they would at top level
+  # (their inputs), without computing anything more (the backward pass re-runs each block
+  # once, as the model asks), and still never a gathered weight.
+  import re
+  from jax.ad_checkpoint import checkpoint_name, print_saved_residuals
+  from zerojax.core.remat import save_all_but_gathered
+
+  def block(x, w):
+    w = checkpoint_name(w * 1.0, gather.GATHERED)
+    return jnp.cos(jnp.sin(x @ w)) @ w.T
+
+  def model(x, w, nested):
+    for _ in range(3):
+      x = jax.checkpoint(block)(x, w) if nested else block(x, w)
+    return jnp.sum(x ** 2)
+
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(8, 16)), jnp.float32)
+  w = jnp.asarray(np.random.default_rng(1).normal(size=(16, 64)) * 0.1, jnp.float32)
+  outer = lambda nested: jax.checkpoint(lambda x, w: model(x, w, nested),
+                                        policy=save_all_but_gathered)
+
+  def shapes(f):  # JAX prints what a function saves for its backward pass, one per line
+    capsys.readouterr()
+    print_saved_residuals(f, x, w)
+    return sorted(tuple(int(d) for d in m.split(",") if d)
+                  for m in re.findall(r"^\w+\[([\d,]*)\]", capsys.readouterr().out, re.M))
+
+  top = lambda x, w: model(x, w, True)
+  # x, w, the two later blocks' inputs and the loss's 2x: what the model alone saves.
+  assert shapes(outer(True)) == shapes(top) == [(8, 16)] * 4 + [(16, 64)]
+  assert (8, 64) in shapes(outer(False))  # without nested checkpoints: save all but w
+  flops = lambda f: jax.jit(jax.grad(f, argnums=(0, 1))).lower(x, w).compile().cost_analysis()[
+      "flops"]
+  assert flops(outer(True)) <= flops(top) * 1.01  # each block re-run once, as the model asks
+  for a, b in zip(jax.grad(outer(True), argnums=(0, 1))(x, w),
+                  jax.grad(top, argnums=(0, 1))(x, w)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6)
+
+
+def _nnx_loop_losses(stage, steps=3):
+  from flax import nnx
+
+  class Block(nnx.Module):
+    def __init__(self, rngs):
+      self.a, self.b = nnx.Linear(64, 256, rngs=rngs), nnx.Linear(256, 64, rngs=rngs)
+
+    def __call__(self, x):
+      return x + self.b(jax.nn.gelu(self.a(x)))
+
+  class Net(nnx.Module):
+    def __init__(self, rngs):
+      self.blocks = nnx.List([Block(rngs) for _ in range(3)])
+
+    def __call__(self, x):
+      for b in self.blocks:
+        x = nnx.remat(lambda b, x: b(x))(b, x)
+      return x
+
+  config = zerojax.ZeroConfig(stage=stage, param_persistence_threshold=0)
+  model, opt, plan = zerojax.create_nnx(lambda: Net(nnx.Rngs(0)), optax.adam(1e-2),
+                                        config=config)
+
+  @zerojax.zero_step(plan)
+  def step(model, optimizer, x):
+    loss, grads = zerojax.value_and_grad(lambda m, x: jnp.mean(m(x) ** 2))(model, x)
+    optimizer.update(model, grads)
+    return {"loss": loss}
+
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(16, 64)), jnp.float32)
+  return [float(step(model, opt, x)["loss"]) for _ in range(steps)]
+
+
+def test_nnx_remat_blocks_train_exactly():
+  # NNX's own checkpoints (nnx.remat) in a Python loop keep their policy at stage 3, and
+  # their layers gather as written there (`inside_checkpoints`): stage 0's losses.
+  np.testing.assert_allclose(_nnx_loop_losses(3), _nnx_loop_losses(0), rtol=1e-5)

@@ -15,13 +15,14 @@ from typing import Any, Callable, Iterator
 
 import jax
 from jax.ad_checkpoint import checkpoint_name
-from jax.extend.core import Literal, Var
+from jax.extend.core import Literal, Var, get_opaque_trace_state
 from flax import linen as nn
 
 __all__ = ["ORIGINAL_SCAN", "REMAT_PRIMITIVE_NAMES", "name_p", "sharding_constraint_p",
            "jaxpr_has_primitive", "subjaxprs", "eval_jaxpr", "var_uses", "bind_dot_general",
            "install_scan_hook", "ORIGINAL_LINEN_APPLY", "install_linen_apply_hook",
-           "backends_initialized", "distributed_state", "detect_cluster"]
+           "backends_initialized", "distributed_state", "detect_cluster",
+           "keeps_nested_policies", "install_nested_remat_rule", "checkpoint_trace"]
 
 # ``jax.lax.scan`` as JAX defines it, captured before zerojax installs its per-thread dispatcher
 # (`install_scan_hook`); zerojax's own loops call this one directly.
@@ -162,6 +163,95 @@ def eval_jaxpr(closed: Any, args: list[Any],
         outs = [outs]
     env.update(zip(eqn.outvars, outs))
   return [read(v) for v in jaxpr.outvars]
+
+
+# -- nested checkpoints under zerojax's whole-model checkpoint -----------------------------------
+
+def keeps_nested_policies(policy: Callable[..., Any]) -> Callable[..., Any]:
+  """Marks ``policy``, used as the outermost ``jax.checkpoint`` policy, so that a checkpoint
+  nested inside keeps its own policy (within ours: nothing ours forbids is saved).
+
+  JAX applies the outermost policy to every equation of a nested checkpoint: a model wrapped
+  whole by zerojax (to re-gather weights rather than keep them) would lose its own
+  ``nn.remat`` blocks and save every activation inside them. With the mark, a nested
+  checkpoint is split as it would be at top level: its residuals follow its policy, and its
+  outputs are computed once, forward (JAX's rule recomputes them in the backward part).
+  Requires `install_nested_remat_rule`; the rule leaves unmarked policies to JAX."""
+  policy._zerojax_keeps_nested = True  # type: ignore[attr-defined]
+  return policy
+
+
+def _nested_remat_rule(original: Callable[..., Any]) -> Callable[..., Any]:
+  from jax._src import ad_checkpoint, core  # internal: looked up late, they may move
+  from jax._src.interpreters import partial_eval as pe
+
+  def rule(saveable, unks_in, inst_in, eqn, *args, **kwargs):
+    if (not getattr(saveable, "_zerojax_keeps_nested", False)
+        or not isinstance(eqn.params.get("prevent_cse"), bool)):
+      return original(saveable, unks_in, inst_in, eqn, *args, **kwargs)
+    inner = eqn.params["policy"] or ad_checkpoint.nothing_saveable
+    both = lambda prim, *avals, **params: (saveable(prim, *avals, **params)
+                                           and inner(prim, *avals, **params))
+    known, staged, unks_out, inst_out, num_res = pe.partial_eval_jaxpr_custom(
+        eqn.params["jaxpr"], unks_in, inst_in, False, False, both)
+    # The backward part computes only the unknown outputs (the tangents' transposes).
+    staged, used = pe.dce_jaxpr(staged, [u for u, i in zip(unks_out, inst_out) if i])
+    used_res, used_ins = used[:num_res], used[num_res:]
+    residuals = [core.Var(v.aval) for v in known.outvars[len(known.outvars) - num_res:]]
+    ins_known = [x for x, u in zip(eqn.invars, unks_in) if not u]
+    ins_staged = [x for x, i in zip(eqn.invars, inst_in) if i]
+    ins_staged = [x for x, u in zip(ins_staged, used_ins) if u]
+    residuals_used = [r for r, u in zip(residuals, used_res) if u]
+    eqn_known = core.new_jaxpr_eqn(
+        ins_known, [*(v for v, u in zip(eqn.outvars, unks_out) if not u), *residuals],
+        eqn.primitive, {**eqn.params, "jaxpr": known}, core.eqn_effects(known, ins_known),
+        eqn.source_info, eqn.ctx)
+    eqn_staged = core.new_jaxpr_eqn(
+        [*residuals_used, *ins_staged], [v for v, u in zip(eqn.outvars, unks_out) if u],
+        eqn.primitive, {**eqn.params, "jaxpr": staged, "differentiated": True},
+        core.eqn_effects(staged, [*residuals_used, *ins_staged]), eqn.source_info, eqn.ctx)
+    # Known inputs the backward part reads become residuals of the enclosing checkpoint.
+    read = {id(x) for x in ins_staged}
+    new_inst = [x for x, i in zip(eqn.invars, inst_in)
+                if type(x) is core.Var and not i and id(x) in read]
+    return eqn_known, eqn_staged, list(unks_out), list(unks_out), new_inst + residuals_used
+
+  return rule
+
+
+def checkpoint_trace() -> Any | None:
+  """The running trace (its ``jax.extend.core.get_opaque_trace_state``) when it traces the
+  body of a ``jax.checkpoint`` (``nn.remat``), else ``None``. JAX names what a trace is for
+  only in its internal debug info; without it this says ``None``."""
+  try:
+    from jax._src import core  # internal: looked up late, it may move
+    traced_for = core.trace_ctx.trace.frame.debug_info.traced_for
+  except AttributeError:  # pragma: no cover - depends on the installed JAX
+    return None
+  if not isinstance(traced_for, str) or "checkpoint" not in traced_for:
+    return None
+  return get_opaque_trace_state()
+
+
+_nested_rule_lock = threading.Lock()
+
+
+def install_nested_remat_rule() -> bool:
+  """Installs, once per process, the partial-evaluation rule `keeps_nested_policies` needs;
+  ``False`` where this JAX keeps checkpoints elsewhere (nested checkpoints then follow the
+  outermost policy, JAX's own behaviour)."""
+  try:
+    from jax._src import ad_checkpoint  # internal: looked up late, it may move
+    from jax._src.interpreters import partial_eval as pe
+    rules, remat_p = pe.partial_eval_jaxpr_custom_rules, ad_checkpoint.remat_p
+  except (ImportError, AttributeError):  # pragma: no cover - depends on the installed JAX
+    return False
+  with _nested_rule_lock:
+    if not getattr(rules.get(remat_p), "_zerojax", False):
+      rule = _nested_remat_rule(rules[remat_p])
+      rule._zerojax = True  # type: ignore[attr-defined]
+      rules[remat_p] = rule
+  return True
 
 
 def _self_check() -> None:

@@ -56,8 +56,8 @@ from zerojax.core import context
 from zerojax._compat import ORIGINAL_SCAN
 from zerojax.core.gather import ZeroParam, after, box_params
 from zerojax.core.config import ConfigError
-from zerojax.core.regather import prefetching, regather_nnx_layers
-from zerojax.core.remat import remat_policy
+from zerojax.core.regather import inside_checkpoints, prefetching, regather_nnx_layers
+from zerojax.core.remat import remat_policy, save_all_but_gathered
 
 __all__ = ["F32", "check_batch", "value_and_grad"]
 
@@ -146,13 +146,13 @@ def _nnx_value_and_grad(fun, argnums, has_aux, loss_scale):
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     ctx = context.current()
 
-    def f(params, *args, per_use=False, layers=False):
+    def f(params, *args, per_use=False, layers=False, keep=False):
       if per_use:
         params = _boxed(params, ctx.plan)
       m = nnx.merge(graphdef, params, rest)
       if layers:  # as a linen model without scans (`zerojax.core.apply`)
         regather_nnx_layers(m)
-      with prefetching(layers and ctx.plan.prefetches_next_layer):
+      with prefetching(layers and ctx.plan.prefetches_next_layer), inside_checkpoints(keep):
         out = fun(m, *args)
       loss, aux = out if has_aux else (out, None)
       return loss, (aux, nnx.state(m, nnx.Not(nnx.Param)))
@@ -161,9 +161,12 @@ def _nnx_value_and_grad(fun, argnums, has_aux, loss_scale):
       # Traced once more only to see whether the model scans its layers (see `_layers`).
       has_scan = ctx.plan.formulation(jax.make_jaxpr(f)(params, *args), linen=False).has_scan
       policy = remat_policy(ctx.plan.config, True)
-      f = functools.partial(f, per_use=True, layers=ctx.plan.params_sharded and not has_scan)
+      layers = ctx.plan.params_sharded and not has_scan
+      checkpoint = policy is not None and not has_scan  # else autodiff keeps gathered weights
+      f = functools.partial(f, per_use=True, layers=layers,
+                            keep=layers and checkpoint and policy is save_all_but_gathered)
       ctx.boxed_calls += 1
-      if policy is not None and not has_scan:  # else autodiff keeps every gathered weight
+      if checkpoint:
         f = jax.checkpoint(f, policy=policy)
 
     (loss, (aux, new_rest)), grads = value_and_grad(f, has_aux=True, loss_scale=loss_scale)(

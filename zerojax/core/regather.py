@@ -18,13 +18,48 @@ from flax import linen as nn
 from flax import nnx
 from jax.extend.core import get_opaque_trace_state
 
+from zerojax._compat import checkpoint_trace
 from zerojax.core.gather import AFTER, BACKWARD, ZeroParam, setting, token_of
 
-__all__ = ["regather_layers", "regather_nnx_layers", "prefetching"]
+__all__ = ["regather_layers", "regather_nnx_layers", "prefetching", "inside_checkpoints"]
 
 
 # Set while a layer runs inside `regather_layers`, so its own module call is not wrapped again.
 _IN_LAYER: contextvars.ContextVar[bool] = contextvars.ContextVar("zerojax_in_layer", default=False)
+
+# `inside_checkpoints`: the trace the model itself runs in; None outside it.
+_MODEL_TRACE: contextvars.ContextVar[Any] = contextvars.ContextVar("zerojax_model_trace",
+                                                                   default=None)
+
+
+@contextlib.contextmanager
+def inside_checkpoints(on: bool) -> Iterator[None]:
+  """Entered where the model is traced. With ``on`` (the model's own checkpoints keep their
+  policies under zerojax's: see `zerojax.core.remat.save_all_but_gathered`), a layer traced
+  inside a model's own checkpoint (``nn.remat``) is not made a custom VJP: its gathers wait
+  for its input, and the checkpoint's re-run of the forward pass gathers again for the
+  backward pass, which uses those weights. A custom VJP there would gather a third time (its
+  own backward re-gather): four collectives per weight instead of ZeRO-3's three."""
+  with setting(_MODEL_TRACE, get_opaque_trace_state() if on else None):
+    yield
+
+
+def _in_own_checkpoint() -> bool:
+  model = _MODEL_TRACE.get()
+  return model is not None and (trace := checkpoint_trace()) is not None and trace != model
+
+
+def _checkpointed(call: Callable[[], Any], arrays: list, boxes: list) -> Any:
+  """``call()``, a layer inside the model's own checkpoint (`inside_checkpoints`), as written:
+  its gathers wait for its input (under `prefetching`, the previous matmul layer's in the same
+  checkpoint); the checkpoint's re-run orders them again in the backward pass."""
+  wait = arrays
+  if (held := _PREVIOUS.get()) is not None:
+    wait = (held and held[0].input_here()) or arrays
+    if _has_matrix(boxes):
+      held[:] = [_Previous(arrays)]
+  with setting(_IN_LAYER, True), setting(AFTER, token_of(wait, boxes[0].barrier)):
+    return call()
 
 
 def regather_layers(next_fun: Callable, args: tuple, kwargs: dict,
@@ -63,6 +98,8 @@ def regather_layers(next_fun: Callable, args: tuple, kwargs: dict,
 
   names, boxes = list(params), list(params.values())
   arrays, rebuild = _array_args(args, kwargs)
+  if _in_own_checkpoint():
+    return _checkpointed(lambda: next_fun(*args, **kwargs), arrays, boxes)
   unbound = module.clone(parent=None)
 
   def run(shards, arrays, token):
@@ -82,13 +119,19 @@ def regather_layers(next_fun: Callable, args: tuple, kwargs: dict,
 
 class _Previous:
   """Under `prefetching`, a layer that gathered a matrix: its ``input`` (what the next layer's
-  forward gathers wait for); whether a later matmul layer follows it (``next``); and, once
-  that layer's backward pass has begun, its output ``cotangent`` (what this layer's re-gathers
-  wait for) with the ``trace`` it belongs to: it is used only in the same trace (per-block
-  ``nn.remat`` traces each block's backward pass apart), else the layer waits for its own."""
+  forward gathers wait for) and the ``trace`` it ran in (only a layer in the same trace may
+  wait for it); whether a later matmul layer follows it (``next``); and, once that layer's
+  backward pass has begun, its output ``cotangent`` (what this layer's re-gathers wait for)
+  with the ``cotangent_trace`` it belongs to (per-block ``nn.remat`` traces each block's
+  backward pass apart; in another trace a layer waits for its own)."""
 
   def __init__(self, input: list):
-    self.input, self.next, self.cotangent, self.trace = input, False, None, None
+    self.input, self.trace, self.next = input, get_opaque_trace_state(), False
+    self.cotangent, self.cotangent_trace = None, None
+
+  def input_here(self) -> list | None:
+    """``input`` if this trace may read it, else None."""
+    return self.input if self.trace == get_opaque_trace_state() else None
 
 
 # Inside `prefetching`: the `_Previous` layer ([] before one).
@@ -136,7 +179,7 @@ def _layer(run: Callable, shards: list, arrays: list, barrier: bool, matrix: boo
     held = None
   previous = held[0] if held else None
   mine = _Previous(arrays) if held is not None and matrix else None
-  wait = arrays if previous is None else previous.input
+  wait = (previous and previous.input_here()) or arrays
   if mine is not None:
     if previous is not None:
       previous.next = True
@@ -152,12 +195,13 @@ def _layer(run: Callable, shards: list, arrays: list, barrier: bool, matrix: boo
   def layer_bwd(res, ct):
     shards, arrays = res
     trace = get_opaque_trace_state()
-    ahead = mine is not None and mine.cotangent is not None and mine.trace == trace
+    ahead = (mine is not None and mine.cotangent is not None
+             and mine.cotangent_trace == trace)
     token = token_of(mine.cotangent if ahead else ct, barrier)
     if previous is not None and mine is not None and mine.next:
       # The previous matmul layer may re-gather once this one's backward pass begins; not
       # behind the last one, whose own re-gather (often the largest, a head's) runs then.
-      previous.cotangent, previous.trace = ct, trace
+      previous.cotangent, previous.cotangent_trace = ct, trace
     with setting(BACKWARD, True):
       _, vjp = jax.vjp(lambda s, a: run(s, a, token), shards, arrays)
       return (*vjp(ct), None)  # the wait only orders
@@ -211,6 +255,8 @@ def _nnx_layer_call(self: Any, *args: Any, **kwargs: Any) -> Any:
   shards, state_def = jax.tree.flatten(state)
   boxes = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, ZeroParam))
   arrays, rebuild = _array_args(args, kwargs)
+  if _in_own_checkpoint():
+    return _checkpointed(lambda: call(self, *args, **kwargs), arrays, boxes)
   paths = {p for p, _ in nnx.to_flat_state(state)}
 
   def run(shards, arrays, token):

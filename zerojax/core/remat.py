@@ -17,8 +17,9 @@ from typing import Any, Callable, Iterator
 import jax
 import jax.numpy as jnp
 
-from zerojax._compat import (ORIGINAL_SCAN, REMAT_PRIMITIVE_NAMES, install_scan_hook,
-                             jaxpr_has_primitive, name_p, sharding_constraint_p)
+from zerojax._compat import (ORIGINAL_SCAN, REMAT_PRIMITIVE_NAMES, install_nested_remat_rule,
+                             install_scan_hook, jaxpr_has_primitive, keeps_nested_policies,
+                             name_p, sharding_constraint_p)
 from zerojax.core.gather import BACKWARD, GATHERED, setting
 
 __all__ = ["ScanRemat", "scan_remat", "remat_policy", "save_all_but_gathered",
@@ -58,6 +59,7 @@ def recompute_in_backward(f: Callable) -> Callable:
   return g
 
 
+@keeps_nested_policies
 def save_all_but_gathered(prim, *_, **params) -> bool:
   """Remat policy of the per-use formulation: save every residual except gathered parameters.
 
@@ -67,6 +69,9 @@ def save_all_but_gathered(prim, *_, **params) -> bool:
   from the shard, which ZeRO-3 budgets for (3Ψ).
   (``jax.checkpoint_policies.save_anything_except_these_names`` cannot express this: in
   jax 0.10 it saves everything.)
+  A model's own checkpoints inside (``nn.remat`` blocks in a Python loop) keep their policies
+  (`zerojax._compat.keeps_nested_policies`): this one, around the whole model, would otherwise
+  save every activation inside them.
   """
   if prim is name_p:
     return params.get("name") != GATHERED
@@ -75,6 +80,9 @@ def save_all_but_gathered(prim, *_, **params) -> bool:
   if prim.name == "device_put":
     return False  # an offloaded layer's shard, brought to the device: fetch it again
   return prim is not sharding_constraint_p
+
+
+install_nested_remat_rule()
 
 
 def _only_resharding(jaxpr: Any) -> bool:
