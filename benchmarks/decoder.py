@@ -2,7 +2,9 @@
 baselines of the same train step, for the accelerator benchmarks.
 
 The model: token embedding, ``nn.scan(nn.remat(Block))`` over RMSNorm, grouped-query
-attention with rotary embeddings, SwiGLU MLP, untied head. No ``dtype`` is set, as a model is
+attention with rotary embeddings, SwiGLU MLP, untied head. ``DecoderConfig.layout`` writes the
+layers as a Python loop instead (``"loop"``), or as a Python loop of ``nn.remat`` blocks
+(``"loop_remat"``, gradient checkpointing as Hugging Face models do it). No ``dtype`` is set, as a model is
 usually written: the run's compute dtype decides. Attention is ``jax.nn.dot_product_attention``
 (cuDNN's fused kernel on XLA:GPU, XLA's own elsewhere).
 
@@ -39,6 +41,7 @@ class DecoderConfig:
   attention: str = "xla"  # jax.nn.dot_product_attention implementation
   constrain: bool = False  # MaxText-style activation constraints (batch on fsdp)
   compute_dtype: Any = None  # only the baselines cast; zerojax casts for its own runs
+  layout: str = "scan"  # "scan" (nn.scan(nn.remat(Block))), "loop", "loop_remat"
 
   @property
   def head_dim(self) -> int:
@@ -107,9 +110,16 @@ class Decoder(nn.Module):
     if cfg.compute_dtype is not None:
       emb = emb.astype(cfg.compute_dtype)
     x = _constrain(emb[tokens], cfg)
-    layers = nn.scan(nn.remat(Block), variable_axes={"params": 0}, split_rngs={"params": True},
-                     length=cfg.layers)
-    x, _ = layers(cfg, name="layers")(x, None)
+    if cfg.layout == "scan":
+      layers = nn.scan(nn.remat(Block), variable_axes={"params": 0}, split_rngs={"params": True},
+                       length=cfg.layers)
+      x, _ = layers(cfg, name="layers")(x, None)
+    elif cfg.layout in ("loop", "loop_remat"):
+      block = nn.remat(Block) if cfg.layout == "loop_remat" else Block
+      for i in range(cfg.layers):
+        x, _ = block(cfg, name=f"layers_{i}")(x, None)
+    else:
+      raise ValueError(f"layout={cfg.layout!r} is invalid: 'scan', 'loop' or 'loop_remat'")
     x = RMSNorm(name="final_norm")(x)
     return nn.Dense(cfg.vocab, use_bias=False, name="head")(x)
 

@@ -11,6 +11,8 @@ Sections (markdown tables on stdout):
   issue  the accelerator-schedule issue's 219.7M Llama on h100:8: zerojax stages 1-3 against
          hand-written FSDP and MaxText-style FSDP (``--issue-target v5e:2x4``: the same on
          XLA:TPU, with libtpu)
+  loops  the same Llama with its layers as a Python loop, plain and of nn.remat blocks, at
+         stage 3 against both baselines (``--issue-target`` as for issue)
   titan  torchtitan's row: a Llama-3-8B-shaped decoder, local batch 2 x 8192, h100:8
   scale  a 70B-class decoder at stage 3 on h100:8x8 (64 GPUs)
   hosts  h100:2x8: HSDP (replica across hosts, fsdp within) against flat FSDP over 16 GPUs
@@ -29,7 +31,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-SECTIONS = ("issue", "titan", "scale", "hosts")
+SECTIONS = ("issue", "loops", "titan", "scale", "hosts")
 TITAN_GIB = 82.4  # torchtitan's Llama 3.1 8B FSDP peak on 8 x H100 (docs/performance.md)
 GiB, MiB = 2**30, 2**20
 
@@ -107,6 +109,20 @@ def section_issue(args):
   rows += [_row(f"zerojax stage {s} ({runs[s].formulation})", runs[s]) for s in (1, 2, 3)]
   print(f"\n### The issue's Llama (219.7M) on {topo}, global batch 16 x 1024, bf16 compute\n")
   print(_table(rows))
+
+
+def section_loops(args):
+  from benchmarks.decoder import ISSUE_LLAMA
+  topo, batch = args.issue_target, (16, 1024)
+  for layout, what in (("loop", "a Python loop of blocks"),
+                       ("loop_remat", "a Python loop of nn.remat blocks")):
+    cfg = dataclasses.replace(ISSUE_LLAMA, layout=layout)
+    z = _zerojax(cfg, topo, batch, stage=3)
+    rows = [_baseline(cfg, topo, batch, "hand", z.plan, z.hbm_available),
+            _baseline(cfg, topo, batch, "maxtext", z.plan, z.hbm_available),
+            _row(f"zerojax stage 3 ({z.formulation})", z)]
+    print(f"\n### The issue's Llama as {what} on {topo}, global batch 16 x 1024, bf16 compute\n")
+    print(_table(rows), flush=True)
 
 
 def section_titan(args):
