@@ -42,7 +42,10 @@ def test_the_plan_waits_by_a_barrier_except_on_cpu():
                                        jnp.ones((16, 64)), config=zerojax.ZeroConfig(stage=3))
   assert plan.waits_by_barrier is False
   for platform, barrier in (("gpu", True), ("tpu", True), ("cpu", False)):
-    assert dataclasses.replace(plan, mesh=_mesh_on(platform)).waits_by_barrier is barrier
+    on = dataclasses.replace(plan, mesh=_mesh_on(platform))
+    assert on.waits_by_barrier is barrier
+    # ... and so the whole-model checkpoint needs no CSE barrier of its own there.
+    assert on.model_checkpoint_prevents_cse is not barrier
   boxed = gather.box_params(state.params, plan)
   assert {b.barrier for b in jax.tree.leaves(boxed, is_leaf=lambda x: isinstance(
       x, gather.ZeroParam))} == {False}

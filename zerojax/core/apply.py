@@ -132,7 +132,8 @@ def _layers(run: Callable, params: Any, plan: ShardingPlan, per_use: bool,
       return run(params)
 
   with layers, prefetching(regather and plan.prefetches_next_layer):
-    return jax.checkpoint(traced, policy=policy)(params)
+    return jax.checkpoint(traced, policy=policy,
+                          prevent_cse=plan.model_checkpoint_prevents_cse)(params)
 
 
 def per_use_reason(plan: ShardingPlan) -> str:

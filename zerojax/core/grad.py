@@ -167,7 +167,8 @@ def _nnx_value_and_grad(fun, argnums, has_aux, loss_scale):
                             keep=layers and checkpoint and policy is save_all_but_gathered)
       ctx.boxed_calls += 1
       if checkpoint:
-        f = jax.checkpoint(f, policy=policy)
+        f = jax.checkpoint(f, policy=policy,
+                           prevent_cse=ctx.plan.model_checkpoint_prevents_cse)
 
     (loss, (aux, new_rest)), grads = value_and_grad(f, has_aux=True, loss_scale=loss_scale)(
         params, *args)

@@ -279,6 +279,17 @@ class ShardingPlan:
     return self.platform == "gpu"
 
   @property
+  def model_checkpoint_prevents_cse(self) -> bool:
+    """Whether zerojax's checkpoint around a whole model without scans (stage 3, per use:
+    `zerojax.core.apply`) is a CSE barrier (``jax.checkpoint(prevent_cse=True)``). That
+    barrier holds the whole model's saved activations at once; without it XLA:GPU and XLA:TPU
+    schedule them as they would without the checkpoint (the issue's Llama as a Python loop on
+    v5e:2x4: 5.35 against 3.04 GiB of temp). A layer's re-gathers still wait for its output's
+    cotangent by their own barrier, so XLA cannot merge them with the forward's gathers; on
+    XLA:CPU, whose pipeline drops barriers, the checkpoint keeps its own."""
+    return self.platform == "cpu"
+
+  @property
   def params_sharded(self) -> bool:
     """Whether parameters rest sharded and are gathered where they are used (stage 3)."""
     return self.config.shards_params

@@ -145,9 +145,9 @@ def prefetching(on: bool) -> Iterator[None]:
   layer ahead: forward, they wait for the input of the last layer before it that gathered a
   matrix, not for its own input; backward, a matmul layer's re-gathers wait for the output
   cotangent of the next matmul layer, not for its own (except behind the last matmul layer,
-  whose own re-gather runs then). So a layer's weights may arrive while
-  its neighbour's matmuls run (two layers' weights gathered at most, in either pass); waiting
-  for its own input or cotangent leaves nothing to run beside the gather."""
+  whose own re-gather runs then). So a layer's weights may arrive while its neighbour's
+  matmuls run (two layers' weights gathered at most, in either pass); waiting for its own
+  input or cotangent leaves nothing to run beside the gather."""
   with setting(_PREVIOUS, [] if on else None):
     yield
 
