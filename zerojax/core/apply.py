@@ -21,8 +21,8 @@ from zerojax.core.dtypes import compute_dtype_of, to_compute
 from zerojax.core.formulation import Formulation, lookup_tables
 from zerojax.core.gather import box_params, setting
 from zerojax.core.plan import ShardingPlan
-from zerojax.core.regather import inside_checkpoints, prefetching, regather_layers
-from zerojax.core.remat import remat_policy, save_all_but_gathered
+from zerojax.core.regather import prefetching, regather_layers
+from zerojax.core.remat import checkpoint_model, remat_policy
 from zerojax.core.rows import per_layer_reads
 from zerojax.core.zeropp import shard_map_apply
 
@@ -125,15 +125,8 @@ def _layers(run: Callable, params: Any, plan: ShardingPlan, per_use: bool,
   # re-gathers after its output's cotangent.
   regather = per_use and plan.params_sharded
   layers = nn.intercept_methods(regather_layers) if regather else contextlib.nullcontext()
-  keep = regather and policy is save_all_but_gathered
-
-  def traced(params):
-    with inside_checkpoints(keep):
-      return run(params)
-
   with layers, prefetching(regather and plan.prefetches_next_layer):
-    return jax.checkpoint(traced, policy=policy,
-                          prevent_cse=plan.model_checkpoint_prevents_cse)(params)
+    return checkpoint_model(run, plan, policy, regather)(params)
 
 
 def per_use_reason(plan: ShardingPlan) -> str:

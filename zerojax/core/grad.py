@@ -56,8 +56,8 @@ from zerojax.core import context
 from zerojax._compat import ORIGINAL_SCAN
 from zerojax.core.gather import ZeroParam, after, box_params
 from zerojax.core.config import ConfigError
-from zerojax.core.regather import inside_checkpoints, prefetching, regather_nnx_layers
-from zerojax.core.remat import remat_policy, save_all_but_gathered
+from zerojax.core.regather import prefetching, regather_nnx_layers
+from zerojax.core.remat import checkpoint_model, remat_policy
 
 __all__ = ["F32", "check_batch", "value_and_grad"]
 
@@ -146,13 +146,13 @@ def _nnx_value_and_grad(fun, argnums, has_aux, loss_scale):
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     ctx = context.current()
 
-    def f(params, *args, per_use=False, layers=False, keep=False):
+    def f(params, *args, per_use=False, layers=False):
       if per_use:
         params = _boxed(params, ctx.plan)
       m = nnx.merge(graphdef, params, rest)
       if layers:  # as a linen model without scans (`zerojax.core.apply`)
         regather_nnx_layers(m)
-      with prefetching(layers and ctx.plan.prefetches_next_layer), inside_checkpoints(keep):
+      with prefetching(layers and ctx.plan.prefetches_next_layer):
         out = fun(m, *args)
       loss, aux = out if has_aux else (out, None)
       return loss, (aux, nnx.state(m, nnx.Not(nnx.Param)))
@@ -162,13 +162,10 @@ def _nnx_value_and_grad(fun, argnums, has_aux, loss_scale):
       has_scan = ctx.plan.formulation(jax.make_jaxpr(f)(params, *args), linen=False).has_scan
       policy = remat_policy(ctx.plan.config, True)
       layers = ctx.plan.params_sharded and not has_scan
-      checkpoint = policy is not None and not has_scan  # else autodiff keeps gathered weights
-      f = functools.partial(f, per_use=True, layers=layers,
-                            keep=layers and checkpoint and policy is save_all_but_gathered)
+      f = functools.partial(f, per_use=True, layers=layers)
       ctx.boxed_calls += 1
-      if checkpoint:
-        f = jax.checkpoint(f, policy=policy,
-                           prevent_cse=ctx.plan.model_checkpoint_prevents_cse)
+      if policy is not None and not has_scan:  # else autodiff keeps every gathered weight
+        f = checkpoint_model(f, ctx.plan, policy, layers)
 
     (loss, (aux, new_rest)), grads = value_and_grad(f, has_aux=True, loss_scale=loss_scale)(
         params, *args)

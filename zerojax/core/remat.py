@@ -21,8 +21,9 @@ from zerojax._compat import (ORIGINAL_SCAN, REMAT_PRIMITIVE_NAMES, install_neste
                              install_scan_hook, jaxpr_has_primitive, keeps_nested_policies,
                              name_p, sharding_constraint_p)
 from zerojax.core.gather import BACKWARD, GATHERED, setting
+from zerojax.core.regather import inside_checkpoints
 
-__all__ = ["ScanRemat", "scan_remat", "remat_policy", "save_all_but_gathered",
+__all__ = ["ScanRemat", "scan_remat", "remat_policy", "checkpoint_model", "save_all_but_gathered",
            "recompute_in_backward", "scanned_layers"]
 
 
@@ -148,6 +149,21 @@ def scan_remat(config: Any, per_use: bool) -> ScanRemat:
   if config.remat == "auto":
     return ScanRemat(cp.nothing_saveable, True, live)
   return ScanRemat(None, True, live)
+
+
+def checkpoint_model(f: Callable, plan: Any, policy: Any, layers: bool) -> Callable:
+  """``f``, a whole model without scans, under ``policy`` (`remat_policy`). The checkpoint is a
+  CSE barrier only where the plan says (`ShardingPlan.model_checkpoint_prevents_cse`); the
+  model's own checkpoints inside keep their policies under `save_all_but_gathered`, and with
+  ``layers`` (re-gathered layers) a layer inside one computes as written
+  (`zerojax.core.regather.inside_checkpoints`)."""
+  keep = layers and policy is save_all_but_gathered
+
+  def traced(*args, **kwargs):
+    with inside_checkpoints(keep):
+      return f(*args, **kwargs)
+
+  return jax.checkpoint(traced, policy=policy, prevent_cse=plan.model_checkpoint_prevents_cse)
 
 
 def remat_policy(config: Any, per_use: bool):
