@@ -361,6 +361,74 @@ def test_gpu_whole_model_checkpoint_is_no_cse_barrier(monkeypatch):
   assert moved == barrier_moved
 
 
+def _gather_starts(text: str) -> list[str]:
+  """The op names of the all-gather starts of a compiled (scheduled) program's entry, in the
+  order they are issued."""
+  entry = text[text.index("\nENTRY"):]
+  entry = entry[:entry.index("\n}")]
+  return [m.group(1) for m in re.finditer(r"all-gather-start\(.*?op_name=\"([^\"]*)\"", entry)]
+
+
+@needs_gpu_compiler
+def test_gpu_backward_re_gathers_wait_when_a_layer_s_output_is_reshaped():
+  # Attention projections as Llama writes them: q and k are reshaped to heads and rotated. The
+  # re-gathers of their backward pass wait, behind an optimization barrier, for a cotangent
+  # that their own layer's matmuls read only through a reshape. XLA:GPU's algebraic
+  # simplifier dropped such an unread barrier operand, and every layer's backward re-gathers
+  # of wq and wk were issued first thing, before the forward pass: all layers' weights
+  # gathered at once, nothing beside them. Each backward re-gather must follow its forward
+  # gather, layer after layer.
+  import jax.numpy as jnp
+  from flax import linen as nn
+
+  class Block(nn.Module):  # a Llama block: RMSNorm, rotary attention, SwiGLU
+    @nn.compact
+    def __call__(self, x):
+      B, T, D = x.shape
+      dense = lambda n, name: nn.Dense(n, use_bias=False, name=name)
+
+      def norm(y, name):
+        scale = self.param(name, nn.initializers.ones, (D,))
+        return y * jax.lax.rsqrt(jnp.mean(y * y, axis=-1, keepdims=True) + 1e-5) * scale
+
+      def rotate(y):
+        ang = jnp.arange(T, dtype=jnp.float32)[:, None] * jnp.arange(1, 33, dtype=jnp.float32)
+        cos, sin = (f(ang)[None, :, None].astype(y.dtype) for f in (jnp.cos, jnp.sin))
+        y1, y2 = y[..., :32], y[..., 32:]
+        return jnp.concatenate([y1 * cos - y2 * sin, y2 * cos + y1 * sin], axis=-1)
+
+      h = norm(x, "attn_norm")
+      heads = lambda y: y.reshape(B, T, D // 64, 64)
+      q, k = (rotate(heads(dense(D, n)(h))) for n in ("wq", "wk"))
+      v = heads(dense(D, "wv")(h))
+      att = jax.nn.dot_product_attention(q, k, v, is_causal=True).reshape(B, T, D)
+      x = x + dense(D, "wo")(att)
+      h = norm(x, "mlp_norm")
+      return x + dense(D, "w2")(nn.silu(dense(2048, "w1")(h)) * dense(2048, "w3")(h))
+
+  class Model(nn.Module):
+    @nn.compact
+    def __call__(self, tokens):
+      x = nn.Embed(512, 1024)(tokens)
+      for _ in range(2):
+        x = Block()(x)
+      return nn.Dense(512, use_bias=False)(x)
+
+  r = memory.compile_for_topology(zerojax.ZeroConfig(stage=3, compute_dtype="bfloat16"),
+                                  Model(), (16, 128), TOPOLOGY)
+  starts = _gather_starts(r.compiled.as_text())
+  for layer in ("Block_0", "Block_1"):
+    for w in ("wq", "wk", "wv", "wo", "w1", "w2", "w3"):
+      mine = [i for i, s in enumerate(starts) if f"/{layer}/{w}/" in s]
+      forward = [i for i in mine if "transpose(" not in starts[i]]
+      backward = [i for i in mine if "transpose(" in starts[i]]
+      assert forward and backward, (layer, w, starts)
+      assert min(backward) > max(forward), (layer, w, forward, backward)
+  # and the backward pass re-gathers the last block's weights before the first's
+  backward = lambda layer: [i for i, s in enumerate(starts) if "transpose(" in s and layer in s]
+  assert max(backward("/Block_1/")) < min(backward("/Block_0/")), starts
+
+
 @needs_gpu_compiler
 def test_gpu_a_models_own_remat_blocks_keep_their_memory_at_textbook_bytes():
   # A Python loop of nn.remat blocks (gradient checkpointing as Hugging Face models do it) at

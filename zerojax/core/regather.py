@@ -175,6 +175,7 @@ def _layer(run: Callable, shards: list, arrays: list, barrier: bool, matrix: boo
   shards and arguments as residuals, and whose backward pass re-gathers after the output's
   cotangent exists (`prefetching`: the next matmul layer's) and differentiates ``run`` again."""
   held = _PREVIOUS.get()
+  ahead = held is not None  # `prefetching`
   if token_of(arrays, True) is None:
     held = None
   previous = held[0] if held else None
@@ -194,10 +195,17 @@ def _layer(run: Callable, shards: list, arrays: list, barrier: bool, matrix: boo
 
   def layer_bwd(res, ct):
     shards, arrays = res
+    if barrier and ahead:
+      # A re-gather's barrier waits for a cotangent. XLA's algebraic simplifier drops a barrier
+      # operand that nothing else reads, and the instruction holding a cotangent often is read
+      # only there (the layer's matmuls read a reshape of it): through one barrier of its own,
+      # the wait and this layer's backward pass read the same instruction. (XLA:TPU, which
+      # does not prefetch, needed more temp with it on patterns c and e, the same elsewhere.)
+      ct = jax.lax.optimization_barrier(ct)
     trace = get_opaque_trace_state()
-    ahead = (mine is not None and mine.cotangent is not None
-             and mine.cotangent_trace == trace)
-    token = token_of(mine.cotangent if ahead else ct, barrier)
+    handed = (mine is not None and mine.cotangent is not None
+              and mine.cotangent_trace == trace)
+    token = token_of(mine.cotangent if handed else ct, barrier)
     if previous is not None and mine is not None and mine.next:
       # The previous matmul layer may re-gather once this one's backward pass begins; not
       # behind the last one, whose own re-gather (often the largest, a head's) runs then.
