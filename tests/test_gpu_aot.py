@@ -430,6 +430,38 @@ def test_gpu_backward_re_gathers_wait_when_a_layer_s_output_is_reshaped():
 
 
 @needs_gpu_compiler
+def test_gpu_layers_ahead_compile_with_two_collectives_in_flight(monkeypatch):
+  # Layers without scans gather one matmul layer ahead on XLA:GPU; with one collective in
+  # flight a layer's reduce-scatters held the slot while its matmuls ran and the next layer's
+  # gathers waited. Such a step compiles with the analytical latency estimator and two in
+  # flight; a scanned model keeps one (its reduce-scatters lost their matmuls with two), at
+  # the cost of tracing it once more, and XLA compiles each step once.
+  from tests.model_patterns import FULL, target_zero
+  from zerojax.core import formulation as fm
+  from zerojax.core.step import ZeroStep
+  monkeypatch.delenv("XLA_FLAGS", raising=False)
+  jitted, jit = [], ZeroStep._jit
+  monkeypatch.setattr(ZeroStep, "_jit", lambda self, *a: jitted.append(a[-1]) or jit(self, *a))
+  devices = gpu.gpu_topology(TOPOLOGY).devices
+  ahead = {**fm.GPU_COMPILER_OPTIONS, **fm.GPU_LAYERS_AHEAD_OPTIONS}
+  schedule = lambda compiled, kind: memory.collective_schedule(compiled.as_text(), kind)
+
+  loop, plan, _ = target_zero("c", FULL, 3, devices)
+  assert plan.compiler_options == ahead and jitted == [ahead]
+  assert plan.compiler_options_for(False) == fm.GPU_COMPILER_OPTIONS
+  assert schedule(loop, "all-gather").matmul_share >= 0.65  # 73% (56% with one in flight)
+
+  jitted.clear()
+  scanned, _, _ = target_zero("a", FULL, 3, devices)
+  assert jitted == [ahead, fm.GPU_COMPILER_OPTIONS]  # expected no scans, traced once more
+  assert schedule(scanned, "reduce-scatter").matmul_share >= 0.99  # 0% with two in flight
+  config = zerojax.ZeroConfig(stage=2)
+  stage2 = zerojax.ShardingPlan.create(config, zerojax.make_mesh(config, devices=list(devices)),
+                                       {"w": jax.ShapeDtypeStruct((64, 64), "float32")})
+  assert stage2.compiler_options == fm.GPU_COMPILER_OPTIONS
+
+
+@needs_gpu_compiler
 def test_gpu_a_models_own_remat_blocks_keep_their_memory_at_textbook_bytes():
   # A Python loop of nn.remat blocks (gradient checkpointing as Hugging Face models do it) at
   # stage 3: zerojax's whole-model checkpoint (re-gather, never keep, gathered weights) used to
@@ -532,6 +564,10 @@ def test_gpu_compiler_options_yield_to_xla_flags(monkeypatch):
   assert "xla_gpu_reduce_scatter_combine_threshold_bytes" not in opts
   assert "xla_gpu_enable_latency_hiding_scheduler" not in opts
   assert opts["xla_gpu_enable_pipelined_all_gather"] is True
+  monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_experimental_parallel_collective_overlap_limit=1")
+  opts = fm.compiler_options(plan, layers_ahead=True)
+  assert opts["xla_gpu_enable_analytical_latency_estimator"] is True
+  assert "xla_gpu_experimental_parallel_collective_overlap_limit" not in opts
 
 
 def test_tpu_compiler_options_yield_to_libtpu_init_args(monkeypatch):

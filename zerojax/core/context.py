@@ -35,6 +35,9 @@ class StepContext:
     linen: whether the step takes a state with an ``apply_fn`` (not an NNX step).
     boxed_calls: how often `zerojax.value_and_grad` ran an NNX model with its parameters in
       per-use gather boxes in this trace.
+    layers_ahead: whether a model's layers (no scans) gathered one matmul layer ahead in
+      this trace (`zerojax.core.regather.prefetching`): the step compiles with the options
+      for that (`ShardingPlan.compiler_options_for`).
   """
 
   plan: Any
@@ -44,6 +47,7 @@ class StepContext:
   apply_calls: int = 0
   linen: bool = True
   boxed_calls: int = 0
+  layers_ahead: bool = False
 
 
 def current() -> StepContext | None:

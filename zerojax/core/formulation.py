@@ -24,7 +24,7 @@ from jax.extend.core import Var
 from zerojax._compat import REMAT_PRIMITIVE_NAMES, jaxpr_has_primitive, subjaxprs
 
 __all__ = ["Formulation", "choose", "lookup_tables", "compiler_options",
-           "GPU_COMPILER_OPTIONS", "TPU_COMPILER_OPTIONS"]
+           "GPU_COMPILER_OPTIONS", "GPU_LAYERS_AHEAD_OPTIONS", "TPU_COMPILER_OPTIONS"]
 
 
 class Formulation(NamedTuple):
@@ -129,14 +129,20 @@ GPU_COMPILER_OPTIONS = {"xla_gpu_enable_latency_hiding_scheduler": True,
                         "xla_gpu_reduce_scatter_combine_threshold_bytes": 1,
                         "xla_gpu_all_gather_combine_threshold_bytes": 1 << 20}
 
+# XLA:GPU, a model without scans whose layers gather one matmul layer ahead
+# (`ShardingPlan.prefetches_next_layer`): see `compiler_options`.
+GPU_LAYERS_AHEAD_OPTIONS = {"xla_gpu_enable_analytical_latency_estimator": True,
+                            "xla_gpu_experimental_parallel_collective_overlap_limit": 2}
+
 TPU_COMPILER_OPTIONS = {"xla_tpu_enable_ici_ag_pipelining": True}
 
 # Where a user sets the flags each backend's options stand for; a flag set there wins.
 _USER_FLAGS = {"gpu": "XLA_FLAGS", "tpu": "LIBTPU_INIT_ARGS"}
 
 
-def compiler_options(plan: Any) -> dict[str, Any] | None:
-  """XLA options the stage needs on this backend.
+def compiler_options(plan: Any, layers_ahead: bool = False) -> dict[str, Any] | None:
+  """XLA options the stage needs on this backend; ``layers_ahead``: for a step whose model
+  (no scans) gathered its layers one matmul layer ahead (`zerojax.core.regather.prefetching`).
 
   At stages 2-3 each layer's gradient must be reduce-scattered as soon as it exists. XLA's
   CPU backend merges all gradient all-reduces of an unscanned model into one combined op,
@@ -159,6 +165,11 @@ def compiler_options(plan: Any) -> dict[str, Any] | None:
   (`ShardingPlan.prefetches_next_layer`) would wait for that layer's norm scales, and a
   scanned layer's gathers for each other.
 
+  Where layers gather one matmul layer ahead, XLA:GPU schedules with its analytical latency
+  estimator and two collectives in flight: with one, a layer's reduce-scatters held the slot
+  while its matmuls ran and the next layer's gathers waited. A scanned layer's reduce-scatters
+  lost their matmuls under the same options, so scanned models keep one in flight.
+
   On XLA:TPU, ICI all-gather pipelining issues a scanned layer's gather an iteration ahead:
   measured one by one among the flags MaxText ships (BENCHMARKS.md), it is the one that moved
   the schedule. A flag in ``LIBTPU_INIT_ARGS`` wins there.
@@ -169,5 +180,7 @@ def compiler_options(plan: Any) -> dict[str, Any] | None:
   defaults = {"gpu": GPU_COMPILER_OPTIONS, "tpu": TPU_COMPILER_OPTIONS}.get(platform)
   if defaults is None:
     return None
+  if layers_ahead and platform == "gpu":
+    defaults = {**defaults, **GPU_LAYERS_AHEAD_OPTIONS}
   user = set(re.findall(r"--(xla_\w+)", os.environ.get(_USER_FLAGS[platform], "")))
   return {k: v for k, v in defaults.items() if k not in user} or None

@@ -316,8 +316,16 @@ class ShardingPlan:
 
   @property
   def compiler_options(self) -> dict[str, Any] | None:
-    """XLA options the stage needs on this backend (`zerojax.core.formulation.compiler_options`)."""
-    return fm.compiler_options(self)
+    """XLA options the stage needs on this backend, for the model a step expects before it is
+    traced: at stage 3 on XLA:GPU, layers without scans gathered one matmul layer ahead. A
+    step whose trace shows otherwise compiles with `compiler_options_for` its model."""
+    return self.compiler_options_for(self.prefetches_next_layer and self.params_sharded)
+
+  def compiler_options_for(self, layers_ahead: bool) -> dict[str, Any] | None:
+    """XLA options the stage needs on this backend for a step whose model's layers did
+    (``layers_ahead``) or did not gather one matmul layer ahead
+    (`zerojax.core.formulation.compiler_options`)."""
+    return fm.compiler_options(self, layers_ahead)
 
   @property
   def grads_reduced(self) -> PyTree:

@@ -19,6 +19,7 @@ from flax import nnx
 from jax.extend.core import get_opaque_trace_state
 
 from zerojax._compat import checkpoint_trace
+from zerojax.core import context
 from zerojax.core.gather import AFTER, BACKWARD, ZeroParam, setting, token_of
 
 __all__ = ["regather_layers", "regather_nnx_layers", "prefetching", "inside_checkpoints"]
@@ -148,6 +149,8 @@ def prefetching(on: bool) -> Iterator[None]:
   whose own re-gather runs then). So a layer's weights may arrive while its neighbour's
   matmuls run (two layers' weights gathered at most, in either pass); waiting for its own
   input or cotangent leaves nothing to run beside the gather."""
+  if on and (ctx := context.current()) is not None:
+    ctx.layers_ahead = True
   with setting(_PREVIOUS, [] if on else None):
     yield
 

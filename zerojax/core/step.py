@@ -63,6 +63,7 @@ class ZeroStep:
       model = ModelApply(orig, plan)  # decides the formulation on its first trace
       tx = None if orig_tx is None else offload.wrap_tx(orig_tx, plan, layout.prepare(plan))
       applied: list = []  # the trace's `linen_applies`: models the step applies itself
+      contexts: list = []  # the trace's step context
 
       def step(state, batch, *rest):
         changes = {"apply_fn": model} if tx is None else {"apply_fn": model, "tx": tx}
@@ -71,6 +72,7 @@ class ZeroStep:
             scan_remat(plan.config, plan.gathers_per_use)), linen_applies(plan) as others:
           new_state, metrics = self.fn(state, batch, *rest)
         applied.append(others)
+        contexts.append(ctx)
         _check_features_used(ctx)
         if not isinstance(new_state, type(state)):
           raise TypeError(f"train_step must return (state, metrics); got {type(new_state)}")
@@ -79,15 +81,12 @@ class ZeroStep:
         restore = {"apply_fn": orig} if orig_tx is None else {"apply_fn": orig, "tx": orig_tx}
         return new_state.replace(**restore), metrics
 
-      state_sh = plan.state(state)
-      jitted = jax.jit(
-          step, in_shardings=(state_sh, plan.batch(batch), *_replicated(plan, rest)),
-          out_shardings=(state_sh, plan.replicated),
-          donate_argnums=(0,) if self.donate else (),
-          compiler_options=plan.compiler_options)
+      jit = functools.partial(self._jit, step, plan.state(state), batch, rest)
+      jitted = jit(plan.compiler_options)
       lowered = jitted.lower(state, batch, *rest)  # one trace (cached for the first call)
       if compute_dtype_of(plan.config) is not None:
         check_compute_dtype(plan.config, lowered)
+      jitted = self._options_for(jitted, jit, contexts[-1])
       chosen = model.formulation or (applied[-1].formulation if applied else None)
       per_use = plan.gathers_per_use if chosen is None else chosen.per_use
       self.formulation[key] = "per use" if per_use else "compiler"
@@ -121,6 +120,7 @@ class ZeroStep:
       params_host = plan.params_on_host
 
       cd = compute_dtype_of(cfg)
+      contexts: list = []  # the trace's step context
 
       def step(state, batch, *rest):
         m, o = nnx.merge(graphdef, state)
@@ -134,6 +134,7 @@ class ZeroStep:
         scale = o.loss_scaling.scale[...] if scaling else None
         with _step_context(plan, None, scale) as ctx, scanned_layers(scan_remat(cfg, False)):
           metrics = self.fn(m, o, batch, *rest)
+        contexts.append(ctx)
         _check_features_used(ctx)
         self.formulation[key] = _nnx_formulation(plan, ctx)
         if scaling:
@@ -147,15 +148,26 @@ class ZeroStep:
             metrics = {**o.loss_scaling.metrics(), **metrics}
         return nnx.state((m, o)), metrics
 
-      jitted = jax.jit(
-          step, in_shardings=(state_sh, plan.batch(batch), *_replicated(plan, rest)),
-          out_shardings=(state_sh, plan.replicated),
-          donate_argnums=(0,) if self.donate else (),
-          compiler_options=plan.compiler_options)
+      jit = functools.partial(self._jit, step, state_sh, batch, rest)
+      jitted = jit(plan.compiler_options)
+      traced = jitted.trace(state, batch, *rest)  # one trace (cached for the first call)
       if cd is not None:
-        check_compute_dtype(cfg, jitted.lower(state, batch, *rest))
-      self._jitted[key] = jitted
+        check_compute_dtype(cfg, traced.lower())
+      self._jitted[key] = self._options_for(jitted, jit, contexts[-1])
     return self._jitted[key], state
+
+  def _jit(self, step, state_sh, batch, rest, options):
+    plan = self.plan
+    return jax.jit(step, in_shardings=(state_sh, plan.batch(batch), *_replicated(plan, rest)),
+                   out_shardings=(state_sh, plan.replicated),
+                   donate_argnums=(0,) if self.donate else (), compiler_options=options)
+
+  def _options_for(self, jitted, jit, ctx):
+    """``jitted``, or ``jit(options)`` where the traced model needs other compiler options
+    than the plan expected (`ShardingPlan.compiler_options_for`): traced once more, compiled
+    once."""
+    options = self.plan.compiler_options_for(ctx.layers_ahead)
+    return jitted if options == self.plan.compiler_options else jit(options)
 
   def _dispatch(self, args):
     """``(kind, leading, batch, rest)`` by the type of the first argument: an ``nnx.Module``
