@@ -434,8 +434,9 @@ def test_gpu_layers_ahead_compile_with_two_collectives_in_flight(monkeypatch):
   # Layers without scans gather one matmul layer ahead on XLA:GPU; with one collective in
   # flight a layer's reduce-scatters held the slot while its matmuls ran and the next layer's
   # gathers waited. Such a step compiles with the analytical latency estimator and two in
-  # flight; a scanned model keeps one (its reduce-scatters lost their matmuls with two), at
-  # the cost of tracing it once more, and XLA compiles each step once.
+  # flight; a scanned model keeps one (its reduce-scatters lost their matmuls with two), as
+  # does a loop of a model's own remat blocks, at the cost of tracing it once more, and XLA
+  # compiles each step once.
   from tests.model_patterns import FULL, target_zero
   from zerojax.core import formulation as fm
   from zerojax.core.step import ZeroStep
@@ -455,6 +456,10 @@ def test_gpu_layers_ahead_compile_with_two_collectives_in_flight(monkeypatch):
   scanned, _, _ = target_zero("a", FULL, 3, devices)
   assert jitted == [ahead, fm.GPU_COMPILER_OPTIONS]  # expected no scans, traced once more
   assert schedule(scanned, "reduce-scatter").matmul_share >= 0.99  # 0% with two in flight
+  jitted.clear()  # a loop of nn.remat blocks: its layers wait inside the blocks' checkpoints
+  memory.compile_for_topology(zerojax.ZeroConfig(stage=3), GPT(dataclasses.replace(
+      TINY, scan=False, remat=True)), BATCH, TOPOLOGY)
+  assert jitted == [ahead, fm.GPU_COMPILER_OPTIONS]
   config = zerojax.ZeroConfig(stage=2)
   stage2 = zerojax.ShardingPlan.create(config, zerojax.make_mesh(config, devices=list(devices)),
                                        {"w": jax.ShapeDtypeStruct((64, 64), "float32")})

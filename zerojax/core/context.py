@@ -36,8 +36,10 @@ class StepContext:
     boxed_calls: how often `zerojax.value_and_grad` ran an NNX model with its parameters in
       per-use gather boxes in this trace.
     layers_ahead: whether a model's layers (no scans) gathered one matmul layer ahead in
-      this trace (`zerojax.core.regather.prefetching`): the step compiles with the options
-      for that (`ShardingPlan.compiler_options_for`).
+      this trace (`zerojax.core.regather.prefetching`).
+    layers_in_checkpoints: whether a layer ran inside the model's own checkpoint
+      (`zerojax.core.regather.inside_checkpoints`). The step compiles with the options for
+      layers ahead (`ShardingPlan.compiler_options_for`) only without such layers.
   """
 
   plan: Any
@@ -48,6 +50,7 @@ class StepContext:
   linen: bool = True
   boxed_calls: int = 0
   layers_ahead: bool = False
+  layers_in_checkpoints: bool = False
 
 
 def current() -> StepContext | None:

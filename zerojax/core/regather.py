@@ -54,6 +54,8 @@ def _checkpointed(call: Callable[[], Any], arrays: list, boxes: list) -> Any:
   """``call()``, a layer inside the model's own checkpoint (`inside_checkpoints`), as written:
   its gathers wait for its input (under `prefetching`, the previous matmul layer's in the same
   checkpoint); the checkpoint's re-run orders them again in the backward pass."""
+  if (ctx := context.current()) is not None:
+    ctx.layers_in_checkpoints = True
   wait = arrays
   if (held := _PREVIOUS.get()) is not None:
     wait = (held and held[0].input_here()) or arrays
@@ -149,8 +151,6 @@ def prefetching(on: bool) -> Iterator[None]:
   whose own re-gather runs then). So a layer's weights may arrive while its neighbour's
   matmuls run (two layers' weights gathered at most, in either pass); waiting for its own
   input or cotangent leaves nothing to run beside the gather."""
-  if on and (ctx := context.current()) is not None:
-    ctx.layers_ahead = True
   with setting(_PREVIOUS, [] if on else None):
     yield
 
@@ -184,6 +184,8 @@ def _layer(run: Callable, shards: list, arrays: list, barrier: bool, matrix: boo
   previous = held[0] if held else None
   mine = _Previous(arrays) if held is not None and matrix else None
   wait = (previous and previous.input_here()) or arrays
+  if mine is not None and (ctx := context.current()) is not None:
+    ctx.layers_ahead = True
   if mine is not None:
     if previous is not None:
       previous.next = True
