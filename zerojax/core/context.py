@@ -35,8 +35,8 @@ class StepContext:
     linen: whether the step takes a state with an ``apply_fn`` (not an NNX step).
     boxed_calls: how often `zerojax.value_and_grad` ran an NNX model with its parameters in
       per-use gather boxes in this trace.
-    layers_ahead: whether a model's layers (no scans) gathered one matmul layer ahead in
-      this trace (`zerojax.core.regather.prefetching`).
+    layers_ahead: whether a model's layers (no scans) gathered one matmul layer ahead, as
+      custom VJPs, in this trace (`zerojax.core.regather.prefetching`).
     layers_in_checkpoints: whether a layer ran inside the model's own checkpoint
       (`zerojax.core.regather.inside_checkpoints`). The step compiles with the options for
       layers ahead (`ShardingPlan.compiler_options_for`) only without such layers.
