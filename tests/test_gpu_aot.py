@@ -339,6 +339,27 @@ def test_gpu_unscanned_layers_gather_one_ahead_and_nnx_lists_as_linen_loops(monk
 
 
 @needs_gpu_compiler
+def test_gpu_row_matmuls_gather_one_ahead(monkeypatch):
+  # Pattern g (a pure function reading rows of stacked weights in a Python loop): on XLA:GPU
+  # each row matmul's gather waits for the previous row matmul's operand, not its own, so it
+  # can run beside that matmul, at the same temp.
+  from tests.model_patterns import FULL, target_zero
+  from zerojax.core.plan import ShardingPlan
+  devices = gpu.gpu_topology(TOPOLOGY).devices
+
+  def compile_():
+    compiled, _, _ = target_zero("g", FULL, 3, devices)
+    share = memory.collective_schedule(compiled.as_text(), "all-gather").matmul_share
+    return share, memory.measure(compiled).temp
+
+  ahead, temp = compile_()
+  monkeypatch.setattr(ShardingPlan, "prefetches_next_layer", property(lambda self: False))
+  own, own_temp = compile_()
+  assert ahead >= own + 0.3, (ahead, own)  # 73% against 29%
+  assert temp <= own_temp, (temp, own_temp)
+
+
+@needs_gpu_compiler
 def test_gpu_whole_model_checkpoint_is_no_cse_barrier(monkeypatch):
   # Pattern d1 (no scans: zerojax checkpoints the whole model to re-gather its weights). As a
   # CSE barrier that checkpoint held every saved activation at once; without it XLA:GPU

@@ -274,8 +274,9 @@ class ShardingPlan:
     """Whether, in a model without scans, each layer's forward gathers wait for the previous
     matmul layer's input rather than its own, and its backward re-gathers for the next one's
     output cotangent, so they can run beside that layer's matmuls
-    (`zerojax.core.regather.prefetching`): on XLA:GPU, at no temp there. XLA:TPU hoists the
-    gathers so freed further ahead that its temp grows instead."""
+    (`zerojax.core.regather.prefetching`; a pure function's row matmuls, forward only:
+    `zerojax.core.rows`): on XLA:GPU, at no temp there. XLA:TPU hoists the gathers so freed
+    further ahead that its temp grows instead."""
     return self.platform == "gpu"
 
   @property

@@ -88,7 +88,7 @@ def per_layer_reads(apply_fn: Callable, plan: Any,
       return apply_fn(params, *args, **kwargs)
     rewrite = _Rewrite(leaves, per_leaf, index, split,
                        _rows_into_matmuls(closed.jaxpr, index, split), formulation.per_use,
-                       plan.waits_by_barrier)
+                       plan.waits_by_barrier, formulation.per_use and plan.prefetches_next_layer)
     outs = eval_jaxpr(closed, [*leaves, *arrays], rewrite)
     return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
 
@@ -120,6 +120,12 @@ class _Rewrite:
   matmul: "_RowMatmuls"
   per_use: bool
   barrier: bool  # `ShardingPlan.waits_by_barrier`
+  # `ShardingPlan.prefetches_next_layer`: a row matmul's gather waits for the operand of the
+  # row matmul before it (``previous``), not its own, so it can run beside that matmul. The
+  # step keeps the base compile options for it: with those for layers ahead (as
+  # `zerojax.core.regather`'s) pattern g had 65% of its all-gathers beside a matmul, not 73%.
+  prefetch: bool = False
+  previous: Any = None
   carried: dict = dataclasses.field(default_factory=dict)  # leaf -> stack the next row reads
 
   def __call__(self, eqn: Any, invals: list) -> list | None:
@@ -129,8 +135,11 @@ class _Rewrite:
       k, i, pos = self.matmul.dots[eqn]
       rest, grad, compute = (_bare(s) for s in self.per_leaf[k])
       use = _Gather.of(rest, compute, grad, self.barrier) if self.per_use else None
+      other = invals[1 - pos]
+      wait = self.previous if self.prefetch and self.previous is not None else other
+      self.previous = other
       out, self.carried[k] = _row_dot(
-          self.carried.get(k, self.leaves[k]), invals[1 - pos], i, pos, _Dot.of(eqn), grad,
+          self.carried.get(k, self.leaves[k]), other, wait, i, pos, _Dot.of(eqn), grad,
           k not in self.carried, use)
       return [out]
     if self.per_use and eqn.primitive.name == "dot_general":
@@ -200,14 +209,15 @@ def _row(w: jax.Array, i: int, operand: jax.Array, gathered: Any, grad: NamedSha
   return jax.lax.dynamic_index_in_dim(w, i, axis=0, keepdims=False)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6, 7))
-def _row_dot(w: jax.Array, other: jax.Array, i: int, pos: int, dot: _Dot,
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7, 8))
+def _row_dot(w: jax.Array, other: jax.Array, wait: jax.Array, i: int, pos: int, dot: _Dot,
              grad: NamedSharding, first: bool, gathered: "_Gather | None"
              ) -> tuple[jax.Array, jax.Array]:
   """``(dot(w[i], other), w)``: a matmul with a row of ``w``, and ``w`` to read the next row
   from (threaded as in `_read_row`; ``first``: no read of ``w`` came before). The row is
-  sliced after ``other`` exists and not saved: the backward pass slices it again after the
-  output's cotangent exists. Per use (``gathered``), the row is gathered for the matmul, both
+  sliced after ``wait`` exists (``other``, or the previous row matmul's operand: see
+  `_Rewrite.prefetch`) and not saved: the backward pass slices it again after the output's
+  cotangent exists. Per use (``gathered``), the row is gathered for the matmul, both
   times, and only its shard is ever saved.
 
   Except the first read's row, which is saved: its re-slice would feed only the cotangent of
@@ -217,11 +227,11 @@ def _row_dot(w: jax.Array, other: jax.Array, i: int, pos: int, dot: _Dot,
   through a token instead cost XLA:TPU more temp).
   """
   use = gathered or (lambda r: r)
-  return dot(use(_row(w, i, other, gathered, grad)), other, pos), w
+  return dot(use(_row(w, i, wait, gathered, grad)), other, pos), w
 
 
-def _row_dot_fwd(w, other, i, pos, dot, grad, first, gathered):
-  row = _row(w, i, other, gathered, grad)
+def _row_dot_fwd(w, other, wait, i, pos, dot, grad, first, gathered):
+  row = _row(w, i, wait, gathered, grad)
   use = gathered or (lambda r: r)
   return (dot(use(row), other, pos), w), (w, other, row if first else None)
 
@@ -233,7 +243,7 @@ def _row_dot_bwd(i, pos, dot, grad, first, gathered, res, cts):
   row = gathered(row) if gathered is not None else row
   _, vjp = jax.vjp(lambda r, o: dot(r, o, pos), row, other)
   ct_row, ct_other = vjp(ct_out)
-  return _add_row(ct_w, ct_row, i, grad), ct_other
+  return _add_row(ct_w, ct_row, i, grad), ct_other, None
 
 
 _row_dot.defvjp(_row_dot_fwd, _row_dot_bwd)
