@@ -184,9 +184,9 @@ def _layer(run: Callable, shards: list, arrays: list, barrier: bool, matrix: boo
   previous = held[0] if held else None
   mine = _Previous(arrays) if held is not None and matrix else None
   wait = (previous and previous.input_here()) or arrays
-  if mine is not None and (ctx := context.current()) is not None:
-    ctx.layers_ahead = True
   if mine is not None:
+    if (ctx := context.current()) is not None:
+      ctx.layers_ahead = True
     if previous is not None:
       previous.next = True
     held[:] = [mine]
