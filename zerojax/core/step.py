@@ -81,12 +81,7 @@ class ZeroStep:
         restore = {"apply_fn": orig} if orig_tx is None else {"apply_fn": orig, "tx": orig_tx}
         return new_state.replace(**restore), metrics
 
-      jit = functools.partial(self._jit, step, plan.state(state), batch, rest)
-      jitted = jit(plan.compiler_options)
-      lowered = jitted.lower(state, batch, *rest)  # one trace (cached for the first call)
-      if compute_dtype_of(plan.config) is not None:
-        check_compute_dtype(plan.config, lowered)
-      jitted = self._options_for(jitted, jit, contexts[-1])
+      jitted = self._traced_jit(step, plan.state(state), (state, batch, *rest), contexts)
       chosen = model.formulation or (applied[-1].formulation if applied else None)
       per_use = plan.gathers_per_use if chosen is None else chosen.per_use
       self.formulation[key] = "per use" if per_use else "compiler"
@@ -148,12 +143,7 @@ class ZeroStep:
             metrics = {**o.loss_scaling.metrics(), **metrics}
         return nnx.state((m, o)), metrics
 
-      jit = functools.partial(self._jit, step, state_sh, batch, rest)
-      jitted = jit(plan.compiler_options)
-      traced = jitted.trace(state, batch, *rest)  # one trace (cached for the first call)
-      if cd is not None:
-        check_compute_dtype(cfg, traced.lower())
-      self._jitted[key] = self._options_for(jitted, jit, contexts[-1])
+      self._jitted[key] = self._traced_jit(step, state_sh, (state, batch, *rest), contexts)
     return self._jitted[key], state
 
   def _jit(self, step, state_sh, batch, rest, options):
@@ -162,14 +152,23 @@ class ZeroStep:
                    out_shardings=(state_sh, plan.replicated),
                    donate_argnums=(0,) if self.donate else (), compiler_options=options)
 
-  def _options_for(self, jitted, jit, ctx):
-    """``jitted``, or ``jit(options)`` where the traced model needs other compiler options
-    than the plan expected (`ShardingPlan.compiler_options_for`): traced once more, compiled
-    once. A model's own remat blocks keep the base options: with those for layers ahead the
-    issue's Llama as a loop of ``nn.remat`` blocks had 40% of its all-gathers beside a matmul
-    instead of 51%."""
-    options = self.plan.compiler_options_for(ctx.layers_ahead and not ctx.layers_in_checkpoints)
-    return jitted if options == self.plan.compiler_options else jit(options)
+  def _traced_jit(self, step, state_sh, args, contexts):
+    """``step`` jitted for ``args = (state, batch, *rest)`` and traced once (the trace is
+    cached for the first call; it fills ``contexts`` and checks ``compute_dtype``), with the
+    compiler options its model needs (`ShardingPlan.compiler_options_for`). Where they are not
+    the ones the plan expected it is jitted again: traced once more, compiled once. A model's
+    own remat blocks keep the base options: with those for layers ahead the issue's Llama as a
+    loop of ``nn.remat`` blocks had 40% of its all-gathers beside a matmul instead of 51%."""
+    plan = self.plan
+    state, batch, *rest = args
+    jit = functools.partial(self._jit, step, state_sh, batch, tuple(rest))
+    jitted = jit(plan.compiler_options)
+    traced = jitted.trace(*args)
+    if compute_dtype_of(plan.config) is not None:
+      check_compute_dtype(plan.config, traced.lower())
+    ctx = contexts[-1]
+    options = plan.compiler_options_for(ctx.layers_ahead and not ctx.layers_in_checkpoints)
+    return jitted if options == plan.compiler_options else jit(options)
 
   def _dispatch(self, args):
     """``(kind, leading, batch, rest)`` by the type of the first argument: an ``nnx.Module``
