@@ -80,14 +80,16 @@ _SAME_VALUES = frozenset({"convert_element_type", "reshape", "squeeze", "expand_
 def lookup_tables(plan: Any, jaxpr: Any) -> frozenset[int]:
   """Which inputs of a model's ``jaxpr`` (its parameter leaves, in tree order) are tables it
   looks rows up in (the operand of a ``gather``, through casts, reshapes and slices), on a
-  plan whose per-use gathers sum their gradient whole before sharding it (`zerojax.core.gather`).
+  plan whose gradients are sharded (stages 2-3): their gradient is summed whole before it is
+  sharded (`zerojax.core.gather`; at stage 2, `zerojax.core.gather.sum_whole`).
 
   Left to itself, XLA:TPU's and XLA:GPU's partitioner computes the gradient of a lookup into a
-  table sharded at rest where the shard lives: it all-gathers every device's cotangent rows (the
-  global batch's activations) and scatter-adds them into the local shard. Summed whole first,
-  each device scatter-adds its own rows and the sum is reduce-scattered, as for any weight.
-  XLA:CPU keeps the formulation its conformance table measures."""
-  if not (plan.params_sharded and plan.platform != "cpu") or jaxpr is None:
+  table whose gradient is sharded where the shard lives: it all-gathers every device's cotangent
+  rows (the global batch's activations) and the token ids, and scatter-adds them into the local
+  shard. Summed whole first, each device scatter-adds its own rows and the sum is
+  reduce-scattered, as for any weight. XLA:CPU keeps the formulation its conformance table
+  measures."""
+  if not (plan.config.shards_grads and plan.platform != "cpu") or jaxpr is None:
     return frozenset()
   jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
   hits, _ = _gathered_inputs(jaxpr, [frozenset({i}) for i in range(len(jaxpr.invars))])

@@ -28,7 +28,7 @@ from zerojax.core.dtypes import compute_dtype_of
 from zerojax.core.memory_kinds import HOST
 
 __all__ = ["GATHERED", "AFTER", "BACKWARD", "setting", "zerojax_gather", "gather", "fetch",
-           "after", "token_of", "ZeroParam", "box_params"]
+           "after", "token_of", "ZeroParam", "box_params", "sum_whole"]
 
 
 GATHERED = "zerojax_gathered"
@@ -220,6 +220,23 @@ def _of_rank(spec: tuple, ndim: int) -> tuple:
                      "dimensions along a sharded axis; shard the layer axis of a scanned "
                      "stack with nothing (ZeroConfig's plan never does)")
   return spec[extra:]
+
+
+def sum_whole(params: Any, plan: Any, tables: frozenset[int]) -> Any:
+  """``params`` (the plan's tree) with the leaves ``tables`` (lookup tables,
+  `zerojax.core.formulation.lookup_tables`) passed through `zerojax_gather`, which does not
+  move them but sums their gradient whole before it is sharded: for a plan whose parameters
+  are not gathered per use (stage 2), so the partitioner does not all-gather the batch's
+  cotangent rows to scatter-add them into each device's shard."""
+  if not tables:
+    return params
+  reduce_dtype = jnp.dtype(plan.config.reduce_dtype) if plan.config.reduce_dtype else None
+  leaves, treedef = jax.tree.flatten(params)
+  layouts = zip(jax.tree.leaves(plan.params), jax.tree.leaves(plan.params_gathered),
+                jax.tree.leaves(plan.grads))
+  return jax.tree.unflatten(treedef, [
+      gather(x, r, c, g, reduce_dtype, True) if i in tables else x
+      for i, (x, (r, c, g)) in enumerate(zip(leaves, layouts))])
 
 
 def box_params(params: Any, plan: Any, lookups: frozenset[int] = frozenset()) -> Any:

@@ -36,9 +36,11 @@ Communication per optimizer step:
   (``spmd_axis_name`` = the data axes): each device computes the gradient of its own rows, the
   accumulator has a leading data-parallel axis that is sharded over the data axes (one
   gradient-sized buffer per device, as any stage 0-1 accumulator), and the only reduction is a
-  sum over that axis after the last micro-batch, in ``reduce_dtype``. The loss of each device's
-  rows is then averaged over devices, which equals the batch mean for a mean loss. A loss that
-  couples rows across devices (batch statistics) sees per-device batches at stages 0-1.
+  sum over that axis after the last micro-batch, in ``reduce_dtype`` (by default the compute
+  dtype, the gradient's dtype where each use makes it, as stages 2-3 reduce it; the
+  accumulator itself is float32). The loss of each device's rows is then averaged over
+  devices, which equals the batch mean for a mean loss. A loss that couples rows across
+  devices (batch statistics) sees per-device batches at stages 0-1.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ from zerojax.core import context
 from zerojax._compat import ORIGINAL_SCAN
 from zerojax.core.gather import ZeroParam, after, box_params
 from zerojax.core.config import ConfigError
+from zerojax.core.dtypes import compute_dtype_of
 from zerojax.core.regather import prefetching, regather_nnx_layers
 from zerojax.core.remat import checkpoint_model, remat_policy
 
@@ -249,7 +252,11 @@ def _accumulate_local(vg, params, xs, nargs, steps, plan, scale, grads_sh):
   dimension); the step's one reduction sums them into ``plan.grads_reduced``."""
   dp, axes, mesh = plan.data_parallel_size, plan.data_axes, plan.mesh
   reduced_sh = _like(params, plan.grads_reduced)
-  reduce_dtype = jnp.dtype(plan.config.reduce_dtype) if plan.config.reduce_dtype else None
+  # Reduced in the gradient's dtype where each use makes it (the compute dtype), as stages 2-3
+  # reduce it, unless the config names one: the textbook 2 psi of stages 1-2 counts it so.
+  # The accumulator stays float32 between micro-batches.
+  reduce_dtype = (jnp.dtype(plan.config.reduce_dtype) if plan.config.reduce_dtype
+                  else compute_dtype_of(plan.config))
 
   def lead(s, nd):  # the gradient layout with the data axes on a new leading dimension
     spec = tuple(s.spec) + (None,) * (nd - len(tuple(s.spec)))

@@ -640,6 +640,14 @@ def _padded(dims: tuple[int, ...], shapes: set[tuple[int, ...]]) -> bool:
              for p in shapes)
 
 
+def _row_block(dims: tuple[int, ...], shapes: set[tuple[int, ...]]) -> bool:
+  """Whether ``dims`` is a block of leading rows of a parameter shape or shard: XLA:TPU
+  realigns a gradient shard padded to its tiles (a 32000-row embedding's 4000-row shards as
+  4032) by collective-permutes of such blocks, which carry no JAX operation's name."""
+  return any(len(p) == len(dims) > 1 and dims[1:] == p[1:] and 0 < dims[0] < p[0]
+             for p in shapes)
+
+
 def _shard_shape(lp: Any, mesh: Any) -> tuple[int, ...]:
   """One device's block of ``lp`` in its at-rest (sharded) layout."""
   spec = tuple(lp.sharded) + (None,) * (len(lp.shape) - len(tuple(lp.sharded)))
@@ -657,8 +665,10 @@ def activation_collectives(hlo_text: str, plan: Any) -> dict[tuple[str, str, str
   a kernel keeps its count), for a collective-permute or all-to-all also its at-rest shard's;
   when its shape is one of those padded by XLA by less than 1/64 per dimension; or when it is
   a flat buffer no larger than all parameters together (XLA's combiner concatenates gradients
-  into one 1-D buffer). A collective of one element (a loss, a norm) is neither. What is left moves the model's activations: the partitioner chose to
-  reshard them instead of gathering a weight."""
+  into one 1-D buffer); or, for a collective-permute XLA made itself (no JAX operation's
+  name), when it is a block of a parameter shard's leading rows (`_row_block`). A collective
+  of one element (a loss, a norm) is neither. What is left moves the model's activations: the
+  partitioner chose to reshard them instead of gathering a weight."""
   # (shapes, element counts) a parameter's collective has; shards only for permutes.
   known = {k: (p, {math.prod(x) for x in p})
            for k, p in ((False, _param_shapes(plan)), (True, _param_shapes(plan, shards=True)))}
@@ -691,8 +701,10 @@ def activation_collectives(hlo_text: str, plan: Any) -> dict[tuple[str, str, str
         shapes, sizes = known[kind in ("collective-permute", "all-to-all")]
         if n <= 1 or n * group in sizes or flat or _padded(shape, shapes):
           continue
-        b = n * group * _DTYPE_BYTES[dt] * (2 if kind == "all-reduce" else 1)
         op = _OP_NAME.search(line)
+        if kind == "collective-permute" and op is None and _row_block(shape, shapes):
+          continue
+        b = n * group * _DTYPE_BYTES[dt] * (2 if kind == "all-reduce" else 1)
         tag = (kind, f"{dt}[{dims}]", op.group(1).rsplit("/", 1)[-1] if op else "")
         out[tag] = out.get(tag, 0) + k * b
   return out
