@@ -266,15 +266,15 @@ def _accumulate_local(vg, params, xs, nargs, steps, plan, scale, grads_sh):
   grad_of_rows = jax.vmap(lambda p, *b: vg(p, *b), in_axes=(None,) + (0,) * nargs,
                           spmd_axis_name=axes)
 
-  def local(mb):
-    """Each device's float32 gradient of its own rows of ``mb``, its loss and aux."""
+  def local(mb, dtype=F32):
+    """Each device's gradient of its own rows of ``mb`` in ``dtype``, its loss and aux."""
     (_, (loss, aux)), g = grad_of_rows(params, *mb)
-    g = jax.tree.map(lambda x, s: jax.lax.with_sharding_constraint(x.astype(F32), s),
+    g = jax.tree.map(lambda x, s: jax.lax.with_sharding_constraint(x.astype(dtype), s),
                      g, acc_sh)
     return g, (jnp.mean(loss.astype(F32)), _mean_aux(aux, 0))
 
   if steps == 1:  # no accumulator: reduce the local gradient itself (one buffer, not two)
-    acc, outs = local(jax.tree.map(lambda x: x[0], xs))
+    acc, outs = local(jax.tree.map(lambda x: x[0], xs), reduce_dtype or F32)
     losses, auxs = jax.tree.map(lambda x: jnp.asarray(x)[None], outs)
     # Stage 1 reduces once the backward pass is over, as the paper's P_os: every leaf's
     # reduction waits for a scalar of the whole local gradient. Without it XLA reduces each
