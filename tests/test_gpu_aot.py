@@ -535,10 +535,13 @@ def test_lookup_tables_are_the_leaves_a_model_gathers_rows_from():
   params = jax.eval_shape(LM().init, jax.random.key(0), ids)["params"]
   names = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_leaves_with_path(params)]
   jaxpr = jax.make_jaxpr(lambda p: LM().apply({"params": p}, ids))(params)
-  plan = lambda platform: SimpleNamespace(params_sharded=True, platform=platform)
+  plan = lambda platform, sharded=True: SimpleNamespace(
+      config=SimpleNamespace(shards_grads=sharded), platform=platform)
   assert {names[i] for i in fm.lookup_tables(plan("gpu"), jaxpr)} == {
       "['pos']", "['wte']['embedding']"}
   assert fm.lookup_tables(plan("cpu"), jaxpr) == frozenset()
+  # Stages 0-1 reduce a whole gradient anyway: no table needs summing whole first.
+  assert fm.lookup_tables(plan("gpu", sharded=False), jaxpr) == frozenset()
 
 
 @needs_gpu_compiler
