@@ -535,13 +535,25 @@ def test_lookup_tables_are_the_leaves_a_model_gathers_rows_from():
   params = jax.eval_shape(LM().init, jax.random.key(0), ids)["params"]
   names = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_leaves_with_path(params)]
   jaxpr = jax.make_jaxpr(lambda p: LM().apply({"params": p}, ids))(params)
-  plan = lambda platform, sharded=True: SimpleNamespace(
-      config=SimpleNamespace(shards_grads=sharded), platform=platform)
+  plan = lambda platform, grads=True, params=True: SimpleNamespace(
+      config=SimpleNamespace(shards_grads=grads), params_sharded=params, platform=platform)
   assert {names[i] for i in fm.lookup_tables(plan("gpu"), jaxpr)} == {
       "['pos']", "['wte']['embedding']"}
   assert fm.lookup_tables(plan("cpu"), jaxpr) == frozenset()
   # Stages 0-1 reduce a whole gradient anyway: no table needs summing whole first.
-  assert fm.lookup_tables(plan("gpu", sharded=False), jaxpr) == frozenset()
+  assert fm.lookup_tables(plan("gpu", grads=False, params=False), jaxpr) == frozenset()
+  # Stage 2 sums a table's gradient whole for all its uses: not where a matmul also reads it
+  # (a tied head), which the per-use gathers of stage 3 keep apart.
+  class Tied(nn.Module):
+    @nn.compact
+    def __call__(self, ids):
+      wte = nn.Embed(32, 8, name="wte")
+      return wte.attend(wte(ids))
+
+  tied_params = jax.eval_shape(Tied().init, jax.random.key(0), ids)["params"]
+  tied = jax.make_jaxpr(lambda p: Tied().apply({"params": p}, ids))(tied_params)
+  assert fm.lookup_tables(plan("gpu", params=False), tied) == frozenset()
+  assert fm.lookup_tables(plan("gpu"), tied) == frozenset({0})
 
 
 @needs_gpu_compiler

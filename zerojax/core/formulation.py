@@ -81,7 +81,8 @@ def lookup_tables(plan: Any, jaxpr: Any) -> frozenset[int]:
   """Which inputs of a model's ``jaxpr`` (its parameter leaves, in tree order) are tables it
   looks rows up in (the operand of a ``gather``, through casts, reshapes and slices), on a
   plan whose gradients are sharded (stages 2-3): their gradient is summed whole before it is
-  sharded (`zerojax.core.gather`; at stage 2, `zerojax.core.gather.sum_whole`).
+  sharded (`zerojax.core.gather`; at stage 2, `zerojax.core.gather.sum_whole`, for tables no
+  matmul also reads).
 
   Left to itself, XLA:TPU's and XLA:GPU's partitioner computes the gradient of a lookup into a
   table whose gradient is sharded where the shard lives: it all-gathers every device's cotangent
@@ -92,22 +93,29 @@ def lookup_tables(plan: Any, jaxpr: Any) -> frozenset[int]:
   if not (plan.config.shards_grads and plan.platform != "cpu") or jaxpr is None:
     return frozenset()
   jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-  hits, _ = _gathered_inputs(jaxpr, [frozenset({i}) for i in range(len(jaxpr.invars))])
+  taint = [frozenset({i}) for i in range(len(jaxpr.invars))]
+  hits, _ = _inputs_reaching(jaxpr, taint, "gather")
+  if not plan.params_sharded:
+    # Stage 2 sums a table's whole gradient, every use's: a table a matmul also reads (a tied
+    # LM head) then had its gradient all-reduced (patterns d1, d2 on h100:8: 1.14x the
+    # textbook volume, from 1.01x), so it keeps the partitioner's formulation.
+    hits -= _inputs_reaching(jaxpr, taint, "dot_general")[0]
   return hits
 
 
-def _gathered_inputs(jaxpr: Any, taint: list[frozenset[int]]
+def _inputs_reaching(jaxpr: Any, taint: list[frozenset[int]], primitive: str
                      ) -> tuple[frozenset[int], list[frozenset[int]]]:
-  """Inputs (labels in ``taint``, one per invar) reaching a ``gather``'s operand, and the labels
-  of the outputs."""
+  """Inputs (labels in ``taint``, one per invar) reaching an operand of ``primitive`` (of a
+  ``gather``, its operand, not its indices), and the labels of the outputs."""
   none = frozenset()
   of = dict(zip(jaxpr.invars, taint))
   get = lambda v: of.get(v, none) if isinstance(v, Var) else none  # a Literal is no input
   hits: set[int] = set()
   for eqn in jaxpr.eqns:
     name = eqn.primitive.name
-    if name == "gather":
-      hits |= get(eqn.invars[0])
+    if name == primitive:
+      for v in eqn.invars[:1] if name == "gather" else eqn.invars:
+        hits |= get(v)
     elif name in _SAME_VALUES:
       for k, out in enumerate(eqn.outvars):
         of[out] = get(eqn.invars[min(k, len(eqn.invars) - 1)])
@@ -116,7 +124,7 @@ def _gathered_inputs(jaxpr: Any, taint: list[frozenset[int]]
         skip = len(eqn.invars) - len(sub.invars)  # cond's branch index
         if skip < 0:
           continue
-        inner, outs = _gathered_inputs(sub, [get(v) for v in eqn.invars[skip:]])
+        inner, outs = _inputs_reaching(sub, [get(v) for v in eqn.invars[skip:]], primitive)
         hits |= inner
         if len(outs) == len(eqn.outvars):
           for out, t in zip(eqn.outvars, outs):
