@@ -18,8 +18,8 @@ from flax.core import meta
 
 from zerojax.core.config import ConfigError, ZeroConfig
 
-__all__ = ["compute_dtype_of", "to_compute", "cast", "cast_shapes", "set_nnx_dtype",
-           "check_compute_dtype"]
+__all__ = ["compute_dtype_of", "reduce_dtype_of", "to_compute", "cast", "cast_shapes",
+           "set_nnx_dtype", "check_compute_dtype"]
 
 
 def compute_dtype_of(cfg: Any) -> Any:
@@ -27,6 +27,11 @@ def compute_dtype_of(cfg: Any) -> Any:
   when the config computes in the parameters' own dtype."""
   cd = jnp.dtype(cfg.compute_dtype)
   return None if cd == jnp.dtype(cfg.param_dtype) else cd
+
+
+def reduce_dtype_of(cfg: Any) -> Any:
+  """The dtype the config names for gradient reductions, or None to keep the gradient's."""
+  return jnp.dtype(cfg.reduce_dtype) if cfg.reduce_dtype else None
 
 
 def to_compute(tree: Any, dtype: Any) -> Any:

@@ -24,7 +24,7 @@ from flax.core import meta
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from zerojax.core.dtypes import compute_dtype_of
+from zerojax.core.dtypes import compute_dtype_of, reduce_dtype_of
 from zerojax.core.memory_kinds import HOST
 
 __all__ = ["GATHERED", "AFTER", "BACKWARD", "setting", "zerojax_gather", "gather", "fetch",
@@ -230,7 +230,7 @@ def sum_whole(params: Any, plan: Any, tables: frozenset[int]) -> Any:
   cotangent rows to scatter-add them into each device's shard."""
   if not tables:
     return params
-  reduce_dtype = jnp.dtype(plan.config.reduce_dtype) if plan.config.reduce_dtype else None
+  reduce_dtype = reduce_dtype_of(plan.config)
   leaves, treedef = jax.tree.flatten(params)
   layouts = zip(jax.tree.leaves(plan.params), jax.tree.leaves(plan.params_gathered),
                 jax.tree.leaves(plan.grads))
@@ -243,7 +243,7 @@ def box_params(params: Any, plan: Any, lookups: frozenset[int] = frozenset()) ->
   """Wraps every parameter leaf in a `ZeroParam` carrying the plan's layouts; ``lookups``: the
   leaves (in tree order) that are lookup tables (`zerojax.core.formulation.lookup_tables`)."""
   cfg = plan.config
-  reduce_dtype = jnp.dtype(cfg.reduce_dtype) if cfg.reduce_dtype else None
+  reduce_dtype = reduce_dtype_of(cfg)
   compute_dtype = compute_dtype_of(cfg)
   spec = lambda s, nd: tuple(s) + (None,) * (nd - len(tuple(s)))
 

@@ -58,7 +58,7 @@ from zerojax.core import context
 from zerojax._compat import ORIGINAL_SCAN
 from zerojax.core.gather import ZeroParam, after, box_params
 from zerojax.core.config import ConfigError
-from zerojax.core.dtypes import compute_dtype_of
+from zerojax.core.dtypes import compute_dtype_of, reduce_dtype_of
 from zerojax.core.regather import prefetching, regather_nnx_layers
 from zerojax.core.remat import checkpoint_model, remat_policy
 
@@ -255,8 +255,7 @@ def _accumulate_local(vg, params, xs, nargs, steps, plan, scale, grads_sh):
   # Reduced in the gradient's dtype where each use makes it (the compute dtype), as stages 2-3
   # reduce it, unless the config names one: the textbook 2 psi of stages 1-2 counts it so.
   # The accumulator stays float32 between micro-batches.
-  reduce_dtype = (jnp.dtype(plan.config.reduce_dtype) if plan.config.reduce_dtype
-                  else compute_dtype_of(plan.config))
+  reduce_dtype = reduce_dtype_of(plan.config) or compute_dtype_of(plan.config)
 
   def lead(s, nd):  # the gradient layout with the data axes on a new leading dimension
     spec = tuple(s.spec) + (None,) * (nd - len(tuple(s.spec)))

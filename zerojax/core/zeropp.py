@@ -30,7 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 from zerojax.core import quantize as q
 from zerojax.core.config import ConfigError
-from zerojax.core.dtypes import to_compute
+from zerojax.core.dtypes import reduce_dtype_of, to_compute
 from zerojax.core.gather import AFTER, BACKWARD, GATHERED, ZeroParam, after
 from zerojax.core.plan import ShardingPlan
 
@@ -210,7 +210,7 @@ def shard_map_apply(body: Callable[[Any, tuple, dict], Any], plan: ShardingPlan,
   mesh, axes = plan.mesh, plan.data_axes
   dp = plan.data_parallel_size
   how = how or manual_gather(plan)
-  reduce_dtype = jnp.dtype(plan.config.reduce_dtype) if plan.config.reduce_dtype else None
+  reduce_dtype = reduce_dtype_of(plan.config)
   leaves, treedef = jax.tree.flatten(params)
   rest = [_pad(s.spec, jnp.ndim(x)) for s, x in zip(jax.tree.leaves(plan.params), leaves)]
   comp = [_pad(s.spec, jnp.ndim(x)) for s, x in
