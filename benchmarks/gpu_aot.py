@@ -1,6 +1,6 @@
 """ZeRO on XLA:GPU, compiled ahead of time for GPU pods from a CPU machine.
 
-Run as ``python benchmarks/gpu_aot.py [--only issue,titan,scale,hosts]``; needs
+Run as ``python benchmarks/gpu_aot.py [--only issue,loops,lookups,titan,scale,hosts]``; needs
 ``pip install -e ".[gpu]"`` (JAX's CUDA plugin), no GPU. Every number is what XLA:GPU reports
 for the real step compiled for the named pod with abstract state (nothing allocated):
 ``memory_analysis()`` per device, collective bytes, the collective schedule and activation
@@ -13,6 +13,8 @@ Sections (markdown tables on stdout):
          XLA:TPU, with libtpu)
   loops  the same Llama with its layers as a Python loop, plain and of nn.remat blocks, at
          stage 3 against both baselines (``--issue-target`` as for issue)
+  lookups  an NNX GPT and a pure-function LM, vocabulary 8192, at stages 2-3 (the tests'
+         `tests/model_patterns.py` `lookup_lm_compiled`; ``--issue-target`` as for issue)
   titan  torchtitan's row: a Llama-3-8B-shaped decoder, local batch 2 x 8192, h100:8
   scale  a 70B-class decoder at stage 3 on h100:8x8 (64 GPUs)
   hosts  h100:2x8: HSDP (replica across hosts, fsdp within) against flat FSDP over 16 GPUs
@@ -31,7 +33,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-SECTIONS = ("issue", "loops", "titan", "scale", "hosts")
+SECTIONS = ("issue", "loops", "lookups", "titan", "scale", "hosts")
 TITAN_GIB = 82.4  # torchtitan's Llama 3.1 8B FSDP peak on 8 x H100 (docs/performance.md)
 GiB, MiB = 2**30, 2**20
 
@@ -70,15 +72,19 @@ def _table(rows, book_label="textbook"):
   return "\n".join(out)
 
 
+def _devices(topology):
+  from zerojax.runtime import gpu, memory
+  return list(gpu.gpu_topology(topology).devices if gpu.is_gpu_topology(topology)
+              else memory.tpu_topology(topology).devices)
+
+
 def _baseline(cfg, topology, batch, style, stage3_plan, usable):
   import jax
   from benchmarks.decoder import baseline_step
   from jax.sharding import Mesh
   import numpy as np
-  from zerojax.runtime import gpu, memory
-  devices = list(gpu.gpu_topology(topology).devices if gpu.is_gpu_topology(topology)
-                 else memory.tpu_topology(topology).devices)
-  mesh = Mesh(np.array(devices), ("fsdp",))
+  from zerojax.runtime import memory
+  mesh = Mesh(np.array(_devices(topology)), ("fsdp",))
   jitted, (p, o), b = baseline_step(cfg, mesh, batch, style)
   t0 = time.perf_counter()
   with jax.set_mesh(mesh):
@@ -123,6 +129,30 @@ def section_loops(args):
             _row(f"zerojax stage 3 ({z.formulation})", z)]
     print(f"\n### The issue's Llama as {what} on {topo}, global batch 16 x 1024, bf16 compute\n")
     print(_table(rows), flush=True)
+
+
+def section_lookups(args):
+  from tests.model_patterns import LOOKUP_LM, lookup_lm_compiled
+  from zerojax.runtime import memory
+  devices = _devices(args.issue_target)
+  lm = LOOKUP_LM
+  print(f"\n### Lookup tables of NNX and pure-function models on {args.issue_target}: vocabulary "
+        f"{lm['vocab']}, {lm['layers']} layers, d_model {lm['d_model']}, batch {lm['rows']} x "
+        f"{lm['seq']}, bf16 compute\n")
+  print("| model, stage | temp MiB | collectives MiB | x textbook | all-gather / reduce-scatter "
+        "with matmul | activation collectives | compile s |\n|---|---|---|---|---|---|---|")
+  for kind in ("nnx", "pure"):
+    for stage in (2, 3):
+      t0 = time.perf_counter()
+      compiled, plan = lookup_lm_compiled(kind, stage, devices)
+      r = _row("", measured=memory.measure(compiled), text=compiled.as_text(), plan=plan,
+               seconds=time.perf_counter() - t0)
+      act = memory.activation_collectives(compiled.as_text(), plan)
+      named = ", ".join(f"{kind_} {shape} {v / MiB:.1f} MiB" for (kind_, shape, _), v in
+                        act.items() if v >= MiB / 10) or "none"
+      print(f"| {kind}, {stage} | {r['temp'] / MiB:.1f} | {r['coll'] / MiB:.1f} | "
+            f"{r['coll'] / r['book']:.2f} | {r['ag_mm']:.0%} / {r['rs_mm']:.0%} | {named} | "
+            f"{r['seconds']:.0f} |", flush=True)
 
 
 def section_titan(args):

@@ -163,3 +163,34 @@ def test_zeropp_backward_regather_in_the_compute_dtype():
 
   new, _ = step(state, x)
   assert all(jnp.isfinite(p).all() for p in jax.tree.leaves(new.params))
+
+
+def test_nnx_embed_left_unset_looks_up_in_bf16():
+  # nnx.Embed stores an unset dtype as its table's (float32), which started the residual
+  # stream in float32 whatever compute_dtype said.
+  cfg = zerojax.ZeroConfig(stage=2, compute_dtype="bfloat16")
+
+  class LM(nnx.Module):
+    def __init__(self, rngs):
+      self.wte = nnx.Embed(64, 32, rngs=rngs)  # dtype left unset
+      self.wpe = nnx.Embed(8, 32, dtype=jnp.float16, rngs=rngs)  # the user's own choice
+      self.out = nnx.Linear(32, 64, rngs=rngs)
+
+    def __call__(self, t):
+      return self.out(self.wte(t) + self.wpe(jnp.arange(t.shape[1])).astype(jnp.bfloat16))
+
+  model, opt, plan = zerojax.create_nnx(lambda: LM(nnx.Rngs(0)), optax.adam(1e-3), config=cfg)
+
+  @zerojax.zero_step(plan)
+  def step(model, opt, t):
+    loss, g = zerojax.value_and_grad(lambda m, t: jnp.mean(m(t).astype(jnp.float32) ** 2))(
+        model, t)
+    opt.update(model, g)
+    return {"loss": loss}
+
+  t = jnp.zeros((16, 8), jnp.int32)
+  tables = re.findall(r'"stablehlo.gather"\(.*?: \(tensor<(\d+)x32x(\w+)>', step.lower(
+      model, opt, t).as_text())
+  assert sorted(tables) == [("64", "bf16"), ("8", "f16")], tables
+  step(model, opt, t)
+  assert model.wte.dtype == jnp.float32  # the user's module is unchanged

@@ -140,6 +140,7 @@ def test_nnx_layers_regather_exactly_and_a_layer_that_sows_runs_as_written():
   # while it computes runs as written, so its intermediates are kept.
   from flax import nnx
   from zerojax.core import grad as grad_mod
+  from zerojax.core.gather import box_params
   from zerojax.core.regather import regather_nnx_layers
 
   class SowLinear(nnx.Linear):
@@ -162,7 +163,8 @@ def test_nnx_layers_regather_exactly_and_a_layer_that_sows_runs_as_written():
   x = jnp.asarray(np.random.default_rng(0).normal(size=(16, 128)), jnp.float32)
 
   def loss(params, layers):
-    m = nnx.merge(graphdef, grad_mod._boxed(params, plan), rest)
+    boxed = grad_mod._in_plan_order(params, plan, lambda p: box_params(p, plan))
+    m = nnx.merge(graphdef, boxed, rest)
     if layers:
       regather_nnx_layers(m)
     out = m(x)

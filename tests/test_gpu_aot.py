@@ -320,6 +320,17 @@ def test_gpu_nnx_pytree_and_bypassing_models_move_weights_not_activations(patter
 
 
 @needs_gpu_compiler
+@pytest.mark.parametrize("kind", ["nnx", "pure"])
+@pytest.mark.parametrize("stage", [2, 3])
+def test_gpu_nnx_and_pure_lookups_move_no_activations(kind, stage):
+  # An NNX or pure-function model's embedding table gets its gradient summed whole, as a
+  # linen model's does: before, the partitioner all-gathered the cotangent rows and token ids
+  # (4 MiB of f32 on the NNX GPT, 2 MiB of bf16 on the pure one) at both stages.
+  from tests.model_patterns import check_lookups_move_weights
+  check_lookups_move_weights(kind, stage, gpu.gpu_topology(TOPOLOGY).devices)
+
+
+@needs_gpu_compiler
 def test_gpu_unscanned_layers_gather_one_ahead_and_nnx_lists_as_linen_loops(monkeypatch):
   # Pattern c's layers (no scan) gather one matmul layer ahead on XLA:GPU: forward, each
   # layer's gathers wait for the previous matmul layer's input; backward, its re-gathers for

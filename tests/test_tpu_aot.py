@@ -256,6 +256,15 @@ def test_tpu_nnx_pytree_and_bypassing_models_move_weights_not_activations(patter
 
 
 @needs_libtpu
+@pytest.mark.parametrize("kind", ["nnx", "pure"])
+@pytest.mark.parametrize("stage", [2, 3])
+def test_tpu_nnx_and_pure_lookups_move_no_activations(kind, stage):
+  # As on XLA:GPU (test_gpu_aot): their embedding tables' gradients are summed whole.
+  from tests.model_patterns import check_lookups_move_weights
+  check_lookups_move_weights(kind, stage, memory.tpu_topology(TOPOLOGY).devices)
+
+
+@needs_libtpu
 def test_tpu_stage3_keeps_small_leaves_whole_by_default():
   # Per use on XLA:TPU, leaves under 4096 elements stay replicated by default (the 220M
   # Llama's final norm scale, sharded, cost 178 MiB of temp); on CPU every divisible leaf is

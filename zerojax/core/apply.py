@@ -18,7 +18,7 @@ from zerojax._compat import ORIGINAL_LINEN_APPLY, install_linen_apply_hook
 from zerojax.core import context
 from zerojax.core.config import ConfigError
 from zerojax.core.dtypes import compute_dtype_of, to_compute
-from zerojax.core.formulation import Formulation, lookup_tables
+from zerojax.core.formulation import Formulation
 from zerojax.core.gather import box_params, setting, sum_whole
 from zerojax.core.plan import ShardingPlan
 from zerojax.core.regather import prefetching, regather_layers
@@ -43,7 +43,6 @@ class ModelApply:
     functools.update_wrapper(self, apply_fn)
     self.apply_fn, self.plan = apply_fn, plan
     self.formulation: Formulation | None = None
-    self._tables: frozenset[int] = frozenset()  # leaves looked up in (`lookup_tables`)
     self._treedef = jax.tree.structure(plan.params)
     self._pure = per_layer_reads(apply_fn, plan, functools.partial(setattr, self, "formulation"))
     self._dtype = compute_dtype_of(plan.config)
@@ -70,8 +69,8 @@ class ModelApply:
       # Shapes only: host-resident parameters may not meet the model unfetched, even in a trace.
       shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), x.dtype), params)
       jaxpr = jax.make_jaxpr(lambda p: run(p, False))(shapes)
-      self.formulation, self._tables = plan.formulation(jaxpr), lookup_tables(plan, jaxpr)
-    per_use, has_scan = self.formulation
+      self.formulation = plan.formulation(jaxpr)
+    per_use, has_scan = self.formulation.per_use, self.formulation.has_scan
     if plan.config.quantized:  # ZeRO++: per device, zerojax's own (quantised) collectives
       def body(boxed, a, kw):
         run_boxed = lambda b: self.apply_fn({**variables, "params": b}, *a, **kw)
@@ -85,15 +84,16 @@ class ModelApply:
     # with sharded parameters the cast is on the stacked shards too (1/N of the values), so a
     # scanned layer's gradient is reduce-scattered straight into a compute-dtype stack.
     plan, cd = self.plan, self._dtype
+    tables = self.formulation.tables if self.formulation is not None else frozenset()
     boxed = dict(variables)
     if not per_use:
       boxed["params"] = to_compute(params, cd)
       if not plan.params_sharded:  # stage 2: a lookup table's gradient is summed whole
-        boxed["params"] = sum_whole(boxed["params"], plan, self._tables)
+        boxed["params"] = sum_whole(boxed["params"], plan, tables)
     else:
       early = plan.params_sharded and not plan.params_on_host
       boxed["params"] = box_params(to_compute(params, cd) if early else params, plan,
-                                   self._tables)
+                                   tables)
     return self.apply_fn(boxed, *args, **kwargs)
 
   def _foreign(self, variables, args, kwargs):

@@ -67,7 +67,8 @@ class ZeroConfig:
       only change its strategy and add temp, and so they do per use on XLA:GPU (BENCHMARKS.md).
       See `persistence_threshold`.
     param_dtype: dtype of the master parameters and optimizer state.
-    compute_dtype: dtype the model computes in (set on Flax modules as ``dtype``).
+    compute_dtype: dtype the model computes in (set on Flax modules that leave ``dtype``
+      unset, an ``nnx.Embed`` whose ``dtype`` is its table's included).
     reduce_dtype: dtype of the gradient reduction; ``None`` keeps the gradient's dtype.
     offload_optimizer: keep the optimizer state in ``pinned_host`` memory (stages 1-3), or,
       with ``'nvme'``, in files under ``nvme_path`` (ZeRO-Infinity): the step's gradient shards

@@ -69,7 +69,12 @@ def set_nnx_dtype(model: Any, dtype: Any) -> None:
   if dtype is None:
     return
   for _, mod in nnx.iter_modules(model):
-    if "dtype" in vars(mod) and mod.dtype is None:
+    if "dtype" not in vars(mod):
+      continue
+    # ``nnx.Embed`` stores an unset dtype as its table's (``dtype or embedding.dtype``), which
+    # would start the residual stream in the master weights' dtype.
+    unset = mod.dtype is None or (isinstance(mod, nnx.Embed) and mod.dtype == mod.param_dtype)
+    if unset:
       mod.dtype = dtype
 
 

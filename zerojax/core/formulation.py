@@ -23,15 +23,17 @@ from jax.extend.core import Var
 
 from zerojax._compat import REMAT_PRIMITIVE_NAMES, jaxpr_has_primitive, subjaxprs
 
-__all__ = ["Formulation", "choose", "lookup_tables", "compiler_options",
+__all__ = ["Formulation", "choose", "lookup_tables", "finds_tables", "compiler_options",
            "GPU_COMPILER_OPTIONS", "GPU_LAYERS_AHEAD_OPTIONS", "TPU_COMPILER_OPTIONS"]
 
 
 class Formulation(NamedTuple):
-  """The formulation chosen for one model: ``per_use`` (boxes) or the compiler's, and whether
-  the model scans its layers (then each layer's remat is applied inside the scan)."""
+  """The formulation chosen for one model: ``per_use`` (boxes) or the compiler's, whether the
+  model scans its layers (then each layer's remat is applied inside the scan), and its lookup
+  tables (`lookup_tables`: parameter leaves, in tree order, whose gradient is summed whole)."""
   per_use: bool
   has_scan: bool
+  tables: frozenset[int] = frozenset()
 
 
 def choose(plan: Any, jaxpr: Any, linen: bool = True) -> Formulation:
@@ -40,6 +42,9 @@ def choose(plan: Any, jaxpr: Any, linen: bool = True) -> Formulation:
   plain function of the parameter tree is gathered per use by rewriting its matmuls
   (`zerojax.core.rows`), an NNX model through boxes in its ``nnx.Param`` variables
   (`zerojax.core.grad`).
+
+  The model's lookup tables are found in the same trace (`lookup_tables`; an NNX model's
+  where `finds_tables` says its trace is needed).
 
   A setting that acts at each use (`ShardingPlan.gathers_per_use`) always gathers per use.
   Otherwise ``gather='auto'`` at stage 3 gathers per use on TPU and GPU, where XLA's
@@ -52,7 +57,7 @@ def choose(plan: Any, jaxpr: Any, linen: bool = True) -> Formulation:
   has_scan = jaxpr is not None and jaxpr_has_primitive(jaxpr, frozenset({"scan"}))
   remats = jaxpr is not None and jaxpr_has_primitive(jaxpr, REMAT_PRIMITIVE_NAMES)
   return Formulation(plan.gathers_per_use or _per_use_by_default(plan, has_scan, remats, linen),
-                     has_scan)
+                     has_scan, lookup_tables(plan, jaxpr))
 
 
 def _per_use_by_default(plan: Any, has_scan: bool, remats: bool, linen: bool) -> bool:
@@ -90,7 +95,7 @@ def lookup_tables(plan: Any, jaxpr: Any) -> frozenset[int]:
   shard. Summed whole first, each device scatter-adds its own rows and the sum is
   reduce-scattered, as for any weight. XLA:CPU keeps the formulation its conformance table
   measures."""
-  if not (plan.config.shards_grads and plan.platform != "cpu") or jaxpr is None:
+  if not finds_tables(plan) or jaxpr is None:
     return frozenset()
   jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
   taint = [frozenset({i}) for i in range(len(jaxpr.invars))]
@@ -101,6 +106,12 @@ def lookup_tables(plan: Any, jaxpr: Any) -> frozenset[int]:
     # textbook volume, from 1.01x), so it keeps the partitioner's formulation.
     hits -= _inputs_reaching(jaxpr, taint, "dot_general")[0]
   return hits
+
+
+def finds_tables(plan: Any) -> bool:
+  """Whether `lookup_tables` can find any on ``plan``: gradients sharded (stages 2-3) on a
+  compiler other than XLA:CPU."""
+  return plan.config.shards_grads and plan.platform != "cpu"
 
 
 def _inputs_reaching(jaxpr: Any, taint: list[frozenset[int]], primitive: str

@@ -230,12 +230,15 @@ def sum_whole(params: Any, plan: Any, tables: frozenset[int]) -> Any:
   cotangent rows to scatter-add them into each device's shard."""
   if not tables:
     return params
-  reduce_dtype = reduce_dtype_of(plan.config)
+  reduce_dtype, compute_dtype = reduce_dtype_of(plan.config), compute_dtype_of(plan.config)
   leaves, treedef = jax.tree.flatten(params)
   layouts = zip(jax.tree.leaves(plan.params), jax.tree.leaves(plan.params_gathered),
                 jax.tree.leaves(plan.grads))
+  # In the compute dtype first (a no-op where the caller cast already), so the summed gradient
+  # is that dtype's, not the master weights': an NNX layer casts where it reads the table.
+  cast = lambda x: x.astype(compute_dtype) if compute_dtype is not None else x
   return jax.tree.unflatten(treedef, [
-      gather(x, r, c, g, reduce_dtype, True) if i in tables else x
+      gather(cast(x), r, c, g, reduce_dtype, True) if i in tables else x
       for i, (x, (r, c, g)) in enumerate(zip(leaves, layouts))])
 
 

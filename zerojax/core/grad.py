@@ -56,7 +56,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zerojax.core import context
 from zerojax._compat import ORIGINAL_SCAN
-from zerojax.core.gather import ZeroParam, after, box_params
+from zerojax.core.formulation import finds_tables
+from zerojax.core.gather import ZeroParam, after, box_params, sum_whole
 from zerojax.core.config import ConfigError
 from zerojax.core.dtypes import compute_dtype_of, reduce_dtype_of
 from zerojax.core.regather import prefetching, regather_nnx_layers
@@ -149,9 +150,11 @@ def _nnx_value_and_grad(fun, argnums, has_aux, loss_scale):
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     ctx = context.current()
 
-    def f(params, *args, per_use=False, layers=False):
+    def f(params, *args, per_use=False, layers=False, tables=frozenset()):
       if per_use:
-        params = _boxed(params, ctx.plan)
+        params = _in_plan_order(params, ctx.plan, lambda p: box_params(p, ctx.plan, tables))
+      elif tables:  # stage 2: a lookup table's gradient is summed whole
+        params = _in_plan_order(params, ctx.plan, lambda p: sum_whole(p, ctx.plan, tables))
       m = nnx.merge(graphdef, params, rest)
       if layers:  # as a linen model without scans (`zerojax.core.apply`)
         regather_nnx_layers(m)
@@ -160,14 +163,17 @@ def _nnx_value_and_grad(fun, argnums, has_aux, loss_scale):
       loss, aux = out if has_aux else (out, None)
       return loss, (aux, nnx.state(m, nnx.Not(nnx.Param)))
 
-    if ctx is not None and ctx.plan.formulation(None, linen=False).per_use:
-      # Traced once more only to see whether the model scans its layers (see `_layers`).
-      has_scan = ctx.plan.formulation(jax.make_jaxpr(f)(params, *args), linen=False).has_scan
+    per_use = ctx is not None and ctx.plan.formulation(None, linen=False).per_use
+    if per_use or (ctx is not None and finds_tables(ctx.plan)):
+      # Traced once more to see whether the model scans its layers (see `_layers`) and which
+      # parameters it looks rows up in.
+      chosen = ctx.plan.formulation(jax.make_jaxpr(f)(params, *args), linen=False)
+      layers = per_use and ctx.plan.params_sharded and not chosen.has_scan
+      f = functools.partial(f, per_use=per_use, layers=layers, tables=chosen.tables)
+    if per_use:
       policy = remat_policy(ctx.plan.config, True)
-      layers = ctx.plan.params_sharded and not has_scan
-      f = functools.partial(f, per_use=True, layers=layers)
       ctx.boxed_calls += 1
-      if policy is not None and not has_scan:  # else autodiff keeps every gathered weight
+      if policy is not None and not chosen.has_scan:  # else autodiff keeps every gathered weight
         f = checkpoint_model(f, ctx.plan, policy, layers)
 
     (loss, (aux, new_rest)), grads = value_and_grad(f, has_aux=True, loss_scale=loss_scale)(
@@ -178,17 +184,18 @@ def _nnx_value_and_grad(fun, argnums, has_aux, loss_scale):
   return run
 
 
-def _boxed(params: Any, plan: Any) -> Any:
-  """An NNX model's ``nnx.Param`` state with each value in a `ZeroParam` box: a layer reading
-  ``self.kernel[...]`` gathers it there, in the compute dtype, and its gradient is
-  reduce-scattered as that use's backward pass makes it (the per-use formulation)."""
+def _in_plan_order(params: Any, plan: Any, fn: Callable[[Any], Any]) -> Any:
+  """An NNX model's ``nnx.Param`` state with ``fn`` applied to its values laid out as the
+  plan's parameter tree: per use, `box_params` puts each value in a `ZeroParam` box, so a layer
+  reading ``self.kernel[...]`` gathers it there, in the compute dtype, and its gradient is
+  reduce-scattered as that use's backward pass makes it; at stage 2, `sum_whole`."""
   leaves, treedef = jax.tree.flatten(params)
   if _like(params, plan.params) is None:
     raise ConfigError("zerojax.value_and_grad: the NNX model's nnx.Param state does not match "
                       "the plan's parameter tree; build the model with zerojax.create_nnx")
-  boxed = box_params(jax.tree.unflatten(jax.tree.structure(plan.params), leaves), plan)
+  out = fn(jax.tree.unflatten(jax.tree.structure(plan.params), leaves))
   return jax.tree.unflatten(treedef, jax.tree.leaves(
-      boxed, is_leaf=lambda x: isinstance(x, ZeroParam)))
+      out, is_leaf=lambda x: isinstance(x, ZeroParam)))
 
 
 def _like(params, shardings):

@@ -15,7 +15,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zerojax._compat import bind_dot_general, eval_jaxpr, var_uses
-from zerojax.core.gather import GATHERED, after, gather, token_of
+from zerojax.core.gather import GATHERED, after, gather, sum_whole, token_of
 
 __all__ = ["per_layer_reads"]
 
@@ -55,7 +55,10 @@ def per_layer_reads(apply_fn: Callable, plan: Any,
   Per use (`ShardingPlan.formulation`: stage 3 on TPU and GPU) every matmul
   that reads a sharded parameter, or a row of one, gathers it there and re-gathers it in the
   backward pass, as linen models' boxes do (`zerojax.core.gather`); left to itself XLA's
-  partitioner would move the layer's activations instead. ``chosen`` is told the formulation.
+  partitioner would move the layer's activations instead. A lookup into a table
+  (``params["wte"][tokens]``, `zerojax.core.formulation.lookup_tables`) has its gradient summed
+  whole before it is sharded, at stages 2-3, and per use gathers the table for it.
+  ``chosen`` is told the formulation.
   """
   treedef = jax.tree.structure(plan.params)
   per_leaf = list(zip(jax.tree.leaves(plan.params), jax.tree.leaves(plan.grads),
@@ -84,11 +87,16 @@ def per_layer_reads(apply_fn: Callable, plan: Any,
     formulation = plan.formulation(closed, linen=False)
     if chosen is not None:
       chosen(formulation)
+    tables = formulation.tables
+    if tables and not formulation.per_use:  # stage 2: a lookup table's gradient is summed whole
+      leaves = jax.tree.leaves(sum_whole(jax.tree.unflatten(treedef, leaves), plan, tables))
+      tables = frozenset()
     if not split and not formulation.per_use:
-      return apply_fn(params, *args, **kwargs)
+      return apply_fn(jax.tree.unflatten(treedef, leaves), *args, **kwargs)
     rewrite = _Rewrite(leaves, per_leaf, index, split,
                        _rows_into_matmuls(closed.jaxpr, index, split), formulation.per_use,
-                       plan.waits_by_barrier, formulation.per_use and plan.prefetches_next_layer)
+                       plan.waits_by_barrier, formulation.per_use and plan.prefetches_next_layer,
+                       tables)
     outs = eval_jaxpr(closed, [*leaves, *arrays], rewrite)
     return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
 
@@ -125,6 +133,7 @@ class _Rewrite:
   # step keeps the base compile options for it: with those for layers ahead (as
   # `zerojax.core.regather`'s) pattern g had 65% of its all-gathers beside a matmul, not 73%.
   prefetch: bool = False
+  tables: frozenset = frozenset()  # per use: leaves gathered whole where rows are looked up
   previous: Any = None
   carried: dict = dataclasses.field(default_factory=dict)  # leaf -> stack the next row reads
 
@@ -144,6 +153,8 @@ class _Rewrite:
       return [out]
     if self.per_use and eqn.primitive.name == "dot_general":
       return _gathered_dot(eqn, invals, self.index, self.per_leaf)
+    if eqn.primitive.name == "gather" and self.index.get(eqn.invars[0]) in self.tables:
+      return _gathered_lookup(eqn, invals, self.per_leaf[self.index[eqn.invars[0]]])
     read = _row_read(eqn, self.index)
     if read is None or read[0] not in self.split:
       return None  # other reads of the leaf (w[i, :4], the whole stack) run as written
@@ -315,6 +326,15 @@ def _gathered_dot(eqn: Any, invals: list, index: dict[Any, int], per_leaf: list)
     rest, grad, compute = (_bare(s) for s in per_leaf[k])
     ins[pos] = _Gather(rest, compute, grad)(ins[pos])
   return [bind_dot_general(*ins, eqn.params)]
+
+
+def _gathered_lookup(eqn: Any, invals: list, layouts: tuple) -> list:
+  """A lookup into a whole sharded table (its ``gather``), with the table gathered for it and
+  its gradient summed whole before it is sharded, as a linen table's box does: left to the
+  partitioner, each device would look up in its own rows and reduce the batch's activations."""
+  rest, grad, compute = (_bare(s) for s in layouts)
+  table = checkpoint_name(gather(invals[0], rest, compute, grad, None, True), GATHERED)
+  return [eqn.primitive.bind(table, *invals[1:], **eqn.params)]
 
 
 def _of_row(s: NamedSharding) -> NamedSharding:
