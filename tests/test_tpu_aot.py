@@ -265,6 +265,19 @@ def test_tpu_nnx_and_pure_lookups_move_no_activations(kind, stage):
 
 
 @needs_libtpu
+@pytest.mark.parametrize("pattern", ["d1", "d2"])
+def test_tpu_stage2_tied_heads_move_no_activations(pattern):
+  # As on XLA:GPU (test_gpu_aot): each use of a tied table sums its gradient whole; through
+  # Embed.attend (d2) XLA all-reduces the head's gradient (1.11x here, 0.75x at full size).
+  from tests.model_patterns import SMALL, target_zero
+  compiled, plan, _ = target_zero(pattern, SMALL, 2, memory.tpu_topology(TOPOLOGY).devices)
+  hlo = compiled.as_text()
+  assert memory.activation_collectives(hlo, plan) == {}, memory.activation_collectives(hlo, plan)
+  ratio = memory.measure(compiled).collective_total / memory.textbook_bytes(plan)
+  assert ratio <= (1.1 if pattern == "d1" else 1.2), ratio
+
+
+@needs_libtpu
 def test_tpu_stage3_keeps_small_leaves_whole_by_default():
   # Per use on XLA:TPU, leaves under 4096 elements stay replicated by default (the 220M
   # Llama's final norm scale, sharded, cost 178 MiB of temp); on CPU every divisible leaf is

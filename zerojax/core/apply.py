@@ -19,7 +19,7 @@ from zerojax.core import context
 from zerojax.core.config import ConfigError
 from zerojax.core.dtypes import compute_dtype_of, to_compute
 from zerojax.core.formulation import Formulation
-from zerojax.core.gather import box_params, setting, sum_whole
+from zerojax.core.gather import box_params, setting
 from zerojax.core.plan import ShardingPlan
 from zerojax.core.regather import prefetching, regather_layers
 from zerojax.core.remat import checkpoint_model, remat_policy
@@ -89,7 +89,7 @@ class ModelApply:
     if not per_use:
       boxed["params"] = to_compute(params, cd)
       if not plan.params_sharded:  # stage 2: a lookup table's gradient is summed whole
-        boxed["params"] = sum_whole(boxed["params"], plan, tables)
+        boxed["params"] = box_params(boxed["params"], plan, tables, only_lookups=True)
     else:
       early = plan.params_sharded and not plan.params_on_host
       boxed["params"] = box_params(to_compute(params, cd) if early else params, plan,

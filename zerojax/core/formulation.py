@@ -85,9 +85,8 @@ _SAME_VALUES = frozenset({"convert_element_type", "reshape", "squeeze", "expand_
 def lookup_tables(plan: Any, jaxpr: Any) -> frozenset[int]:
   """Which inputs of a model's ``jaxpr`` (its parameter leaves, in tree order) are tables it
   looks rows up in (the operand of a ``gather``, through casts, reshapes and slices), on a
-  plan whose gradients are sharded (stages 2-3): their gradient is summed whole before it is
-  sharded (`zerojax.core.gather`; at stage 2, `zerojax.core.gather.sum_whole`, for tables no
-  matmul also reads).
+  plan whose gradients are sharded (stages 2-3): each use's gradient is summed whole before it
+  is sharded (`zerojax.core.gather.box_params`; a pure function's, `zerojax.core.rows`).
 
   Left to itself, XLA:TPU's and XLA:GPU's partitioner computes the gradient of a lookup into a
   table whose gradient is sharded where the shard lives: it all-gathers every device's cotangent
@@ -99,13 +98,7 @@ def lookup_tables(plan: Any, jaxpr: Any) -> frozenset[int]:
     return frozenset()
   jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
   taint = [frozenset({i}) for i in range(len(jaxpr.invars))]
-  hits, _ = _inputs_reaching(jaxpr, taint, "gather")
-  if not plan.params_sharded:
-    # Stage 2 sums a table's whole gradient, every use's: a table a matmul also reads (a tied
-    # LM head) then had its gradient all-reduced (patterns d1, d2 on h100:8: 1.14x the
-    # textbook volume, from 1.01x), so it keeps the partitioner's formulation.
-    hits -= _inputs_reaching(jaxpr, taint, "dot_general")[0]
-  return hits
+  return _inputs_reaching(jaxpr, taint, "gather")[0]
 
 
 def finds_tables(plan: Any) -> bool:

@@ -28,7 +28,7 @@ from zerojax.core.dtypes import compute_dtype_of, reduce_dtype_of
 from zerojax.core.memory_kinds import HOST
 
 __all__ = ["GATHERED", "AFTER", "BACKWARD", "setting", "zerojax_gather", "gather", "fetch",
-           "after", "token_of", "ZeroParam", "box_params", "sum_whole"]
+           "after", "token_of", "ZeroParam", "box_params"]
 
 
 GATHERED = "zerojax_gathered"
@@ -222,29 +222,17 @@ def _of_rank(spec: tuple, ndim: int) -> tuple:
   return spec[extra:]
 
 
-def sum_whole(params: Any, plan: Any, tables: frozenset[int]) -> Any:
-  """``params`` (the plan's tree) with the leaves ``tables`` (lookup tables,
-  `zerojax.core.formulation.lookup_tables`) passed through `zerojax_gather`, which does not
-  move them but sums their gradient whole before it is sharded: for a plan whose parameters
-  are not gathered per use (stage 2), so the partitioner does not all-gather the batch's
-  cotangent rows to scatter-add them into each device's shard."""
-  if not tables:
-    return params
-  reduce_dtype, compute_dtype = reduce_dtype_of(plan.config), compute_dtype_of(plan.config)
-  leaves, treedef = jax.tree.flatten(params)
-  layouts = zip(jax.tree.leaves(plan.params), jax.tree.leaves(plan.params_gathered),
-                jax.tree.leaves(plan.grads))
-  # In the compute dtype first (a no-op where the caller cast already), so the summed gradient
-  # is that dtype's, not the master weights': an NNX layer casts where it reads the table.
-  cast = lambda x: x.astype(compute_dtype) if compute_dtype is not None else x
-  return jax.tree.unflatten(treedef, [
-      gather(cast(x), r, c, g, reduce_dtype, True) if i in tables else x
-      for i, (x, (r, c, g)) in enumerate(zip(leaves, layouts))])
-
-
-def box_params(params: Any, plan: Any, lookups: frozenset[int] = frozenset()) -> Any:
+def box_params(params: Any, plan: Any, lookups: frozenset[int] = frozenset(),
+               only_lookups: bool = False) -> Any:
   """Wraps every parameter leaf in a `ZeroParam` carrying the plan's layouts; ``lookups``: the
-  leaves (in tree order) that are lookup tables (`zerojax.core.formulation.lookup_tables`)."""
+  leaves (in tree order) that are lookup tables (`zerojax.core.formulation.lookup_tables`).
+
+  ``only_lookups``: box the tables alone, for a plan whose parameters are not gathered per use
+  (stage 2). Their boxes move nothing, but sum each use's gradient whole before it is
+  sharded, so the partitioner does not all-gather the batch's cotangent rows to scatter-add
+  them into each device's shard. Per use, not per table: a tied head's matmul gradient, added
+  to the lookup's scatter-add before the sum, became the scatter's operand and XLA all-reduced
+  it."""
   cfg = plan.config
   reduce_dtype = reduce_dtype_of(cfg)
   compute_dtype = compute_dtype_of(cfg)
@@ -259,4 +247,5 @@ def box_params(params: Any, plan: Any, lookups: frozenset[int] = frozenset()) ->
 
   leaves, treedef = jax.tree.flatten(params)
   tables = jax.tree.unflatten(treedef, [i in lookups for i in range(len(leaves))])
-  return jax.tree.map(one, params, plan.params, plan.params_gathered, plan.grads, tables)
+  box = lambda x, *rest: one(x, *rest) if rest[-1] or not only_lookups else x
+  return jax.tree.map(box, params, plan.params, plan.params_gathered, plan.grads, tables)

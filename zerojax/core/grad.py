@@ -57,7 +57,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from zerojax.core import context
 from zerojax._compat import ORIGINAL_SCAN
 from zerojax.core.formulation import finds_tables
-from zerojax.core.gather import ZeroParam, after, box_params, sum_whole
+from zerojax.core.gather import ZeroParam, after, box_params
 from zerojax.core.config import ConfigError
 from zerojax.core.dtypes import compute_dtype_of, reduce_dtype_of
 from zerojax.core.regather import prefetching, regather_nnx_layers
@@ -151,10 +151,9 @@ def _nnx_value_and_grad(fun, argnums, has_aux, loss_scale):
     ctx = context.current()
 
     def f(params, *args, per_use=False, layers=False, tables=frozenset()):
-      if per_use:
-        params = _in_plan_order(params, ctx.plan, lambda p: box_params(p, ctx.plan, tables))
-      elif tables:  # stage 2: a lookup table's gradient is summed whole
-        params = _in_plan_order(params, ctx.plan, lambda p: sum_whole(p, ctx.plan, tables))
+      if per_use or tables:  # at stage 2 only lookup tables are boxed
+        params = _in_plan_order(params, ctx.plan, lambda p: box_params(
+            p, ctx.plan, tables, only_lookups=not per_use))
       m = nnx.merge(graphdef, params, rest)
       if layers:  # as a linen model without scans (`zerojax.core.apply`)
         regather_nnx_layers(m)
@@ -188,7 +187,7 @@ def _in_plan_order(params: Any, plan: Any, fn: Callable[[Any], Any]) -> Any:
   """An NNX model's ``nnx.Param`` state with ``fn`` applied to its values laid out as the
   plan's parameter tree: per use, `box_params` puts each value in a `ZeroParam` box, so a layer
   reading ``self.kernel[...]`` gathers it there, in the compute dtype, and its gradient is
-  reduce-scattered as that use's backward pass makes it; at stage 2, `sum_whole`."""
+  reduce-scattered as that use's backward pass makes it (at stage 2, a lookup table's alone)."""
   leaves, treedef = jax.tree.flatten(params)
   if _like(params, plan.params) is None:
     raise ConfigError("zerojax.value_and_grad: the NNX model's nnx.Param state does not match "

@@ -15,7 +15,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zerojax._compat import bind_dot_general, eval_jaxpr, var_uses
-from zerojax.core.gather import GATHERED, after, gather, sum_whole, token_of
+from zerojax.core.gather import GATHERED, after, gather, token_of
 
 __all__ = ["per_layer_reads"]
 
@@ -56,8 +56,8 @@ def per_layer_reads(apply_fn: Callable, plan: Any,
   that reads a sharded parameter, or a row of one, gathers it there and re-gathers it in the
   backward pass, as linen models' boxes do (`zerojax.core.gather`); left to itself XLA's
   partitioner would move the layer's activations instead. A lookup into a table
-  (``params["wte"][tokens]``, `zerojax.core.formulation.lookup_tables`) has its gradient summed
-  whole before it is sharded, at stages 2-3, and per use gathers the table for it.
+  (``params["wte"][tokens]``, `zerojax.core.formulation.lookup_tables`) has that use's gradient
+  summed whole before it is sharded, at stages 2-3, and per use gathers the table for it.
   ``chosen`` is told the formulation.
   """
   treedef = jax.tree.structure(plan.params)
@@ -87,16 +87,12 @@ def per_layer_reads(apply_fn: Callable, plan: Any,
     formulation = plan.formulation(closed, linen=False)
     if chosen is not None:
       chosen(formulation)
-    tables = formulation.tables
-    if tables and not formulation.per_use:  # stage 2: a lookup table's gradient is summed whole
-      leaves = jax.tree.leaves(sum_whole(jax.tree.unflatten(treedef, leaves), plan, tables))
-      tables = frozenset()
-    if not split and not formulation.per_use:
-      return apply_fn(jax.tree.unflatten(treedef, leaves), *args, **kwargs)
+    if not split and not formulation.per_use and not formulation.tables:
+      return apply_fn(params, *args, **kwargs)
     rewrite = _Rewrite(leaves, per_leaf, index, split,
                        _rows_into_matmuls(closed.jaxpr, index, split), formulation.per_use,
                        plan.waits_by_barrier, formulation.per_use and plan.prefetches_next_layer,
-                       tables)
+                       formulation.tables)
     outs = eval_jaxpr(closed, [*leaves, *arrays], rewrite)
     return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
 
@@ -133,7 +129,7 @@ class _Rewrite:
   # step keeps the base compile options for it: with those for layers ahead (as
   # `zerojax.core.regather`'s) pattern g had 65% of its all-gathers beside a matmul, not 73%.
   prefetch: bool = False
-  tables: frozenset = frozenset()  # per use: leaves gathered whole where rows are looked up
+  tables: frozenset = frozenset()  # leaves summed whole (per use: gathered) where looked up in
   previous: Any = None
   carried: dict = dataclasses.field(default_factory=dict)  # leaf -> stack the next row reads
 
@@ -329,9 +325,10 @@ def _gathered_dot(eqn: Any, invals: list, index: dict[Any, int], per_leaf: list)
 
 
 def _gathered_lookup(eqn: Any, invals: list, layouts: tuple) -> list:
-  """A lookup into a whole sharded table (its ``gather``), with the table gathered for it and
-  its gradient summed whole before it is sharded, as a linen table's box does: left to the
-  partitioner, each device would look up in its own rows and reduce the batch's activations."""
+  """A lookup into a table (its ``gather``) whose gradient is sharded: the table is gathered
+  for it (stage 3) and this use's gradient summed whole before it is sharded, as a linen
+  table's box does. Left to the partitioner, each device would look up in its own rows and
+  reduce the batch's activations, or gather every device's cotangent rows and token ids."""
   rest, grad, compute = (_bare(s) for s in layouts)
   table = checkpoint_name(gather(invals[0], rest, compute, grad, None, True), GATHERED)
   return [eqn.primitive.bind(table, *invals[1:], **eqn.params)]
