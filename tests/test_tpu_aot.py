@@ -267,14 +267,13 @@ def test_tpu_nnx_and_pure_lookups_move_no_activations(kind, stage):
 @needs_libtpu
 @pytest.mark.parametrize("pattern", ["d1", "d2"])
 def test_tpu_stage2_tied_heads_move_no_activations(pattern):
-  # As on XLA:GPU (test_gpu_aot): each use of a tied table sums its gradient whole; through
-  # Embed.attend (d2) XLA all-reduces the head's gradient (1.11x here, 0.75x at full size).
+  # As on XLA:GPU (test_gpu_aot): each use of a tied table sums its gradient whole, and
+  # Embed.attend (d2) reads the table itself (through the lookup's read: 1.11x here).
   from tests.model_patterns import SMALL, target_zero
   compiled, plan, _ = target_zero(pattern, SMALL, 2, memory.tpu_topology(TOPOLOGY).devices)
   hlo = compiled.as_text()
   assert memory.activation_collectives(hlo, plan) == {}, memory.activation_collectives(hlo, plan)
-  ratio = memory.measure(compiled).collective_total / memory.textbook_bytes(plan)
-  assert ratio <= (1.1 if pattern == "d1" else 1.2), ratio
+  assert memory.measure(compiled).collective_total <= 1.05 * memory.textbook_bytes(plan)
 
 
 @needs_libtpu
