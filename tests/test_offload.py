@@ -125,6 +125,67 @@ def test_offload_remat_policies_keep_parity(policy):
   np.testing.assert_allclose(run.losses, ref.losses, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["nnx", "pure"])
+def test_remat_offload_reaches_nnx_and_pure_models_without_scans(kind):
+  # config.remat checkpointed only linen models without scans: an NNX list of blocks or a pure
+  # function ran as written, and remat="offload" silently offloaded nothing.
+  import optax
+  from flax import nnx
+  from jax.ad_checkpoint import checkpoint_name
+  from zerojax.core.plan import ShardingPlan
+  cfg = zerojax.ZeroConfig(stage=2, remat="offload", remat_offload_names=("hidden",))
+  tx, x = optax.adam(1e-3), jnp.ones((16, 32))
+  if kind == "nnx":
+    class Block(nnx.Module):
+      def __init__(self, rngs):
+        self.up, self.down = nnx.Linear(32, 64, rngs=rngs), nnx.Linear(64, 32, rngs=rngs)
+
+      def __call__(self, x):
+        return x + self.down(checkpoint_name(jnp.tanh(self.up(x)), "hidden"))
+
+    class Net(nnx.Module):
+      def __init__(self, rngs):
+        self.blocks = nnx.List([Block(rngs) for _ in range(2)])
+
+      def __call__(self, x):
+        for b in self.blocks:
+          x = b(x)
+        return x
+
+    model, opt, plan = zerojax.create_nnx(lambda: Net(nnx.Rngs(0)), tx, config=cfg)
+
+    @zerojax.zero_step(plan)
+    def step(model, opt, x):
+      loss, g = zerojax.value_and_grad(lambda m, x: jnp.mean(m(x) ** 2))(model, x)
+      opt.update(model, g)
+      return {"loss": loss}
+    args = (model, opt, x)
+  else:
+    def apply(p, x):
+      for i in range(2):
+        x = x + checkpoint_name(jnp.tanh(x @ p["up"][i]), "hidden") @ p["down"][i]
+      return x
+
+    k1, k2 = jax.random.split(jax.random.key(0))
+    params = {"up": jax.random.normal(k1, (2, 32, 64)) * 0.1,
+              "down": jax.random.normal(k2, (2, 64, 32)) * 0.1}
+    plan = ShardingPlan.create(cfg, zerojax.make_mesh(cfg), params, tx)
+    state = zerojax.ZeroTrainState.create(apply_fn=apply, params=params, tx=tx, config=cfg)
+    state = jax.device_put(state, plan.state(state))
+
+    @zerojax.zero_step(plan)
+    def step(state, x):
+      loss, g = zerojax.value_and_grad(lambda p, x: jnp.mean(state.apply_fn(p, x) ** 2))(
+          state.params, x)
+      return state.apply_gradients(grads=g), {"loss": loss}
+    args = (state, x)
+  jitted = step.jitted(*args)
+  if kind == "nnx":  # the jitted NNX step takes the split state
+    args = (nnx.split((model, opt))[1], x)
+  mlir = jax.export.export(jitted, platforms=["tpu"])(*args).mlir_module()
+  assert re.findall(r'_xla_buffer_placement = "(\w+)"', mlir).count("pinned_host") > 0
+
+
 def test_offload_missing_pinned_host_errors_or_falls_back(monkeypatch):
   monkeypatch.setattr(memory_kinds, "supported_memory_kinds", lambda mesh: frozenset({"device"}))
   cfg = zerojax.ZeroConfig(stage=2, offload_optimizer=True)

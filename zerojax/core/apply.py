@@ -22,7 +22,7 @@ from zerojax.core.formulation import Formulation
 from zerojax.core.gather import ZeroParam, box_params, setting
 from zerojax.core.plan import ShardingPlan
 from zerojax.core.regather import prefetching, regather_layers
-from zerojax.core.remat import checkpoint_model, remat_policy
+from zerojax.core.remat import checkpoint_model
 from zerojax.core.rows import per_layer_reads
 from zerojax.core.zeropp import shard_map_apply
 
@@ -70,13 +70,13 @@ class ModelApply:
       shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), x.dtype), params)
       jaxpr = jax.make_jaxpr(lambda p: run(p, False))(shapes)
       self.formulation = plan.formulation(jaxpr)
-    per_use, has_scan = self.formulation.per_use, self.formulation.has_scan
+    chosen = self.formulation
     if plan.config.quantized:  # ZeRO++: per device, zerojax's own (quantised) collectives
       def body(boxed, a, kw):
         run_boxed = lambda b: self.apply_fn({**variables, "params": b}, *a, **kw)
-        return _layers(run_boxed, boxed, plan, True, has_scan)
+        return _layers(run_boxed, boxed, plan, chosen)
       return shard_map_apply(body, plan, params, args, kwargs)
-    return _layers(lambda p: run(p, per_use), params, plan, per_use, has_scan)
+    return _layers(lambda p: run(p, chosen.per_use), params, plan, chosen)
 
   def _run(self, variables, params, per_use, args, kwargs):
     # Parameters reach the model in the compute dtype: cast where each is gathered (per use),
@@ -115,22 +115,17 @@ class ModelApply:
     return self.apply_fn(variables, *args, **kwargs)
 
 
-def _layers(run: Callable, params: Any, plan: ShardingPlan, per_use: bool,
-            has_scan: bool) -> Any:
-  """``run(params)`` under the formulation's remat (see `ModelApply`)."""
-  policy = remat_policy(plan.config, per_use)
-  if has_scan or policy is None:
-    # Scanned layers get their policy inside each layer (the step's scan hook); a
-    # whole-model checkpoint on top would save their residuals again, so it is only for
-    # models without scans.
+def _layers(run: Callable, params: Any, plan: ShardingPlan, chosen: Formulation) -> Any:
+  """``run(params)`` under the formulation's checkpoint (see `ModelApply`)."""
+  if chosen.checkpoint is None:  # scanned layers get their policy inside each layer
     return run(params)
   # Stage 3, per use, no scans: nothing orders the layers' gathers but data dependencies, so
   # each layer gathers after its input (on XLA:GPU the previous layer's: `prefetching`) and
   # re-gathers after its output's cotangent.
-  regather = per_use and plan.params_sharded
-  layers = nn.intercept_methods(regather_layers) if regather else contextlib.nullcontext()
-  with layers, prefetching(regather and plan.prefetches_next_layer):
-    return checkpoint_model(run, plan, policy, regather)(params)
+  layers = (nn.intercept_methods(regather_layers) if chosen.layers
+            else contextlib.nullcontext())
+  with layers, prefetching(chosen.layers and plan.prefetches_next_layer):
+    return checkpoint_model(run, plan, chosen.checkpoint, chosen.layers)(params)
 
 
 def _attend_reads_its_own(next_fun, args, kwargs, context):

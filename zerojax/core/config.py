@@ -90,7 +90,8 @@ class ZeroConfig:
       layer the model does not rematerialise itself gets ``nothing_saveable``, so no layer's
       gathered weights outlive it; ``nn.remat`` layers are left as written), ``'none'`` (as
       written), ``'full'`` (nothing saveable), ``'dots'`` (dots saveable) or ``'offload'``
-      (named residuals go to host memory, see ``remat_offload_names``).
+      (named residuals go to host memory, see ``remat_offload_names``). A model without scans
+      (linen, NNX or a pure function alike) is checkpointed whole with the named policy.
     remat_offload_names: ``checkpoint_name`` names offloaded by ``remat='offload'``.
     gather: how a sharded parameter reaches the layer that reads it. ``'auto'`` (default): the
       plan's shardings on the step's inputs, outputs and gradients, and XLA's partitioner

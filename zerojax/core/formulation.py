@@ -22,18 +22,32 @@ from typing import Any, NamedTuple
 from jax.extend.core import Var
 
 from zerojax._compat import REMAT_PRIMITIVE_NAMES, jaxpr_has_primitive, subjaxprs
+from zerojax.core.remat import remat_policy
 
-__all__ = ["Formulation", "choose", "lookup_tables", "finds_tables", "compiler_options",
+__all__ = ["Formulation", "choose", "lookup_tables", "finds_tables", "needs_trace",
+           "compiler_options",
            "GPU_COMPILER_OPTIONS", "GPU_LAYERS_AHEAD_OPTIONS", "TPU_COMPILER_OPTIONS"]
 
 
 class Formulation(NamedTuple):
-  """The formulation chosen for one model: ``per_use`` (boxes) or the compiler's, whether the
-  model scans its layers (then each layer's remat is applied inside the scan), and its lookup
-  tables (`lookup_tables`: parameter leaves, in tree order, whose gradient is summed whole)."""
+  """The formulation chosen for one model, read by every way a model runs (linen, NNX, a pure
+  function):
+
+  * ``per_use``: gathered per use (boxes), or by the compiler;
+  * ``has_scan``: the model scans its layers (then each layer's remat is applied inside the
+    scan, `zerojax.core.remat.scanned_layers`);
+  * ``tables``: its lookup tables (`lookup_tables`: parameter leaves, in tree order, whose
+    gradient is summed whole);
+  * ``checkpoint``: the ``jax.checkpoint`` policy around a model without scans
+    (`zerojax.core.remat.remat_policy`), or None for none;
+  * ``layers``: that model's layers each re-gather their weights after their input, and again
+    after their output's cotangent (`zerojax.core.regather`): per use with sharded parameters.
+  """
   per_use: bool
   has_scan: bool
   tables: frozenset[int] = frozenset()
+  checkpoint: Any = None
+  layers: bool = False
 
 
 def choose(plan: Any, jaxpr: Any, linen: bool = True) -> Formulation:
@@ -43,8 +57,9 @@ def choose(plan: Any, jaxpr: Any, linen: bool = True) -> Formulation:
   (`zerojax.core.rows`), an NNX model through boxes in its ``nnx.Param`` variables
   (`zerojax.core.grad`).
 
-  The model's lookup tables are found in the same trace (`lookup_tables`; an NNX model's
-  where `finds_tables` says its trace is needed).
+  The model's lookup tables are found in the same trace (`lookup_tables`), and the checkpoint
+  around a model without scans is chosen. An NNX model is traced where `needs_trace` says so;
+  without a trace (``jaxpr`` None) a model is taken to have no scans.
 
   A setting that acts at each use (`ShardingPlan.gathers_per_use`) always gathers per use.
   Otherwise ``gather='auto'`` at stage 3 gathers per use on TPU and GPU, where XLA's
@@ -56,8 +71,10 @@ def choose(plan: Any, jaxpr: Any, linen: bool = True) -> Formulation:
   """
   has_scan = jaxpr is not None and jaxpr_has_primitive(jaxpr, frozenset({"scan"}))
   remats = jaxpr is not None and jaxpr_has_primitive(jaxpr, REMAT_PRIMITIVE_NAMES)
-  return Formulation(plan.gathers_per_use or _per_use_by_default(plan, has_scan, remats, linen),
-                     has_scan, lookup_tables(plan, jaxpr))
+  per_use = plan.gathers_per_use or _per_use_by_default(plan, has_scan, remats, linen)
+  checkpoint = None if has_scan else remat_policy(plan.config, per_use)
+  return Formulation(per_use, has_scan, lookup_tables(plan, jaxpr), checkpoint,
+                     checkpoint is not None and per_use and plan.params_sharded)
 
 
 def _per_use_by_default(plan: Any, has_scan: bool, remats: bool, linen: bool) -> bool:
@@ -105,6 +122,12 @@ def finds_tables(plan: Any) -> bool:
   """Whether `lookup_tables` can find any on ``plan``: gradients sharded (stages 2-3) on a
   compiler other than XLA:CPU."""
   return plan.config.shards_grads and plan.platform != "cpu"
+
+
+def needs_trace(plan: Any, untraced: Formulation) -> bool:
+  """Whether a model whose formulation without a trace is ``untraced`` must be traced for it:
+  it gathers per use, is checkpointed, or may look rows up in tables (`finds_tables`)."""
+  return untraced.per_use or untraced.checkpoint is not None or finds_tables(plan)
 
 
 def _inputs_reaching(jaxpr: Any, taint: list[frozenset[int]], primitive: str

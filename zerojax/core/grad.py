@@ -56,12 +56,12 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zerojax.core import context
 from zerojax._compat import ORIGINAL_SCAN
-from zerojax.core.formulation import finds_tables
+from zerojax.core.formulation import needs_trace
 from zerojax.core.gather import ZeroParam, after, box_params
 from zerojax.core.config import ConfigError
 from zerojax.core.dtypes import compute_dtype_of, reduce_dtype_of
 from zerojax.core.regather import prefetching, regather_nnx_layers
-from zerojax.core.remat import checkpoint_model, remat_policy
+from zerojax.core.remat import checkpoint_model
 
 __all__ = ["F32", "check_batch", "value_and_grad"]
 
@@ -162,18 +162,16 @@ def _nnx_value_and_grad(fun, argnums, has_aux, loss_scale):
       loss, aux = out if has_aux else (out, None)
       return loss, (aux, nnx.state(m, nnx.Not(nnx.Param)))
 
-    per_use = ctx is not None and ctx.plan.formulation(None, linen=False).per_use
-    if per_use or (ctx is not None and finds_tables(ctx.plan)):
-      # Traced once more to see whether the model scans its layers (see `_layers`) and which
-      # parameters it looks rows up in.
+    chosen = ctx.plan.formulation(None, linen=False) if ctx is not None else None
+    if chosen is not None and needs_trace(ctx.plan, chosen):
+      # Traced once more to see whether the model scans its layers and which parameters it
+      # looks rows up in: the formulation as `zerojax.core.apply` reads it for linen models.
       chosen = ctx.plan.formulation(jax.make_jaxpr(f)(params, *args), linen=False)
-      layers = per_use and ctx.plan.params_sharded and not chosen.has_scan
-      f = functools.partial(f, per_use=per_use, layers=layers, tables=chosen.tables)
-    if per_use:
-      policy = remat_policy(ctx.plan.config, True)
-      ctx.boxed_calls += 1
-      if policy is not None and not chosen.has_scan:  # else autodiff keeps every gathered weight
-        f = checkpoint_model(f, ctx.plan, policy, layers)
+      f = functools.partial(f, per_use=chosen.per_use, layers=chosen.layers,
+                            tables=chosen.tables)
+      ctx.boxed_calls += chosen.per_use
+      if chosen.checkpoint is not None:  # per use, or config.remat (see `remat_policy`)
+        f = checkpoint_model(f, ctx.plan, chosen.checkpoint, chosen.layers)
 
     (loss, (aux, new_rest)), grads = value_and_grad(f, has_aux=True, loss_scale=loss_scale)(
         params, *args)

@@ -16,6 +16,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zerojax._compat import bind_dot_general, eval_jaxpr, var_uses
 from zerojax.core.gather import GATHERED, after, gather, token_of
+from zerojax.core.remat import checkpoint_model
 
 __all__ = ["per_layer_reads"]
 
@@ -58,13 +59,15 @@ def per_layer_reads(apply_fn: Callable, plan: Any,
   partitioner would move the layer's activations instead. A lookup into a table
   (``params["wte"][tokens]``, `zerojax.core.formulation.lookup_tables`) has that use's gradient
   summed whole before it is sharded, at stages 2-3, and per use gathers the table for it.
-  ``chosen`` is told the formulation.
+  The model runs under the formulation's checkpoint (`Formulation.checkpoint`), as a linen
+  model without scans does. ``chosen`` is told the formulation.
   """
   treedef = jax.tree.structure(plan.params)
   per_leaf = list(zip(jax.tree.leaves(plan.params), jax.tree.leaves(plan.grads),
                       jax.tree.leaves(plan.params_gathered)))  # rest, grad, compute
 
-  if plan.local_grads:  # the gradient is reduced once, after the backward pass
+  # At stage 1 the gradient is reduced once, after the backward pass: no row is threaded.
+  if plan.local_grads and plan.formulation(None, linen=False).checkpoint is None:
     return apply_fn
 
   @functools.wraps(apply_fn)
@@ -83,18 +86,22 @@ def per_layer_reads(apply_fn: Callable, plan: Any,
     closed, out_shape = jax.make_jaxpr(model, return_shape=True)(
         [spec(x) for x in leaves], [spec(x) for x in arrays])
     index = {v: k for k, v in enumerate(closed.jaxpr.invars[:len(leaves)])}
-    split = _rows_to_split(closed.jaxpr, index, leaves, per_leaf)
+    split = set() if plan.local_grads else _rows_to_split(closed.jaxpr, index, leaves, per_leaf)
     formulation = plan.formulation(closed, linen=False)
     if chosen is not None:
       chosen(formulation)
     if not split and not formulation.per_use and not formulation.tables:
-      return apply_fn(params, *args, **kwargs)
-    rewrite = _Rewrite(leaves, per_leaf, index, split,
-                       _rows_into_matmuls(closed.jaxpr, index, split), formulation.per_use,
-                       plan.waits_by_barrier, formulation.per_use and plan.prefetches_next_layer,
-                       formulation.tables)
-    outs = eval_jaxpr(closed, [*leaves, *arrays], rewrite)
-    return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
+      run = lambda ls, arrs: model(ls, arrs)
+    else:
+      rewrite = _Rewrite(leaves, per_leaf, index, split,
+                         _rows_into_matmuls(closed.jaxpr, index, split), formulation.per_use,
+                         plan.waits_by_barrier,
+                         formulation.per_use and plan.prefetches_next_layer, formulation.tables)
+      run = lambda ls, arrs: jax.tree.unflatten(jax.tree.structure(out_shape), eval_jaxpr(
+          closed, [*ls, *arrs], rewrite))
+    if formulation.checkpoint is not None:  # as a linen model without scans
+      run = checkpoint_model(run, plan, formulation.checkpoint, False)
+    return run(leaves, arrays)
 
   return apply
 
