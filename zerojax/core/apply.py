@@ -129,11 +129,10 @@ def _layers(run: Callable, params: Any, plan: ShardingPlan, chosen: Formulation)
 
 
 def _attend_reads_its_own(next_fun, args, kwargs, context):
-  """``nn.Embed.attend`` (a tied LM head) reads its table through a read of its own. Else the
-  one read ``Embed.setup`` made serves the lookup and the head, their gradients meet before
-  that read's box sums them whole, XLA folds the head's gradient into the lookup's
-  scatter-add as its operand and all-reduces it (pattern d2: 1.14x the textbook volume at
-  stage 2, 1.05x at stage 3, against d1's 1.00x, whose head reads the table itself)."""
+  """``nn.Embed.attend`` (a tied LM head) reads its table through a read of its own, as a head
+  reading ``self.variables`` does. Else the one read ``Embed.setup`` made serves the lookup
+  and the head, their gradients meet before that read's box sums them whole, and XLA folds
+  the head's gradient into the lookup's scatter-add as its operand and all-reduces it."""
   module = context.module
   box = (module.get_variable("params", "embedding")
          if context.method_name == "attend" and isinstance(module, nn.Embed) else None)

@@ -91,7 +91,7 @@ def per_layer_reads(apply_fn: Callable, plan: Any,
     if chosen is not None:
       chosen(formulation)
     if not split and not formulation.per_use and not formulation.tables:
-      run = lambda ls, arrs: model(ls, arrs)
+      run = model
     else:
       rewrite = _Rewrite(leaves, per_leaf, index, split,
                          _rows_into_matmuls(closed.jaxpr, index, split), formulation.per_use,
