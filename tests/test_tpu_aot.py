@@ -256,10 +256,10 @@ def test_tpu_nnx_pytree_and_bypassing_models_move_weights_not_activations(patter
 
 
 @needs_libtpu
-@pytest.mark.parametrize("kind", ["nnx", "pure"])
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("kind, stage", [("nnx", 2), ("pure", 3)])
 def test_tpu_nnx_and_pure_lookups_move_no_activations(kind, stage):
-  # As on XLA:GPU (test_gpu_aot): their embedding tables' gradients are summed whole.
+  # As on XLA:GPU (test_gpu_aot, every kind at both stages; here 50-66 s a compile, so one
+  # each: NNX's stage-2 table boxes and the pure function's stage-3 gathered lookup).
   from tests.model_patterns import check_lookups_move_weights
   check_lookups_move_weights(kind, stage, memory.tpu_topology(TOPOLOGY).devices)
 
