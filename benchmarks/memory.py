@@ -18,7 +18,6 @@ Columns (all per device):
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import os
 import pathlib
@@ -58,7 +57,6 @@ def main(argv=None) -> int:
   args = parse_args(argv)
   import jax
   jax.config.update("jax_num_cpu_devices", args.devices)
-  import jax.numpy as jnp
   import numpy as np
   import optax
   import zerojax

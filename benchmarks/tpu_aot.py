@@ -124,7 +124,6 @@ def verdict(r) -> str:
 
 
 def section_figure1(args):
-  rows = []
   header = ("| stage | compiler | HBM arguments GiB | persistent GiB (args − batch) | "
             "estimate persistent GiB | persistent / estimate | temp GiB | peak GiB | "
             "estimate model states GB (params+grads+opt) | paper GB | collectives GiB/step "

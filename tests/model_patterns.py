@@ -48,7 +48,6 @@ SMALL = Size(layers=4, d_model=128, d_ff=512, rows=64, vocab=512, seq=8)
 
 def linen_models(size: Size):
   import flax.linen as nn
-  import jax.numpy as jnp
 
   class Block(nn.Module):
     @nn.compact

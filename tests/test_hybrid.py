@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-import zerojax
 from zerojax.runtime.memory import reductions, replica_groups
 from tests import helpers
 

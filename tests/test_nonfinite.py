@@ -135,7 +135,6 @@ def test_halt_costs_no_memory_and_skip_costs_one_state_copy():
   """'halt' (the default) only reads a finite flag; 'skip' selects between the old and new
   state, which XLA cannot update in place (measured +43.8 MB at stage 0 on the memory tests'
   model): the reason 'skip' is not the default without loss scaling."""
-  import dataclasses
   import jax.numpy as jnp
   from zerojax.runtime.memory import measure
   from zerojax.models import GPT, GPTConfig

@@ -11,7 +11,6 @@ import pytest
 
 import zerojax
 from zerojax.core import memory_kinds
-from zerojax.models import GPT
 from tests import helpers
 
 VARIANTS = {

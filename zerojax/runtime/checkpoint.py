@@ -34,7 +34,7 @@ import logging
 import math
 import os
 import warnings
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
