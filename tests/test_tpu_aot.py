@@ -200,6 +200,7 @@ def test_tpu_zeropp_collectives_are_int8(stage3):
   from zerojax.core.zeropp import GATHER_SCOPE, REDUCE_SCOPE
   r = _compile(stage=3, quantize_weights="int8", quantize_gradients="int8")
   assert r.fits and r.formulation == "per use"
+  assert r.activations == {}  # its scales and padded chunks run under zerojax's scopes
   text = r.compiled.as_text()
   fwd = memory.collective_bytes_by_dtype(text, GATHER_SCOPE)
   red = memory.collective_bytes_by_dtype(text, REDUCE_SCOPE)

@@ -42,6 +42,7 @@ from zerojax.core.budget import (PAPER_K, DeviceMemoryError, Estimate, bytes_lim
 from zerojax.core.config import ZeroConfig
 from zerojax.core.grad import value_and_grad
 from zerojax.core.mesh import make_mesh
+from zerojax.core import zeropp
 from zerojax.core.step import zero_step
 from zerojax.runtime import gpu
 from zerojax.runtime.checkpoint import abstract_train_state
@@ -667,8 +668,10 @@ def activation_collectives(hlo_text: str, plan: Any) -> dict[tuple[str, str, str
   a flat buffer no larger than all parameters together (XLA's combiner concatenates gradients
   into one 1-D buffer); or, for a collective-permute XLA made itself (no JAX operation's
   name), when it is a block of a parameter shard's leading rows (`_row_block`). A collective
-  of one element (a loss, a norm) is neither. What is left moves the model's activations: the
-  partitioner chose to reshard them instead of gathering a weight."""
+  of one element (a loss, a norm) is neither, nor is a collective under zerojax's own ZeRO++
+  scopes (`_zerojax_own`: quantised weights, their scales, gradient chunks). What is left moves
+  the model's activations: the partitioner chose to reshard them instead of gathering a
+  weight."""
   # (shapes, element counts) a parameter's collective has; shards only for permutes.
   known = {k: (p, {math.prod(x) for x in p})
            for k, p in ((False, _param_shapes(plan)), (True, _param_shapes(plan, shards=True)))}
@@ -704,10 +707,25 @@ def activation_collectives(hlo_text: str, plan: Any) -> dict[tuple[str, str, str
         op = _OP_NAME.search(line)
         if kind == "collective-permute" and op is None and _row_block(shape, shapes):
           continue
+        if op is not None and _zerojax_own(op.group(1)):
+          continue
         b = n * group * _DTYPE_BYTES[dt] * (2 if kind == "all-reduce" else 1)
-        tag = (kind, f"{dt}[{dims}]", op.group(1).rsplit("/", 1)[-1] if op else "")
+        tag = (kind, f"{dt}[{dims}]", op.group(1).rsplit("/", 1)[-1].rstrip(")") if op else "")
         out[tag] = out.get(tag, 0) + k * b
   return out
+
+
+_OWN_SCOPE = re.compile(r"(?:^|[/(:])(?:%s)/" % "|".join(
+    (zeropp.GATHER_SCOPE, zeropp.REGATHER_SCOPE, zeropp.REDUCE_SCOPE)))
+
+
+def _zerojax_own(op_name: str) -> bool:
+  """Whether every JAX operation in ``op_name`` (XLA joins a combined collective's as
+  ``prefix/(a:b)``) ran under a ZeRO++ scope: zerojax's own collectives of parameters and
+  gradients, whose scales and padded chunks have no parameter's element count."""
+  parts = op_name[op_name.rindex("/(") + 2:-1].split(":") if op_name.endswith(")") and \
+      "/(" in op_name else [op_name]
+  return all(_OWN_SCOPE.search(p) for p in parts)
 
 
 def textbook_bytes(plan: Any) -> int:
