@@ -278,13 +278,13 @@ def pytree_compiled(size: Size, stage: int, devices) -> Any:
   return step.lower(state, batch).compile(), plan
 
 
-def pytree_step(size: Size, stage: int, devices) -> tuple[Any, Any, Any, Any]:
-  """``(step, state, batch, plan)``: pattern g's zerojax step over ``devices`` and the abstract
-  state and batch to lower it with."""
+def pytree_step(size: Size, stage: int, devices, **config_kw) -> tuple[Any, Any, Any, Any]:
+  """``(step, state, batch, plan)``: pattern g's zerojax step over ``devices`` at
+  ``ZeroConfig(stage=stage, **config_kw)`` and the abstract state and batch to lower it with."""
   import jax
   import zerojax
   from zerojax.core.plan import ShardingPlan
-  config = zerojax.ZeroConfig(stage=stage)
+  config = zerojax.ZeroConfig(stage=stage, **config_kw)
   mesh = zerojax.make_mesh(config, devices=list(devices))
   tx = make_tx()
   init = jax.eval_shape(lambda: pytree_init(size, jax.random.key(0)))
@@ -320,19 +320,21 @@ def abstract(tree: Any, shardings: Any) -> Any:
                       shardings)
 
 
-def target_zero(pattern: str, size: Size, stage: int, devices) -> tuple[Any, Any, float]:
+def target_zero(pattern: str, size: Size, stage: int, devices, **config_kw
+                ) -> tuple[Any, Any, float]:
   """``(compiled, plan, seconds)``: zerojax's step for ``pattern`` at
-  ``ZeroConfig(stage=stage)``, compiled ahead of time for ``devices`` (a TPU or GPU
-  topology's) from abstract state. The seconds are the step's (`timed_compile`), not the plan's."""
+  ``ZeroConfig(stage=stage, **config_kw)``, compiled ahead of time for ``devices`` (a TPU or
+  GPU topology's, or CPU devices) from abstract state. The seconds are the step's
+  (`timed_compile`), not the plan's."""
   import jax
   import zerojax
   from zerojax.core.create import abstract_nnx
   from zerojax.runtime.checkpoint import abstract_train_state
   if pattern == "g":
-    step, state, batch, plan = pytree_step(size, stage, devices)
+    step, state, batch, plan = pytree_step(size, stage, devices, **config_kw)
     compiled, secs = timed_compile(lambda: step.lower(state, batch).compile())
     return compiled, plan, secs
-  config = zerojax.ZeroConfig(stage=stage)
+  config = zerojax.ZeroConfig(stage=stage, **config_kw)
   mesh = zerojax.make_mesh(config, devices=list(devices))
   data = batches(size, pattern, 1)[0]
   tx = make_tx()
