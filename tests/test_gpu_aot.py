@@ -222,6 +222,57 @@ def test_collective_bytes_read_synchronous_forms():
   assert got["reduce-scatter"] == 16 * MiB  # its shard x the group of 8
 
 
+# XLA:TPU's printed form: a gradient reduce-scatter as an all-reduce and a slice in its own
+# fusion, every one with channel_id=1 and no metadata name; an asynchronous all-gather copied
+# into its start and done fusions under one channel id.
+TPU_HLO = """\
+%all-reduce-scatter.1 (input_0: bf16[1024,512]) -> bf16[128,512] {
+  %input_0 = bf16[1024,512]{1,0} parameter(0)
+  %all-reduce.1 = bf16[1024,512]{1,0} all-reduce(%input_0), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%add
+  %pid = u32[] partition-id()
+  ROOT %ds = bf16[128,512]{1,0} dynamic-slice(%all-reduce.1, %pid, %pid), dynamic_slice_sizes={128,512}
+}
+
+%all-reduce-scatter.2 (input_0.1: bf16[1024,512]) -> bf16[128,512] {
+  %input_0.1 = bf16[1024,512]{1,0} parameter(0)
+  %all-reduce.2 = bf16[1024,512]{1,0} all-reduce(%input_0.1), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%add
+  %pid.1 = u32[] partition-id()
+  ROOT %ds.1 = bf16[128,512]{1,0} dynamic-slice(%all-reduce.2, %pid.1, %pid.1), dynamic_slice_sizes={128,512}
+}
+
+%fused_computation.1 (param_0: bf16[128,512]) -> (bf16[128,512], bf16[1024,512]) {
+  %param_0 = bf16[128,512]{1,0} parameter(0)
+  %all-gather.1 = bf16[1024,512]{1,0} all-gather(%param_0), channel_id=7, replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}
+  ROOT %custom-call.1 = (bf16[128,512]{1,0}, bf16[1024,512]{1,0}) custom-call(%all-gather.1), custom_call_target="AsyncCollectiveStart"
+}
+
+%fused_computation.2 (param_0.1: (bf16[128,512], bf16[1024,512])) -> bf16[1024,512] {
+  %param_0.1 = (bf16[128,512]{1,0}, bf16[1024,512]{1,0}) parameter(0)
+  %gte = bf16[128,512]{1,0} get-tuple-element(%param_0.1), index=0
+  %all-gather.2 = bf16[1024,512]{1,0} all-gather(%gte), channel_id=7, replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}
+  ROOT %custom-call.2 = bf16[1024,512]{1,0} custom-call(%param_0.1, %all-gather.2), custom_call_target="AsyncCollectiveDone"
+}
+
+ENTRY %main (g0: bf16[1024,512], g1: bf16[1024,512], w: bf16[128,512]) -> f32[] {
+  %g0 = bf16[1024,512]{1,0} parameter(0)
+  %g1 = bf16[1024,512]{1,0} parameter(1)
+  %w = bf16[128,512]{1,0} parameter(2)
+  %rs0 = bf16[128,512]{1,0} fusion(%g0), kind=kCustom, calls=%all-reduce-scatter.1
+  %rs1 = bf16[128,512]{1,0} fusion(%g1), kind=kCustom, calls=%all-reduce-scatter.2
+  %async-collective-start = (bf16[128,512]{1,0}, bf16[1024,512]{1,0}) fusion(%w), kind=kCustom, calls=%fused_computation.1
+  %async-collective-done = bf16[1024,512]{1,0} fusion(%async-collective-start), kind=kCustom, calls=%fused_computation.2
+  ROOT %r = f32[] constant(0)
+}
+"""
+
+
+def test_collective_bytes_read_tpu_fusions():
+  # Each reduce-scatter fusion is its own collective (both were once counted as one: every
+  # gradient but the largest of a TPU step went uncounted); the gather's copies are one.
+  got = memory.collective_bytes(TPU_HLO)
+  assert got["reduce-scatter"] == 2 * MiB and got["all-reduce"] == 0
+  assert got["all-gather"] == MiB
+
 def test_schedule_reads_gpu_pairs_is_sync_and_matmuls():
   ag = memory.collective_schedule(GPU_HLO, "all-gather")
   assert ag.total == 16 * MiB + 128 * 1024

@@ -143,6 +143,7 @@ def collective_bytes_by_dtype(hlo_text: str, scope: str | None = None
   # that runs those fusions: count it once there. A copy in another computation (a loop's
   # first iteration peeled out of it by a pipeliner) runs on its own.
   owner = _fusion_owners(comps)
+  chained = _async_chains(comps)
   channels: dict[tuple[str, str, int, str, str], tuple[str, str, int]] = {}
   for name, lines in comps.items():
     k = mult.get(name, 0)
@@ -171,9 +172,12 @@ def collective_bytes_by_dtype(hlo_text: str, scope: str | None = None
           out[(kind, dt)] = out.get((kind, dt), 0) + b
         else:
           # Collectives written out in shard_map may all carry channel_id=1, so within one
-          # computation every op counts; a copy of one op in another (fused) computation
-          # has the same channel, metadata name and element type.
-          key = (owner.get(name, name), ch.group(1), i, op.group(1) if op else "", dt)
+          # computation every op counts; a copy of one op in another fused computation of
+          # its async chain has the same channel, metadata name and element type. Outside a
+          # chain every computation's ops are their own: XLA:TPU's reduce-scatter fusions
+          # (an all-reduce and a slice) all carry channel_id=1 and no metadata name.
+          where = owner.get(name, name) if name in chained else name
+          key = (where, ch.group(1), i, op.group(1) if op else "", dt)
           prev = here.get(key, (kind, dt, 0))
           here[key] = (kind, dt, prev[2] + b)
     for key, v in here.items():
@@ -182,6 +186,15 @@ def collective_bytes_by_dtype(hlo_text: str, scope: str | None = None
   for kind, dt, b in channels.values():
     out[(kind, dt)] = out.get((kind, dt), 0) + b
   return out
+
+
+def _async_chains(comps: dict[str, list[str]]) -> set[str]:
+  """The fused computations of XLA:TPU's asynchronous collectives: the start and done
+  (``AsyncCollectiveStart`` / ``AsyncCollectiveDone`` custom calls) and the continuations
+  (``async_collective_fusion``), each holding a copy of the same collective."""
+  return {name for name, lines in comps.items()
+          if name.startswith("async_collective_fusion")
+          or any("AsyncCollectiveStart" in l or "AsyncCollectiveDone" in l for l in lines)}
 
 
 def _fusion_owners(comps: dict[str, list[str]]) -> dict[str, str]:
@@ -677,6 +690,7 @@ def activation_collectives(hlo_text: str, plan: Any) -> dict[tuple[str, str, str
            for k, p in ((False, _param_shapes(plan)), (True, _param_shapes(plan, shards=True)))}
   total = sum(math.prod(lp.shape) for lp in plan.leaves)
   comps, mult = _parse_hlo(hlo_text)
+  chained = _async_chains(comps)
   out: dict[tuple[str, str], int] = {}
   seen: set[tuple[str, str]] = set()
   for name, lines in comps.items():
@@ -689,7 +703,7 @@ def activation_collectives(hlo_text: str, plan: Any) -> dict[tuple[str, str, str
         continue
       kind, start = m.group(2), bool(m.group(3))
       ch = _CHANNEL.search(line)
-      if ch is not None:  # XLA:TPU copies one collective into several fused computations
+      if ch is not None and name in chained:  # copies of one collective (`_async_chains`)
         key = (ch.group(1), line.split("=", 1)[1][:80])
         if key in seen:
           continue
