@@ -272,6 +272,12 @@ def test_collective_bytes_read_tpu_fusions():
   got = memory.collective_bytes(TPU_HLO)
   assert got["reduce-scatter"] == 2 * MiB and got["all-reduce"] == 0
   assert got["all-gather"] == MiB
+  # The schedule reads the reduce-scatter fusions as blocking reduce-scatters, the gather's
+  # start and done fusions as one asynchronous gather with nothing beside it.
+  rs = memory.collective_schedule(TPU_HLO, "reduce-scatter")
+  assert rs.total == rs.synchronous == 2 * MiB
+  ag = memory.collective_schedule(TPU_HLO, "all-gather")
+  assert ag.total == ag.asynchronous == MiB and ag.overlapped == 0
 
 def test_schedule_reads_gpu_pairs_is_sync_and_matmuls():
   ag = memory.collective_schedule(GPU_HLO, "all-gather")

@@ -453,14 +453,18 @@ def _op_bytes(line: str) -> int:
 
 
 def _collectives(comps: dict[str, list[str]], callee: str) -> list[tuple[str, str | None, int]]:
-  """``(kind, channel id, bytes)`` of each collective inside a fused computation."""
+  """``(kind, channel id, bytes)`` of each collective inside a fused computation. XLA:TPU's
+  ``all-reduce-scatter`` fusions (an all-reduce and a slice) are reduce-scatters."""
   out = []
   for l in comps.get(callee, []):
     m = _OP.search(l)
     if m:
       ch = _CHANNEL.search(l)
-      b = sum(_paper_bytes(m.group(2), bool(m.group(3)), m.group(1), l).values())
-      out.append((m.group(2), ch.group(1) if ch else None, b))
+      kind = m.group(2)
+      b = sum(_paper_bytes(kind, bool(m.group(3)), m.group(1), l).values())
+      if kind == "all-reduce" and callee.startswith("all-reduce-scatter"):
+        kind, b = "reduce-scatter", b // 2
+      out.append((kind, ch.group(1) if ch else None, b))
   return out
 
 
