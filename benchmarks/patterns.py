@@ -119,11 +119,20 @@ def target_baseline(pattern: str, size: Size, devices, style: str = "hand"
   return timed_compile(lambda: f.lower(*args).compile())
 
 
+def target_devices(target: str | None) -> list:
+  """The devices of a GPU pod (``h100:8``) or TPU slice (``v5e:2x4``), or JAX's own (CPU)."""
+  import jax
+  from zerojax.runtime import gpu, memory
+  if target is None:
+    return jax.devices()
+  return list((gpu.gpu_topology(target) if gpu.is_gpu_topology(target)
+               else memory.tpu_topology(target)).devices)
+
+
 def target_table(target: str, size: Size, pats, stages=(3,)) -> str:
   """The conformance table compiled for an accelerator (``--target``)."""
-  from zerojax.runtime import gpu, memory
-  devices = list((gpu.gpu_topology(target) if gpu.is_gpu_topology(target)
-                  else memory.tpu_topology(target)).devices)
+  from zerojax.runtime import memory
+  devices = target_devices(target)
   mib = lambda b: f"{b / 2**20:.1f}"
   head = ("| pattern | step | temp MiB | peak MiB | collectives MiB | × textbook | "
           "all-gather / reduce-scatter with a matmul | activation collectives MiB | compile s |")
@@ -157,13 +166,8 @@ ZEROPP_PATTERNS = ("a", "b", "c", "d1", "d2")  # ZeRO++ needs state.apply_fn (li
 
 def zeropp_table(target: str | None, size: Size, pats) -> str:
   """ZeRO++ int8 weights and gradients against the stage-3 default, same compute dtype."""
-  import jax
-  from zerojax.runtime import gpu, memory
-  if target is None:
-    devices = jax.devices()
-  else:
-    devices = list((gpu.gpu_topology(target) if gpu.is_gpu_topology(target)
-                    else memory.tpu_topology(target)).devices)
+  from zerojax.runtime import memory
+  devices = target_devices(target)
   mib = lambda b: f"{b / 2**20:.1f}"
   int8 = dict(quantize_weights="int8", quantize_gradients="int8")
   head = ("| pattern | compute dtype | step | collectives MiB | × default | × textbook | "
@@ -193,8 +197,9 @@ def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--size", choices=("full", "small"), default="full")
-  p.add_argument("--patterns", default=",".join(PATTERNS),
-                 help=f"comma-separated subset of {','.join(PATTERNS)}")
+  p.add_argument("--patterns", default=None,
+                 help=f"comma-separated subset of {','.join(PATTERNS)} (all; with --zeropp, "
+                 f"of {','.join(ZEROPP_PATTERNS)})")
   p.add_argument("--steps", type=int, default=6, help="timed steps per variant (alternating)")
   p.add_argument("--target", default=None,
                  help="compile ahead of time for this accelerator instead of running on CPU: "
@@ -204,8 +209,8 @@ def main(argv=None) -> int:
                  help="ZeRO++ int8 against the stage-3 default (patterns a, b, c, d1, d2)")
   args = p.parse_args(argv)
   allowed = ZEROPP_PATTERNS if args.zeropp else PATTERNS
-  pats = ([x.strip() for x in args.patterns.split(",") if x.strip()] if
-          args.patterns != ",".join(PATTERNS) or not args.zeropp else list(ZEROPP_PATTERNS))
+  pats = ([x.strip() for x in args.patterns.split(",") if x.strip()] if args.patterns
+          else list(allowed))
   bad = [x for x in pats if x not in allowed]
   if bad:
     p.error(f"--patterns: unknown {bad}; allowed are {', '.join(allowed)}"
