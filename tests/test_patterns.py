@@ -133,18 +133,6 @@ def test_stage3_temp_does_not_grow_with_depth_at_default_threshold(gather, thres
   assert t8 - t4 < 0.5 * layer, (t4, t8)
 
 
-
-@pytest.mark.parametrize("kw", [dict(gather="explicit"),
-                                dict(quantize_weights="int8", quantize_gradients="int8")],
-                         ids=["explicit", "zeropp"])
-def test_per_use_settings_rematerialise_unremated_scans_as_the_model_would(kw):
-  """remat='auto' re-runs a scanned layer the model did not rematerialise (b) whole, as its own
-  nn.remat would (a), whatever the formulation: per-use settings once saved everything but the
-  gathered weights, every layer's activations (b's temp was 1.45-1.57x a's at this size)."""
-  devices = jax.devices()
-  temp = {p: measure(pt.target_zero(p, pt.SMALL, 3, devices, **kw)[0]).temp for p in "ab"}
-  assert temp["b"] <= temp["a"], temp
-
 # -- a plain pytree reading one layer of a stacked weight at a time ------------------------------
 
 
