@@ -118,10 +118,9 @@ def scan_remat(config: Any, per_use: bool) -> ScanRemat:
 
   * ``'auto'`` (default): a scanned layer the user did not rematerialise would keep what the
     compiler gathered for it (every layer's gathered weights, stacked, until the backward
-    pass), so zerojax rematerialises it (``nothing_saveable``) whatever the formulation: saving
-    everything but the gathered weights, as per-use settings (ZeRO++, ``gather='explicit'``)
-    once did, keeps every layer's activations. Layers the user wrapped in
-    ``nn.remat``/``jax.checkpoint`` are left as written.
+    pass), so zerojax rematerialises it
+    (``nothing_saveable``; with per-use gathering, everything but the gathered weights).
+    Layers the user wrapped in ``nn.remat``/``jax.checkpoint`` are left as written.
   * ``'none'``: scanned layers as written (per-use gathering still never saves gathered
     weights: that is the point of stage 3).
   * ``'full'``, ``'dots'``, ``'offload'``: that policy on every scanned layer.
@@ -145,10 +144,10 @@ def scan_remat(config: Any, per_use: bool) -> ScanRemat:
     return ScanRemat(cp.save_and_offload_only_these_names(
         names_which_can_be_saved=[], names_which_can_be_offloaded=list(config.remat_offload_names),
         offload_src="device", offload_dst="pinned_host"), False, live)
-  if config.remat == "auto":
-    return ScanRemat(cp.nothing_saveable, True, live)
   if per_use:
     return ScanRemat(save_all_but_gathered, True, live)
+  if config.remat == "auto":
+    return ScanRemat(cp.nothing_saveable, True, live)
   return ScanRemat(None, True, live)
 
 
