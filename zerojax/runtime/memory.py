@@ -453,18 +453,23 @@ def _op_bytes(line: str) -> int:
 
 
 def _collectives(comps: dict[str, list[str]], callee: str) -> list[tuple[str, str | None, int]]:
-  """``(kind, channel id, bytes)`` of each collective inside a fused computation. XLA:TPU's
-  ``all-reduce-scatter`` fusions (an all-reduce and a slice) are reduce-scatters."""
+  """``(kind, channel id, bytes)`` of each collective inside a fused computation. An
+  all-reduce whose result is only sliced (XLA:TPU's ``all-reduce-scatter`` fusions) is a
+  reduce-scatter, as `collective_bytes` counts it."""
   out = []
-  for l in comps.get(callee, []):
+  body = comps.get(callee, [])
+  for l in body:
     m = _OP.search(l)
-    if m:
-      ch = _CHANNEL.search(l)
-      kind = m.group(2)
-      b = sum(_paper_bytes(kind, bool(m.group(3)), m.group(1), l).values())
-      if kind == "all-reduce" and callee.startswith("all-reduce-scatter"):
-        kind, b = "reduce-scatter", b // 2
-      out.append((kind, ch.group(1) if ch else None, b))
+    if not m:
+      continue
+    ch = _CHANNEL.search(l)
+    channel = ch.group(1) if ch else None
+    if m.group(2) == "all-reduce" and not m.group(3):
+      for n, sliced, _ in _all_reduce_parts(l, m.group(1), body, comps):
+        out.append(("reduce-scatter", channel, n) if sliced else ("all-reduce", channel, 2 * n))
+    else:
+      out.append((m.group(2), channel,
+                  sum(_paper_bytes(m.group(2), bool(m.group(3)), m.group(1), l).values())))
   return out
 
 
