@@ -654,6 +654,9 @@ def test_gpu_zeropp_int8_moves_at_most_055_of_the_default(stage3):
   assert q.formulation == "per use" and q.activations == {} == stage3.activations
   ratio = q.measured.collective_total / stage3.measured.collective_total
   assert ratio <= 0.55, ratio
+  # This GPT's scanned blocks have no remat: re-run whole, as the default's are, not saving
+  # every activation but the gathered weights (2.2 x the default's temp before).
+  assert q.measured.temp <= 1.05 * stage3.measured.temp, (q.measured.temp, stage3.measured.temp)
 
 @needs_gpu_compiler
 def test_gpu_nnx_step_records_its_formulation_and_warns_when_not_boxed():

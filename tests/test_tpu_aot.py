@@ -93,10 +93,10 @@ def test_tpu_collectives_and_schedule(stage0, stage3):
   # gradient; XLA's partitioner, as hand-written FSDP does, may choose otherwise.
   explicit = _compile(stage=3, gather="explicit")
   c3 = explicit.measured.collectives
-  # Every parameter gathered in both passes in bf16 (p/2 each), except that with ICI
-  # all-gather pipelining XLA:TPU may keep the last layer's gathered kernel from the forward
-  # pass for the backward pass instead of gathering it again.
-  assert c3["all-gather"] >= 0.85 * p
+  # Every parameter gathered in both passes in bf16 (p/2 each). XLA:TPU unrolls this
+  # two-layer scan; without a CSE barrier in the rematerialised body it merged backward
+  # re-gathers into forward gathers and kept the weights (0.75 x p).
+  assert c3["all-gather"] >= 0.95 * p
   assert c3["reduce-scatter"] >= 0.95 * p
   # On an accelerator stage 3 gathers per use by default, decided before compiling: weights
   # move, activations do not, at the textbook volume.

@@ -107,6 +107,9 @@ class ScanRemat:
   only_unremated: bool = True
   live_layers: int = 1
   marked_backward: bool = False  # `recompute_in_backward` instead of jax.checkpoint
+  # A CSE barrier although the body is a scan's: XLA:TPU unrolls short loops and would then
+  # merge the backward pass's re-gathers into the forward pass's, keeping gathered weights.
+  prevent_cse: bool = True
 
 
 def scan_remat(config: Any, per_use: bool) -> ScanRemat:
@@ -118,8 +121,8 @@ def scan_remat(config: Any, per_use: bool) -> ScanRemat:
 
   * ``'auto'`` (default): a scanned layer the user did not rematerialise would keep what the
     compiler gathered for it (every layer's gathered weights, stacked, until the backward
-    pass), so zerojax rematerialises it
-    (``nothing_saveable``; with per-use gathering, everything but the gathered weights).
+    pass), so zerojax rematerialises it whole (``nothing_saveable``) whatever the
+    formulation: saving everything but the gathered weights keeps every layer's activations.
     Layers the user wrapped in ``nn.remat``/``jax.checkpoint`` are left as written.
   * ``'none'``: scanned layers as written (per-use gathering still never saves gathered
     weights: that is the point of stage 3).
@@ -144,10 +147,12 @@ def scan_remat(config: Any, per_use: bool) -> ScanRemat:
     return ScanRemat(cp.save_and_offload_only_these_names(
         names_which_can_be_saved=[], names_which_can_be_offloaded=list(config.remat_offload_names),
         offload_src="device", offload_dst="pinned_host"), False, live)
+  if config.remat == "auto":
+    # With weights on the host, XLA:TPU (libtpu 0.0.42.1) fails to compile this barrier
+    # ("Fusion must have backend config" in its host emitter).
+    return ScanRemat(cp.nothing_saveable, True, live, prevent_cse=not config.offload_params)
   if per_use:
     return ScanRemat(save_all_but_gathered, True, live)
-  if config.remat == "auto":
-    return ScanRemat(cp.nothing_saveable, True, live)
   return ScanRemat(None, True, live)
 
 
@@ -202,7 +207,7 @@ def _dispatch_scan(f, init, xs=None, length=None, **kwargs):
   if rs.marked_backward:
     f = recompute_in_backward(f)
   elif rs.policy is not None and not (rs.only_unremated and _body_rematerialises(f, init, xs)):
-    f = jax.checkpoint(f, policy=rs.policy, prevent_cse=False)
+    f = jax.checkpoint(f, policy=rs.policy, prevent_cse=rs.prevent_cse)
   return ORIGINAL_SCAN(f, init, xs, length, **kwargs)
 
 
