@@ -221,11 +221,12 @@ def _loop_losses(stage, remat, steps=3):
 @pytest.mark.parametrize("remat", [False, True])
 @pytest.mark.parametrize("prefetch", [False, True])
 def test_unscanned_layers_train_exactly(monkeypatch, remat, prefetch):
-  # With `prefetching` (XLA:GPU's default, forced here on XLA:CPU), a layer's forward gathers
-  # wait for the previous matmul layer's input and its backward re-gathers for the next one's
-  # output cotangent; in the model's own `nn.remat` blocks, layers are no custom VJPs and the
-  # block's re-run gathers for its backward pass (`inside_checkpoints`). Only the order and
-  # the number of gathers change: three steps' losses match stage 0's.
+  # With `prefetching` (the default on XLA:GPU and XLA:TPU, forced here on XLA:CPU), a
+  # layer's forward gathers wait for the previous matmul layer's input and its backward
+  # re-gathers for the next one's output cotangent; in the model's own `nn.remat` blocks,
+  # layers are no custom VJPs and the block's re-run gathers for its backward pass
+  # (`inside_checkpoints`). Only the order and the number of gathers change: three steps'
+  # losses match stage 0's.
   from zerojax.core.plan import ShardingPlan
   want, _ = _loop_losses(0, remat)
   monkeypatch.setattr(ShardingPlan, "prefetches_next_layer", property(lambda self: prefetch))

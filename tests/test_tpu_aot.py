@@ -303,3 +303,26 @@ def test_tpu_stage3_keeps_small_leaves_whole_by_default():
   assert reasons(tpu) and set(reasons(tpu).values()) == {"threshold"}
   assert "threshold" not in set(reasons(tpu, param_persistence_threshold=0).values())
   assert "threshold" not in set(reasons(jax.devices("cpu")[:8]).values())
+
+
+@needs_libtpu
+def test_tpu_unscanned_layers_gather_one_ahead(monkeypatch):
+  # As on XLA:GPU (test_gpu_aot): pattern d1's layers (no scan, a tied head) gather one matmul
+  # layer ahead, forward and backward, so more gathers run beside a matmul, at no more temp.
+  # (Before zerojax's whole-model checkpoint stopped being a CSE barrier, XLA:TPU hoisted the
+  # gathers further and the temp grew: d1 15.7 -> 29.5 MiB.)
+  from tests.model_patterns import FULL, target_zero
+  from zerojax.core.plan import ShardingPlan
+  devices = memory.tpu_topology(TOPOLOGY).devices
+
+  def compile_():
+    compiled, plan, _ = target_zero("d1", FULL, 3, devices)
+    share = memory.collective_schedule(compiled.as_text(), "all-gather").matmul_share
+    return share, memory.measure(compiled).temp, plan.prefetches_next_layer
+
+  ahead, temp, on = compile_()
+  monkeypatch.setattr(ShardingPlan, "prefetches_next_layer", property(lambda self: False))
+  own, own_temp, off = compile_()
+  assert (on, off) == (True, False)
+  assert ahead >= own + 0.1, (ahead, own)  # 62% against 43%
+  assert temp <= own_temp, (temp, own_temp)  # 15.2 against 16.0 MiB

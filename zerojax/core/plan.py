@@ -275,9 +275,9 @@ class ShardingPlan:
     matmul layer's input rather than its own, and its backward re-gathers for the next one's
     output cotangent, so they can run beside that layer's matmuls
     (`zerojax.core.regather.prefetching`; a pure function's row matmuls, forward only:
-    `zerojax.core.rows`): on XLA:GPU, at no temp there. XLA:TPU hoists the gathers so freed
-    further ahead that its temp grows instead."""
-    return self.platform == "gpu"
+    `zerojax.core.rows`): on XLA:GPU and XLA:TPU, at no more temp there. XLA:CPU runs nothing
+    beside a collective, so there it would only hold a second layer's weights."""
+    return self.platform != "cpu"
 
   @property
   def model_checkpoint_prevents_cse(self) -> bool:
