@@ -326,3 +326,16 @@ def test_tpu_unscanned_layers_gather_one_ahead(monkeypatch):
   assert (on, off) == (True, False)
   assert ahead >= own + 0.1, (ahead, own)  # 62% against 43%
   assert temp <= own_temp, (temp, own_temp)  # 15.2 against 16.0 MiB
+
+
+@needs_libtpu
+@pytest.mark.parametrize("remat", ["auto", "full"])
+def test_tpu_compiles_host_weights_in_scanned_layers(remat):
+  # zerojax's scanned-layer checkpoint is a CSE barrier, except with offload_params: with the
+  # weights on the host libtpu 0.0.42.1 failed to compile it ("Fusion must have backend
+  # config": test_cli_compile_deepspeed_config) and, with max_live_layers=2, aborted the
+  # process in host-offload normalization (both policies here).
+  r = _compile(stage=3, offload_params=True, offload_optimizer=True, remat=remat,
+               max_live_layers=2, compute_dtype="bfloat16")
+  assert r.compiled is not None and r.fits, r.error
+  assert r.host_argument > 0

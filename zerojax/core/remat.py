@@ -139,21 +139,23 @@ def scan_remat(config: Any, per_use: bool) -> ScanRemat:
     # The backward pass re-gathers in full precision: each layer is re-run whole in its
     # backward pass, marked as such (a rematerialised forward would repeat the quantised one).
     return ScanRemat(None, False, live, marked_backward=True)
+
+  def wrap(policy: Any, only_unremated: bool) -> ScanRemat:
+    # No CSE barrier with weights on the host: libtpu 0.0.42.1 fails to compile it ("Fusion
+    # must have backend config"), or with max_live_layers=2 aborts in host-offload normalization.
+    return ScanRemat(policy, only_unremated, live, prevent_cse=not config.offload_params)
+
   if config.remat == "full":
-    return ScanRemat(cp.nothing_saveable, False, live)
+    return wrap(cp.nothing_saveable, False)
   if config.remat == "dots":
-    return ScanRemat(cp.dots_with_no_batch_dims_saveable, False, live)
+    return wrap(cp.dots_with_no_batch_dims_saveable, False)
   if config.remat == "offload":
-    return ScanRemat(cp.save_and_offload_only_these_names(
+    return wrap(cp.save_and_offload_only_these_names(
         names_which_can_be_saved=[], names_which_can_be_offloaded=list(config.remat_offload_names),
-        offload_src="device", offload_dst="pinned_host"), False, live)
+        offload_src="device", offload_dst="pinned_host"), False)
   if config.remat == "auto":
-    # With weights on the host, XLA:TPU (libtpu 0.0.42.1) fails to compile this barrier
-    # ("Fusion must have backend config" in its host emitter).
-    return ScanRemat(cp.nothing_saveable, True, live, prevent_cse=not config.offload_params)
-  if per_use:
-    return ScanRemat(save_all_but_gathered, True, live)
-  return ScanRemat(None, True, live)
+    return wrap(cp.nothing_saveable, True)
+  return wrap(save_all_but_gathered if per_use else None, True)
 
 
 def checkpoint_model(f: Callable, plan: Any, policy: Any, layers: bool) -> Callable:
