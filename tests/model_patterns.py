@@ -381,6 +381,26 @@ def check_weights_move(pattern: str, devices) -> None:
   assert scalar_all_reduces(compiled.as_text()) <= 1
 
 
+def one_ahead_and_not(pattern: str, size: Size, devices, monkeypatch
+                      ) -> tuple[tuple[float, int], tuple[float, int]]:
+  """``((share, temp) with layers gathered one matmul layer ahead, the same without)``:
+  ``pattern``'s default stage-3 step compiled for ``devices`` twice, the second time with
+  `ShardingPlan.prefetches_next_layer` off (``monkeypatch`` keeps it off for the rest of the
+  test). ``share``: all-gather bytes with a matmul between start and done."""
+  from zerojax.core.plan import ShardingPlan
+  from zerojax.runtime import memory
+
+  def compile_(expect: bool) -> tuple[float, int]:
+    compiled, plan, _ = target_zero(pattern, size, 3, devices)
+    assert plan.prefetches_next_layer == expect
+    share = memory.collective_schedule(compiled.as_text(), "all-gather").matmul_share
+    return share, memory.measure(compiled).temp
+
+  ahead = compile_(True)
+  monkeypatch.setattr(ShardingPlan, "prefetches_next_layer", property(lambda self: False))
+  return ahead, compile_(False)
+
+
 def scalar_all_reduces(hlo_text: str) -> int:
   """How many all-reduce ops of at most two float32 scalars a compiled program has. A step at
   stage 3 needs one (the loss's mean); an ordering token summed over a sharded activation

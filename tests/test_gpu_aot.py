@@ -395,23 +395,13 @@ def test_gpu_unscanned_layers_gather_one_ahead_and_nnx_lists_as_linen_loops(monk
   # wait for their own input or cotangent, at about the same temp. Pattern e (an nnx.List of
   # blocks) is c written in NNX: its layers gather and re-gather one at a time as c's do, so
   # it needs c's temp (unordered, XLA:GPU kept several layers' gathered weights).
-  from tests.model_patterns import Size, target_zero
-  from zerojax.core.plan import ShardingPlan
+  from tests.model_patterns import Size, one_ahead_and_not, target_zero
   devices = gpu.gpu_topology(TOPOLOGY).devices
   # Six layers of d_model 512 over 1024 rows: at the smallest sizes XLA:GPU's scheduler
   # runs small gathers synchronously whichever way they are ordered.
   size = Size(layers=6, d_model=512, d_ff=2048, rows=1024, vocab=512, seq=8)
-
-  def compile_(pattern):
-    compiled, plan, _ = target_zero(pattern, size, 3, devices)
-    share = memory.collective_schedule(compiled.as_text(), "all-gather").matmul_share
-    return share, memory.measure(compiled).temp, plan.prefetches_next_layer
-
-  ahead, temp, on = compile_("c")
-  _, nnx_temp, _ = compile_("e")
-  monkeypatch.setattr(ShardingPlan, "prefetches_next_layer", property(lambda self: False))
-  own, own_temp, off = compile_("c")
-  assert (on, off) == (True, False)
+  nnx_temp = memory.measure(target_zero("e", size, 3, devices)[0]).temp
+  (ahead, temp), (own, own_temp) = one_ahead_and_not("c", size, devices, monkeypatch)
   assert ahead >= own + 0.3, (ahead, own)  # 62% against 8% at this size
   # Under half a layer's weights more (2 x 512 x 2048 fp32 = 8 MiB; 1.0 MiB more here).
   assert temp <= own_temp + 4 * 2**20, (temp, own_temp)
@@ -423,18 +413,9 @@ def test_gpu_row_matmuls_gather_one_ahead(monkeypatch):
   # Pattern g (a pure function reading rows of stacked weights in a Python loop): on XLA:GPU
   # each row matmul's gather waits for the previous row matmul's operand, not its own, so it
   # can run beside that matmul, at the same temp.
-  from tests.model_patterns import FULL, target_zero
-  from zerojax.core.plan import ShardingPlan
-  devices = gpu.gpu_topology(TOPOLOGY).devices
-
-  def compile_():
-    compiled, _, _ = target_zero("g", FULL, 3, devices)
-    share = memory.collective_schedule(compiled.as_text(), "all-gather").matmul_share
-    return share, memory.measure(compiled).temp
-
-  ahead, temp = compile_()
-  monkeypatch.setattr(ShardingPlan, "prefetches_next_layer", property(lambda self: False))
-  own, own_temp = compile_()
+  from tests.model_patterns import FULL, one_ahead_and_not
+  (ahead, temp), (own, own_temp) = one_ahead_and_not(
+      "g", FULL, gpu.gpu_topology(TOPOLOGY).devices, monkeypatch)
   assert ahead >= own + 0.3, (ahead, own)  # 73% against 29%
   assert temp <= own_temp, (temp, own_temp)
 

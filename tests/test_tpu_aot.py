@@ -311,19 +311,9 @@ def test_tpu_unscanned_layers_gather_one_ahead(monkeypatch):
   # layer ahead, forward and backward, so more gathers run beside a matmul, at no more temp.
   # (Before zerojax's whole-model checkpoint stopped being a CSE barrier, XLA:TPU hoisted the
   # gathers further and the temp grew: d1 15.7 -> 29.5 MiB.)
-  from tests.model_patterns import FULL, target_zero
-  from zerojax.core.plan import ShardingPlan
-  devices = memory.tpu_topology(TOPOLOGY).devices
-
-  def compile_():
-    compiled, plan, _ = target_zero("d1", FULL, 3, devices)
-    share = memory.collective_schedule(compiled.as_text(), "all-gather").matmul_share
-    return share, memory.measure(compiled).temp, plan.prefetches_next_layer
-
-  ahead, temp, on = compile_()
-  monkeypatch.setattr(ShardingPlan, "prefetches_next_layer", property(lambda self: False))
-  own, own_temp, off = compile_()
-  assert (on, off) == (True, False)
+  from tests.model_patterns import FULL, one_ahead_and_not
+  (ahead, temp), (own, own_temp) = one_ahead_and_not(
+      "d1", FULL, memory.tpu_topology(TOPOLOGY).devices, monkeypatch)
   assert ahead >= own + 0.1, (ahead, own)  # 62% against 43%
   assert temp <= own_temp, (temp, own_temp)  # 15.2 against 16.0 MiB
 
