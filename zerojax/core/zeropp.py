@@ -92,12 +92,15 @@ class ManualGather:
       return _into_sink(to_compute(w, cd), sink, self, grad_dim, box.reduce_dtype)
     return to_compute(box.value, self.compute_dtype or box.compute_dtype)
 
-  def reduce(self, ct: jax.Array, dim: int, reduce_dtype: Any) -> jax.Array:
-    """This device's shard of the sum of every device's ``ct``."""
+  def reduce(self, ct: jax.Array, dim: int, reduce_dtype: Any, sum_dtype: Any = None
+             ) -> jax.Array:
+    """This device's shard of the sum of every device's ``ct``; qgZ's float32 sum is returned
+    in ``sum_dtype`` (default: ``ct``'s)."""
     dtype = ct.dtype
     with jax.named_scope(REDUCE_SCOPE):
       if self.gradients is not None:
-        return q.reduce_scatter(ct, self.axis, dim, self.gradients, self.block_size, dtype)
+        return q.reduce_scatter(ct, self.axis, dim, self.gradients, self.block_size,
+                                sum_dtype or dtype)
       if reduce_dtype is not None:
         ct = ct.astype(reduce_dtype)
       return jax.lax.psum_scatter(ct, self.axis, scatter_dimension=dim,
@@ -119,9 +122,10 @@ def _manual_gather_fwd(w, how, dim, quantize, reduce_dtype, dtype):
 
 
 def _manual_gather_bwd(how, dim, quantize, reduce_dtype, dtype, _, ct):
-  # The gradient is reduced in the parameter's dtype (or reduce_dtype), whatever the compute
-  # dtype the weight was dequantised to.
-  return (how.reduce(ct.astype(dtype), dim, reduce_dtype).astype(dtype),)
+  # Reduced in the dtype the weight was used in (the compute dtype a quantised gather
+  # dequantised to; reduce_dtype if set), as a full-precision gather's gradient is: reducing
+  # in the parameter's float32 moved twice the bytes. qgZ sums in float32 whatever it gets.
+  return (how.reduce(ct, dim, reduce_dtype, dtype).astype(dtype),)
 
 
 _manual_gather.defvjp(_manual_gather_fwd, _manual_gather_bwd)
