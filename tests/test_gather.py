@@ -199,11 +199,11 @@ class _Loop(nn.Module):
     return nn.Dense(8)(x)
 
 
-def _loop_losses(stage, remat, steps=3):
+def _loop_losses(stage, own_remat, steps=3, **config_kw):
   x = jnp.asarray(np.random.default_rng(0).normal(size=(16, 64)), jnp.float32)
-  config = zerojax.ZeroConfig(stage=stage, param_persistence_threshold=0)
-  state, plan = zerojax.create_train_state(_Loop(remat), optax.adam(1e-2), jax.random.key(0), x,
-                                           config=config)
+  config = zerojax.ZeroConfig(stage=stage, param_persistence_threshold=0, **config_kw)
+  state, plan = zerojax.create_train_state(_Loop(own_remat), optax.adam(1e-2),
+                                           jax.random.key(0), x, config=config)
 
   @zerojax.zero_step(plan)
   def step(state, x):
@@ -211,11 +211,20 @@ def _loop_losses(stage, remat, steps=3):
         lambda p: jnp.mean(state.apply_fn({"params": p}, x) ** 2))(state.params)
     return state.apply_gradients(grads=g), {"loss": loss}
 
+  _REMATS[0] = _remats(step.jitted(state, x), state, x)
   out = []
   for _ in range(steps):
     state, m = step(state, x)
     out.append(float(m["loss"]))
   return out, plan.prefetches_next_layer
+
+
+_REMATS = [0]  # the last helper's step: checkpoints differentiated (`_remats`)
+
+
+def _remats(jitted, *args) -> int:
+  """Checkpoints differentiated in the step's jaxpr (one per checkpointed call)."""
+  return str(jitted.trace(*args).jaxpr).count("remat2[")
 
 
 @pytest.mark.parametrize("remat", [False, True])
@@ -232,6 +241,100 @@ def test_unscanned_layers_train_exactly(monkeypatch, remat, prefetch):
   monkeypatch.setattr(ShardingPlan, "prefetches_next_layer", property(lambda self: prefetch))
   got, on = _loop_losses(3, remat)
   assert on == prefetch
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+def test_repeated_blocks_are_the_shallowest_repeated_modules():
+  # Where remat='full'/'dots'/'offload' checkpoints a model without scans: each block, found
+  # as the shallowest modules one parent calls two or more of, of one class.
+  from zerojax.core.blocks import recording, repeated_blocks
+
+  class Mlp(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nn.Dense(8)(nn.Dense(16)(x))
+
+  class Layers(nn.Module):  # a Hugging Face-style collection one level down
+    @nn.compact
+    def __call__(self, x):
+      for i in range(3):
+        x = Mlp(name=str(i))(x)
+      return x
+
+  class Model(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nn.Dense(4)(Layers(name="layers")(nn.Dense(8)(x)))
+
+  for model, want in ((Model(), {("layers", "0"), ("layers", "1"), ("layers", "2")}),
+                      (_Loop(False), {("_LoopBlock_0",), ("_LoopBlock_1",), ("_LoopBlock_2",)}),
+                      (nn.Dense(4), set())):
+    x = jnp.ones((2, 64))
+    params = model.init(jax.random.key(0), x)
+    with recording() as calls:
+      model.apply(params, x)
+    assert repeated_blocks(calls) == want, (model, calls)
+
+
+@pytest.mark.parametrize("remat", ["full", "dots"])
+def test_named_remat_checkpoints_each_block_and_trains_exactly(remat):
+  # remat='full'/'dots' on a model without scans goes on each block, not around the whole
+  # model (which re-ran the whole forward pass and kept all of it: the memory of no remat,
+  # and one more gather of every weight). Stage 3 gathers per use here (forced); stage 2 by
+  # the compiler. Three steps' losses match stage 0's.
+  want, _ = _loop_losses(0, False)
+  # One checkpoint per block (three; with 'auto' none at stage 2). At stage 3 zerojax's own
+  # around the model holds them, in its forward pass and in its re-run: 1 + 2 x 3 (1 with
+  # 'auto').
+  for stage, kw, remats in ((3, {"gather": "explicit"}, 7), (2, {}, 3)):
+    got, _ = _loop_losses(stage, False, remat=remat, **kw)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    assert _REMATS[0] == remats, (stage, _REMATS[0])
+
+
+class _DropoutBlock(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return x + nn.Dropout(0.5, deterministic=False)(nn.Dense(64)(x))
+
+
+class _DropoutLoop(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    for _ in range(3):
+      x = _DropoutBlock()(x)
+    return x
+
+
+def test_named_remat_blocks_draw_from_the_model_s_rng_streams():
+  # A block with dropout is checkpointed too, with a key drawn from its 'dropout' stream (it
+  # used to run as written); its masks are the same at every stage.
+  import warnings
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(16, 64)), jnp.float32)
+
+  def losses(stage):
+    config = zerojax.ZeroConfig(stage=stage, param_persistence_threshold=0, remat="full")
+    state, plan = zerojax.create_train_state(_DropoutLoop(), optax.adam(1e-2),
+                                             jax.random.key(0), x, config=config)
+
+    @zerojax.zero_step(plan)
+    def step(state, x, key):
+      loss, g = jax.value_and_grad(lambda p: jnp.mean(state.apply_fn(
+          {"params": p}, x, rngs={"dropout": key}) ** 2))(state.params)
+      return state.apply_gradients(grads=g), {"loss": loss}
+
+    key = jax.random.key(1)
+    remats = _remats(step.jitted(state, x, key), state, x, key)
+    out = []
+    for i in range(3):
+      state, m = step(state, x, jax.random.fold_in(key, i))
+      out.append(float(m["loss"]))
+    return out, remats
+
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")  # no block left as written
+    (want, remats0), (got, remats2) = losses(0), losses(2)
+  assert remats0 == remats2 == 3
   np.testing.assert_allclose(got, want, rtol=1e-5)
 
 
@@ -277,7 +380,7 @@ def test_a_models_own_checkpoints_keep_their_policy_inside_the_whole_model_one(c
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6)
 
 
-def _nnx_loop_losses(stage, steps=3):
+def _nnx_loop_losses(stage, steps=3, own_remat=True, **config_kw):
   from flax import nnx
 
   class Block(nnx.Module):
@@ -293,10 +396,10 @@ def _nnx_loop_losses(stage, steps=3):
 
     def __call__(self, x):
       for b in self.blocks:
-        x = nnx.remat(lambda b, x: b(x))(b, x)
+        x = nnx.remat(lambda b, x: b(x))(b, x) if own_remat else b(x)
       return x
 
-  config = zerojax.ZeroConfig(stage=stage, param_persistence_threshold=0)
+  config = zerojax.ZeroConfig(stage=stage, param_persistence_threshold=0, **config_kw)
   model, opt, plan = zerojax.create_nnx(lambda: Net(nnx.Rngs(0)), optax.adam(1e-2),
                                         config=config)
 
@@ -307,6 +410,7 @@ def _nnx_loop_losses(stage, steps=3):
     return {"loss": loss}
 
   x = jnp.asarray(np.random.default_rng(0).normal(size=(16, 64)), jnp.float32)
+  _REMATS[0] = _remats(step.jitted(model, opt, x), nnx.state((model, opt)), x)
   return [float(step(model, opt, x)["loss"]) for _ in range(steps)]
 
 
@@ -314,3 +418,22 @@ def test_nnx_remat_blocks_train_exactly():
   # NNX's own checkpoints (nnx.remat) in a Python loop keep their policy at stage 3, and
   # their layers gather as written there (`inside_checkpoints`): stage 0's losses.
   np.testing.assert_allclose(_nnx_loop_losses(3), _nnx_loop_losses(0), rtol=1e-5)
+
+
+def test_named_remat_checkpoints_each_nnx_block_and_trains_exactly():
+  # remat='full' on an nnx.List of blocks goes on each block (nnx.remat), found in the model's
+  # module graph (per use on XLA:GPU: test_gpu_aot). Stage 0's losses.
+  from flax import nnx
+  from zerojax.core.blocks import nnx_blocks
+  want = _nnx_loop_losses(0, own_remat=False)
+  for stage in (2, 3):
+    np.testing.assert_allclose(_nnx_loop_losses(stage, own_remat=False, remat="full"), want,
+                               rtol=1e-5)
+    assert _REMATS[0] == 3, (stage, _REMATS[0])  # one per block
+
+  class Net(nnx.Module):
+    def __init__(self, rngs):
+      self.inp, self.out = nnx.Linear(4, 8, rngs=rngs), nnx.Linear(8, 4, rngs=rngs)
+      self.blocks = nnx.List([nnx.Sequential(nnx.Linear(8, 8, rngs=rngs)) for _ in range(2)])
+
+  assert nnx_blocks(Net(nnx.Rngs(0))) == {("blocks", 0), ("blocks", 1)}

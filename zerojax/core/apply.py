@@ -16,6 +16,7 @@ from flax import linen as nn
 
 from zerojax._compat import ORIGINAL_LINEN_APPLY, install_linen_apply_hook
 from zerojax.core import context
+from zerojax.core.blocks import checkpointed_blocks, recording, repeated_blocks
 from zerojax.core.config import ConfigError
 from zerojax.core.dtypes import compute_dtype_of, to_compute
 from zerojax.core.formulation import Formulation
@@ -68,8 +69,9 @@ class ModelApply:
     if self.formulation is None:
       # Shapes only: host-resident parameters may not meet the model unfetched, even in a trace.
       shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), x.dtype), params)
-      jaxpr = jax.make_jaxpr(lambda p: run(p, False))(shapes)
-      self.formulation = plan.formulation(jaxpr)
+      with recording() as calls:
+        jaxpr = jax.make_jaxpr(lambda p: run(p, False))(shapes)
+      self.formulation = plan.formulation(jaxpr, blocks=repeated_blocks(calls))
     chosen = self.formulation
     if plan.config.quantized:  # ZeRO++: per device, zerojax's own (quantised) collectives
       def body(boxed, a, kw):
@@ -116,7 +118,14 @@ class ModelApply:
 
 
 def _layers(run: Callable, params: Any, plan: ShardingPlan, chosen: Formulation) -> Any:
-  """``run(params)`` under the formulation's checkpoint (see `ModelApply`)."""
+  """``run(params)`` under the formulation's checkpoints (see `ModelApply`)."""
+  if chosen.blocks:
+    with checkpointed_blocks(chosen.blocks, chosen.block_policy):
+      return _model(run, params, plan, chosen)
+  return _model(run, params, plan, chosen)
+
+
+def _model(run: Callable, params: Any, plan: ShardingPlan, chosen: Formulation) -> Any:
   if chosen.checkpoint is None:  # scanned layers get their policy inside each layer
     return run(params)
   # Stage 3, per use, no scans: nothing orders the layers' gathers but data dependencies, so

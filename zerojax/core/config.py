@@ -90,8 +90,11 @@ class ZeroConfig:
       layer the model does not rematerialise itself gets ``nothing_saveable``, so no layer's
       gathered weights outlive it; ``nn.remat`` layers are left as written), ``'none'`` (as
       written), ``'full'`` (nothing saveable), ``'dots'`` (dots saveable) or ``'offload'``
-      (named residuals go to host memory, see ``remat_offload_names``). A model without scans
-      (linen, NNX or a pure function alike) is checkpointed whole with the named policy.
+      (named residuals go to host memory, see ``remat_offload_names``). A linen or NNX model
+      without scans gets the named policy on each of its blocks (the shallowest modules of one
+      class that one parent calls two or more of, `zerojax.core.blocks`), as
+      ``nn.remat(Block)`` would; a pure function, or a model whose modules do not repeat, is
+      checkpointed whole, which re-runs its whole forward pass at once and saves little.
     remat_offload_names: ``checkpoint_name`` names offloaded by ``remat='offload'``.
     gather: how a sharded parameter reaches the layer that reads it. ``'auto'`` (default): the
       plan's shardings on the step's inputs, outputs and gradients, and XLA's partitioner

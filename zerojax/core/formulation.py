@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 from jax.extend.core import Var
 
 from zerojax._compat import REMAT_PRIMITIVE_NAMES, jaxpr_has_primitive, subjaxprs
-from zerojax.core.remat import remat_policy
+from zerojax.core.remat import block_policy, remat_policy
 
 __all__ = ["Formulation", "choose", "lookup_tables", "finds_tables", "needs_trace",
            "compiler_options",
@@ -41,16 +41,21 @@ class Formulation(NamedTuple):
   * ``checkpoint``: the ``jax.checkpoint`` policy around a model without scans
     (`zerojax.core.remat.remat_policy`), or None for none;
   * ``layers``: that model's layers each re-gather their weights after their input, and again
-    after their output's cotangent (`zerojax.core.regather`): per use with sharded parameters.
+    after their output's cotangent (`zerojax.core.regather`): per use with sharded parameters;
+  * ``blocks``: the scope paths of a linen model's blocks (no scans), each checkpointed with
+    ``block_policy``, the policy ``remat`` names (`zerojax.core.blocks`).
   """
   per_use: bool
   has_scan: bool
   tables: frozenset[int] = frozenset()
   checkpoint: Any = None
   layers: bool = False
+  blocks: frozenset[tuple[str, ...]] = frozenset()
+  block_policy: Any = None
 
 
-def choose(plan: Any, jaxpr: Any, linen: bool = True) -> Formulation:
+def choose(plan: Any, jaxpr: Any, linen: bool = True,
+           blocks: frozenset[tuple[str, ...]] = frozenset()) -> Formulation:
   """The formulation for a model traced (with the compiler's formulation) as ``jaxpr``, or
   for an NNX model (``jaxpr`` None). ``linen``: a linen model through ``state.apply_fn``; a
   plain function of the parameter tree is gathered per use by rewriting its matmuls
@@ -58,7 +63,10 @@ def choose(plan: Any, jaxpr: Any, linen: bool = True) -> Formulation:
   (`zerojax.core.grad`).
 
   The model's lookup tables are found in the same trace (`lookup_tables`), and the checkpoint
-  around a model without scans is chosen. An NNX model is traced where `needs_trace` says so;
+  around a model without scans is chosen: with ``remat='full'``, ``'dots'`` or ``'offload'``
+  and the linen model's repeated ``blocks`` found in that trace
+  (`zerojax.core.blocks.repeated_blocks`), the named policy goes on each block and the model
+  keeps the checkpoint ``'auto'`` gives it; without blocks, on the whole model. An NNX model is traced where `needs_trace` says so;
   without a trace (``jaxpr`` None) a model is taken to have no scans.
 
   A setting that acts at each use (`ShardingPlan.gathers_per_use`) always gathers per use.
@@ -72,9 +80,12 @@ def choose(plan: Any, jaxpr: Any, linen: bool = True) -> Formulation:
   has_scan = jaxpr is not None and jaxpr_has_primitive(jaxpr, frozenset({"scan"}))
   remats = jaxpr is not None and jaxpr_has_primitive(jaxpr, REMAT_PRIMITIVE_NAMES)
   per_use = plan.gathers_per_use or _per_use_by_default(plan, has_scan, remats, linen)
-  checkpoint = None if has_scan else remat_policy(plan.config, per_use)
+  named = block_policy(plan.config)
+  blocks = blocks if (named is not None and not has_scan) else frozenset()
+  checkpoint = None if has_scan else remat_policy(plan.config, per_use, bool(blocks))
   return Formulation(per_use, has_scan, lookup_tables(plan, jaxpr), checkpoint,
-                     checkpoint is not None and per_use and plan.params_sharded)
+                     checkpoint is not None and per_use and plan.params_sharded,
+                     blocks, named if blocks else None)
 
 
 def _per_use_by_default(plan: Any, has_scan: bool, remats: bool, linen: bool) -> bool:

@@ -61,6 +61,7 @@ from zerojax.core.gather import ZeroParam, after, box_params
 from zerojax.core.config import ConfigError
 from zerojax.core.dtypes import compute_dtype_of, reduce_dtype_of
 from zerojax.core.regather import prefetching, regather_nnx_layers
+from zerojax.core.blocks import checkpoint_nnx_blocks, nnx_blocks
 from zerojax.core.remat import checkpoint_model
 
 __all__ = ["F32", "check_batch", "value_and_grad"]
@@ -150,11 +151,14 @@ def _nnx_value_and_grad(fun, argnums, has_aux, loss_scale):
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     ctx = context.current()
 
-    def f(params, *args, per_use=False, layers=False, tables=frozenset()):
+    def f(params, *args, per_use=False, layers=False, tables=frozenset(), blocks=frozenset(),
+          policy=None):
       if per_use or tables:  # at stage 2 only lookup tables are boxed
         params = _in_plan_order(params, ctx.plan, lambda p: box_params(
             p, ctx.plan, tables, only_lookups=not per_use))
       m = nnx.merge(graphdef, params, rest)
+      if blocks:  # config.remat on each block (`zerojax.core.blocks`)
+        checkpoint_nnx_blocks(m, blocks, policy)
       if layers:  # as a linen model without scans (`zerojax.core.apply`)
         regather_nnx_layers(m)
       with prefetching(layers and ctx.plan.prefetches_next_layer):
@@ -166,9 +170,11 @@ def _nnx_value_and_grad(fun, argnums, has_aux, loss_scale):
     if chosen is not None and needs_trace(ctx.plan, chosen):
       # Traced once more to see whether the model scans its layers and which parameters it
       # looks rows up in: the formulation as `zerojax.core.apply` reads it for linen models.
-      chosen = ctx.plan.formulation(jax.make_jaxpr(f)(params, *args), linen=False)
+      chosen = ctx.plan.formulation(jax.make_jaxpr(f)(params, *args), linen=False,
+                                    blocks=nnx_blocks(model))
       f = functools.partial(f, per_use=chosen.per_use, layers=chosen.layers,
-                            tables=chosen.tables)
+                            tables=chosen.tables, blocks=chosen.blocks,
+                            policy=chosen.block_policy)
       ctx.boxed_calls += chosen.per_use
       if chosen.checkpoint is not None:  # per use, or config.remat (see `remat_policy`)
         f = checkpoint_model(f, ctx.plan, chosen.checkpoint, chosen.layers)

@@ -309,11 +309,12 @@ class ShardingPlan:
     (`zerojax.core.formulation.choose`)."""
     return self.config.per_use_settings
 
-  def formulation(self, jaxpr: Any, linen: bool = True) -> fm.Formulation:
-    """How a model traced as ``jaxpr`` (a linen model's, else a plain function's or, with
-    ``jaxpr`` None, an NNX model's) reaches its parameters on this plan's target
-    (`zerojax.core.formulation.choose`)."""
-    return fm.choose(self, jaxpr, linen)
+  def formulation(self, jaxpr: Any, linen: bool = True,
+                  blocks: frozenset[tuple[str, ...]] = frozenset()) -> fm.Formulation:
+    """How a model traced as ``jaxpr`` (a linen model's, with the ``blocks`` that trace found,
+    else a plain function's or, with ``jaxpr`` None, an NNX model's) reaches its parameters on
+    this plan's target (`zerojax.core.formulation.choose`)."""
+    return fm.choose(self, jaxpr, linen, blocks)
 
   @property
   def compiler_options(self) -> dict[str, Any] | None:

@@ -22,7 +22,8 @@ from zerojax._compat import checkpoint_trace
 from zerojax.core import context
 from zerojax.core.gather import AFTER, BACKWARD, ZeroParam, setting, token_of
 
-__all__ = ["regather_layers", "regather_nnx_layers", "prefetching", "inside_checkpoints"]
+__all__ = ["regather_layers", "regather_nnx_layers", "prefetching", "inside_checkpoints",
+           "array_args"]
 
 
 # Set while a layer runs inside `regather_layers`, so its own module call is not wrapped again.
@@ -100,7 +101,7 @@ def regather_layers(next_fun: Callable, args: tuple, kwargs: dict,
     return next_fun(*args, **kwargs)
 
   names, boxes = list(params), list(params.values())
-  arrays, rebuild = _array_args(args, kwargs)
+  arrays, rebuild = array_args(args, kwargs)
   if _in_own_checkpoint():
     return _checkpointed(lambda: next_fun(*args, **kwargs), arrays, boxes)
   unbound = module.clone(parent=None)
@@ -155,7 +156,7 @@ def prefetching(on: bool) -> Iterator[None]:
     yield
 
 
-def _array_args(args: tuple, kwargs: dict) -> tuple[list, Callable[[list], tuple]]:
+def array_args(args: tuple, kwargs: dict) -> tuple[list, Callable[[list], tuple]]:
   """A call's array arguments (what a layer differentiates), and ``rebuild(arrays)``: the call's
   ``(args, kwargs)`` with those arrays in their places."""
   leaves, treedef = jax.tree.flatten((args, kwargs))
@@ -267,7 +268,7 @@ def _nnx_layer_call(self: Any, *args: Any, **kwargs: Any) -> Any:
   graphdef, state = nnx.split(self)
   shards, state_def = jax.tree.flatten(state)
   boxes = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, ZeroParam))
-  arrays, rebuild = _array_args(args, kwargs)
+  arrays, rebuild = array_args(args, kwargs)
   if _in_own_checkpoint():
     return _checkpointed(lambda: call(self, *args, **kwargs), arrays, boxes)
   paths = {p for p, _ in nnx.to_flat_state(state)}

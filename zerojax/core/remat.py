@@ -24,7 +24,7 @@ from zerojax.core.gather import BACKWARD, GATHERED, setting
 from zerojax.core.regather import inside_checkpoints
 
 __all__ = ["ScanRemat", "scan_remat", "remat_policy", "checkpoint_model", "save_all_but_gathered",
-           "recompute_in_backward", "scanned_layers"]
+           "recompute_in_backward", "scanned_layers", "block_policy"]
 
 
 def recompute_in_backward(f: Callable) -> Callable:
@@ -173,13 +173,21 @@ def checkpoint_model(f: Callable, plan: Any, policy: Any, layers: bool) -> Calla
   return jax.checkpoint(traced, policy=policy, prevent_cse=plan.model_checkpoint_prevents_cse)
 
 
-def remat_policy(config: Any, per_use: bool):
+def remat_policy(config: Any, per_use: bool, blocks: bool = False):
   """The ``jax.checkpoint`` policy around a whole model *without* scans (linen ``apply_fn``),
   or ``None`` for none. Per-use gathering needs one (else autodiff keeps every gathered weight
-  as a residual); otherwise only an explicit ``config.remat`` asks for one."""
-  if config.remat in ("full", "dots", "offload"):
-    return scan_remat(config, per_use).policy
+  as a residual); otherwise only an explicit ``config.remat`` asks for one, unless the model's
+  ``blocks`` each get it (`zerojax.core.blocks`)."""
+  if config.remat in ("full", "dots", "offload") and not blocks:
+    return block_policy(config)
   return save_all_but_gathered if per_use else None
+
+
+def block_policy(config: Any):
+  """The policy ``config.remat`` names for each block or scanned layer (``None``: none named)."""
+  if config.remat in ("full", "dots", "offload"):
+    return scan_remat(config, False).policy
+  return None
 
 
 _SCAN: contextvars.ContextVar[ScanRemat | None] = contextvars.ContextVar(
