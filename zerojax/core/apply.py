@@ -119,21 +119,17 @@ class ModelApply:
 
 def _layers(run: Callable, params: Any, plan: ShardingPlan, chosen: Formulation) -> Any:
   """``run(params)`` under the formulation's checkpoints (see `ModelApply`)."""
-  if chosen.blocks:
-    with checkpointed_blocks(chosen.blocks, chosen.block_policy):
-      return _model(run, params, plan, chosen)
-  return _model(run, params, plan, chosen)
-
-
-def _model(run: Callable, params: Any, plan: ShardingPlan, chosen: Formulation) -> Any:
+  blocks = (checkpointed_blocks(chosen.blocks, chosen.block_policy) if chosen.blocks
+            else contextlib.nullcontext())
   if chosen.checkpoint is None:  # scanned layers get their policy inside each layer
-    return run(params)
+    with blocks:
+      return run(params)
   # Stage 3, per use, no scans: nothing orders the layers' gathers but data dependencies, so
   # each layer gathers after its input (on XLA:GPU the previous layer's: `prefetching`) and
   # re-gathers after its output's cotangent.
   layers = (nn.intercept_methods(regather_layers) if chosen.layers
             else contextlib.nullcontext())
-  with layers, prefetching(chosen.layers and plan.prefetches_next_layer):
+  with blocks, layers, prefetching(chosen.layers and plan.prefetches_next_layer):
     return checkpoint_model(run, plan, chosen.checkpoint, chosen.layers)(params)
 
 

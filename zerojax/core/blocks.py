@@ -1,15 +1,16 @@
-"""A linen model's blocks: where ``remat='full'``, ``'dots'`` or ``'offload'`` acts on a model
-without scans.
+"""A model's blocks: where ``remat='full'``, ``'dots'`` or ``'offload'`` acts on a linen or NNX
+model without scans.
 
 Checkpointed whole, a model re-runs its whole forward pass in the backward pass and keeps
 every residual of that re-run until the backward pass reads it: as much memory as no remat,
 and one more gather of every weight. Per block, each block keeps only its inputs (or what the
 policy saves) and re-runs alone, as ``nn.remat(Block)`` in a Python loop would.
 
-The blocks are found in the model's first trace (`recording`): the shallowest two or more
-modules of one class, made of modules that own parameters, that one parent calls (``Block_0``
-… ``Block_11``; a Hugging Face model's ``layers/0`` …; `repeated_blocks`). The step then checkpoints
-each of their calls (`checkpointed_blocks`); the rest of the model runs as written. An NNX
+A linen model's blocks are found in its first trace (`recording`): the shallowest two or more
+modules of one class, made of modules that own parameters, that one parent calls
+(``Block_0`` … ``Block_11``; a Hugging Face model's ``layers/0`` …; `repeated_blocks`). The
+step then checkpoints each of their calls (`checkpointed_blocks`); the rest of the model runs
+as written. An NNX
 model's blocks are found in its module graph (`nnx_blocks`) and checkpointed with
 ``nnx.remat`` (`checkpoint_nnx_blocks`).
 """

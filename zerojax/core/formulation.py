@@ -42,7 +42,7 @@ class Formulation(NamedTuple):
     (`zerojax.core.remat.remat_policy`), or None for none;
   * ``layers``: that model's layers each re-gather their weights after their input, and again
     after their output's cotangent (`zerojax.core.regather`): per use with sharded parameters;
-  * ``blocks``: the scope paths of a linen model's blocks (no scans), each checkpointed with
+  * ``blocks``: the paths of a linen or NNX model's blocks (no scans), each checkpointed with
     ``block_policy``, the policy ``remat`` names (`zerojax.core.blocks`).
   """
   per_use: bool
@@ -50,12 +50,12 @@ class Formulation(NamedTuple):
   tables: frozenset[int] = frozenset()
   checkpoint: Any = None
   layers: bool = False
-  blocks: frozenset[tuple[str, ...]] = frozenset()
+  blocks: frozenset[tuple] = frozenset()
   block_policy: Any = None
 
 
 def choose(plan: Any, jaxpr: Any, linen: bool = True,
-           blocks: frozenset[tuple[str, ...]] = frozenset()) -> Formulation:
+           blocks: frozenset[tuple] = frozenset()) -> Formulation:
   """The formulation for a model traced (with the compiler's formulation) as ``jaxpr``, or
   for an NNX model (``jaxpr`` None). ``linen``: a linen model through ``state.apply_fn``; a
   plain function of the parameter tree is gathered per use by rewriting its matmuls
@@ -64,10 +64,10 @@ def choose(plan: Any, jaxpr: Any, linen: bool = True,
 
   The model's lookup tables are found in the same trace (`lookup_tables`), and the checkpoint
   around a model without scans is chosen: with ``remat='full'``, ``'dots'`` or ``'offload'``
-  and the linen model's repeated ``blocks`` found in that trace
-  (`zerojax.core.blocks.repeated_blocks`), the named policy goes on each block and the model
-  keeps the checkpoint ``'auto'`` gives it; without blocks, on the whole model. An NNX model is traced where `needs_trace` says so;
-  without a trace (``jaxpr`` None) a model is taken to have no scans.
+  and the model's repeated ``blocks`` (`zerojax.core.blocks`), the named policy goes on each
+  block and the model keeps the checkpoint ``'auto'`` gives it; without blocks, on the whole
+  model. An NNX model is traced where `needs_trace` says so; without a trace (``jaxpr``
+  None) a model is taken to have no scans.
 
   A setting that acts at each use (`ShardingPlan.gathers_per_use`) always gathers per use.
   Otherwise ``gather='auto'`` at stage 3 gathers per use on TPU and GPU, where XLA's

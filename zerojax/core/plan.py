@@ -310,7 +310,7 @@ class ShardingPlan:
     return self.config.per_use_settings
 
   def formulation(self, jaxpr: Any, linen: bool = True,
-                  blocks: frozenset[tuple[str, ...]] = frozenset()) -> fm.Formulation:
+                  blocks: frozenset[tuple] = frozenset()) -> fm.Formulation:
     """How a model traced as ``jaxpr`` (a linen model's, with the ``blocks`` that trace found,
     else a plain function's or, with ``jaxpr`` None, an NNX model's) reaches its parameters on
     this plan's target (`zerojax.core.formulation.choose`)."""
