@@ -212,6 +212,7 @@ def _loop_losses(stage, own_remat, steps=3, **config_kw):
     return state.apply_gradients(grads=g), {"loss": loss}
 
   _REMATS[0] = _remats(step.jitted(state, x), state, x)
+  _REMATS[1] = next(iter(step.remat.values()))
   out = []
   for _ in range(steps):
     state, m = step(state, x)
@@ -219,7 +220,7 @@ def _loop_losses(stage, own_remat, steps=3, **config_kw):
   return out, plan.prefetches_next_layer
 
 
-_REMATS = [0]  # the last helper's step: checkpoints differentiated (`_remats`)
+_REMATS = [0, ""]  # the last helper's step: checkpoints differentiated (`_remats`), remat
 
 
 def _remats(jitted, *args) -> int:
@@ -276,6 +277,24 @@ def test_repeated_blocks_are_the_shallowest_repeated_modules():
     assert repeated_blocks(calls) == want, (model, calls)
 
 
+def test_remat_applied_says_where_remat_acted():
+  # What `zerojax compile` prints and ZeroStep.remat holds, for each kind of model.
+  from zerojax.core.formulation import Formulation, remat_applied
+  cfg = lambda r: zerojax.ZeroConfig(stage=3, remat=r)
+  scanned, flat = Formulation(True, True), Formulation(True, False)
+  blocks = Formulation(True, False, blocks=frozenset({("Block_2",), ("Block_10",),
+                                                      ("Block_0",)}))
+  assert remat_applied(cfg("auto"), scanned) == (
+      "remat='auto': inside each scanned layer the model does not rematerialise itself")
+  assert remat_applied(cfg("dots"), scanned) == "remat='dots': inside each scanned layer"
+  assert remat_applied(cfg("none"), scanned) == "remat='none': scanned layers as written"
+  assert remat_applied(cfg("full"), blocks) == (
+      "remat='full': on each of 3 blocks (Block_0 ... Block_10)")
+  assert remat_applied(cfg("full"), flat).startswith("remat='full': around the whole model")
+  assert remat_applied(cfg("auto"), flat) == (
+      "remat='auto': no scanned layers; the model's own checkpoints, if any, as written")
+
+
 @pytest.mark.parametrize("remat", ["full", "dots"])
 def test_named_remat_checkpoints_each_block_and_trains_exactly(remat):
   # remat='full'/'dots' on a model without scans goes on each block, not around the whole
@@ -290,6 +309,8 @@ def test_named_remat_checkpoints_each_block_and_trains_exactly(remat):
     got, _ = _loop_losses(stage, False, remat=remat, **kw)
     np.testing.assert_allclose(got, want, rtol=1e-5)
     assert _REMATS[0] == remats, (stage, _REMATS[0])
+    assert _REMATS[1] == (f"remat={remat!r}: on each of 3 blocks "
+                          "(_LoopBlock_0 ... _LoopBlock_2)"), _REMATS[1]
 
 
 class _DropoutBlock(nn.Module):
@@ -411,6 +432,7 @@ def _nnx_loop_losses(stage, steps=3, own_remat=True, **config_kw):
 
   x = jnp.asarray(np.random.default_rng(0).normal(size=(16, 64)), jnp.float32)
   _REMATS[0] = _remats(step.jitted(model, opt, x), nnx.state((model, opt)), x)
+  _REMATS[1] = next(iter(step.remat.values()))
   return [float(step(model, opt, x)["loss"]) for _ in range(steps)]
 
 
@@ -430,6 +452,7 @@ def test_named_remat_checkpoints_each_nnx_block_and_trains_exactly():
     np.testing.assert_allclose(_nnx_loop_losses(stage, own_remat=False, remat="full"), want,
                                rtol=1e-5)
     assert _REMATS[0] == 3, (stage, _REMATS[0])  # one per block
+    assert _REMATS[1] == "remat='full': on each of 3 blocks (blocks/0 ... blocks/2)"
 
   class Net(nnx.Module):
     def __init__(self, rngs):

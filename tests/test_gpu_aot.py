@@ -581,6 +581,7 @@ def test_gpu_remat_full_checkpoints_each_block_of_a_loop():
   assert full.measured.temp <= 0.5 * plain.measured.temp  # 0.44x
   assert full.activations == {}, full.activations
   assert full.measured.collective_total <= 1.1 * full.textbook  # 0.99x
+  assert "remat='full': on each of 4 blocks (block_0 ... block_3)" in full.table()
 
 
 @needs_gpu_compiler

@@ -179,6 +179,10 @@ def test_remat_offload_reaches_nnx_and_pure_models_without_scans(kind):
       return state.apply_gradients(grads=g), {"loss": loss}
     args = (state, x)
   jitted = step.jitted(*args)
+  assert next(iter(step.remat.values())) == (
+      "remat='offload': on each of 2 blocks (blocks/0 ... blocks/1)" if kind == "nnx" else
+      "remat='offload': around the whole model, which saves little (no modules repeat, or it "
+      "is a pure function)")
   if kind == "nnx":  # the jitted NNX step takes the split state
     args = (nnx.split((model, opt))[1], x)
   mlir = jax.export.export(jitted, platforms=["tpu"])(*args).mlir_module()

@@ -40,6 +40,8 @@ class StepContext:
     layers_in_checkpoints: whether a layer ran inside the model's own checkpoint
       (`zerojax.core.regather.inside_checkpoints`). The step compiles with the options for
       layers ahead (`ShardingPlan.compiler_options_for`) only without such layers.
+    formulation: the `zerojax.core.formulation.Formulation` `zerojax.value_and_grad` chose
+      for an NNX model in this trace (``None`` if none was traced).
   """
 
   plan: Any
@@ -51,6 +53,7 @@ class StepContext:
   boxed_calls: int = 0
   layers_ahead: bool = False
   layers_in_checkpoints: bool = False
+  formulation: Any = None
 
 
 def current() -> StepContext | None:

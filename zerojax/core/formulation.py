@@ -24,8 +24,8 @@ from jax.extend.core import Var
 from zerojax._compat import REMAT_PRIMITIVE_NAMES, jaxpr_has_primitive, subjaxprs
 from zerojax.core.remat import block_policy, remat_policy
 
-__all__ = ["Formulation", "choose", "lookup_tables", "finds_tables", "needs_trace",
-           "compiler_options",
+__all__ = ["Formulation", "choose", "remat_applied", "lookup_tables", "finds_tables",
+           "needs_trace", "compiler_options",
            "GPU_COMPILER_OPTIONS", "GPU_LAYERS_AHEAD_OPTIONS", "TPU_COMPILER_OPTIONS"]
 
 
@@ -86,6 +86,27 @@ def choose(plan: Any, jaxpr: Any, linen: bool = True,
   return Formulation(per_use, has_scan, lookup_tables(plan, jaxpr), checkpoint,
                      checkpoint is not None and per_use and plan.params_sharded,
                      blocks, named if blocks else None)
+
+
+def remat_applied(config: Any, chosen: Formulation | None) -> str:
+  """Where ``config.remat`` acted in a step whose model got ``chosen`` (as `zerojax compile`
+  and `ZeroStep.remat` report it)."""
+  r = f"remat={config.remat!r}"
+  if chosen is None:
+    return f"{r}: no model was traced through zerojax"
+  if chosen.has_scan:
+    return (f"{r}: inside each scanned layer the model does not rematerialise itself"
+            if config.remat == "auto" else
+            f"{r}: inside each scanned layer" if config.remat != "none" else
+            f"{r}: scanned layers as written")
+  if chosen.blocks:
+    natural = lambda n: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", n)]
+    names = sorted(("/".join(map(str, p)) for p in chosen.blocks), key=natural)
+    return f"{r}: on each of {len(names)} blocks ({names[0]} ... {names[-1]})"
+  if config.remat in ("full", "dots", "offload"):
+    return (f"{r}: around the whole model, which saves little (no modules repeat, or it is a "
+            "pure function)")
+  return f"{r}: no scanned layers; the model's own checkpoints, if any, as written"
 
 
 def _per_use_by_default(plan: Any, has_scan: bool, remats: bool, linen: bool) -> bool:

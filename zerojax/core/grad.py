@@ -176,6 +176,7 @@ def _nnx_value_and_grad(fun, argnums, has_aux, loss_scale):
                             tables=chosen.tables, blocks=chosen.blocks,
                             policy=chosen.block_policy)
       ctx.boxed_calls += chosen.per_use
+      ctx.formulation = chosen
       if chosen.checkpoint is not None:  # per use, or config.remat (see `remat_policy`)
         f = checkpoint_model(f, ctx.plan, chosen.checkpoint, chosen.layers)
 

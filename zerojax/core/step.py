@@ -26,6 +26,7 @@ from flax import nnx
 from zerojax.core import agreement, budget, context, layout, offload
 from zerojax.core.config import ConfigError
 from zerojax.core.dtypes import check_compute_dtype, compute_dtype_of, set_nnx_dtype
+from zerojax.core.formulation import remat_applied
 from zerojax.core.apply import ModelApply, linen_applies, per_use_reason
 from zerojax.core.grad import check_batch
 from zerojax.core.plan import ShardingPlan
@@ -45,6 +46,8 @@ class ZeroStep:
     # How each compiled variant gathers parameters: "compiler" (XLA's partitioner) or
     # "per use" (zerojax's gather boxes); see `zerojax.core.formulation`.
     self.formulation: dict[Any, str] = {}
+    # Where each variant's ``config.remat`` acted (`zerojax.core.formulation.remat_applied`).
+    self.remat: dict[Any, str] = {}
     self._last_dispatch: float | None = None
     self.last_step_time = math.nan  # see __call__
 
@@ -85,6 +88,7 @@ class ZeroStep:
       chosen = model.formulation or (applied[-1].formulation if applied else None)
       per_use = plan.gathers_per_use if chosen is None else chosen.per_use
       self.formulation[key] = "per use" if per_use else "compiler"
+      self.remat[key] = remat_applied(plan.config, chosen)
       self._jitted[key] = jitted
     return self._jitted[key]
 
@@ -132,6 +136,7 @@ class ZeroStep:
         contexts.append(ctx)
         _check_features_used(ctx)
         self.formulation[key] = _nnx_formulation(plan, ctx)
+        self.remat[key] = remat_applied(cfg, ctx.formulation)
         if scaling:
           if len(finite) != 1:
             raise ConfigError(

@@ -879,6 +879,7 @@ class TopologyCompile:
   error: str | None = None
   required: int | None = None
   formulation: str | None = None  # how the step gathers parameters (`ZeroStep.formulation`)
+  remat: str | None = None  # where the config's remat acted (`ZeroStep.remat`)
   # GPU only: the share of device memory the JAX client allocates from (`hbm_available` is
   # that share of `chip_hbm`); XLA:GPU compiles steps that do not fit, so the verdict is ours.
   memory_fraction: float | None = None
@@ -940,6 +941,8 @@ class TopologyCompile:
                    "compiles steps that do not fit: this verdict is zerojax's")
     if self.formulation is not None:
       lines.append(f"  parameters gathered: {self.formulation} (see ZeroConfig.gather)")
+    if self.remat is not None:
+      lines.append(f"  {self.remat}")
     return lines
 
   def _memory_rows(self) -> list[str]:
@@ -1102,6 +1105,7 @@ def _compile(step: Any, state: Any, batch: Any, tx: Any, config: ZeroConfig,
   t0 = time.perf_counter()
   lowered = step.lower(state, batch)
   common["formulation"] = next(iter(step.formulation.values()), None)
+  common["remat"] = next(iter(step.remat.values()), None)
   try:
     compiled = lowered.compile(compiler_options) if compiler_options else lowered.compile()
   except jax.errors.JaxRuntimeError as e:  # XLA:TPU refuses programs that exceed HBM
