@@ -293,6 +293,9 @@ def test_remat_applied_says_where_remat_acted():
   assert remat_applied(cfg("full"), flat).startswith("remat='full': around the whole model")
   assert remat_applied(cfg("auto"), flat) == (
       "remat='auto': no scanned layers; the model's own checkpoints, if any, as written")
+  assert remat_applied(cfg("full"), None) == (
+      "remat='full': the model was not traced for its formulation; any scanned layers run "
+      "with it inside each layer")
 
 
 @pytest.mark.parametrize("remat", ["full", "dots"])

@@ -93,7 +93,10 @@ def remat_applied(config: Any, chosen: Formulation | None) -> str:
   and `ZeroStep.remat` report it)."""
   r = f"remat={config.remat!r}"
   if chosen is None:
-    return f"{r}: no model was traced through zerojax"
+    # Untraced (an NNX model at stages 0-1, or on XLA:CPU without per-use gathers): zerojax's
+    # scan hook still acts on any scan the step traces.
+    return (f"{r}: the model was not traced for its formulation; any scanned layers run "
+            + ("as written" if config.remat == "none" else "with it inside each layer"))
   if chosen.has_scan:
     return (f"{r}: inside each scanned layer the model does not rematerialise itself"
             if config.remat == "auto" else
