@@ -330,6 +330,46 @@ class _DropoutLoop(nn.Module):
     return x
 
 
+class _TaggedBlock(nn.Module):  # returns a Python value beside its array
+  @nn.compact
+  def __call__(self, x, scale):
+    return x + scale * nn.Dense(64)(jnp.tanh(x)), "tag"
+
+
+class _TaggedLoop(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    for _ in range(3):
+      x, tag = _TaggedBlock()(x, 0.5)
+      assert tag == "tag"
+    return x
+
+
+def test_named_remat_blocks_return_python_values_beside_arrays():
+  # Only arrays leave a checkpoint: a block's other outputs are put back in place, and its
+  # Python arguments stay Python values.
+  import contextlib
+  from zerojax.core.blocks import checkpointed_blocks, recording, repeated_blocks
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(16, 64)), jnp.float32)
+  model = _TaggedLoop()
+  params = model.init(jax.random.key(0), x)
+  with recording() as calls:
+    model.apply(params, x)
+  paths = repeated_blocks(calls)
+  assert len(paths) == 3
+
+  def loss(p, blocks):
+    with (checkpointed_blocks(paths, jax.checkpoint_policies.nothing_saveable) if blocks
+          else contextlib.nullcontext()):
+      return jnp.sum(model.apply(p, x) ** 2)
+
+  (want, g_want), (got, g_got) = (jax.value_and_grad(loss)(params, b) for b in (False, True))
+  np.testing.assert_allclose(float(got), float(want), rtol=1e-6)
+  for a, b in zip(jax.tree.leaves(g_got), jax.tree.leaves(g_want)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+  assert _remats(jax.jit(jax.grad(lambda p: loss(p, True))), params) == 3
+
+
 def test_named_remat_blocks_draw_from_the_model_s_rng_streams():
   # A block with dropout is checkpointed too, with a key drawn from its 'dropout' stream (it
   # used to run as written); its masks are the same at every stage.

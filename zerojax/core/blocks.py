@@ -103,18 +103,28 @@ def checkpointed_blocks(paths: frozenset[Path], policy: Any) -> Iterator[None]:
     keys = {name: module.make_rng(name) for name in (scope.rngs or {})}
     unbound = module.clone(parent=None)
 
+    out_static: list = []  # the output's non-array leaves, in place (set while tracing)
+
     def run(values, arrays, keys):
       params = jax.tree.unflatten(treedef, [b.replace(value=v) if isinstance(b, ZeroParam)
                                             else v for b, v in zip(boxes, values)])
       a, kw = rebuild(arrays)
       with setting(_IN_BLOCK, True):
-        return unbound.apply({"params": params}, *a, method=method, rngs=keys or None, **kw)
+        out = unbound.apply({"params": params}, *a, method=method, rngs=keys or None, **kw)
+      # A block may return Python values beside its arrays (``(x, None, 3)``); only arrays
+      # leave a checkpoint, so the rest is put back in place after it.
+      leaves, out_def = jax.tree.flatten(out)
+      out_static[:] = [out_def, [None if isinstance(x, jax.Array) else x for x in leaves]]
+      return [x for x in leaves if isinstance(x, jax.Array)]
 
     try:
-      return jax.checkpoint(run, policy=policy, prevent_cse=True)(values, arrays, keys)
+      arrays_out = jax.checkpoint(run, policy=policy, prevent_cse=True)(values, arrays, keys)
     except (flax_errors.InvalidRngError, flax_errors.ScopeCollectionNotFound) as e:
       _warn_as_written(scope.path, type(e).__name__)
       return next_fun(*args, **kwargs)
+    out_def, static = out_static
+    it = iter(arrays_out)
+    return jax.tree.unflatten(out_def, [next(it) if x is None else x for x in static])
 
   with nn.intercept_methods(intercept):
     yield
