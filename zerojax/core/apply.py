@@ -23,7 +23,7 @@ from zerojax.core.formulation import Formulation
 from zerojax.core.gather import ZeroParam, box_params, setting
 from zerojax.core.plan import ShardingPlan
 from zerojax.core.regather import prefetching, regather_layers
-from zerojax.core.remat import checkpoint_model
+from zerojax.core.remat import block_policy, checkpoint_model
 from zerojax.core.rows import per_layer_reads
 from zerojax.core.zeropp import shard_map_apply
 
@@ -69,7 +69,9 @@ class ModelApply:
     if self.formulation is None:
       # Shapes only: host-resident parameters may not meet the model unfetched, even in a trace.
       shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), x.dtype), params)
-      with recording() as calls:
+      # Blocks matter only where remat names a policy for them (`zerojax.core.blocks`).
+      with (recording() if block_policy(plan.config) is not None
+            else contextlib.nullcontext({})) as calls:
         jaxpr = jax.make_jaxpr(lambda p: run(p, False))(shapes)
       self.formulation = plan.formulation(jaxpr, blocks=repeated_blocks(calls))
     chosen = self.formulation

@@ -10,9 +10,8 @@ A linen model's blocks are found in its first trace (`recording`): the shallowes
 modules of one class, made of modules that own parameters, that one parent calls
 (``Block_0`` … ``Block_11``; a Hugging Face model's ``layers/0`` …; `repeated_blocks`). The
 step then checkpoints each of their calls (`checkpointed_blocks`); the rest of the model runs
-as written. An NNX
-model's blocks are found in its module graph (`nnx_blocks`) and checkpointed with
-``nnx.remat`` (`checkpoint_nnx_blocks`).
+as written. An NNX model's blocks are found in its module graph (`nnx_blocks`) and
+checkpointed with ``nnx.remat`` (`checkpoint_nnx_blocks`).
 """
 
 from __future__ import annotations

@@ -106,7 +106,7 @@ def remat_applied(config: Any, chosen: Formulation | None) -> str:
     natural = lambda n: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", n)]
     names = sorted(("/".join(map(str, p)) for p in chosen.blocks), key=natural)
     return f"{r}: on each of {len(names)} blocks ({names[0]} ... {names[-1]})"
-  if config.remat in ("full", "dots", "offload"):
+  if block_policy(config) is not None:
     return (f"{r}: around the whole model, which saves little (no modules repeat, or it is a "
             "pure function)")
   return f"{r}: no scanned layers; the model's own checkpoints, if any, as written"

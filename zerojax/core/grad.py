@@ -62,7 +62,7 @@ from zerojax.core.config import ConfigError
 from zerojax.core.dtypes import compute_dtype_of, reduce_dtype_of
 from zerojax.core.regather import prefetching, regather_nnx_layers
 from zerojax.core.blocks import checkpoint_nnx_blocks, nnx_blocks
-from zerojax.core.remat import checkpoint_model
+from zerojax.core.remat import block_policy, checkpoint_model
 
 __all__ = ["F32", "check_batch", "value_and_grad"]
 
@@ -170,8 +170,9 @@ def _nnx_value_and_grad(fun, argnums, has_aux, loss_scale):
     if chosen is not None and needs_trace(ctx.plan, chosen):
       # Traced once more to see whether the model scans its layers and which parameters it
       # looks rows up in: the formulation as `zerojax.core.apply` reads it for linen models.
+      named = block_policy(ctx.plan.config) is not None
       chosen = ctx.plan.formulation(jax.make_jaxpr(f)(params, *args), linen=False,
-                                    blocks=nnx_blocks(model))
+                                    blocks=nnx_blocks(model) if named else frozenset())
       f = functools.partial(f, per_use=chosen.per_use, layers=chosen.layers,
                             tables=chosen.tables, blocks=chosen.blocks,
                             policy=chosen.block_policy)

@@ -178,8 +178,9 @@ def remat_policy(config: Any, per_use: bool, blocks: bool = False):
   or ``None`` for none. Per-use gathering needs one (else autodiff keeps every gathered weight
   as a residual); otherwise only an explicit ``config.remat`` asks for one, unless the model's
   ``blocks`` each get it (`zerojax.core.blocks`)."""
-  if config.remat in ("full", "dots", "offload") and not blocks:
-    return block_policy(config)
+  named = block_policy(config)
+  if named is not None and not blocks:
+    return named
   return save_all_but_gathered if per_use else None
 
 
