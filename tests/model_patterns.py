@@ -199,6 +199,7 @@ class Runner:
   params: Callable[[], Any]  # the current parameters as a numpy tree
   plan: Any = None  # zerojax's ShardingPlan (None for the baseline)
   formulation: str = "compiler"  # zerojax's: "per use" or "compiler" (`ZeroStep.formulation`)
+  layers: str | None = None  # zerojax's scanned layers (`ZeroStep.layers`; None: none said)
 
 
 def zero_runner(pattern: str, size: Size, stage: int, mesh=None, **config_kw) -> Runner:
@@ -226,6 +227,7 @@ def zero_runner(pattern: str, size: Size, stage: int, mesh=None, **config_kw) ->
     zstep = zerojax.zero_step(plan)(train_step)
     compiled = zstep.lower(model, opt, data[0]).compile()
     formulation = next(iter(zstep.formulation.values()), "compiler")
+    layers = next(iter(zstep.layers.values()), None)
     params = lambda: jax.tree.map(np.asarray, nnx.state(model, nnx.Param))
 
     def run(batch):
@@ -261,13 +263,14 @@ def zero_runner(pattern: str, size: Size, stage: int, mesh=None, **config_kw) ->
     zstep = zerojax.zero_step(plan)(train_step)
     compiled = zstep.lower(state, data[0]).compile()
     formulation = next(iter(zstep.formulation.values()), "compiler")
+    layers = next(iter(zstep.layers.values()), None)
     box = [state]
     params = lambda: jax.tree.map(np.asarray, box[0].params)
 
     def run(batch):
       box[0], metrics = compiled(box[0], batch)
       return float(metrics["loss"])
-  return Runner(compiled, run, params, plan, formulation)
+  return Runner(compiled, run, params, plan, formulation, layers)
 
 
 def pytree_compiled(size: Size, stage: int, devices) -> Any:

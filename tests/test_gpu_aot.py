@@ -534,9 +534,13 @@ def test_gpu_layers_ahead_compile_with_two_collectives_in_flight(monkeypatch):
   assert plan.compiler_options_for(False) == fm.GPU_COMPILER_OPTIONS
   assert schedule(loop, "all-gather").matmul_share >= 0.65  # 73% (56% with one in flight)
 
-  jitted.clear()
+  jitted.clear()  # scanned layers one ahead: their own options (`zerojax.core.pipeline`)
   scanned, _, _ = target_zero("a", FULL, 3, devices)
-  assert jitted == [ahead, fm.GPU_COMPILER_OPTIONS]  # expected no scans, traced once more
+  assert jitted == [ahead, fm.GPU_PIPELINED_OPTIONS]  # expected no scans, traced once more
+  assert schedule(scanned, "reduce-scatter").matmul_share >= 0.9  # 92%
+  jitted.clear()  # gathered in their own iteration: one collective in flight
+  scanned, _, _ = target_zero("a", FULL, 3, devices, max_live_layers=1)
+  assert jitted == [ahead, fm.GPU_COMPILER_OPTIONS]
   assert schedule(scanned, "reduce-scatter").matmul_share >= 0.99  # 0% with two in flight
   jitted.clear()  # a loop of nn.remat blocks: its layers wait inside the blocks' checkpoints
   memory.compile_for_topology(zerojax.ZeroConfig(stage=3), GPT(dataclasses.replace(

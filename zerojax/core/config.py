@@ -107,9 +107,15 @@ class ZeroConfig:
       parameter where a linen layer reads it (``state.apply_fn``) and reduce-scatters its
       gradient there, which ``offload_params`` (per-layer fetch from host) and
       ``reduce_dtype`` (the dtype of that reduction) need and so switch on.
-    max_live_layers: stage 3, scanned layers: how many gathered layers may be live at once;
-      1 gathers each layer just before use, 2 lets the next layer's gather overlap the current
-      layer. Unscanned linen layers always gather just before use (see `zerojax.core.gather`).
+    max_live_layers: stage 3, scanned layers: how many gathered layers may be live at once.
+      1 gathers each layer inside its own iteration. 2 runs scanned layers one ahead where
+      zerojax gathers per use (`zerojax.core.pipeline`): each layer's weights are gathered
+      beside the previous layer's compute and each gradient is reduce-scattered beside the
+      next layer's, at one more layer of gathered weights and of unreduced gradient (elsewhere
+      2 unrolls the scan by two). ``None`` (default): 2 on XLA:GPU, 1 on XLA:TPU (its ICI
+      all-gather pipelining issues the gathers an iteration ahead) and XLA:CPU (nothing runs
+      beside a collective there). Unscanned layers gather one matmul layer ahead on TPU and
+      GPU whatever this says (`zerojax.core.regather`).
     quantize_weights: ZeRO++ qwZ, stage 3: ``'int8'`` (or ``'int4'``) moves each parameter
       all-gather (the forward gather and, unless ``quantize_weights_backward=False``, the
       backward pass's re-gather) as block-quantised values plus one float32 scale per block,
@@ -175,7 +181,7 @@ class ZeroConfig:
   remat: str = "auto"
   remat_offload_names: tuple[str, ...] = ()
   gather: str = "auto"
-  max_live_layers: int = 1
+  max_live_layers: int | None = None
   quantize_weights: str | None = None
   quantize_weights_backward: bool | None = None
   quantize_gradients: str | None = None

@@ -26,7 +26,8 @@ from zerojax.core.remat import block_policy, remat_policy
 
 __all__ = ["Formulation", "choose", "remat_applied", "lookup_tables", "finds_tables",
            "needs_trace", "compiler_options",
-           "GPU_COMPILER_OPTIONS", "GPU_LAYERS_AHEAD_OPTIONS", "TPU_COMPILER_OPTIONS"]
+           "GPU_COMPILER_OPTIONS", "GPU_LAYERS_AHEAD_OPTIONS", "GPU_PIPELINED_OPTIONS",
+           "TPU_COMPILER_OPTIONS"]
 
 
 class Formulation(NamedTuple):
@@ -206,15 +207,25 @@ GPU_COMPILER_OPTIONS = {"xla_gpu_enable_latency_hiding_scheduler": True,
 GPU_LAYERS_AHEAD_OPTIONS = {"xla_gpu_enable_analytical_latency_estimator": True,
                             "xla_gpu_experimental_parallel_collective_overlap_limit": 2}
 
+# XLA:GPU, a step whose scanned layers run one ahead (`zerojax.core.pipeline`): the loops
+# already issue each collective an iteration ahead, so XLA's own pipelining and double
+# buffering are off; see `compiler_options`.
+GPU_PIPELINED_OPTIONS = {"xla_gpu_enable_latency_hiding_scheduler": True,
+                         "xla_gpu_enable_analytical_latency_estimator": True,
+                         "xla_gpu_reduce_scatter_combine_threshold_bytes": 1,
+                         "xla_gpu_all_gather_combine_threshold_bytes": 1 << 20}
+
 TPU_COMPILER_OPTIONS = {"xla_tpu_enable_ici_ag_pipelining": True}
 
 # Where a user sets the flags each backend's options stand for; a flag set there wins.
 _USER_FLAGS = {"gpu": "XLA_FLAGS", "tpu": "LIBTPU_INIT_ARGS"}
 
 
-def compiler_options(plan: Any, layers_ahead: bool = False) -> dict[str, Any] | None:
+def compiler_options(plan: Any, layers_ahead: bool = False,
+                     pipelined: bool = False) -> dict[str, Any] | None:
   """XLA options the stage needs on this backend; ``layers_ahead``: for a step whose model
-  (no scans) gathered its layers one matmul layer ahead (`zerojax.core.regather.prefetching`).
+  (no scans) gathered its layers one matmul layer ahead (`zerojax.core.regather.prefetching`);
+  ``pipelined``: for a step whose scanned layers ran one ahead (`zerojax.core.pipeline`).
 
   At stages 2-3 each layer's gradient must be reduce-scattered as soon as it exists. XLA's
   CPU backend merges all gradient all-reduces of an unscanned model into one combined op,
@@ -242,6 +253,13 @@ def compiler_options(plan: Any, layers_ahead: bool = False) -> dict[str, Any] | 
   while its matmuls ran and the next layer's gathers waited. A scanned layer's reduce-scatters
   lost their matmuls under the same options, so scanned models keep one in flight.
 
+  Where scanned layers ran one ahead, each loop iteration already holds the next layer's
+  gather and the previous layer's reduce-scatter, neither waiting for anything the iteration
+  computes. XLA:GPU's collective pipeliner and double buffering would move them once more
+  (two layers ahead, more memory), so they are off, and the analytical latency estimator
+  tells the scheduler how long each collective and matmul takes: with the approximate one it
+  left the reduce-scatters beside no matmul.
+
   On XLA:TPU, ICI all-gather pipelining issues a scanned layer's gather an iteration ahead:
   measured one by one among the flags MaxText ships (BENCHMARKS.md), it is the one that moved
   the schedule. A flag in ``LIBTPU_INIT_ARGS`` wins there.
@@ -252,7 +270,9 @@ def compiler_options(plan: Any, layers_ahead: bool = False) -> dict[str, Any] | 
   defaults = {"gpu": GPU_COMPILER_OPTIONS, "tpu": TPU_COMPILER_OPTIONS}.get(platform)
   if defaults is None:
     return None
-  if layers_ahead and platform == "gpu":
+  if pipelined and platform == "gpu":
+    defaults = GPU_PIPELINED_OPTIONS
+  elif layers_ahead and platform == "gpu":
     defaults = {**defaults, **GPU_LAYERS_AHEAD_OPTIONS}
   user = set(re.findall(r"--(xla_\w+)", os.environ.get(_USER_FLAGS[platform], "")))
   return {k: v for k, v in defaults.items() if k not in user} or None

@@ -51,6 +51,7 @@ from zerojax.core import quantize as q
 from zerojax.core.config import ConfigError, ZeroConfig
 from zerojax.core.memory_kinds import HOST, memory_kinds
 from zerojax.core.mesh import axis_size, data_axes, platform
+from zerojax.core.pipeline import Pipeline
 from zerojax.core import formulation as fm, report
 from zerojax.core.leaves import (LeafPlan, as_shape, axes_of, flatten, metadata_specs,
                                  opt_param_index, path_str, plan_leaf, plan_opt_state,
@@ -296,6 +297,32 @@ class ShardingPlan:
     return self.config.shards_params
 
   @property
+  def live_layers(self) -> int:
+    """How many of a scanned model's gathered layers may be live at once at stage 3:
+    ``max_live_layers``, or where it is ``None`` 2 on XLA:GPU and XLA:TPU (the next layer's
+    gather beside the current layer's compute), 1 on XLA:CPU, which runs nothing beside a
+    collective, so a second layer would only cost its memory, and 1 on XLA:TPU, whose ICI
+    all-gather pipelining already issues each gather an iteration ahead (BENCHMARKS.md)."""
+    live = self.config.max_live_layers
+    return live if live is not None else (2 if self.platform == "gpu" else 1)
+
+  @property
+  def pipeline(self) -> Pipeline | None:
+    """How scanned layers gathered per use run one ahead (`zerojax.core.pipeline`): at stage 3
+    with two live layers (`live_layers`) and a ``remat`` that re-runs each layer whole
+    (``'auto'``, ``'full'``), on a mesh whose other axes than the data axes have size 1, without
+    ZeRO++ (its own per-device collectives) or parameters on the host, and not on XLA:TPU
+    (which lowered its flat all-gather as an all-reduce: BENCHMARKS.md). ``None``: scanned
+    layers gather inside their own iteration (``max_live_layers`` > 1 then unrolls the loop)."""
+    c = self.config
+    others = [a for a in self.mesh.axis_names if a not in self.data_axes]
+    if (self.platform == "tpu" or not self.params_sharded or self.live_layers < 2 or c.remat not in ("auto", "full")
+        or c.quantized or c.offload_params or "fsdp" not in self.mesh.axis_names
+        or axis_size(self.mesh, "fsdp") < 2 or any(axis_size(self.mesh, a) > 1 for a in others)):
+      return None
+    return Pipeline(self.mesh, self.data_axes)
+
+  @property
   def local_grads(self) -> bool:
     """Whether each device keeps its local, unreduced gradient through the backward pass and
     reduces it once per optimizer step into the optimizer's shards (stage 1)."""
@@ -323,11 +350,12 @@ class ShardingPlan:
     step whose trace shows otherwise compiles with `compiler_options_for` its model."""
     return self.compiler_options_for(self.prefetches_next_layer and self.params_sharded)
 
-  def compiler_options_for(self, layers_ahead: bool) -> dict[str, Any] | None:
+  def compiler_options_for(self, layers_ahead: bool, pipelined: bool = False
+                           ) -> dict[str, Any] | None:
     """XLA options the stage needs on this backend for a step whose model's layers did
-    (``layers_ahead``) or did not gather one matmul layer ahead
-    (`zerojax.core.formulation.compiler_options`)."""
-    return fm.compiler_options(self, layers_ahead)
+    (``layers_ahead``) or did not gather one matmul layer ahead, and whose scanned layers did
+    (``pipelined``) or did not run one ahead (`zerojax.core.formulation.compiler_options`)."""
+    return fm.compiler_options(self, layers_ahead, pipelined)
 
   @property
   def grads_reduced(self) -> PyTree:

@@ -21,6 +21,7 @@ from zerojax._compat import (ORIGINAL_SCAN, REMAT_PRIMITIVE_NAMES, install_neste
                              install_scan_hook, jaxpr_has_primitive, keeps_nested_policies,
                              name_p, sharding_constraint_p)
 from zerojax.core.gather import BACKWARD, GATHERED, setting
+from zerojax.core.pipeline import Declined, Pipeline, pipelined_scan
 from zerojax.core.regather import inside_checkpoints
 
 __all__ = ["ScanRemat", "scan_remat", "remat_policy", "checkpoint_model", "save_all_but_gathered",
@@ -110,9 +111,13 @@ class ScanRemat:
   # A CSE barrier although the body is a scan's: XLA:TPU unrolls short loops and would then
   # merge the backward pass's re-gathers into the forward pass's, keeping gathered weights.
   prevent_cse: bool = True
+  # Layers one ahead (`zerojax.core.pipeline`) where a scan's body qualifies; ``reduce_dtype``
+  # is the dtype its gradients are reduce-scattered in (None: the compute dtype).
+  pipeline: Pipeline | None = None
+  reduce_dtype: Any = None
 
 
-def scan_remat(config: Any, per_use: bool) -> ScanRemat:
+def scan_remat(config: Any, per_use: bool, pipeline: Pipeline | None = None) -> ScanRemat:
   """The scanned-layer remat of ``config`` (``config.remat``) for one formulation.
 
   Remat must act *inside* each scanned layer: remat around a scan recomputes all of its
@@ -134,7 +139,7 @@ def scan_remat(config: Any, per_use: bool) -> ScanRemat:
   whole in its backward pass (`recompute_in_backward`), whatever ``remat`` says.
   """
   cp = jax.checkpoint_policies
-  live = config.max_live_layers
+  live = config.max_live_layers or 1
   if per_use and config.quantize_weights is not None and not config.quantizes_backward:
     # The backward pass re-gathers in full precision: each layer is re-run whole in its
     # backward pass, marked as such (a rematerialised forward would repeat the quantised one).
@@ -143,7 +148,9 @@ def scan_remat(config: Any, per_use: bool) -> ScanRemat:
   def wrap(policy: Any, only_unremated: bool) -> ScanRemat:
     # No CSE barrier with weights on the host: libtpu 0.0.42.1 fails to compile it ("Fusion
     # must have backend config"), or with max_live_layers=2 aborts in host-offload normalization.
-    return ScanRemat(policy, only_unremated, live, prevent_cse=not config.offload_params)
+    return ScanRemat(policy, only_unremated, live,
+                     prevent_cse=not config.offload_params, pipeline=pipeline,
+                     reduce_dtype=config.reduce_dtype and jnp.dtype(config.reduce_dtype))
 
   if config.remat == "full":
     return wrap(cp.nothing_saveable, False)
@@ -211,6 +218,15 @@ def _dispatch_scan(f, init, xs=None, length=None, **kwargs):
   rs = _SCAN.get()
   if rs is None:
     return ORIGINAL_SCAN(f, init, xs, length, **kwargs)
+  if rs.pipeline is not None:
+    def as_written(c, x):  # the layer's own body: scans inside it are not routed again
+      with setting(_SCAN, None):
+        return f(c, x)
+    out = pipelined_scan(rs.pipeline, as_written, init, xs, length, rs.reduce_dtype,
+                         rs.only_unremated, **kwargs)
+    _record(out)
+    if not isinstance(out, Declined):
+      return out
   if rs.live_layers > 1:
     unroll = kwargs.get("unroll", 1)
     if not isinstance(unroll, bool) and unroll < rs.live_layers:
@@ -222,9 +238,23 @@ def _dispatch_scan(f, init, xs=None, length=None, **kwargs):
   return ORIGINAL_SCAN(f, init, xs, length, **kwargs)
 
 
+# What became of each scan a step traced with a pipeline (`scanned_layers` collects them).
+_OUTCOMES: contextvars.ContextVar[list | None] = contextvars.ContextVar(
+    "zerojax_scan_outcomes", default=None)
+
+
+def _record(out: Any) -> None:
+  outcomes = _OUTCOMES.get()
+  if outcomes is not None:
+    outcomes.append(out.reason if isinstance(out, Declined) else None)
+
+
 @contextlib.contextmanager
-def scanned_layers(rs: ScanRemat | None) -> Iterator[None]:
-  """Applies ``rs`` to every scan traced in this thread (and context) inside the block."""
+def scanned_layers(rs: ScanRemat | None) -> Iterator[list]:
+  """Applies ``rs`` to every scan traced in this thread (and context) inside the block. Yields
+  the list of what became of each scan given a pipeline: ``None`` where its layers ran one
+  ahead, else the reason they could not."""
   install_scan_hook(_dispatch_scan)
-  with setting(_SCAN, rs):
-    yield
+  outcomes: list = []
+  with setting(_SCAN, rs), setting(_OUTCOMES, outcomes):
+    yield outcomes

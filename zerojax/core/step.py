@@ -29,6 +29,7 @@ from zerojax.core.dtypes import check_compute_dtype, compute_dtype_of, set_nnx_d
 from zerojax.core.formulation import remat_applied
 from zerojax.core.apply import ModelApply, linen_applies, per_use_reason
 from zerojax.core.grad import check_batch
+from zerojax.core.pipeline import describe
 from zerojax.core.plan import ShardingPlan
 from zerojax.core.remat import scan_remat, scanned_layers
 from zerojax.core.train_state import StepSettings, ZeroTrainState, skip_nonfinite
@@ -48,6 +49,9 @@ class ZeroStep:
     self.formulation: dict[Any, str] = {}
     # Where each variant's ``config.remat`` acted (`zerojax.core.formulation.remat_applied`).
     self.remat: dict[Any, str] = {}
+    # Whether each variant's scanned layers ran one ahead, or why not
+    # (`zerojax.core.pipeline.describe`; absent where the step scanned no layers).
+    self.layers: dict[Any, str] = {}
     self._last_dispatch: float | None = None
     self.last_step_time = math.nan  # see __call__
 
@@ -71,8 +75,9 @@ class ZeroStep:
       def step(state, batch, *rest):
         changes = {"apply_fn": model} if tx is None else {"apply_fn": model, "tx": tx}
         state = state.replace(**changes)
-        with _step_context(plan, state) as ctx, scanned_layers(
-            scan_remat(plan.config, plan.gathers_per_use)), linen_applies(plan) as others:
+        with _step_context(plan, state) as ctx, scanned_layers(scan_remat(
+            plan.config, plan.gathers_per_use, plan.pipeline)) as ctx.scans, linen_applies(
+                plan) as others:
           new_state, metrics = self.fn(state, batch, *rest)
         applied.append(others)
         contexts.append(ctx)
@@ -89,6 +94,7 @@ class ZeroStep:
       per_use = plan.gathers_per_use if chosen is None else chosen.per_use
       self.formulation[key] = "per use" if per_use else "compiler"
       self.remat[key] = remat_applied(plan.config, chosen)
+      self._describe_layers(key, contexts)
       self._jitted[key] = jitted
     return self._jitted[key]
 
@@ -131,12 +137,14 @@ class ZeroStep:
         o.tx = offload.wrap_tx(tx, plan, layout.prepare(plan, clip=cfg.gradient_clipping),
                                params_fetched=params_host)
         scale = o.loss_scaling.scale[...] if scaling else None
-        with _step_context(plan, None, scale) as ctx, scanned_layers(scan_remat(cfg, False)):
+        with _step_context(plan, None, scale) as ctx, scanned_layers(
+            scan_remat(cfg, False, plan.pipeline)) as ctx.scans:
           metrics = self.fn(m, o, batch, *rest)
         contexts.append(ctx)
         _check_features_used(ctx)
         self.formulation[key] = _nnx_formulation(plan, ctx)
         self.remat[key] = remat_applied(cfg, ctx.formulation)
+        self._describe_layers(key, [ctx])
         if scaling:
           if len(finite) != 1:
             raise ConfigError(
@@ -150,6 +158,11 @@ class ZeroStep:
 
       self._jitted[key] = self._traced_jit(step, state_sh, (state, batch, *rest), contexts)
     return self._jitted[key], state
+
+  def _describe_layers(self, key, contexts):
+    said = describe(self.plan.live_layers, contexts[-1].scans) if contexts else None
+    if said is not None:
+      self.layers[key] = said
 
   def _jit(self, step, state_sh, batch, rest, options):
     plan = self.plan
@@ -172,7 +185,8 @@ class ZeroStep:
     if compute_dtype_of(plan.config) is not None:
       check_compute_dtype(plan.config, traced.lower())
     ctx = contexts[-1]
-    options = plan.compiler_options_for(ctx.layers_ahead and not ctx.layers_in_checkpoints)
+    options = plan.compiler_options_for(ctx.layers_ahead and not ctx.layers_in_checkpoints,
+                                        any(o is None for o in ctx.scans))
     return jitted if options == plan.compiler_options else jit(options)
 
   def _dispatch(self, args):

@@ -141,8 +141,10 @@ def check_remat(c: Config) -> Problem | None:
   if c.remat == "offload" and not c.remat_offload_names:
     return Problem("remat_offload_names", c.remat_offload_names,
                    "remat='offload' needs the checkpoint_name names of the residuals to offload")
-  if not _is_int(c.max_live_layers) or c.max_live_layers < 1:
-    return Problem("max_live_layers", c.max_live_layers, "an integer >= 1")
+  if c.max_live_layers is not None and (not _is_int(c.max_live_layers)
+                                        or c.max_live_layers < 1):
+    return Problem("max_live_layers", c.max_live_layers,
+                   "an integer >= 1, or null (2 on TPU and GPU, 1 on CPU)")
 
 
 def check_quantize(c: Config) -> Problem | None:

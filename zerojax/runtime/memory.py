@@ -42,6 +42,7 @@ from zerojax.core.budget import (PAPER_K, DeviceMemoryError, Estimate, bytes_lim
 from zerojax.core.config import ZeroConfig
 from zerojax.core.grad import value_and_grad
 from zerojax.core.mesh import make_mesh
+from zerojax.core.pipeline import LAYERS_SCOPE
 from zerojax.core import zeropp
 from zerojax.core.step import zero_step
 from zerojax.runtime import gpu
@@ -393,7 +394,8 @@ def _matmul_finder(comps: dict[str, list[str]]):
   return line_has
 
 
-def collective_schedule(hlo_text: str, kind: str = "all-gather") -> GatherSchedule:
+def collective_schedule(hlo_text: str, kind: str = "all-gather",
+                        scope: str | None = None) -> GatherSchedule:
   """Reads the schedule of a compiled step's HLO (``compiled.as_text()``) for one kind of
   collective (``'all-gather'`` or ``'reduce-scatter'``).
 
@@ -407,7 +409,9 @@ def collective_schedule(hlo_text: str, kind: str = "all-gather") -> GatherSchedu
   this one (pipelined across the back edge); then the instructions after the start and before
   the done, around the back edge, are what runs beside it. Any fusion or other computation
   that is not itself a collective counts as compute; `GatherSchedule.matmul_share` counts only
-  matrix multiplications. Bytes follow `collective_bytes`.
+  matrix multiplications. Bytes follow `collective_bytes`. ``scope``: only collectives whose
+  metadata ``op_name`` contains it (a ``jax.named_scope``, e.g. the scanned layers' own,
+  `zerojax.core.pipeline.LAYERS_SCOPE`).
   """
   if kind not in ("all-gather", "reduce-scatter"):
     raise ValueError(f"kind={kind!r} is invalid: 'all-gather' or 'reduce-scatter'")
@@ -419,7 +423,8 @@ def collective_schedule(hlo_text: str, kind: str = "all-gather") -> GatherSchedu
     k = mult.get(name, 0)
     if name in fused or not k:
       continue
-    events = _schedule_events([l for l in lines if _name_of(l)], kind, comps, has_matmul)
+    events = _schedule_events([l for l in lines if _name_of(l)], kind, comps, has_matmul,
+                              scope)
     synchronous += k * events.synchronous
     for key, (i, b) in events.starts.items():
       j = events.dones.get(key)
@@ -474,12 +479,17 @@ def _collectives(comps: dict[str, list[str]], callee: str) -> list[tuple[str, st
 
 
 def _schedule_events(seq: list[str], kind: str, comps: dict[str, list[str]],
-                     has_matmul: Any) -> _Events:
-  """The starts, dones, computations and blocking bytes of one computation's instructions."""
+                     has_matmul: Any, scope: str | None = None) -> _Events:
+  """The starts, dones, computations and blocking bytes of one computation's instructions
+  (of collectives under ``scope`` only, where given)."""
   start_op, done_op, sync_op = f" {kind}-start(", f" {kind}-done(", f" {kind}("
   ev = _Events()
   for i, l in enumerate(seq):
     nm = _name_of(l)
+    if scope is not None and (start_op in l or (sync_op in l and _OP.search(l))):
+      op = _OP_NAME.search(l)
+      if op is None or scope not in op.group(1):
+        continue
     if start_op in l:
       if _SYNC.search(l):
         ev.synchronous += _op_bytes(l)
@@ -492,18 +502,22 @@ def _schedule_events(seq: list[str], kind: str, comps: dict[str, list[str]],
     elif sync_op in l and _OP.search(l):
       ev.synchronous += _op_bytes(l)
     elif " fusion(" in l:
-      _fusion_event(ev, i, l, nm, kind, comps, has_matmul)
+      _fusion_event(ev, i, l, nm, kind, comps, has_matmul, scope)
     elif any(op in l for op in _COMPUTE_OPS):
       ev.compute.append((i, has_matmul(l)))
   return ev
 
 
 def _fusion_event(ev: _Events, i: int, l: str, nm: str, kind: str,
-                  comps: dict[str, list[str]], has_matmul: Any) -> None:
+                  comps: dict[str, list[str]], has_matmul: Any, scope: str | None = None
+                  ) -> None:
   """A fusion: XLA:TPU's async collective start or done, a continuation, or computation."""
   callee = (_CALLEE.findall(l) or [""])[0]
   colls = _collectives(comps, callee)
   mine = [(ch, b) for kd, ch, b in colls if kd == kind]
+  op = _OP_NAME.search(l)
+  if mine and scope is not None and (op is None or scope not in op.group(1)):
+    return  # a collective outside the scope asked for
   if nm.startswith("async-collective-start"):
     for ch, b in mine:
       ev.starts[ch or nm] = (i, b)
@@ -691,9 +705,10 @@ def activation_collectives(hlo_text: str, plan: Any) -> dict[tuple[str, str, str
   into one 1-D buffer); or, for a collective-permute XLA made itself (no JAX operation's
   name), when it is a block of a parameter shard's leading rows (`_row_block`). A collective
   of one element (a loss, a norm) is neither, nor is a collective under zerojax's own ZeRO++
-  scopes (`_zerojax_own`: quantised weights, their scales, gradient chunks). What is left moves
-  the model's activations: the partitioner chose to reshard them instead of gathering a
-  weight."""
+  scopes (`_zerojax_own`: quantised weights, their scales, gradient chunks) or scanned layers'
+  weights laid end to end (`zerojax.core.pipeline.LAYERS_SCOPE`, also where XLA's combiner
+  joined them with another parameter's collective). What is left moves the model's
+  activations: the partitioner chose to reshard them instead of gathering a weight."""
   # (shapes, element counts) a parameter's collective has; shards only for permutes.
   known = {k: (p, {math.prod(x) for x in p})
            for k, p in ((False, _param_shapes(plan)), (True, _param_shapes(plan, shards=True)))}
@@ -732,6 +747,8 @@ def activation_collectives(hlo_text: str, plan: Any) -> dict[tuple[str, str, str
           continue
         if op is not None and _zerojax_own(op.group(1)):
           continue
+        if op is not None and LAYERS_SCOPE in op.group(1) and len(shape) == 2 and n <= total:
+          continue  # scanned layers' weights laid end to end, combined by XLA with others
         b = n * group * _DTYPE_BYTES[dt] * (2 if kind == "all-reduce" else 1)
         tag = (kind, f"{dt}[{dims}]", op.group(1).rsplit("/", 1)[-1].rstrip(")") if op else "")
         out[tag] = out.get(tag, 0) + k * b
@@ -739,13 +756,15 @@ def activation_collectives(hlo_text: str, plan: Any) -> dict[tuple[str, str, str
 
 
 _OWN_SCOPE = re.compile(r"(?:^|[/(:])(?:%s)/" % "|".join(
-    (zeropp.GATHER_SCOPE, zeropp.REGATHER_SCOPE, zeropp.REDUCE_SCOPE)))
+    (zeropp.GATHER_SCOPE, zeropp.REGATHER_SCOPE, zeropp.REDUCE_SCOPE, LAYERS_SCOPE)))
 
 
 def _zerojax_own(op_name: str) -> bool:
   """Whether every JAX operation in ``op_name`` (XLA joins a combined collective's as
-  ``prefix/(a:b)``) ran under a ZeRO++ scope: zerojax's own collectives of parameters and
-  gradients, whose scales and padded chunks have no parameter's element count."""
+  ``prefix/(a:b)``) ran under a scope of zerojax's own collectives of parameters and
+  gradients (ZeRO++'s, and scanned layers' one ahead: `zerojax.core.pipeline.LAYERS_SCOPE`),
+  whose scales, padded chunks and layers laid end to end have no parameter's element
+  count."""
   parts = op_name[op_name.rindex("/(") + 2:-1].split(":") if op_name.endswith(")") and \
       "/(" in op_name else [op_name]
   return all(_OWN_SCOPE.search(p) for p in parts)
@@ -880,6 +899,10 @@ class TopologyCompile:
   required: int | None = None
   formulation: str | None = None  # how the step gathers parameters (`ZeroStep.formulation`)
   remat: str | None = None  # where the config's remat acted (`ZeroStep.remat`)
+  layers: str | None = None  # whether scanned layers ran one ahead (`ZeroStep.layers`)
+  # The schedules of the scanned layers' own collectives (`zerojax.core.pipeline.LAYERS_SCOPE`)
+  layer_gathers: GatherSchedule | None = None
+  layer_scatters: GatherSchedule | None = None
   # GPU only: the share of device memory the JAX client allocates from (`hbm_available` is
   # that share of `chip_hbm`); XLA:GPU compiles steps that do not fit, so the verdict is ours.
   memory_fraction: float | None = None
@@ -943,6 +966,8 @@ class TopologyCompile:
       lines.append(f"  parameters gathered: {self.formulation} (see ZeroConfig.gather)")
     if self.remat is not None:
       lines.append(f"  {self.remat}")
+    if self.layers is not None:
+      lines.append(f"  {self.layers}")
     return lines
 
   def _memory_rows(self) -> list[str]:
@@ -971,6 +996,12 @@ class TopologyCompile:
         lines.append(f"  {sched.kind}: {sched.overlapped_share:.0%} of bytes async with "
                      f"compute between start and done, {sched.matmul_share:.0%} with a matmul; "
                      f"{g(sched.synchronous)} blocking")
+    ag, rs = self.layer_gathers, self.layer_scatters
+    if ag is not None and rs is not None and ag.total:
+      lines.append(f"  scanned layers one ahead: {g(ag.total)} of all-gathers, "
+                   f"{ag.matmul_share:.0%} with a matmul; {g(rs.total)} of reduce-scatters, "
+                   f"{rs.matmul_share:.0%} with a matmul (the rest of the step: embeddings, "
+                   "heads, layers outside a scan)")
     if self.activations:
       top = sorted(self.activations.items(), key=lambda kv: -kv[1])
       lines.append(f"  activation collectives: {g(sum(self.activations.values()))} per step "
@@ -1106,6 +1137,7 @@ def _compile(step: Any, state: Any, batch: Any, tx: Any, config: ZeroConfig,
   lowered = step.lower(state, batch)
   common["formulation"] = next(iter(step.formulation.values()), None)
   common["remat"] = next(iter(step.remat.values()), None)
+  common["layers"] = next(iter(step.layers.values()), None)
   try:
     compiled = lowered.compile(compiler_options) if compiler_options else lowered.compile()
   except jax.errors.JaxRuntimeError as e:  # XLA:TPU refuses programs that exceed HBM
@@ -1128,4 +1160,6 @@ def _compile(step: Any, state: Any, batch: Any, tx: Any, config: ZeroConfig,
       host_output=int(ma.host_output_size_in_bytes), host_temp=int(ma.host_temp_size_in_bytes),
       suggestion=suggestion, gathers=collective_schedule(text, "all-gather"),
       scatters=collective_schedule(text, "reduce-scatter"),
+      layer_gathers=collective_schedule(text, "all-gather", LAYERS_SCOPE),
+      layer_scatters=collective_schedule(text, "reduce-scatter", LAYERS_SCOPE),
       activations=activation_collectives(text, common["plan"]), compiled=compiled, **common)

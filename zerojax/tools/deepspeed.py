@@ -870,8 +870,10 @@ def _auto_zero_sizes(d: dict, a: _AutoValues) -> None:
         ("param_persistence_threshold", "param_persistence_threshold",
          "zerojax's default for the formulation (0 or 4096 elements)"),
         ("stage3_prefetch_bucket_size", "max_live_layers",
-         "zerojax's default max_live_layers=1 (each layer gathered just before use)"),
-        ("prefetch_bucket_size", "max_live_layers", "zerojax's default max_live_layers=1"),
+         "zerojax's default max_live_layers=null (2 on GPU: the next layer gathered beside the "
+         "current one; 1 on TPU and CPU)"),
+        ("prefetch_bucket_size", "max_live_layers",
+         "zerojax's default max_live_layers=null (2 on GPU, 1 on TPU and CPU)"),
         ("zero_hpz_partition_size", "mesh_shape", "no hierarchical partitioning (the mesh "
          "as configured)"),
         ("mics_shard_size", "mesh_shape", "no hierarchical partitioning (the mesh as "

@@ -1,0 +1,426 @@
+"""Scanned layers one ahead: each layer's weights are gathered while the layer before it
+computes, and each layer's gradient is reduce-scattered while the layer after it (in the
+backward pass) computes. This is the ZeRO-3 schedule with a prefetch of one layer
+(``max_live_layers=2``, DeepSpeed's ``stage3_prefetch_bucket_size``).
+
+Left to XLA, a scanned layer gathers its weights inside its own iteration: the collective
+pipeliner can move the forward gathers an iteration ahead, but in the backward pass the
+layer's checkpoint orders its re-gathers after the incoming cotangent, and a layer's last
+gradient is produced after its last matmul, so nothing is left to run beside either. Here
+zerojax writes the scan's VJP itself, per device inside ``jax.shard_map`` with its own
+collectives:
+
+* forward, iteration i runs layer i and gathers layer i+1 (one all-gather of all its weights,
+  in the compute dtype); each layer keeps only its input for the backward pass, as
+  ``nn.remat`` does;
+* backward, iteration i re-runs layer i from its input (gathered the iteration before),
+  re-gathers layer i-1, and reduce-scatters layer i+1's gradient, kept from the iteration
+  before in the compute (or ``reduce_dtype``) dtype: one reduce-scatter of all its weights.
+
+Each iteration's two collectives depend on nothing the iteration computes, so the scheduler
+can issue them beside its matmuls. Running per device is only right for a layer that computes
+each batch row on its own; `zerojax.core.batchwise` checks that from the layer's trace, and a
+scan that fails it (or has settings this does not cover) runs as before, with the reason
+recorded (`Declined`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from jax.extend.core import ClosedJaxpr
+
+from zerojax._compat import ORIGINAL_SCAN, REMAT_PRIMITIVE_NAMES, eval_jaxpr, subjaxprs
+from zerojax.core.batchwise import NotRowwise, row_axes
+from zerojax.core.gather import ZeroParam
+
+__all__ = ["Pipeline", "Declined", "pipelined_scan", "LAYERS_SCOPE", "NOT_LAYERS", "describe"]
+
+# From this many layers on, the backward loop holds every layer (`_scan_fn`).
+FOLD_LAYERS = 8
+
+# Name scope of the scanned layers' collectives (in the HLO's op_name metadata): their flat
+# buffers have no parameter's shape, and the schedule of these alone is what the pipeline sets.
+LAYERS_SCOPE = "zerojax_layers"
+
+
+@dataclasses.dataclass(frozen=True)
+class Pipeline:
+  """How a plan runs scanned layers one ahead (`zerojax.core.plan.ShardingPlan.pipeline`).
+
+  * ``mesh``: the plan's mesh;
+  * ``rows``: the mesh axes the batch rows are split over (the plan's data axes);
+  * ``fsdp``: the axis parameters are sharded over.
+  """
+
+  mesh: Any
+  rows: tuple[str, ...]
+  fsdp: str = "fsdp"
+
+  @property
+  def shards(self) -> int:
+    return int(self.mesh.shape[self.fsdp])
+
+  @property
+  def row_shards(self) -> int:
+    return math.prod(int(self.mesh.shape[a]) for a in self.rows)
+
+
+class Declined(NamedTuple):
+  """A scan that runs as written, and why it could not run one ahead."""
+  reason: str
+
+
+# The reason for a scan that holds no sharded parameters: not a stack of layers.
+NOT_LAYERS = "no sharded parameters are scanned"
+
+
+def describe(live: int, outcomes: list) -> str | None:
+  """What became of a step's scanned layers (``outcomes``: `Declined` reasons, ``None`` for a
+  scan run one ahead), as `zerojax compile` and ``ZeroStep.layers`` say it; ``None`` where the
+  step scanned no layers."""
+  reasons = [o for o in outcomes if o != NOT_LAYERS]
+  if not reasons:
+    return None
+  if all(o is None for o in reasons):
+    return (f"scanned layers one ahead (max_live_layers={live}): each layer's gather beside "
+            "the layer before it, each gradient's reduce-scatter beside the layer after it")
+  why = "; ".join(dict.fromkeys(o for o in reasons if o is not None))
+  return (f"scanned layers gathered in their own iteration, not one ahead as "
+          f"max_live_layers={live} asks: {why}")
+
+
+# -- which scans: parameters in boxes, rows in the carry --------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Leaf:
+  """A boxed parameter of the scanned layers: sharded (``dim``: the per-layer axis it is
+  sharded on) or whole (``dim`` None), in the ``dtype`` the layer computes in."""
+  pos: int
+  dim: int | None
+  dtype: Any
+
+
+def _is_box(x: Any) -> bool:
+  return isinstance(x, ZeroParam)
+
+
+def _spec_axes(s: Any) -> tuple:
+  return s if isinstance(s, tuple) else (s,) if s is not None else ()
+
+
+def stacked_spec(box: ZeroParam, spec: tuple) -> tuple:
+  """``spec`` (one of the box's layouts) for its stacked value: Flax's ``nn.scan`` hands the
+  body boxes whose layouts are one layer's (the layer axis removed), NNX's the stack's."""
+  return (None,) * (jnp.ndim(box.value) - len(spec)) + tuple(spec)
+
+
+def _leaf(pos: int, box: ZeroParam, pl: Pipeline) -> _Leaf | str:
+  v = box.value
+  if box.manual is not None or box.offloaded or box.lookup:
+    return "a parameter gathered by ZeRO++, fetched from the host or looked up as a table"
+  if not jnp.issubdtype(v.dtype, jnp.floating):
+    return "a parameter that is not floating-point"
+  dtype = jnp.dtype(box.compute_dtype or v.dtype)
+  rest, compute, grad = (stacked_spec(box, s) for s in (box.at_rest, box.compute, box.grad))
+  if rest == compute:
+    if any(s is not None for s in rest):
+      return f"a parameter laid out as {rest} in compute"
+    return _Leaf(pos, None, dtype)
+  named = [(d, _spec_axes(s)) for d, s in enumerate(rest) if s is not None]
+  if (len(named) != 1 or named[0][1] != (pl.fsdp,) or named[0][0] == 0
+      or grad != rest or any(s is not None for s in compute)):
+    return (f"a parameter laid out as {rest} at rest, {compute} in compute and {grad} as a "
+            f"gradient (one axis other than the layer axis on {pl.fsdp!r} is supported)")
+  return _Leaf(pos, named[0][0] - 1, dtype)
+
+
+# -- one combined collective per layer --------------------------------------------------------
+
+
+def _gather(shards: list[jax.Array], leaves: list[_Leaf], axis: str, n: int) -> list[jax.Array]:
+  """One layer's weights from this device's shards: one all-gather per dtype of every weight
+  laid end to end (each with its sharded axis first)."""
+  out: list[Any] = [None] * len(shards)
+  for dtype in dict.fromkeys(lf.dtype for lf in leaves):
+    idx = [k for k, lf in enumerate(leaves) if lf.dtype == dtype]
+    moved = [jnp.moveaxis(shards[k].astype(dtype), leaves[k].dim, 0) for k in idx]
+    flat = jnp.concatenate([m.reshape(-1) for m in moved])
+    with jax.named_scope(LAYERS_SCOPE):
+      full = jax.lax.all_gather(flat, axis, axis=0, tiled=False)
+    off = 0
+    for k, m in zip(idx, moved):
+      piece = full[:, off:off + m.size].reshape((n * m.shape[0],) + m.shape[1:])
+      out[k] = jnp.moveaxis(piece, 0, leaves[k].dim)
+      off += m.size
+  return out
+
+
+def _reduce(grads: list[jax.Array], leaves: list[_Leaf], axis: str, n: int,
+            reduce_dtype: Any) -> list[jax.Array]:
+  """This device's shard of the sum over devices of one layer's gradients: one
+  reduce-scatter per dtype of every gradient laid end to end, in ``reduce_dtype`` if set."""
+  out: list[Any] = [None] * len(grads)
+  cast = lambda g: g.astype(reduce_dtype) if reduce_dtype is not None else g
+  for dtype in dict.fromkeys(cast(g).dtype for g in grads):
+    idx = [k for k, g in enumerate(grads) if cast(g).dtype == dtype]
+    moved = [jnp.moveaxis(cast(grads[k]), leaves[k].dim, 0) for k in idx]
+    flat = jnp.concatenate([m.reshape(n, -1) for m in moved], axis=1)
+    with jax.named_scope(LAYERS_SCOPE):
+      mine = jax.lax.psum_scatter(flat, axis, scatter_dimension=0, tiled=False)
+    off = 0
+    for k, m in zip(idx, moved):
+      size = m.size // n
+      piece = mine[off:off + size].reshape((m.shape[0] // n,) + m.shape[1:])
+      out[k] = jnp.moveaxis(piece, 0, leaves[k].dim)
+      off += size
+  return out
+
+
+# -- the scan ----------------------------------------------------------------------------------
+
+
+def pipelined_scan(pl: Pipeline, f: Callable, init: Any, xs: Any, length: int | None,
+                   reduce_dtype: Any, own_policies: bool = True, **kwargs: Any) -> Any:
+  """``jax.lax.scan(f, init, xs, length, **kwargs)`` with its layers one ahead (module doc), or
+  `Declined` where it cannot be. ``f`` must not itself be routed through zerojax's scan hook
+  (the caller strips it). Each layer is re-run whole in the backward pass, so with
+  ``own_policies`` (``remat='auto'``) a layer whose own checkpoint saves residuals (a
+  ``jax.checkpoint`` policy other than saving nothing) runs as written instead."""
+  if kwargs.get("reverse") or kwargs.get("_split_transpose"):
+    return Declined("a reversed scan")
+  flat, treedef = jax.tree.flatten(xs, is_leaf=_is_box)
+  leaves: list[_Leaf] = []
+  for pos, x in enumerate(flat):
+    if _is_box(x):
+      lf = _leaf(pos, x, pl)
+      if isinstance(lf, str):
+        return Declined(lf)
+      leaves.append(lf)
+  sharded = [lf for lf in leaves if lf.dim is not None]
+  whole = [lf for lf in leaves if lf.dim is None]
+  if not sharded:
+    return Declined(NOT_LAYERS)
+  boxes = {lf.pos for lf in leaves}
+  rest_pos = [p for p, x in enumerate(flat) if p not in boxes and x is not None]
+  n_layers = length if length is not None else int(jnp.shape(flat[sharded[0].pos].value)[0])
+  if n_layers < 2:
+    return Declined(f"a scan of {n_layers} layer(s)")
+  carry_leaves, carry_def = jax.tree.flatten(init)
+  rows = pl.row_shards
+  for c in carry_leaves:
+    if not isinstance(c, jax.Array) or jnp.ndim(c) == 0 or jnp.shape(c)[0] % rows:
+      return Declined(f"a carry of shape {jnp.shape(c)} is not rows of a batch split over "
+                      f"{rows} devices")
+  if any(not isinstance(flat[p], jax.Array) for p in rest_pos):
+    return Declined("a scanned input that is not an array")
+
+  ys_defs: list = []  # the structure of the layer's per-layer outputs
+
+  def layer(weights, wholes, carry, rest):
+    vals = list(flat)
+    for lf, w in zip(sharded, weights):
+      vals[lf.pos] = w
+    for lf, w in zip(whole, wholes):
+      vals[lf.pos] = w
+    for p, r in zip(rest_pos, rest):
+      vals[p] = r
+    c, y = f(jax.tree.unflatten(carry_def, carry), jax.tree.unflatten(treedef, vals))
+    ys_defs.append(jax.tree.structure(y))
+    return jax.tree.leaves(c), jax.tree.leaves(y)
+
+  sds = jax.ShapeDtypeStruct
+  one = lambda x, dtype=None: sds(jnp.shape(x)[1:], dtype or x.dtype)
+  local = ([one(flat[lf.pos].value, lf.dtype) for lf in sharded],
+           [one(flat[lf.pos].value, lf.dtype) for lf in whole],
+           [sds((jnp.shape(c)[0] // rows,) + jnp.shape(c)[1:], c.dtype) for c in carry_leaves],
+           [one(flat[p]) for p in rest_pos])
+  try:
+    axes, jaxpr = row_axes(layer, local, (False, False, True, False))
+  except NotRowwise as e:
+    return Declined(f"the layer does not compute each batch row on its own ({e})")
+  saving = _saving_policies(jaxpr) if own_policies else []
+  if saving:
+    return Declined(f"the layer's own checkpoint saves residuals (policy {saving[0]}), which "
+                    "re-running each layer whole would not; remat='full' re-runs it whole")
+  n_carry = len(carry_leaves)
+  if axes[:n_carry] != [0] * n_carry or [(o.shape, o.dtype) for o in jaxpr.out_avals[:n_carry]
+                                         ] != [(c.shape, c.dtype) for c in local[2]]:
+    return Declined("the layer's carry does not keep its rows and shape")
+  y_axes = axes[n_carry:]
+  if any(a not in (0, None) for a in y_axes):
+    return Declined("a per-layer output whose rows are not its leading axis")
+
+  consts = list(jaxpr.consts)  # closed-over values (outer tracers): inputs of the shard_map
+
+  def converted(*args):
+    outs = eval_jaxpr(ClosedJaxpr(jaxpr.jaxpr, args[4:]), jax.tree.leaves(args[:4]),
+                      lambda *_: None)
+    return outs[:n_carry], outs[n_carry:]
+
+  run = _scan_fn(converted, sharded, pl, n_layers, reduce_dtype)
+  row_spec = P(pl.rows)
+  in_specs = ([P()] * len(consts),
+              [P(*stacked_spec(flat[lf.pos], flat[lf.pos].at_rest)) for lf in sharded],
+              [P()] * len(whole),
+              [row_spec] * n_carry,
+              [P()] * len(rest_pos))
+  out_specs = ([row_spec] * n_carry,
+               [P(None, pl.rows) if a == 0 else P() for a in y_axes])
+  args = (list(consts), [flat[lf.pos].value for lf in sharded],
+          [flat[lf.pos].value.astype(lf.dtype) for lf in whole], carry_leaves,
+          [flat[p] for p in rest_pos])
+  try:
+    c, y = jax.shard_map(run, mesh=pl.mesh, in_specs=in_specs, out_specs=out_specs,
+                         check_vma=False)(*args)
+  except Exception as e:  # e.g. under a transformation shard_map refuses; nothing was emitted
+    return Declined(f"JAX could not run it per device ({type(e).__name__}: {e})")
+  return jax.tree.unflatten(carry_def, c), jax.tree.unflatten(ys_defs[0], y)
+
+
+def _saving_policies(jaxpr: Any) -> list[str]:
+  """Names of the ``jax.checkpoint`` policies in ``jaxpr`` that save residuals."""
+  out = []
+  for eqn in jaxpr.jaxpr.eqns if hasattr(jaxpr, "jaxpr") else jaxpr.eqns:
+    if eqn.primitive.name in REMAT_PRIMITIVE_NAMES:
+      policy = eqn.params.get("policy")
+      if policy is not None and policy is not jax.checkpoint_policies.nothing_saveable:
+        out.append(getattr(policy, "__name__", repr(policy)))
+    for sub in subjaxprs(eqn.params):
+      out += _saving_policies(sub)
+  return out
+
+
+def _inexact(x: Any) -> bool:
+  return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+
+
+def _index(xs: list[jax.Array], i: Any) -> list[jax.Array]:
+  return [jax.lax.dynamic_index_in_dim(x, i, 0, keepdims=False) for x in xs]
+
+
+def _scan_fn(layer: Callable, sharded: list[_Leaf], pl: Pipeline, n: int,
+             reduce_dtype: Any) -> Callable:
+  """The per-device scan with its VJP (module doc): ``run(consts, shards, wholes, carry, rest)
+  -> (carry, ys)``, ``layer(weights, wholes, carry, rest, *consts) -> (carry, ys)``.
+
+  Forward, iteration i runs layer i and gathers layer i+1; the last iteration gathers the
+  last layer again, for the backward pass, which starts with it. Backward, iteration i
+  reduce-scatters layer i+1's gradient, re-gathers layer i-1 once that reduce-scatter is done
+  (so the two take turns beside the layer's matmuls rather than one waiting for the other at
+  its end), and runs layer i.
+
+  With `FOLD_LAYERS` layers or more, the backward loop holds every layer, so each layer is
+  compiled twice (forward; re-run and backward) and nothing more, at the cost of two
+  collectives with nothing to move: the first iteration reduce-scatters zeros and the last
+  re-gathers layer 0 (2/(3n) of the textbook volume). With fewer, where that would be a large
+  share, layer n-1 runs before the loop and layer 0 after it, compiled once more each.
+  """
+  axis, n_shards = pl.fsdp, pl.shards
+  gather_slice = lambda sl: _gather(sl, sharded, axis, n_shards)
+  gather = lambda shards, i: gather_slice(_index(shards, i))
+  reduce = lambda g: _reduce(g, sharded, axis, n_shards, reduce_dtype)
+  call = lambda consts, w, wh, c, r: layer(w, wh, c, r, *consts)
+
+  def forward(consts, shards, wholes, carry, rest):
+    def body(state, i):
+      c, w = state
+      ahead = gather(shards, jnp.minimum(i + 1, n - 1))
+      c_out, y = call(consts, w, _index(wholes, i), c, _index(rest, i))
+      return (c_out, ahead), (c, y)
+    (c, last), (saved, ys) = ORIGINAL_SCAN(body, (carry, gather(shards, 0)), jnp.arange(n))
+    return (c, ys), (saved, last)
+
+  @jax.custom_vjp
+  def run(consts, shards, wholes, carry, rest):
+    return forward(consts, shards, wholes, carry, rest)[0]
+
+  def run_fwd(consts, shards, wholes, carry, rest):
+    out, (saved, last) = forward(consts, shards, wholes, carry, rest)
+    return out, (consts, shards, wholes, rest, saved, last)
+
+  def run_bwd(res, cts):
+    consts, shards, wholes, rest, saved, last = res
+    ct_carry, ct_ys = cts
+    # The backward pass's gathers wait for the cotangent: not hoisted into the forward pass,
+    # and never merged with the forward pass's gathers.
+    shards, ct_carry = jax.lax.optimization_barrier((shards, ct_carry))
+    fk = [k for k, x in enumerate(consts) if _inexact(x)]  # differentiable consts
+    fr = [k for k, x in enumerate(rest) if _inexact(x)]  # differentiable scanned inputs
+
+    def grads(i, w, dc):
+      """Layer i re-run from its saved input: cotangents of (float consts, weights, whole
+      weights, carry, float scanned inputs)."""
+      r_i = _index(rest, i)
+
+      def of(kf, w, wh, c, rf):
+        k, r = list(consts), list(r_i)
+        for j, v in zip(fk, kf):
+          k[j] = v
+        for j, v in zip(fr, rf):
+          r[j] = v
+        return call(k, w, wh, c, r)
+      _, vjp = jax.vjp(of, [consts[k] for k in fk], w, _index(wholes, i), _index(saved, i),
+                       [r_i[k] for k in fr])
+      return vjp((dc, _index(ct_ys, i)))
+
+    def step(state, i, below):
+      """Layer i's iteration: reduce-scatter the pending gradient (layer i+1's), gather the
+      weights of layer ``below`` once that is done, re-run layer i. Returns ``(state, (the
+      reduced gradient, whole-weight and scanned-input cotangents of layer i))``."""
+      dc, w, pending, dk = state
+      red = reduce(pending)
+      sl, red = jax.lax.optimization_barrier((_index(shards, below), red))
+      ahead = gather_slice(sl)
+      dki, dwi, dwh, dc, dr = grads(i, w, dc)
+      return (dc, ahead, dwi, jax.tree.map(jnp.add, dk, dki)), (red, dwh, dr)
+
+    rev = lambda xs: [x[::-1] for x in xs]  # loop outputs (layers high to low) in layer order
+    one = lambda xs: [x[None] for x in xs]
+    if n >= FOLD_LAYERS:
+      # Layers n-1 .. 0 in the loop: its first iteration reduce-scatters zeros, its last
+      # gathers layer 0 again, unused.
+      init = (ct_carry, last, [jnp.zeros_like(w) for w in last],
+              [jnp.zeros_like(consts[k]) for k in fk])
+      (dc, _, pending, dk), (reds, dwhs, drs) = ORIGINAL_SCAN(
+          lambda st, i: step(st, i, jnp.maximum(i - 1, 0)), init, jnp.arange(n - 1, -1, -1))
+      red0 = reduce(pending)
+      shard_parts = [one(red0), rev([r[1:] for r in reds])]  # layers 0; 1 .. n-1
+      other_parts = [(rev(dwhs), rev(drs))]  # layers 0 .. n-1
+    else:
+      # Few layers: layer n-1 before the loop, layer 0 after it, nothing moved twice.
+      dk, pending, dwh_top, dc, dr_top = grads(n - 1, last, ct_carry)
+      state = (dc, gather(shards, n - 2), pending, dk)
+      loop: tuple = ([], [], [])
+      if n > 2:  # layers n-2 .. 1, reducing n-1 .. 2
+        state, outs = ORIGINAL_SCAN(lambda st, i: step(st, i, i - 1), state,
+                                    jnp.arange(n - 2, 0, -1))
+        loop = tuple(rev(o) for o in outs)
+      dc, w0, pending, dk = state
+      red1 = reduce(pending)
+      dk0, dw0, dwh0, dc, dr0 = grads(0, w0, dc)
+      dk = jax.tree.map(jnp.add, dk, dk0)
+      red0 = reduce(dw0)
+      shard_parts = [one(red0), one(red1)] + ([loop[0]] if n > 2 else [])
+      other_parts = [(one(dwh0), one(dr0))] + ([(loop[1], loop[2])] if n > 2 else []) + [
+          (one(dwh_top), one(dr_top))]
+    cat = lambda parts: [jnp.concatenate(p) for p in zip(*parts)]
+    dshards = [g.astype(x.dtype) for g, x in zip(cat(shard_parts), shards)]
+    dwholes = [g.astype(x.dtype) for g, x in zip(cat([p[0] for p in other_parts]), wholes)]
+    dconsts: list[Any] = [None] * len(consts)
+    for k, g in zip(fk, dk):
+      dconsts[k] = g
+    drest: list[Any] = [None] * len(rest)
+    for k, g in zip(fr, cat([p[1] for p in other_parts])):
+      drest[k] = g
+    return dconsts, dshards, dwholes, dc, drest
+
+  run.defvjp(run_fwd, run_bwd)
+  return run
