@@ -80,6 +80,7 @@ PER_USE_ONE_AHEAD = dict(gather="explicit", max_live_layers=2)
     ("a", FOLD_LAYERS, {}),  # every layer inside the backward loop
     ("b", 2, {"param_persistence_threshold": 0}),  # nn.scan(Block): biases sharded too
     ("a", 3, {"mesh_axes": ("replica", "fsdp"), "mesh_shape": (2, 4)}),  # HSDP
+    ("a", 4, {"gradient_accumulation_steps": 2}),  # inside the micro-batch scan
 ])
 def test_one_ahead_trains_as_one_device(pattern, layers, kw):
   size = dataclasses.replace(SMALL, layers=layers)
