@@ -46,6 +46,18 @@ def test_row_axes_of_a_transformer_block():
   assert jaxpr.jaxpr.eqns
 
 
+def test_row_axes_of_cudnn_attention():
+  """cuDNN's fused attention (the 8B and 70B benchmarks' kernel) keeps each row's own."""
+  q = S((4, 128, 2, 64), jnp.bfloat16)
+  attend = lambda q: jax.nn.dot_product_attention(q, q, q, is_causal=True,
+                                                  implementation="cudnn")
+  try:
+    axes, _ = row_axes(attend, (q,), (True,))
+  except NotImplementedError as e:  # pragma: no cover - a JAX without the cuDNN lowering
+    pytest.skip(str(e))
+  assert axes == [0]
+
+
 @pytest.mark.parametrize("fn, where", [
     (lambda x, w: jnp.mean(x, 0), "reduce_sum reduces over the batch rows"),
     (lambda x, w: x - jnp.mean(x), "reduce_sum reduces over the batch rows"),
@@ -56,6 +68,7 @@ def test_row_axes_of_a_transformer_block():
     (lambda x, w: jnp.cumsum(x, 0), "cumsum accumulates along the batch rows"),
     (lambda x, w: x[1:], "slice of the batch rows"),
     (lambda x, w: jnp.roll(x, 1, 0), "slice of the batch rows"),
+    (lambda x, w: x / x.shape[0], "a number that depends on the batch size"),
     (lambda x, w: jax.lax.with_sharding_constraint(x, jax.sharding.SingleDeviceSharding(
         jax.devices()[0])), "sharding_constraint reads batch rows"),
 ])
@@ -203,13 +216,53 @@ def test_a_layer_that_saves_residuals_keeps_its_policy():
       assert "DotsSaveable" in said, said
 
 
+# -- the setting --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, "2", True])
+def test_max_live_layers_names_what_it_allows(bad):
+  with pytest.raises(zerojax.ConfigError, match=r"max_live_layers.*integer >= 1, or null"):
+    zerojax.ZeroConfig(stage=3, max_live_layers=bad)
+
+
+def _plan(devices, **kw):
+  config = zerojax.ZeroConfig(stage=3, **kw)
+  return zerojax.ShardingPlan.create(config, zerojax.make_mesh(config, devices=list(devices)),
+                                     {"w": jax.ShapeDtypeStruct((4, 64, 64), "float32")})
+
+
+def test_max_live_layers_default_follows_the_compiler(h100, v5e):
+  """None: one ahead on XLA:GPU; one layer on XLA:CPU (nothing runs beside a collective) and
+  on XLA:TPU (ICI all-gather pipelining, and its flat gathers became all-reduces)."""
+  cases = [(jax.devices(), {}, 1, False), (jax.devices(), {"max_live_layers": 2}, 2, True),
+           (h100, {}, 2, True), (h100, {"max_live_layers": 1}, 1, False),
+           (h100, {"remat": "dots"}, 2, False), (h100, {"quantize_weights": "int8"}, 2, False),
+           (h100, {"mesh_axes": ("fsdp", "tensor"), "mesh_shape": (4, 2)}, 2, False)]
+  if v5e is not None:
+    cases += [(v5e, {}, 1, False), (v5e, {"max_live_layers": 2}, 2, False)]
+  for devices, kw, live, ahead in cases:
+    plan = _plan(devices, **kw)
+    assert (plan.live_layers, plan.pipeline is not None) == (live, ahead), (kw, plan.platform)
+
+
 # -- XLA:GPU ----------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
 def h100():
   from zerojax.runtime import gpu
-  return list(gpu.gpu_topology("h100:8").devices)
+  try:
+    return list(gpu.gpu_topology("h100:8").devices)
+  except ImportError as e:
+    pytest.skip(str(e))
+
+
+@pytest.fixture(scope="module")
+def v5e():
+  try:
+    return list(memory.tpu_topology("v5e:2x4").devices)
+  except Exception:  # no libtpu: the TPU cases are left out
+    return None
 
 
 @needs_gpu_compiler

@@ -8,7 +8,9 @@
 * the step: `formulation` (which of the two ways a model reaches its parameters, chosen
   through the plan) and `apply` (the model run that way) over `gather`
   (per-use boxes), `regather` (layer re-gathering), `rows` (row reads), `remat` (what a layer
-  keeps), `zeropp` with `quantize` (ZeRO++ collectives) and `dtypes` (the compute dtype);
+  keeps), `pipeline` with `batchwise` (scanned layers one ahead, per device where a layer
+  computes each batch row on its own), `zeropp` with `quantize` (ZeRO++ collectives) and
+  `dtypes` (the compute dtype);
   `layout` (the gradient as the stage lays it out), `offload` (host-resident state), `grad`
   (accumulation) and `train_state`; `step` (the decorator) and `create` (sharded state);
 * `budget` (does it fit), `placement` (existing parameters into the plan), `context`.

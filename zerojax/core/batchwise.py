@@ -7,7 +7,8 @@ those inputs) or is the same on every device. Per device, a reduction over rows,
 contracting them, an iota or random draw along them, or a reshape that moves them would each
 compute something else than the whole batch does, with no error. `row_axes` reads the answer
 from two traces of the function: at the given shapes, and with every row input's leading
-dimension doubled. The two jaxprs must match equation by equation; a value's row axis is the
+dimension doubled. The two jaxprs must match equation by equation, with the same numbers and
+constants (``x / x.shape[0]`` would divide by one device's rows); a value's row axis is the
 one axis whose size doubled, and each equation is checked against what its primitive does
 along that axis. A primitive this module does not know may not read rows.
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 import jax
+import numpy as np
 from jax.extend.core import Literal
 
 __all__ = ["row_axes", "NotRowwise"]
@@ -38,6 +40,9 @@ _ELEMENTWISE = frozenset("""
 _REDUCE = frozenset("""reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or
   reduce_xor argmax argmin""".split())
 _CUMULATIVE = frozenset("cumsum cumprod cummax cummin cumlogsumexp".split())
+# Fused kernels over batch-leading operands (cuDNN's attention: layouts BTNH and BNTH), each
+# row's outputs from the same row's inputs unless they draw random numbers (dropout).
+_BATCH_LEADING = frozenset({"dot_product_attention_fwd_wrapper"})
 # Calls of a jaxpr whose inputs and outputs are the equation's own (the primal, for custom
 # derivatives: a custom rule differentiates what the primal computes).
 _CALLS = frozenset("""pjit jit closed_call core_call remat checkpoint remat2 custom_jvp_call
@@ -89,12 +94,17 @@ def _walk(j1: Any, j2: Any, in_axes: list[int | None]) -> list[int | None]:
   read = lambda v: None if isinstance(v, Literal) else env.get(v)
   for v1, v2, ax in zip(j1.invars, j2.invars, in_axes):
     env[v1] = _checked(ax, _axis_of(_shape(v1), _shape(v2), "an input"), "an input")
-  for v in j1.constvars:
-    env[v] = None
+  for v1, v2 in zip(j1.constvars, j2.constvars):
+    if _shape(v1) != _shape(v2):
+      raise NotRowwise(f"a constant of shape {_shape(v1)} depends on the batch size")
+    env[v1] = None
   for e1, e2 in zip(j1.eqns, j2.eqns):
     name = e1.primitive.name
     if name != e2.primitive.name:
       raise NotRowwise("its computation depends on the batch size")
+    for a, b in zip(e1.invars, e2.invars):  # a number computed from the batch size
+      if isinstance(a, Literal) and not np.array_equal(a.val, getattr(b, "val", None)):
+        raise NotRowwise(f"{name} uses a number that depends on the batch size ({a.val})")
     ins = [read(v) for v in e1.invars]
     outs = _rule(name, e1, e2, ins)
     for o1, o2, ax in zip(e1.outvars, e2.outvars, outs):
@@ -177,6 +187,10 @@ def _rule(name: str, e1: Any, e2: Any, ins: list[int | None]) -> list[int | None
     return [d] * n_out
   if name in _CALLS:
     return _call(e1, e2, ins)
+  if name in _BATCH_LEADING:
+    if d != 0 or p.get("dropout_rate", 0.0):
+      raise NotRowwise(f"{name} with rows on axis {d} or with dropout")
+    return [0] * n_out
   if name == "cond":
     if ins[0] is not None:
       raise NotRowwise("cond whose branch depends on batch rows")

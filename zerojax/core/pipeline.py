@@ -116,7 +116,7 @@ def _spec_axes(s: Any) -> tuple:
   return s if isinstance(s, tuple) else (s,) if s is not None else ()
 
 
-def stacked_spec(box: ZeroParam, spec: tuple) -> tuple:
+def _stacked_spec(box: ZeroParam, spec: tuple) -> tuple:
   """``spec`` (one of the box's layouts) for its stacked value: Flax's ``nn.scan`` hands the
   body boxes whose layouts are one layer's (the layer axis removed), NNX's the stack's."""
   return (None,) * (jnp.ndim(box.value) - len(spec)) + tuple(spec)
@@ -129,7 +129,7 @@ def _leaf(pos: int, box: ZeroParam, pl: Pipeline) -> _Leaf | str:
   if not jnp.issubdtype(v.dtype, jnp.floating):
     return "a parameter that is not floating-point"
   dtype = jnp.dtype(box.compute_dtype or v.dtype)
-  rest, compute, grad = (stacked_spec(box, s) for s in (box.at_rest, box.compute, box.grad))
+  rest, compute, grad = (_stacked_spec(box, s) for s in (box.at_rest, box.compute, box.grad))
   if rest == compute:
     if any(s is not None for s in rest):
       return f"a parameter laid out as {rest} in compute"
@@ -246,6 +246,8 @@ def pipelined_scan(pl: Pipeline, f: Callable, init: Any, xs: Any, length: int | 
     axes, jaxpr = row_axes(layer, local, (False, False, True, False))
   except NotRowwise as e:
     return Declined(f"the layer does not compute each batch row on its own ({e})")
+  except Exception as e:  # it traces at the whole batch's shapes only (a size written in)
+    return Declined(f"the layer does not trace on one device's rows ({type(e).__name__}: {e})")
   saving = _saving_policies(jaxpr) if own_policies else []
   if saving:
     return Declined(f"the layer's own checkpoint saves residuals (policy {saving[0]}), which "
@@ -268,7 +270,7 @@ def pipelined_scan(pl: Pipeline, f: Callable, init: Any, xs: Any, length: int | 
   run = _scan_fn(converted, sharded, pl, n_layers, reduce_dtype)
   row_spec = P(pl.rows)
   in_specs = ([P()] * len(consts),
-              [P(*stacked_spec(flat[lf.pos], flat[lf.pos].at_rest)) for lf in sharded],
+              [P(*_stacked_spec(flat[lf.pos], flat[lf.pos].at_rest)) for lf in sharded],
               [P()] * len(whole),
               [row_spec] * n_carry,
               [P()] * len(rest_pos))
