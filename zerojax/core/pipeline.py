@@ -56,12 +56,17 @@ class Pipeline:
 
   * ``mesh``: the plan's mesh;
   * ``rows``: the mesh axes the batch rows are split over (the plan's data axes);
-  * ``fsdp``: the axis parameters are sharded over.
+  * ``fsdp``: the axis parameters are sharded over;
+  * ``reduce_dtype``: the dtype gradients are reduce-scattered in (None: the compute dtype);
+  * ``own_policies``: a layer whose own ``jax.checkpoint`` policy saves residuals keeps it
+    (``remat='auto'``), so it is not run one ahead, which re-runs each layer whole.
   """
 
   mesh: Any
   rows: tuple[str, ...]
   fsdp: str = "fsdp"
+  reduce_dtype: Any = None
+  own_policies: bool = True
 
   @property
   def shards(self) -> int:
@@ -81,19 +86,20 @@ class Declined(NamedTuple):
 NOT_LAYERS = "no sharded parameters are scanned"
 
 
-def describe(live: int, outcomes: list) -> str | None:
+def describe(asked: str, outcomes: list) -> str | None:
   """What became of a step's scanned layers (``outcomes``: `Declined` reasons, ``None`` for a
-  scan run one ahead), as `zerojax compile` and ``ZeroStep.layers`` say it; ``None`` where the
-  step scanned no layers."""
+  scan run one ahead) under the setting ``asked`` (e.g. ``"max_live_layers=2"``), as
+  `zerojax compile` and ``ZeroStep.layers`` say it; ``None`` where the step scanned no
+  layers."""
   reasons = [o for o in outcomes if o != NOT_LAYERS]
   if not reasons:
     return None
   if all(o is None for o in reasons):
-    return (f"scanned layers one ahead (max_live_layers={live}): each layer's gather beside "
-            "the layer before it, each gradient's reduce-scatter beside the layer after it")
+    return (f"scanned layers one ahead ({asked}): each layer's gather beside the layer "
+            "before it, each gradient's reduce-scatter beside the layer after it")
   why = "; ".join(dict.fromkeys(o for o in reasons if o is not None))
-  return (f"scanned layers gathered in their own iteration, not one ahead as "
-          f"max_live_layers={live} asks: {why}")
+  return (f"scanned layers gathered in their own iteration, not one ahead as {asked} asks: "
+          f"{why}")
 
 
 # -- which scans: parameters in boxes, rows in the carry --------------------------------------
@@ -188,12 +194,10 @@ def _reduce(grads: list[jax.Array], leaves: list[_Leaf], axis: str, n: int,
 
 
 def pipelined_scan(pl: Pipeline, f: Callable, init: Any, xs: Any, length: int | None,
-                   reduce_dtype: Any, own_policies: bool = True, **kwargs: Any) -> Any:
+                   **kwargs: Any) -> Any:
   """``jax.lax.scan(f, init, xs, length, **kwargs)`` with its layers one ahead (module doc), or
   `Declined` where it cannot be. ``f`` must not itself be routed through zerojax's scan hook
-  (the caller strips it). Each layer is re-run whole in the backward pass, so with
-  ``own_policies`` (``remat='auto'``) a layer whose own checkpoint saves residuals (a
-  ``jax.checkpoint`` policy other than saving nothing) runs as written instead."""
+  (the caller strips it)."""
   if kwargs.get("reverse") or kwargs.get("_split_transpose"):
     return Declined("a reversed scan")
   flat, treedef = jax.tree.flatten(xs, is_leaf=_is_box)
@@ -248,7 +252,7 @@ def pipelined_scan(pl: Pipeline, f: Callable, init: Any, xs: Any, length: int | 
     return Declined(f"the layer does not compute each batch row on its own ({e})")
   except Exception as e:  # it traces at the whole batch's shapes only (a size written in)
     return Declined(f"the layer does not trace on one device's rows ({type(e).__name__}: {e})")
-  saving = _saving_policies(jaxpr) if own_policies else []
+  saving = _saving_policies(jaxpr) if pl.own_policies else []
   if saving:
     return Declined(f"the layer's own checkpoint saves residuals (policy {saving[0]}), which "
                     "re-running each layer whole would not; remat='full' re-runs it whole")
@@ -267,7 +271,7 @@ def pipelined_scan(pl: Pipeline, f: Callable, init: Any, xs: Any, length: int | 
                       lambda *_: None)
     return outs[:n_carry], outs[n_carry:]
 
-  run = _scan_fn(converted, sharded, pl, n_layers, reduce_dtype)
+  run = _scan_fn(converted, sharded, pl, n_layers)
   row_spec = P(pl.rows)
   in_specs = ([P()] * len(consts),
               [P(*_stacked_spec(flat[lf.pos], flat[lf.pos].at_rest)) for lf in sharded],
@@ -308,8 +312,7 @@ def _index(xs: list[jax.Array], i: Any) -> list[jax.Array]:
   return [jax.lax.dynamic_index_in_dim(x, i, 0, keepdims=False) for x in xs]
 
 
-def _scan_fn(layer: Callable, sharded: list[_Leaf], pl: Pipeline, n: int,
-             reduce_dtype: Any) -> Callable:
+def _scan_fn(layer: Callable, sharded: list[_Leaf], pl: Pipeline, n: int) -> Callable:
   """The per-device scan with its VJP (module doc): ``run(consts, shards, wholes, carry, rest)
   -> (carry, ys)``, ``layer(weights, wholes, carry, rest, *consts) -> (carry, ys)``.
 
@@ -328,7 +331,7 @@ def _scan_fn(layer: Callable, sharded: list[_Leaf], pl: Pipeline, n: int,
   axis, n_shards = pl.fsdp, pl.shards
   gather_slice = lambda sl: _gather(sl, sharded, axis, n_shards)
   gather = lambda shards, i: gather_slice(_index(shards, i))
-  reduce = lambda g: _reduce(g, sharded, axis, n_shards, reduce_dtype)
+  reduce = lambda g: _reduce(g, sharded, axis, n_shards, pl.reduce_dtype)
   call = lambda consts, w, wh, c, r: layer(w, wh, c, r, *consts)
 
   def forward(consts, shards, wholes, carry, rest):

@@ -49,6 +49,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from zerojax.core import quantize as q
 from zerojax.core.config import ConfigError, ZeroConfig
+from zerojax.core.dtypes import reduce_dtype_of
 from zerojax.core.memory_kinds import HOST, memory_kinds
 from zerojax.core.mesh import axis_size, data_axes, platform
 from zerojax.core.pipeline import Pipeline
@@ -299,10 +300,10 @@ class ShardingPlan:
   @property
   def live_layers(self) -> int:
     """How many of a scanned model's gathered layers may be live at once at stage 3:
-    ``max_live_layers``, or where it is ``None`` 2 on XLA:GPU and XLA:TPU (the next layer's
-    gather beside the current layer's compute), 1 on XLA:CPU, which runs nothing beside a
-    collective, so a second layer would only cost its memory, and 1 on XLA:TPU, whose ICI
-    all-gather pipelining already issues each gather an iteration ahead (BENCHMARKS.md)."""
+    ``max_live_layers``, or where it is ``None`` 2 on XLA:GPU (the next layer's gather beside
+    the current layer's compute), 1 on XLA:CPU, which runs nothing beside a collective, so a
+    second layer would only cost its memory, and 1 on XLA:TPU, whose ICI all-gather
+    pipelining already issues each gather an iteration ahead (BENCHMARKS.md)."""
     live = self.config.max_live_layers
     return live if live is not None else (2 if self.platform == "gpu" else 1)
 
@@ -316,11 +317,12 @@ class ShardingPlan:
     layers gather inside their own iteration (``max_live_layers`` > 1 then unrolls the loop)."""
     c = self.config
     others = [a for a in self.mesh.axis_names if a not in self.data_axes]
-    if (self.platform == "tpu" or not self.params_sharded or self.live_layers < 2 or c.remat not in ("auto", "full")
-        or c.quantized or c.offload_params or "fsdp" not in self.mesh.axis_names
+    if (self.platform == "tpu" or not self.params_sharded or self.live_layers < 2
+        or c.remat not in ("auto", "full") or c.quantized or c.offload_params
         or axis_size(self.mesh, "fsdp") < 2 or any(axis_size(self.mesh, a) > 1 for a in others)):
       return None
-    return Pipeline(self.mesh, self.data_axes)
+    return Pipeline(self.mesh, self.data_axes, reduce_dtype=reduce_dtype_of(c),
+                    own_policies=c.remat == "auto")
 
   @property
   def local_grads(self) -> bool:

@@ -111,10 +111,9 @@ class ScanRemat:
   # A CSE barrier although the body is a scan's: XLA:TPU unrolls short loops and would then
   # merge the backward pass's re-gathers into the forward pass's, keeping gathered weights.
   prevent_cse: bool = True
-  # Layers one ahead (`zerojax.core.pipeline`) where a scan's body qualifies; ``reduce_dtype``
-  # is the dtype its gradients are reduce-scattered in (None: the compute dtype).
+  # Layers one ahead (`zerojax.core.pipeline`) where a scan's body qualifies; a scan that does
+  # not is unrolled by ``live_layers``, the config's explicit ``max_live_layers``.
   pipeline: Pipeline | None = None
-  reduce_dtype: Any = None
 
 
 def scan_remat(config: Any, per_use: bool, pipeline: Pipeline | None = None) -> ScanRemat:
@@ -148,9 +147,8 @@ def scan_remat(config: Any, per_use: bool, pipeline: Pipeline | None = None) -> 
   def wrap(policy: Any, only_unremated: bool) -> ScanRemat:
     # No CSE barrier with weights on the host: libtpu 0.0.42.1 fails to compile it ("Fusion
     # must have backend config"), or with max_live_layers=2 aborts in host-offload normalization.
-    return ScanRemat(policy, only_unremated, live,
-                     prevent_cse=not config.offload_params, pipeline=pipeline,
-                     reduce_dtype=config.reduce_dtype and jnp.dtype(config.reduce_dtype))
+    return ScanRemat(policy, only_unremated, live, prevent_cse=not config.offload_params,
+                     pipeline=pipeline)
 
   if config.remat == "full":
     return wrap(cp.nothing_saveable, False)
@@ -222,8 +220,7 @@ def _dispatch_scan(f, init, xs=None, length=None, **kwargs):
     def as_written(c, x):  # the layer's own body: scans inside it are not routed again
       with setting(_SCAN, None):
         return f(c, x)
-    out = pipelined_scan(rs.pipeline, as_written, init, xs, length, rs.reduce_dtype,
-                         rs.only_unremated, **kwargs)
+    out = pipelined_scan(rs.pipeline, as_written, init, xs, length, **kwargs)
     _record(out)
     if not isinstance(out, Declined):
       return out

@@ -160,7 +160,11 @@ class ZeroStep:
     return self._jitted[key], state
 
   def _describe_layers(self, key, contexts):
-    said = describe(self.plan.live_layers, contexts[-1].scans) if contexts else None
+    plan = self.plan
+    live = plan.config.max_live_layers
+    asked = (f"max_live_layers={live}" if live is not None else
+             f"max_live_layers=None: {plan.live_layers} on {plan.platform.upper()}")
+    said = describe(asked, contexts[-1].scans) if contexts else None
     if said is not None:
       self.layers[key] = said
 
