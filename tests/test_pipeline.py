@@ -288,3 +288,48 @@ def test_gpu_default_overlaps_scanned_layers_at_textbook_volume(h100, pattern):
   assert plan1.pipeline is None
   assert memory.collective_schedule(own.as_text(), "all-gather", LAYERS_SCOPE).total == 0
   assert memory.collective_schedule(own.as_text(), "all-gather").matmul_share < 0.5
+
+
+def test_one_ahead_differentiates_what_the_layers_close_over():
+  """A value computed outside the scan and handed to every layer (``nn.broadcast``: a
+  parameter of the outer model) reaches each layer per device; its gradient sums every
+  layer's and every device's share."""
+  import flax.linen as nn
+  import numpy as np
+  import optax
+
+  class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x, scale):
+      return x + nn.Dense(32)(nn.gelu(nn.Dense(64)(x * scale))), None
+
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      scale = self.param("scale", nn.initializers.ones, (32,))
+      scan = nn.scan(nn.remat(Block), variable_axes={"params": 0}, split_rngs={"params": True},
+                     in_axes=nn.broadcast, length=3)
+      return scan()(x, scale)[0]
+
+  x = jax.random.normal(jax.random.key(1), (16, 32))
+  moved, said = {}, {}
+  for live in (1, 2):
+    config = zerojax.ZeroConfig(stage=3, gather="explicit", max_live_layers=live,
+                                param_persistence_threshold=0)
+    state, plan = zerojax.create_train_state(Net(), optax.sgd(0.5), jax.random.key(0), x,
+                                             config=config)
+    before = jax.device_get(state.params)
+
+    @zerojax.zero_step(plan)
+    def step(state, x):
+      g = jax.grad(lambda p: jnp.mean(state.apply_fn({"params": p}, x) ** 2))(state.params)
+      return state.apply_gradients(grads=g), {}
+
+    after, _ = step(state, x)
+    moved[live] = jax.tree.map(lambda a, b: np.asarray(a) - np.asarray(b), before,
+                               jax.device_get(after.params))
+    said[live] = next(iter(step.layers.values()), None)
+  assert "one ahead" in said[2] and said[1] is None, said
+  assert np.abs(moved[2]["scale"]).max() > 0
+  for a, b in zip(jax.tree.leaves(moved[1]), jax.tree.leaves(moved[2])):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)

@@ -265,13 +265,15 @@ def pipelined_scan(pl: Pipeline, f: Callable, init: Any, xs: Any, length: int | 
     return Declined("a per-layer output whose rows are not its leading axis")
 
   consts = list(jaxpr.consts)  # closed-over values (outer tracers): inputs of the shard_map
+  # Only traced float values can carry a gradient; a constant (a table built with numpy) cannot.
+  traced = [k for k, c in enumerate(consts) if isinstance(c, jax.core.Tracer) and _inexact(c)]
 
   def converted(*args):
     outs = eval_jaxpr(ClosedJaxpr(jaxpr.jaxpr, args[4:]), jax.tree.leaves(args[:4]),
                       lambda *_: None)
     return outs[:n_carry], outs[n_carry:]
 
-  run = _scan_fn(converted, sharded, pl, n_layers)
+  run = _scan_fn(converted, sharded, pl, n_layers, traced)
   row_spec = P(pl.rows)
   in_specs = ([P()] * len(consts),
               [P(*_stacked_spec(flat[lf.pos], flat[lf.pos].at_rest)) for lf in sharded],
@@ -312,9 +314,11 @@ def _index(xs: list[jax.Array], i: Any) -> list[jax.Array]:
   return [jax.lax.dynamic_index_in_dim(x, i, 0, keepdims=False) for x in xs]
 
 
-def _scan_fn(layer: Callable, sharded: list[_Leaf], pl: Pipeline, n: int) -> Callable:
+def _scan_fn(layer: Callable, sharded: list[_Leaf], pl: Pipeline, n: int,
+             fk: list[int]) -> Callable:
   """The per-device scan with its VJP (module doc): ``run(consts, shards, wholes, carry, rest)
-  -> (carry, ys)``, ``layer(weights, wholes, carry, rest, *consts) -> (carry, ys)``.
+  -> (carry, ys)``, ``layer(weights, wholes, carry, rest, *consts) -> (carry, ys)``; ``fk``:
+  the consts to differentiate.
 
   Forward, iteration i runs layer i and gathers layer i+1; the last iteration gathers the
   last layer again, for the backward pass, which starts with it. Backward, iteration i
@@ -357,7 +361,6 @@ def _scan_fn(layer: Callable, sharded: list[_Leaf], pl: Pipeline, n: int) -> Cal
     # The backward pass's gathers wait for the cotangent: not hoisted into the forward pass,
     # and never merged with the forward pass's gathers.
     shards, ct_carry = jax.lax.optimization_barrier((shards, ct_carry))
-    fk = [k for k, x in enumerate(consts) if _inexact(x)]  # differentiable consts
     fr = [k for k, x in enumerate(rest) if _inexact(x)]  # differentiable scanned inputs
 
     def grads(i, w, dc):
