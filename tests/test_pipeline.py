@@ -46,15 +46,13 @@ def test_row_axes_of_a_transformer_block():
   assert jaxpr.jaxpr.eqns
 
 
+@needs_gpu_compiler  # tracing cuDNN's attention needs the CUDA plugin's cuDNN
 def test_row_axes_of_cudnn_attention():
   """cuDNN's fused attention (the 8B and 70B benchmarks' kernel) keeps each row's own."""
   q = S((4, 128, 2, 64), jnp.bfloat16)
   attend = lambda q: jax.nn.dot_product_attention(q, q, q, is_causal=True,
                                                   implementation="cudnn")
-  try:
-    axes, _ = row_axes(attend, (q,), (True,))
-  except NotImplementedError as e:  # pragma: no cover - a JAX without the cuDNN lowering
-    pytest.skip(str(e))
+  axes, _ = row_axes(attend, (q,), (True,))
   assert axes == [0]
 
 
