@@ -379,48 +379,51 @@ def _scan_fn(layer: Callable, sharded: list[_Leaf], pl: Pipeline, n: int,
                        [r_i[k] for k in fr])
       return vjp((dc, _index(ct_ys, i)))
 
+    put = lambda acc, gs, j: [jax.lax.dynamic_update_index_in_dim(a, g.astype(a.dtype), j, 0)
+                              for a, g in zip(acc, gs)]
+
     def step(state, i, below):
-      """Layer i's iteration: reduce-scatter the pending gradient (layer i+1's), gather the
-      weights of layer ``below`` once that is done, re-run layer i. Returns ``(state, (the
-      reduced gradient, whole-weight and scanned-input cotangents of layer i))``."""
-      dc, w, pending, dk = state
+      """Layer i's iteration: reduce-scatter the pending gradient (layer i+1's) into its place
+      in ``acc``, gather the weights of layer ``below`` once that is done, re-run layer i.
+      Returns ``(state, (whole-weight and scanned-input cotangents of layer i))``."""
+      dc, w, pending, dk, acc = state
       red = reduce(pending)
       sl, red = jax.lax.optimization_barrier((_index(shards, below), red))
       ahead = gather_slice(sl)
       dki, dwi, dwh, dc, dr = grads(i, w, dc)
-      return (dc, ahead, dwi, jax.tree.map(jnp.add, dk, dki)), (red, dwh, dr)
+      # Written in place (layer n-1's slot takes the fold's zeros first, then its gradient):
+      # the loop's outputs are the gradient, with no copy to put them in layer order.
+      acc = put(acc, red, jnp.minimum(i + 1, n - 1))
+      return (dc, ahead, dwi, jax.tree.map(jnp.add, dk, dki), acc), (dwh, dr)
 
-    rev = lambda xs: [x[::-1] for x in xs]  # loop outputs (layers high to low) in layer order
-    one = lambda xs: [x[None] for x in xs]
+    # Reversed loops (layer i in iteration n-1-i) stack their outputs in layer order.
+    loop = lambda body, init, lo, hi: ORIGINAL_SCAN(body, init, jnp.arange(lo, hi), reverse=True)
+    acc0 = [jnp.zeros_like(x) for x in shards]
     if n >= FOLD_LAYERS:
       # Layers n-1 .. 0 in the loop: its first iteration reduce-scatters zeros, its last
       # gathers layer 0 again, unused.
       init = (ct_carry, last, [jnp.zeros_like(w) for w in last],
-              [jnp.zeros_like(consts[k]) for k in fk])
-      (dc, _, pending, dk), (reds, dwhs, drs) = ORIGINAL_SCAN(
-          lambda st, i: step(st, i, jnp.maximum(i - 1, 0)), init, jnp.arange(n - 1, -1, -1))
-      red0 = reduce(pending)
-      shard_parts = [one(red0), rev([r[1:] for r in reds])]  # layers 0; 1 .. n-1
-      other_parts = [(rev(dwhs), rev(drs))]  # layers 0 .. n-1
+              [jnp.zeros_like(consts[k]) for k in fk], acc0)
+      (dc, _, pending, dk, acc), (dwhs, drs) = loop(
+          lambda st, i: step(st, i, jnp.maximum(i - 1, 0)), init, 0, n)
+      dshards = put(acc, reduce(pending), 0)
+      other_parts = [(dwhs, drs)]
     else:
       # Few layers: layer n-1 before the loop, layer 0 after it, nothing moved twice.
+      one = lambda xs: [x[None] for x in xs]
       dk, pending, dwh_top, dc, dr_top = grads(n - 1, last, ct_carry)
-      state = (dc, gather(shards, n - 2), pending, dk)
-      loop: tuple = ([], [], [])
+      state = (dc, gather(shards, n - 2), pending, dk, acc0)
+      outs: tuple = ()
       if n > 2:  # layers n-2 .. 1, reducing n-1 .. 2
-        state, outs = ORIGINAL_SCAN(lambda st, i: step(st, i, i - 1), state,
-                                    jnp.arange(n - 2, 0, -1))
-        loop = tuple(rev(o) for o in outs)
-      dc, w0, pending, dk = state
-      red1 = reduce(pending)
+        state, outs = loop(lambda st, i: step(st, i, i - 1), state, 1, n - 1)
+      dc, w0, pending, dk, acc = state
+      acc = put(acc, reduce(pending), 1)
       dk0, dw0, dwh0, dc, dr0 = grads(0, w0, dc)
       dk = jax.tree.map(jnp.add, dk, dk0)
-      red0 = reduce(dw0)
-      shard_parts = [one(red0), one(red1)] + ([loop[0]] if n > 2 else [])
-      other_parts = [(one(dwh0), one(dr0))] + ([(loop[1], loop[2])] if n > 2 else []) + [
+      dshards = put(acc, reduce(dw0), 0)
+      other_parts = [(one(dwh0), one(dr0))] + ([outs] if n > 2 else []) + [
           (one(dwh_top), one(dr_top))]
     cat = lambda parts: [jnp.concatenate(p) for p in zip(*parts)]
-    dshards = [g.astype(x.dtype) for g, x in zip(cat(shard_parts), shards)]
     dwholes = [g.astype(x.dtype) for g, x in zip(cat([p[0] for p in other_parts]), wholes)]
     dconsts: list[Any] = [None] * len(consts)
     for k, g in zip(fk, dk):
