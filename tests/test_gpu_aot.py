@@ -308,6 +308,26 @@ def test_activation_collectives_tell_weights_from_activations():
 
 
 
+def test_activation_collectives_tell_a_batch_from_stacked_kernels_of_its_size():
+  # Llama-3-8B-shaped at a local batch of 2 x 8192: an activation [16, 8192, 4096] has the
+  # element count of the 32 stacked [4096, 4096] query kernels; its shape is no reshape XLA
+  # gives a weight (it splits the layer axis and merges half of it into a kernel axis). The
+  # same kernels with their heads split ([32, 4096, 32, 128]) or their layers merged
+  # ([131072, 4096]) are the weights'.
+  import types
+  from jax.sharding import PartitionSpec as P
+  leaf = types.SimpleNamespace(shape=(32, 4096, 4096), sharded=P(None, "fsdp"))
+  plan = types.SimpleNamespace(leaves=(leaf,), mesh=types.SimpleNamespace(shape={"fsdp": 8}))
+  gather = lambda i, shape: (f"  %ag{i} = bf16[{shape}]{{2,1,0}} all-gather(%x), channel_id={i}, "
+                             "replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}")
+  hlo = "\n".join(["ENTRY %main (x: bf16[2,8192,4096]) -> f32[] {",
+                   "  %x = bf16[2,8192,4096]{2,1,0} parameter(0)",
+                   gather(1, "16,8192,4096"), gather(2, "32,4096,32,128"),
+                   gather(3, "131072,4096"), "  ROOT %r = f32[] constant(0)", "}", ""])
+  act = memory.activation_collectives(hlo, plan)
+  assert act == {("all-gather", "bf16[16,8192,4096]", ""): 16 * 8192 * 4096 * 2}, act
+
+
 PERMUTE_HLO = """\
 ENTRY %main (w: bf16[1024,512], x: bf16[2,1024,1024]) -> f32[] {
   %w = bf16[1024,512]{1,0} parameter(0)

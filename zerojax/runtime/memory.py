@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import glob
 import importlib.util
+import itertools
 import math
 import os
 import re
@@ -677,6 +678,19 @@ def _padded(dims: tuple[int, ...], shapes: set[tuple[int, ...]]) -> bool:
              for p in shapes)
 
 
+def _regrouped(dims: tuple[int, ...], shapes: set[tuple[int, ...]]) -> bool:
+  """Whether ``dims``, its dimensions in some order, is a parameter shape with some of its
+  dimensions split (a kernel's heads, or its sharded axis as devices by rows) or some
+  adjacent whole ones merged, not both: the layouts XLA gives a weight. A batch of
+  activations can have a stacked kernel's element count (Llama-3-8B's ``[16, 8192, 4096]``
+  and its 32 stacked ``[4096, 4096]`` query kernels), but not such a layout."""
+  cuts = lambda d: {math.prod(d[i:]) for i in range(len(d))}
+  n = math.prod(dims)
+  same = [cuts(p) for p in shapes if math.prod(p) == n]
+  return any(mine <= theirs or theirs <= mine
+             for mine in map(cuts, set(itertools.permutations(dims))) for theirs in same)
+
+
 def _row_block(dims: tuple[int, ...], shapes: set[tuple[int, ...]]) -> bool:
   """Whether ``dims`` is a block of leading rows of a parameter shape or shard: XLA:TPU
   realigns a gradient shard padded to its tiles (a 32000-row embedding's 4000-row shards as
@@ -698,8 +712,9 @@ def activation_collectives(hlo_text: str, plan: Any) -> dict[tuple[str, str, str
   operation the partitioner placed it for (its metadata name, e.g. ``'dot_general'``, or
   ``'scatter-add'`` for an embedding lookup's gradient) (the paper's convention,
   loop bodies by trip count). A tensor counts as a parameter's when its element count is a
-  parameter leaf's, a trailing part of one, or some of a stacked leaf's layers (a reshape of
-  a kernel keeps its count), for a collective-permute or all-to-all also its at-rest shard's;
+  parameter leaf's or a trailing part of one and its shape that shape, in some order, with
+  dimensions split or merged (`_regrouped`: a kernel's heads), for a collective-permute or
+  all-to-all also its at-rest shard's;
   when its shape is one of those padded by XLA by less than 1/64 per dimension; or when it is
   a flat buffer no larger than all parameters together (XLA's combiner concatenates gradients
   into one 1-D buffer); or, for a collective-permute XLA made itself (no JAX operation's
@@ -740,7 +755,8 @@ def activation_collectives(hlo_text: str, plan: Any) -> dict[tuple[str, str, str
         flat = dims.count(",") == 0 and n * group <= total
         shape = tuple(int(d) for d in dims.split(",") if d)
         shapes, sizes = known[kind in ("collective-permute", "all-to-all")]
-        if n <= 1 or n * group in sizes or flat or _padded(shape, shapes):
+        if (n <= 1 or flat or _padded(shape, shapes)
+            or (n * group in sizes and (group > 1 or _regrouped(shape, shapes)))):
           continue
         op = _OP_NAME.search(line)
         if kind == "collective-permute" and op is None and _row_block(shape, shapes):
