@@ -15,6 +15,7 @@ import pytest
 
 import zerojax
 from zerojax.models import GPT, GPTConfig
+from zerojax.core.pipeline import LAYERS_SCOPE
 from zerojax.runtime import gpu, memory
 
 try:  # find_spec raises when the parent package (jax_plugins) is absent: no gpu extra
@@ -426,6 +427,53 @@ def test_gpu_unscanned_layers_gather_one_ahead_and_nnx_lists_as_linen_loops(monk
   # Under half a layer's weights more (2 x 512 x 2048 fp32 = 8 MiB; 1.0 MiB more here).
   assert temp <= own_temp + 4 * 2**20, (temp, own_temp)
   assert nnx_temp <= temp * 1.01, (nnx_temp, temp)
+
+
+@needs_gpu_compiler
+def test_gpu_stage3_shards_stacked_kernels_past_their_layer_axis():
+  # At stage 3 on XLA:GPU a leaf of three or more dimensions shards its first divisible
+  # dimension at least a quarter the largest's size, so one layer of it gathers as its own
+  # layout; a layer axis (32 here, divisible by 8) stays whole, and two-dimensional kernels,
+  # other stages and other backends keep the largest dimension.
+  import numpy as np
+  from jax.sharding import Mesh, PartitionSpec as P
+  S = lambda *shape: jax.ShapeDtypeStruct(shape, jax.numpy.float32)
+  params = {"up": S(12, 1024, 2816), "down": S(12, 2816, 1024), "q": S(32, 4096, 4096),
+            "heads": S(1024, 16, 64), "kernel": S(1024, 2816)}
+  gpu_mesh = Mesh(np.array(gpu.gpu_topology(TOPOLOGY).devices), ("fsdp",))
+  cpu_mesh = zerojax.make_mesh(zerojax.ZeroConfig(stage=3))
+
+  def sharded(stage, mesh):
+    plan = zerojax.ShardingPlan.create(zerojax.ZeroConfig(stage=stage), mesh, params)
+    return {lp.path: lp.sharded for lp in plan.leaves}
+  assert sharded(3, gpu_mesh) == {
+      "up": P(None, "fsdp", None), "down": P(None, "fsdp", None), "q": P(None, "fsdp", None),
+      "heads": P("fsdp", None, None), "kernel": P(None, "fsdp")}
+  largest = {"up": P(None, None, "fsdp"), "down": P(None, "fsdp", None),
+             "q": P(None, None, "fsdp"), "heads": P("fsdp", None, None),
+             "kernel": P(None, "fsdp")}
+  assert sharded(2, gpu_mesh) == largest
+  assert sharded(3, cpu_mesh) == largest
+
+
+@needs_gpu_compiler
+def test_gpu_scanned_layers_gather_and_reduce_without_transposes():
+  # Pattern a's layers run one ahead with one flat gather and one flat reduce-scatter per
+  # layer. Sharded past the layer axis on their first dimension, its kernels unpack from the
+  # gathered rows and pack for the reduce-scatter as they are: the step has no transpose
+  # (six, with the kernels' second dimension sharded, and 2.8 MiB more temp at FULL size).
+  from tests.model_patterns import SMALL, target_zero
+  compiled, plan, _ = target_zero("a", SMALL, 3, gpu.gpu_topology(TOPOLOGY).devices)
+  assert {lp.path: lp.sharded for lp in plan.leaves if len(lp.shape) == 3} == {
+      p: jax.sharding.PartitionSpec(None, "fsdp", None)
+      for p in ("ScanCheckpointBlock_0/Dense_0/kernel", "ScanCheckpointBlock_0/Dense_1/kernel")
+  }, plan.table()
+  text = compiled.as_text()
+  flat = [ln for ln in text.splitlines() if "-start(" in ln and LAYERS_SCOPE in ln]
+  assert any("all-gather-start(" in ln for ln in flat), "the layers did not run one ahead"
+  assert any("reduce-scatter-start(" in ln for ln in flat), "the layers did not run one ahead"
+  transposes = re.findall(r"calls=%(?:fused|wrapped)_transpose", text)
+  assert not transposes, len(transposes)
 
 
 @needs_gpu_compiler

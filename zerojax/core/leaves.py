@@ -2,7 +2,9 @@
 mirrors one, is sharded over ``fsdp``.
 
 A leaf's largest dimension that divides evenly by the ``fsdp`` axis size is sharded (ties go to
-the later dimension, which keeps a scanned layer axis whole). A leaf under
+the later dimension, which keeps a scanned layer axis whole); on XLA:GPU at stage 3 a leaf of three or
+more dimensions (a scanned layer's kernel) shards the first such dimension at least a quarter
+the largest's size (`_sharded_dim`). A leaf under
 ``param_persistence_threshold`` elements, or with no divisible dimension, stays replicated and
 says why (`LeafPlan.reason`). User rules and Flax partitioning metadata fix dimensions first.
 """
@@ -72,15 +74,35 @@ def plan_leaf(config: ZeroConfig, mesh: Mesh, path: str, x: Any,
     return LeafPlan(path, shape, dtype, gathered, gathered, reason or "fsdp=1")
   if size < config.persistence_threshold(platform(mesh)):
     return LeafPlan(path, shape, dtype, gathered, gathered, "threshold")
-  best = None
-  for d in range(len(shape)):
-    if base[d] is None and shape[d] % f == 0 and (best is None or shape[d] >= shape[best]):
-      best = d
+  stacked = len(shape) >= 3 and platform(mesh) == "gpu" and config.shards_params
+  best = _sharded_dim(shape, base, f, leading=stacked)
   if best is None:
     return LeafPlan(path, shape, dtype, gathered, gathered, "indivisible")
   spec = list(base)
   spec[best] = "fsdp"
   return LeafPlan(path, shape, dtype, P(*spec), gathered, reason or "sharded")
+
+
+def _sharded_dim(shape: tuple[int, ...], base: list, f: int, leading: bool) -> int | None:
+  """The dimension the leaf rule shards: of those free and divisible by ``f``, the largest
+  (ties to the later one), or with ``leading`` the first at least a quarter the size of the
+  largest.
+
+  ``leading`` is for leaves of three or more dimensions at stage 3 on XLA:GPU, such as scanned
+  layers' stacked kernels. A layer of one sharded on its first dimension past the layer axis
+  is gathered as its devices' rows one after another, its own layout: the scanned layers'
+  flat gathers (`zerojax.core.pipeline`) then need no transpose to unpack a weight or to pack
+  a gradient for its reduce-scatter. The quarter keeps a layer axis (a few dozen layers of
+  weights a few thousand wide) whole. Two-dimensional kernels (unscanned layers, gathered one
+  by one) keep the largest dimension: their schedules had fewer reduce-scatters beside a
+  matmul on their first (BENCHMARKS.md)."""
+  free = [d for d in range(len(shape)) if base[d] is None and shape[d] % f == 0]
+  if not free:
+    return None
+  if leading:
+    largest = max(shape[d] for d in free)
+    return next(d for d in free if 4 * shape[d] >= largest)
+  return max(free, key=lambda d: (shape[d], d))
 
 
 def opt_param_index(tx: Any, opt_state: PyTree, params: PyTree,
