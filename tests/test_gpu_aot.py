@@ -457,11 +457,12 @@ def test_gpu_stage3_shards_stacked_kernels_past_their_layer_axis():
 
 
 @needs_gpu_compiler
-def test_gpu_scanned_layers_gather_and_reduce_without_transposes():
-  # Pattern a's layers run one ahead with one flat gather and one flat reduce-scatter per
-  # layer. Sharded past the layer axis on their first dimension, its kernels unpack from the
-  # gathered rows and pack for the reduce-scatter as they are: the step has no transpose
-  # (six, with the kernels' second dimension sharded, and 2.8 MiB more temp at FULL size).
+def test_gpu_scanned_layers_gather_and_reduce_without_transposes_or_copies():
+  # Pattern a's layers run one ahead, gathering and reducing weight by weight in collectives
+  # XLA combines per layer: each weight lands in a buffer of its own, which no slice copies
+  # out (a flat buffer sliced held the gathered layer twice: 4.0 MiB more temp at FULL size).
+  # Sharded past the layer axis on their first dimension, the kernels need no transpose
+  # either (six, with the second dimension sharded: 2.8 MiB more).
   from tests.model_patterns import SMALL, target_zero
   compiled, plan, _ = target_zero("a", SMALL, 3, gpu.gpu_topology(TOPOLOGY).devices)
   assert {lp.path: lp.sharded for lp in plan.leaves if len(lp.shape) == 3} == {
@@ -472,6 +473,12 @@ def test_gpu_scanned_layers_gather_and_reduce_without_transposes():
   flat = [ln for ln in text.splitlines() if "-start(" in ln and LAYERS_SCOPE in ln]
   assert any("all-gather-start(" in ln for ln in flat), "the layers did not run one ahead"
   assert any("reduce-scatter-start(" in ln for ln in flat), "the layers did not run one ahead"
+  for ln in flat:  # combined: ((shards...), (gathered...)), one shape per weight
+    assert ln.split(" = ", 1)[1].startswith("(("), ln[:200]
+  done = set(re.findall(r"%(all-gather-done[.\d]*) = ", text))
+  slices = [ln for ln in text.splitlines() if re.search(r"calls=%\w*slice", ln)
+            and any(f"%{d}" in ln.split("calls=")[0] for d in done)]
+  assert not slices, slices[:2]
   transposes = re.findall(r"calls=%(?:fused|wrapped)_transpose", text)
   assert not transposes, len(transposes)
 
@@ -614,7 +621,12 @@ def test_gpu_layers_ahead_compile_with_eight_collectives_in_flight(monkeypatch):
 
   jitted.clear()  # scanned layers one ahead: their own options (`zerojax.core.pipeline`)
   scanned, _, _ = target_zero("a", FULL, 3, devices)
-  assert jitted == [ahead, fm.GPU_PIPELINED_OPTIONS]  # expected no scans, traced once more
+  # A layer: two 512 x 2048 kernels, their biases and a LayerNorm, float32; its per-weight
+  # collectives combine up to its size, gathered, and one device's share, reduced.
+  layer = 2 * 512 * 2048 + 2048 + 512 + 2 * 512
+  assert jitted == [ahead, {  # expected no scans, traced once more
+      **fm.GPU_PIPELINED_OPTIONS, "xla_gpu_all_gather_combine_threshold_bytes": 4 * layer,
+      "xla_gpu_reduce_scatter_combine_threshold_bytes": 4 * layer // 8}]
   assert schedule(scanned, "reduce-scatter").matmul_share >= 0.9  # 92%
   jitted.clear()  # gathered in their own iteration: one collective in flight
   scanned, _, _ = target_zero("a", FULL, 3, devices, max_live_layers=1)

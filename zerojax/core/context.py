@@ -42,8 +42,9 @@ class StepContext:
       layers ahead (`ShardingPlan.compiler_options_for`) only without such layers.
     formulation: the `zerojax.core.formulation.Formulation` `zerojax.value_and_grad` chose
       for an NNX model in this trace (``None`` if none was traced).
-    scans: per scan traced with the plan's `zerojax.core.pipeline.Pipeline`, ``None`` where
-      its layers ran one ahead, else the reason they could not
+    scans: per scan traced with the plan's `zerojax.core.pipeline.Pipeline`, a
+      `zerojax.core.pipeline.OneAhead` where its layers ran one ahead, else the reason they
+      could not
       (`zerojax.core.remat.scanned_layers`).
   """
 

@@ -210,6 +210,7 @@ GPU_LAYERS_AHEAD_OPTIONS = {"xla_gpu_enable_analytical_latency_estimator": True,
 # XLA:GPU, a step whose scanned layers run one ahead (`zerojax.core.pipeline`): the loops
 # already issue each collective an iteration ahead, so XLA's own pipelining and double
 # buffering are off; see `compiler_options`.
+# The combine thresholds are raised to the largest layer's collectives (`compiler_options`).
 GPU_PIPELINED_OPTIONS = {"xla_gpu_enable_latency_hiding_scheduler": True,
                          "xla_gpu_enable_analytical_latency_estimator": True,
                          "xla_gpu_reduce_scatter_combine_threshold_bytes": 1,
@@ -222,10 +223,11 @@ _USER_FLAGS = {"gpu": "XLA_FLAGS", "tpu": "LIBTPU_INIT_ARGS"}
 
 
 def compiler_options(plan: Any, layers_ahead: bool = False,
-                     pipelined: bool = False) -> dict[str, Any] | None:
+                     pipelined: Any = None) -> dict[str, Any] | None:
   """XLA options the stage needs on this backend; ``layers_ahead``: for a step whose model
   (no scans) gathered its layers one matmul layer ahead (`zerojax.core.regather.prefetching`);
-  ``pipelined``: for a step whose scanned layers ran one ahead (`zerojax.core.pipeline`).
+  ``pipelined``: for a step whose scanned layers ran one ahead (`zerojax.core.pipeline`), the
+  largest layer's `zerojax.core.pipeline.OneAhead`.
 
   At stages 2-3 each layer's gradient must be reduce-scattered as soon as it exists. XLA's
   CPU backend merges all gradient all-reduces of an unscanned model into one combined op,
@@ -261,7 +263,11 @@ def compiler_options(plan: Any, layers_ahead: bool = False,
   computes. XLA:GPU's collective pipeliner and double buffering would move them once more
   (two layers ahead, more memory), so they are off, and the analytical latency estimator
   tells the scheduler how long each collective and matmul takes: with the approximate one it
-  left the reduce-scatters beside no matmul.
+  left the reduce-scatters beside no matmul. Each layer gathers and reduces weight by weight,
+  so each weight and gradient has a buffer of its own (one flat buffer, sliced, held the
+  gathered layer twice); XLA's combiners join a layer's collectives into one of each kind, up
+  to the size of the largest layer's (not beyond: an embedding table's collectives in the
+  same computation stay their own).
 
   On XLA:TPU, ICI all-gather pipelining issues a scanned layer's gather an iteration ahead:
   measured one by one among the flags MaxText ships (BENCHMARKS.md), it is the one that moved
@@ -273,8 +279,12 @@ def compiler_options(plan: Any, layers_ahead: bool = False,
   defaults = {"gpu": GPU_COMPILER_OPTIONS, "tpu": TPU_COMPILER_OPTIONS}.get(platform)
   if defaults is None:
     return None
-  if pipelined and platform == "gpu":
-    defaults = GPU_PIPELINED_OPTIONS
+  if pipelined is not None and platform == "gpu":
+    defaults = {**GPU_PIPELINED_OPTIONS,
+                "xla_gpu_all_gather_combine_threshold_bytes": max(
+                    pipelined.gathered, GPU_PIPELINED_OPTIONS[
+                        "xla_gpu_all_gather_combine_threshold_bytes"]),
+                "xla_gpu_reduce_scatter_combine_threshold_bytes": pipelined.reduced}
   elif layers_ahead and platform == "gpu":
     defaults = {**defaults, **GPU_LAYERS_AHEAD_OPTIONS}
   user = set(re.findall(r"--(xla_\w+)", os.environ.get(_USER_FLAGS[platform], "")))

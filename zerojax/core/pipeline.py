@@ -10,12 +10,15 @@ gradient is produced after its last matmul, so nothing is left to run beside eit
 zerojax writes the scan's VJP itself, per device inside ``jax.shard_map`` with its own
 collectives:
 
-* forward, iteration i runs layer i and gathers layer i+1 (one all-gather of all its weights,
-  in the compute dtype); each layer keeps only its input for the backward pass, as
-  ``nn.remat`` does;
+* forward, iteration i runs layer i and gathers layer i+1 (in the compute dtype); each layer
+  keeps only its input for the backward pass, as ``nn.remat`` does;
 * backward, iteration i re-runs layer i from its input (gathered the iteration before),
   re-gathers layer i-1, and reduce-scatters layer i+1's gradient, kept from the iteration
-  before in the compute (or ``reduce_dtype``) dtype: one reduce-scatter of all its weights.
+  before in the compute (or ``reduce_dtype``) dtype.
+
+A layer's weights are gathered, and its gradients reduced, one collective per weight, each
+into a buffer of its own; XLA:GPU's combiners join them into one collective of each kind per
+layer (`OneAhead` gives the sizes).
 
 Each iteration's two collectives depend on nothing the iteration computes, so the scheduler
 can issue them beside its matmuls. Running per device is only right for a layer that computes
@@ -40,13 +43,14 @@ from zerojax._compat import ORIGINAL_SCAN, REMAT_PRIMITIVE_NAMES, eval_jaxpr, su
 from zerojax.core.batchwise import NotRowwise, row_axes
 from zerojax.core.gather import ZeroParam
 
-__all__ = ["Pipeline", "Declined", "pipelined_scan", "LAYERS_SCOPE", "NOT_LAYERS", "describe"]
+__all__ = ["Pipeline", "Declined", "OneAhead", "pipelined_scan", "LAYERS_SCOPE", "NOT_LAYERS",
+           "describe"]
 
 # From this many layers on, the backward loop holds every layer (`_scan_fn`).
 FOLD_LAYERS = 8
 
-# Name scope of the scanned layers' collectives (in the HLO's op_name metadata): their flat
-# buffers have no parameter's shape, and the schedule of these alone is what the pipeline sets.
+# Name scope of the scanned layers' collectives (in the HLO's op_name metadata): the
+# schedule of these alone is what the pipeline sets.
 LAYERS_SCOPE = "zerojax_layers"
 
 
@@ -87,17 +91,17 @@ NOT_LAYERS = "no sharded parameters are scanned"
 
 
 def describe(asked: str, outcomes: list) -> str | None:
-  """What became of a step's scanned layers (``outcomes``: `Declined` reasons, ``None`` for a
-  scan run one ahead) under the setting ``asked`` (e.g. ``"max_live_layers=2"``), as
+  """What became of a step's scanned layers (``outcomes``: `Declined` reasons, `OneAhead` for
+  a scan run one ahead) under the setting ``asked`` (e.g. ``"max_live_layers=2"``), as
   `zerojax compile` and ``ZeroStep.layers`` say it; ``None`` where the step scanned no
   layers."""
   reasons = [o for o in outcomes if o != NOT_LAYERS]
   if not reasons:
     return None
-  if all(o is None for o in reasons):
+  if all(isinstance(o, OneAhead) for o in reasons):
     return (f"scanned layers one ahead ({asked}): each layer's gather beside the layer "
             "before it, each gradient's reduce-scatter beside the layer after it")
-  why = "; ".join(dict.fromkeys(o for o in reasons if o is not None))
+  why = "; ".join(dict.fromkeys(o for o in reasons if isinstance(o, str)))
   return (f"scanned layers gathered in their own iteration, not one ahead as {asked} asks: "
           f"{why}")
 
@@ -148,56 +152,51 @@ def _leaf(pos: int, box: ZeroParam, pl: Pipeline) -> _Leaf | str:
   return _Leaf(pos, named[0][0] - 1, dtype)
 
 
-# -- one combined collective per layer --------------------------------------------------------
+# -- a layer's collectives --------------------------------------------------------------------
 
 
-def _gather(shards: list[jax.Array], leaves: list[_Leaf], axis: str, n: int) -> list[jax.Array]:
-  """One layer's weights from this device's shards: one all-gather per dtype of every weight
-  laid end to end (each with its sharded axis first)."""
-  out: list[Any] = [None] * len(shards)
-  for dtype in dict.fromkeys(lf.dtype for lf in leaves):
-    idx = [k for k, lf in enumerate(leaves) if lf.dtype == dtype]
-    moved = [jnp.moveaxis(shards[k].astype(dtype), leaves[k].dim, 0) for k in idx]
-    flat = jnp.concatenate([m.reshape(-1) for m in moved])
-    with jax.named_scope(LAYERS_SCOPE):
-      full = jax.lax.all_gather(flat, axis, axis=0, tiled=False)
-    off = 0
-    for k, m in zip(idx, moved):
-      piece = full[:, off:off + m.size].reshape((n * m.shape[0],) + m.shape[1:])
-      out[k] = jnp.moveaxis(piece, 0, leaves[k].dim)
-      off += m.size
-  return out
+class OneAhead(NamedTuple):
+  """A scan whose layers ran one ahead, and what its largest layer's collectives move per
+  device: its gathered weights (``gathered`` bytes) and its share of the reduced gradient
+  (``reduced`` bytes). XLA:GPU's combiners join a layer's per-weight collectives into one of
+  each kind up to these sizes (`zerojax.core.formulation.compiler_options`)."""
+  gathered: int
+  reduced: int
 
 
-def _reduce(grads: list[jax.Array], leaves: list[_Leaf], axis: str, n: int,
+def _gather(shards: list[jax.Array], leaves: list[_Leaf], axis: str) -> list[jax.Array]:
+  """One layer's weights from this device's shards, in the compute dtype: an all-gather per
+  weight, each into a buffer of its own, which the layer's matmuls read as they are."""
+  with jax.named_scope(LAYERS_SCOPE):
+    return [jax.lax.all_gather(s.astype(lf.dtype), axis, axis=lf.dim, tiled=True)
+            for s, lf in zip(shards, leaves)]
+
+
+def _reduce(grads: list[jax.Array], leaves: list[_Leaf], axis: str,
             reduce_dtype: Any) -> list[jax.Array]:
-  """This device's shard of the sum over devices of one layer's gradients: one
-  reduce-scatter per dtype of every gradient laid end to end, in ``reduce_dtype`` if set."""
-  out: list[Any] = [None] * len(grads)
+  """This device's shard of the sum over devices of one layer's gradients: a reduce-scatter
+  per gradient, in ``reduce_dtype`` if set."""
   cast = lambda g: g.astype(reduce_dtype) if reduce_dtype is not None else g
-  for dtype in dict.fromkeys(cast(g).dtype for g in grads):
-    idx = [k for k, g in enumerate(grads) if cast(g).dtype == dtype]
-    moved = [jnp.moveaxis(cast(grads[k]), leaves[k].dim, 0) for k in idx]
-    flat = jnp.concatenate([m.reshape(n, -1) for m in moved], axis=1)
-    with jax.named_scope(LAYERS_SCOPE):
-      mine = jax.lax.psum_scatter(flat, axis, scatter_dimension=0, tiled=False)
-    off = 0
-    for k, m in zip(idx, moved):
-      size = m.size // n
-      piece = mine[off:off + size].reshape((m.shape[0] // n,) + m.shape[1:])
-      out[k] = jnp.moveaxis(piece, 0, leaves[k].dim)
-      off += size
-  return out
+  with jax.named_scope(LAYERS_SCOPE):
+    return [jax.lax.psum_scatter(cast(g), axis, scatter_dimension=lf.dim, tiled=True)
+            for g, lf in zip(grads, leaves)]
+
+
+def _layer_bytes(flat: list, sharded: list[_Leaf], pl: Pipeline) -> OneAhead:
+  sizes = [(math.prod(jnp.shape(flat[lf.pos].value)[1:]), lf.dtype) for lf in sharded]
+  reduced = lambda dt: jnp.dtype(pl.reduce_dtype if pl.reduce_dtype is not None else dt)
+  return OneAhead(sum(n * jnp.dtype(dt).itemsize for n, dt in sizes),
+                  sum(n // pl.shards * reduced(dt).itemsize for n, dt in sizes))
 
 
 # -- the scan ----------------------------------------------------------------------------------
 
 
 def pipelined_scan(pl: Pipeline, f: Callable, init: Any, xs: Any, length: int | None,
-                   **kwargs: Any) -> Any:
-  """``jax.lax.scan(f, init, xs, length, **kwargs)`` with its layers one ahead (module doc), or
-  `Declined` where it cannot be. ``f`` must not itself be routed through zerojax's scan hook
-  (the caller strips it)."""
+                   **kwargs: Any) -> tuple[Any, OneAhead] | Declined:
+  """``(jax.lax.scan(f, init, xs, length, **kwargs), OneAhead(...))`` with the layers one ahead
+  (module doc), or `Declined` where they cannot be. ``f`` must not itself be routed through
+  zerojax's scan hook (the caller strips it)."""
   if kwargs.get("reverse") or kwargs.get("_split_transpose"):
     return Declined("a reversed scan")
   flat, treedef = jax.tree.flatten(xs, is_leaf=_is_box)
@@ -290,7 +289,8 @@ def pipelined_scan(pl: Pipeline, f: Callable, init: Any, xs: Any, length: int | 
                          check_vma=False)(*args)
   except Exception as e:  # e.g. under a transformation shard_map refuses; nothing was emitted
     return Declined(f"JAX could not run it per device ({type(e).__name__}: {e})")
-  return jax.tree.unflatten(carry_def, c), jax.tree.unflatten(ys_defs[0], y)
+  out = jax.tree.unflatten(carry_def, c), jax.tree.unflatten(ys_defs[0], y)
+  return out, _layer_bytes(flat, sharded, pl)
 
 
 def _saving_policies(jaxpr: Any) -> list[str]:
@@ -332,10 +332,10 @@ def _scan_fn(layer: Callable, sharded: list[_Leaf], pl: Pipeline, n: int,
   re-gathers layer 0 (2/(3n) of the textbook volume). With fewer, where that would be a large
   share, layer n-1 runs before the loop and layer 0 after it, compiled once more each.
   """
-  axis, n_shards = pl.fsdp, pl.shards
-  gather_slice = lambda sl: _gather(sl, sharded, axis, n_shards)
+  axis = pl.fsdp
+  gather_slice = lambda sl: _gather(sl, sharded, axis)
   gather = lambda shards, i: gather_slice(_index(shards, i))
-  reduce = lambda g: _reduce(g, sharded, axis, n_shards, pl.reduce_dtype)
+  reduce = lambda g: _reduce(g, sharded, axis, pl.reduce_dtype)
   call = lambda consts, w, wh, c, r: layer(w, wh, c, r, *consts)
 
   def forward(consts, shards, wholes, carry, rest):

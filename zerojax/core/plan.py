@@ -352,11 +352,12 @@ class ShardingPlan:
     step whose trace shows otherwise compiles with `compiler_options_for` its model."""
     return self.compiler_options_for(self.prefetches_next_layer and self.params_sharded)
 
-  def compiler_options_for(self, layers_ahead: bool, pipelined: bool = False
+  def compiler_options_for(self, layers_ahead: bool, pipelined: Any = None
                            ) -> dict[str, Any] | None:
     """XLA options the stage needs on this backend for a step whose model's layers did
-    (``layers_ahead``) or did not gather one matmul layer ahead, and whose scanned layers did
-    (``pipelined``) or did not run one ahead (`zerojax.core.formulation.compiler_options`)."""
+    (``layers_ahead``) or did not gather one matmul layer ahead, and whose scanned layers ran
+    one ahead (``pipelined``: the largest layer's `zerojax.core.pipeline.OneAhead`) or not
+    (None) (`zerojax.core.formulation.compiler_options`)."""
     return fm.compiler_options(self, layers_ahead, pipelined)
 
   @property

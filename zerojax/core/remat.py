@@ -221,9 +221,9 @@ def _dispatch_scan(f, init, xs=None, length=None, **kwargs):
       with setting(_SCAN, None):
         return f(c, x)
     out = pipelined_scan(rs.pipeline, as_written, init, xs, length, **kwargs)
-    _record(out)
+    _record(out if isinstance(out, Declined) else out[1])
     if not isinstance(out, Declined):
-      return out
+      return out[0]
   if rs.live_layers > 1:
     unroll = kwargs.get("unroll", 1)
     if not isinstance(unroll, bool) and unroll < rs.live_layers:
@@ -243,14 +243,14 @@ _OUTCOMES: contextvars.ContextVar[list | None] = contextvars.ContextVar(
 def _record(out: Any) -> None:
   outcomes = _OUTCOMES.get()
   if outcomes is not None:
-    outcomes.append(out.reason if isinstance(out, Declined) else None)
+    outcomes.append(out.reason if isinstance(out, Declined) else out)
 
 
 @contextlib.contextmanager
 def scanned_layers(rs: ScanRemat | None) -> Iterator[list]:
   """Applies ``rs`` to every scan traced in this thread (and context) inside the block. Yields
-  the list of what became of each scan given a pipeline: ``None`` where its layers ran one
-  ahead, else the reason they could not."""
+  the list of what became of each scan given a pipeline: a `zerojax.core.pipeline.OneAhead`
+  where its layers ran one ahead, else the reason they could not."""
   install_scan_hook(_dispatch_scan)
   outcomes: list = []
   with setting(_SCAN, rs), setting(_OUTCOMES, outcomes):

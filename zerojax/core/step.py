@@ -29,7 +29,7 @@ from zerojax.core.dtypes import check_compute_dtype, compute_dtype_of, set_nnx_d
 from zerojax.core.formulation import remat_applied
 from zerojax.core.apply import ModelApply, linen_applies, per_use_reason
 from zerojax.core.grad import check_batch
-from zerojax.core.pipeline import describe
+from zerojax.core.pipeline import OneAhead, describe
 from zerojax.core.plan import ShardingPlan
 from zerojax.core.remat import scan_remat, scanned_layers
 from zerojax.core.train_state import StepSettings, ZeroTrainState, skip_nonfinite
@@ -189,8 +189,10 @@ class ZeroStep:
     if compute_dtype_of(plan.config) is not None:
       check_compute_dtype(plan.config, traced.lower())
     ctx = contexts[-1]
-    options = plan.compiler_options_for(ctx.layers_ahead and not ctx.layers_in_checkpoints,
-                                        any(o is None for o in ctx.scans))
+    ahead = [o for o in ctx.scans if isinstance(o, OneAhead)]
+    options = plan.compiler_options_for(
+        ctx.layers_ahead and not ctx.layers_in_checkpoints,
+        OneAhead(*map(max, zip(*ahead))) if ahead else None)
     return jitted if options == plan.compiler_options else jit(options)
 
   def _dispatch(self, args):

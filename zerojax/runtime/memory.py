@@ -720,10 +720,9 @@ def activation_collectives(hlo_text: str, plan: Any) -> dict[tuple[str, str, str
   into one 1-D buffer); or, for a collective-permute XLA made itself (no JAX operation's
   name), when it is a block of a parameter shard's leading rows (`_row_block`). A collective
   of one element (a loss, a norm) is neither, nor is a collective under zerojax's own ZeRO++
-  scopes (`_zerojax_own`: quantised weights, their scales, gradient chunks) or scanned layers'
-  weights laid end to end (`zerojax.core.pipeline.LAYERS_SCOPE`, also where XLA's combiner
-  joined them with another parameter's collective). What is left moves the model's
-  activations: the partitioner chose to reshard them instead of gathering a weight."""
+  scopes (`_zerojax_own`: quantised weights, their scales, gradient chunks). What is left
+  moves the model's activations: the partitioner chose to reshard them instead of gathering a
+  weight."""
   # (shapes, element counts) a parameter's collective has; shards only for permutes.
   known = {k: (p, {math.prod(x) for x in p})
            for k, p in ((False, _param_shapes(plan)), (True, _param_shapes(plan, shards=True)))}
@@ -763,8 +762,6 @@ def activation_collectives(hlo_text: str, plan: Any) -> dict[tuple[str, str, str
           continue
         if op is not None and _zerojax_own(op.group(1)):
           continue
-        if op is not None and LAYERS_SCOPE in op.group(1) and len(shape) == 2 and n <= total:
-          continue  # scanned layers' weights laid end to end, combined by XLA with others
         b = n * group * _DTYPE_BYTES[dt] * (2 if kind == "all-reduce" else 1)
         tag = (kind, f"{dt}[{dims}]", op.group(1).rsplit("/", 1)[-1].rstrip(")") if op else "")
         out[tag] = out.get(tag, 0) + k * b
@@ -772,15 +769,13 @@ def activation_collectives(hlo_text: str, plan: Any) -> dict[tuple[str, str, str
 
 
 _OWN_SCOPE = re.compile(r"(?:^|[/(:])(?:%s)/" % "|".join(
-    (zeropp.GATHER_SCOPE, zeropp.REGATHER_SCOPE, zeropp.REDUCE_SCOPE, LAYERS_SCOPE)))
+    (zeropp.GATHER_SCOPE, zeropp.REGATHER_SCOPE, zeropp.REDUCE_SCOPE)))
 
 
 def _zerojax_own(op_name: str) -> bool:
   """Whether every JAX operation in ``op_name`` (XLA joins a combined collective's as
   ``prefix/(a:b)``) ran under a scope of zerojax's own collectives of parameters and
-  gradients (ZeRO++'s, and scanned layers' one ahead: `zerojax.core.pipeline.LAYERS_SCOPE`),
-  whose scales, padded chunks and layers laid end to end have no parameter's element
-  count."""
+  gradients (ZeRO++'s), whose scales and padded chunks have no parameter's element count."""
   parts = op_name[op_name.rindex("/(") + 2:-1].split(":") if op_name.endswith(")") and \
       "/(" in op_name else [op_name]
   return all(_OWN_SCOPE.search(p) for p in parts)
