@@ -423,9 +423,11 @@ def test_gpu_unscanned_layers_gather_one_ahead_and_nnx_lists_as_linen_loops(monk
   size = Size(layers=6, d_model=512, d_ff=2048, rows=1024, vocab=512, seq=8)
   nnx_temp = memory.measure(target_zero("e", size, 3, devices)[0]).temp
   (ahead, temp), (own, own_temp) = one_ahead_and_not("c", size, devices, monkeypatch)
-  assert ahead >= own + 0.3, (ahead, own)  # 62% against 8% at this size
-  # Under half a layer's weights more (2 x 512 x 2048 fp32 = 8 MiB; 1.0 MiB more here).
-  assert temp <= own_temp + 4 * 2**20, (temp, own_temp)
+  assert ahead >= own + 0.3, (ahead, own)
+  # Gathers issued as early as they can be hold about one layer's weights more, as scanned
+  # layers one ahead do (2 x 512 x 2048 fp32 = 8 MiB; 9.3 MiB more here).
+  layer = 4 * (2 * 512 * 2048 + 2048 + 512 + 2 * 512)
+  assert temp <= own_temp + 1.25 * layer, (temp, own_temp)
   assert nnx_temp <= temp * 1.01, (nnx_temp, temp)
 
 

@@ -205,7 +205,8 @@ GPU_COMPILER_OPTIONS = {"xla_gpu_enable_latency_hiding_scheduler": True,
 # XLA:GPU, a model without scans whose layers gather one matmul layer ahead
 # (`ShardingPlan.prefetches_next_layer`): see `compiler_options`.
 GPU_LAYERS_AHEAD_OPTIONS = {"xla_gpu_enable_analytical_latency_estimator": True,
-                            "xla_gpu_experimental_parallel_collective_overlap_limit": 8}
+                            "xla_gpu_experimental_parallel_collective_overlap_limit": 8,
+                            "xla_gpu_experimental_collective_start_as_early_as_possible": True}
 
 # XLA:GPU, a step whose scanned layers run one ahead (`zerojax.core.pipeline`): the loops
 # already issue each collective an iteration ahead, so XLA's own pipelining and double
@@ -254,9 +255,12 @@ def compiler_options(plan: Any, layers_ahead: bool = False,
   estimator and up to eight collectives in flight: with one, a layer's reduce-scatters held
   the slot while its matmuls ran and the next layer's gathers waited; with two or four, the
   query, key and value gathers and the previous layer's reduce-scatters still queued behind
-  each other (six or more gave the same schedule as sixteen). A scanned layer's
-  reduce-scatters lost their matmuls under the same options, so scanned models keep one in
-  flight.
+  each other (six or more gave the same schedule as sixteen). Each collective also starts as
+  early as its operands allow: otherwise the scheduler left a layer's query, key and value
+  gathers beside the previous layer's residual add and norm, which it judged long enough. That
+  keeps about one more layer's gathered weights alive, the memory `max_live_layers=2` allows
+  scanned layers. A scanned layer's reduce-scatters lost their matmuls under the same
+  options, so scanned models keep one in flight.
 
   Where scanned layers ran one ahead, each loop iteration already holds the next layer's
   gather and the previous layer's reduce-scatter, neither waiting for anything the iteration
