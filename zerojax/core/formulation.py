@@ -210,8 +210,8 @@ GPU_LAYERS_AHEAD_OPTIONS = {"xla_gpu_enable_analytical_latency_estimator": True,
 
 # XLA:GPU, a step whose scanned layers run one ahead (`zerojax.core.pipeline`): the loops
 # already issue each collective an iteration ahead, so XLA's own pipelining and double
-# buffering are off; see `compiler_options`.
-# The combine thresholds are raised to the largest layer's collectives (`compiler_options`).
+# buffering are off, and the combine thresholds are raised to the largest layer's
+# collectives; see `compiler_options`.
 GPU_PIPELINED_OPTIONS = {"xla_gpu_enable_latency_hiding_scheduler": True,
                          "xla_gpu_enable_analytical_latency_estimator": True,
                          "xla_gpu_reduce_scatter_combine_threshold_bytes": 1,

@@ -2,11 +2,11 @@
 mirrors one, is sharded over ``fsdp``.
 
 A leaf's largest dimension that divides evenly by the ``fsdp`` axis size is sharded (ties go to
-the later dimension, which keeps a scanned layer axis whole); on XLA:GPU at stage 3 a leaf of three or
-more dimensions (a scanned layer's kernel) shards the first such dimension at least a quarter
-the largest's size (`_sharded_dim`). A leaf under
-``param_persistence_threshold`` elements, or with no divisible dimension, stays replicated and
-says why (`LeafPlan.reason`). User rules and Flax partitioning metadata fix dimensions first.
+the later dimension, which keeps a scanned layer axis whole); on XLA:GPU at stage 3 a leaf of
+three or more dimensions (a scanned layer's kernel) shards the first such dimension at least a
+quarter the largest's size (`_sharded_dim`). A leaf under ``param_persistence_threshold``
+elements, or with no divisible dimension, stays replicated and says why (`LeafPlan.reason`).
+User rules and Flax partitioning metadata fix dimensions first.
 """
 
 from __future__ import annotations
@@ -91,8 +91,8 @@ def _sharded_dim(shape: tuple[int, ...], base: list, f: int, leading: bool) -> i
   ``leading`` is for leaves of three or more dimensions at stage 3 on XLA:GPU, such as scanned
   layers' stacked kernels. A layer of one sharded on its first dimension past the layer axis
   is gathered as its devices' rows one after another, its own layout: the scanned layers'
-  flat gathers (`zerojax.core.pipeline`) then need no transpose to unpack a weight or to pack
-  a gradient for its reduce-scatter. The quarter keeps a layer axis (a few dozen layers of
+  gathers and reduce-scatters (`zerojax.core.pipeline`) then need no transpose of a weight or
+  of a gradient. The quarter keeps a layer axis (a few dozen layers of
   weights a few thousand wide) whole. Two-dimensional kernels (unscanned layers, gathered one
   by one) keep the largest dimension: their schedules had fewer reduce-scatters beside a
   matmul on their first (BENCHMARKS.md)."""

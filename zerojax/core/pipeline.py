@@ -183,6 +183,8 @@ def _reduce(grads: list[jax.Array], leaves: list[_Leaf], axis: str,
 
 
 def _layer_bytes(flat: list, sharded: list[_Leaf], pl: Pipeline) -> OneAhead:
+  """What one layer's all-gather and reduce-scatter move per device (``flat``: the stacked
+  boxes of the scan's inputs)."""
   sizes = [(math.prod(jnp.shape(flat[lf.pos].value)[1:]), lf.dtype) for lf in sharded]
   reduced = lambda dt: jnp.dtype(pl.reduce_dtype if pl.reduce_dtype is not None else dt)
   return OneAhead(sum(n * jnp.dtype(dt).itemsize for n, dt in sizes),
