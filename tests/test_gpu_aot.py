@@ -617,6 +617,8 @@ def test_gpu_layers_ahead_compile_with_eight_collectives_in_flight(monkeypatch):
   loop, plan, _ = target_zero("c", FULL, 3, devices)
   assert plan.compiler_options == ahead and jitted == [ahead]
   assert plan.compiler_options_for(False) == fm.GPU_COMPILER_OPTIONS
+  with pytest.raises(TypeError, match=r"pipelined=True is invalid: .*OneAhead"):
+    plan.compiler_options_for(False, True)
   # 94% / 100% (73% / 54% with two in flight, 56% all-gathers with one)
   assert schedule(loop, "all-gather").matmul_share >= 0.9
   assert schedule(loop, "reduce-scatter").matmul_share >= 0.9

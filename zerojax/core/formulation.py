@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 from jax.extend.core import Var
 
 from zerojax._compat import REMAT_PRIMITIVE_NAMES, jaxpr_has_primitive, subjaxprs
+from zerojax.core.pipeline import OneAhead
 from zerojax.core.remat import block_policy, remat_policy
 
 __all__ = ["Formulation", "choose", "remat_applied", "lookup_tables", "finds_tables",
@@ -283,6 +284,9 @@ def compiler_options(plan: Any, layers_ahead: bool = False,
   defaults = {"gpu": GPU_COMPILER_OPTIONS, "tpu": TPU_COMPILER_OPTIONS}.get(platform)
   if defaults is None:
     return None
+  if pipelined is not None and not isinstance(pipelined, OneAhead):
+    raise TypeError(f"pipelined={pipelined!r} is invalid: the largest scanned layer's "
+                    "zerojax.core.pipeline.OneAhead(gathered, reduced) bytes, or None")
   if pipelined is not None and platform == "gpu":
     defaults = {**GPU_PIPELINED_OPTIONS,
                 "xla_gpu_all_gather_combine_threshold_bytes": max(

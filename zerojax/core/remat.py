@@ -221,9 +221,11 @@ def _dispatch_scan(f, init, xs=None, length=None, **kwargs):
       with setting(_SCAN, None):
         return f(c, x)
     out = pipelined_scan(rs.pipeline, as_written, init, xs, length, **kwargs)
-    _record(out if isinstance(out, Declined) else out[1])
     if not isinstance(out, Declined):
-      return out[0]
+      out, ran = out
+      _record(ran)
+      return out
+    _record(out.reason)
   if rs.live_layers > 1:
     unroll = kwargs.get("unroll", 1)
     if not isinstance(unroll, bool) and unroll < rs.live_layers:
@@ -240,10 +242,10 @@ _OUTCOMES: contextvars.ContextVar[list | None] = contextvars.ContextVar(
     "zerojax_scan_outcomes", default=None)
 
 
-def _record(out: Any) -> None:
+def _record(outcome: Any) -> None:
   outcomes = _OUTCOMES.get()
   if outcomes is not None:
-    outcomes.append(out.reason if isinstance(out, Declined) else out)
+    outcomes.append(outcome)
 
 
 @contextlib.contextmanager
