@@ -59,9 +59,11 @@ def _checkpointed(call: Callable[[], Any], arrays: list, boxes: list) -> Any:
     ctx.layers_in_checkpoints = True
   wait = arrays
   if (held := _PREVIOUS.get()) is not None:
+    # Siblings (`_ahead_of`) are not moved up here: in the issue's Llama as a loop of
+    # nn.remat blocks that left fewer all-gathers beside a matmul (51% -> 43%).
     wait = (held and held[0].input_here()) or arrays
     if _has_matrix(boxes):
-      held[:] = [_Previous(arrays)]
+      held[:] = [_Previous(arrays, wait)]
   with setting(_IN_LAYER, True), setting(AFTER, token_of(wait, boxes[0].barrier)):
     return call()
 
@@ -129,13 +131,28 @@ class _Previous:
   with the ``cotangent_trace`` it belongs to (per-block ``nn.remat`` traces each block's
   backward pass apart; in another trace a layer waits for its own)."""
 
-  def __init__(self, input: list):
+  def __init__(self, input: list, waited: list):
     self.input, self.trace, self.next = input, get_opaque_trace_state(), False
+    self.waited = waited  # what its own forward gathers waited for
     self.cotangent, self.cotangent_trace = None, None
 
   def input_here(self) -> list | None:
     """``input`` if this trace may read it, else None."""
     return self.input if self.trace == get_opaque_trace_state() else None
+
+
+def _ahead_of(previous: _Previous | None, arrays: list) -> list:
+  """What a matmul layer's forward gathers wait for under `prefetching`: the input of the
+  previous matmul layer; where that layer read the same input (the key and value projections
+  after the query's, a gated MLP's two input projections), what it waited for, so that siblings
+  gather beside the matmul before them, not beside each other's (XLA:GPU often merges the
+  siblings' matmuls into one)."""
+  before = previous.input_here() if previous is not None else None
+  if not before:
+    return arrays
+  if len(before) == len(arrays) and all(a is b for a, b in zip(before, arrays)):
+    return previous.waited
+  return before
 
 
 # Inside `prefetching`: the `_Previous` layer ([] before one).
@@ -147,11 +164,12 @@ _PREVIOUS: contextvars.ContextVar[list | None] = contextvars.ContextVar("zerojax
 def prefetching(on: bool) -> Iterator[None]:
   """With ``on`` (`ShardingPlan.prefetches_next_layer`), each layer's gathers run one matmul
   layer ahead: forward, they wait for the input of the last layer before it that gathered a
-  matrix, not for its own input; backward, a matmul layer's re-gathers wait for the output
+  matrix, not for its own input (a layer reading that layer's own input waits for what that
+  layer waited for: `_ahead_of`); backward, a matmul layer's re-gathers wait for the output
   cotangent of the next matmul layer, not for its own (except behind the last matmul layer,
   whose own re-gather runs then). So a layer's weights may arrive while its neighbour's
-  matmuls run (two layers' weights gathered at most, in either pass); waiting for its own
-  input or cotangent leaves nothing to run beside the gather."""
+  matmuls run (two matmul layers' weights gathered at most, siblings counting as one);
+  waiting for its own input or cotangent leaves nothing to run beside the gather."""
   with setting(_PREVIOUS, [] if on else None):
     yield
 
@@ -183,8 +201,8 @@ def _layer(run: Callable, shards: list, arrays: list, barrier: bool, matrix: boo
   if token_of(arrays, True) is None:
     held = None
   previous = held[0] if held else None
-  mine = _Previous(arrays) if held is not None and matrix else None
-  wait = (previous and previous.input_here()) or arrays
+  wait = _ahead_of(previous, arrays)
+  mine = _Previous(arrays, wait) if held is not None and matrix else None
   if mine is not None:
     if (ctx := context.current()) is not None:
       ctx.layers_ahead = True
