@@ -568,15 +568,18 @@ def test_gpu_llama_blocks_gather_beside_matmuls_and_re_gather_after_their_reshap
       return x + dense(D, "w2")(nn.silu(dense(2048, "w1")(h)) * dense(2048, "w3")(h))
 
   class Model(nn.Module):
+    remat: bool = False
+
     @nn.compact
     def __call__(self, tokens):
       x = nn.Embed(512, 1024)(tokens)
-      for _ in range(2):
-        x = Block()(x)
+      for i in range(2):
+        x = (nn.remat(Block) if self.remat else Block)(name=f"Block_{i}")(x)
       return nn.Dense(512, use_bias=False)(x)
 
-  r = memory.compile_for_topology(zerojax.ZeroConfig(stage=3, compute_dtype="bfloat16"),
-                                  Model(), (16, 128), TOPOLOGY)
+  r, in_remat = (memory.compile_for_topology(zerojax.ZeroConfig(
+      stage=3, compute_dtype="bfloat16"), Model(remat), (16, 128), TOPOLOGY)
+      for remat in (False, True))
   text = r.compiled.as_text()
   starts = _gather_starts(text)
   for layer in ("Block_0", "Block_1"):
@@ -603,6 +606,12 @@ def test_gpu_llama_blocks_gather_beside_matmuls_and_re_gather_after_their_reshap
   shares = {w: memory.collective_schedule(text, "all-gather", f"Block_1/{w}/{w}/").matmul_share
             for w in ("wq", "wk", "wv", "wo", "w1", "w3", "w2")}
   assert shares == dict.fromkeys(shares, 1.0), shares
+  # Inside the model's own nn.remat blocks too (forward and the blocks' re-runs): w3 no longer
+  # waits for its own input (0.5 each before). A block's first gathers (wq, wk, wv) can wait
+  # for nothing earlier than the block's input: the block before is another trace.
+  share = lambda w: memory.collective_schedule(in_remat.compiled.as_text(), "all-gather",
+                                               f"Block_1/{w}/").matmul_share
+  assert [share(w) for w in ("wo", "w1", "w3")] == [1.0, 1.0, 1.0]
 
 
 @needs_gpu_compiler
@@ -610,9 +619,9 @@ def test_gpu_layers_ahead_compile_with_eight_collectives_in_flight(monkeypatch):
   # Layers without scans gather one matmul layer ahead on XLA:GPU; with one collective in
   # flight a layer's reduce-scatters held the slot while its matmuls ran and the next layer's
   # gathers waited, with two the query, key and value gathers still queued. Such a step
-  # compiles with the analytical latency estimator and eight in flight; a scanned model keeps
-  # one (its reduce-scatters lost their matmuls with two), as does a loop of a model's own
-  # remat blocks, at the cost of tracing it once more, and XLA compiles each step once.
+  # compiles with the analytical latency estimator and eight in flight, as does a loop of a
+  # model's own remat blocks; a scanned model keeps one (its reduce-scatters lost their
+  # matmuls with two), at the cost of tracing it once more, and XLA compiles each step once.
   from tests.model_patterns import FULL, target_zero
   from zerojax.core import formulation as fm
   from zerojax.core.step import ZeroStep
@@ -645,10 +654,14 @@ def test_gpu_layers_ahead_compile_with_eight_collectives_in_flight(monkeypatch):
   scanned, _, _ = target_zero("a", FULL, 3, devices, max_live_layers=1)
   assert jitted == [ahead, fm.GPU_COMPILER_OPTIONS]
   assert schedule(scanned, "reduce-scatter").matmul_share >= 0.99  # 0% with two in flight
-  jitted.clear()  # a loop of nn.remat blocks: its layers wait inside the blocks' checkpoints
+  jitted.clear()  # a loop of nn.remat blocks: its layers wait inside the blocks' checkpoints,
+  # one matmul layer ahead there too; its collectives do not start early
   memory.compile_for_topology(zerojax.ZeroConfig(stage=3), GPT(dataclasses.replace(
       TINY, scan=False, remat=True)), BATCH, TOPOLOGY)
-  assert jitted == [ahead, fm.GPU_COMPILER_OPTIONS]
+  in_checkpoints = dict(ahead)
+  del in_checkpoints["xla_gpu_experimental_collective_start_as_early_as_possible"]
+  assert jitted == [ahead, in_checkpoints]
+  assert plan.compiler_options_for(True, None, True) == in_checkpoints
   config = zerojax.ZeroConfig(stage=2)
   stage2 = zerojax.ShardingPlan.create(config, zerojax.make_mesh(config, devices=list(devices)),
                                        {"w": jax.ShapeDtypeStruct((64, 64), "float32")})

@@ -35,11 +35,12 @@ class StepContext:
     linen: whether the step takes a state with an ``apply_fn`` (not an NNX step).
     boxed_calls: how often `zerojax.value_and_grad` ran an NNX model with its parameters in
       per-use gather boxes in this trace.
-    layers_ahead: whether a model's layers (no scans) gathered one matmul layer ahead, as
-      custom VJPs, in this trace (`zerojax.core.regather.prefetching`).
-    layers_in_checkpoints: whether a layer ran inside the model's own checkpoint
-      (`zerojax.core.regather.inside_checkpoints`). The step compiles with the options for
-      layers ahead (`ShardingPlan.compiler_options_for`) only without such layers.
+    layers_ahead: whether a model's layers (no scans) gathered one matmul layer ahead in this
+      trace (`zerojax.core.regather.prefetching`), as custom VJPs or inside the model's own
+      checkpoints; the step then compiles with the options for layers ahead
+      (`ShardingPlan.compiler_options_for`).
+    layers_in_checkpoints: whether some of them ran inside the model's own checkpoints
+      (`zerojax.core.regather.inside_checkpoints`), which changes those options.
     formulation: the `zerojax.core.formulation.Formulation` `zerojax.value_and_grad` chose
       for an NNX model in this trace (``None`` if none was traced).
     scans: per scan traced with the plan's `zerojax.core.pipeline.Pipeline`, a

@@ -224,12 +224,14 @@ TPU_COMPILER_OPTIONS = {"xla_tpu_enable_ici_ag_pipelining": True}
 _USER_FLAGS = {"gpu": "XLA_FLAGS", "tpu": "LIBTPU_INIT_ARGS"}
 
 
-def compiler_options(plan: Any, layers_ahead: bool = False,
-                     pipelined: Any = None) -> dict[str, Any] | None:
+def compiler_options(plan: Any, layers_ahead: bool = False, pipelined: Any = None,
+                     in_checkpoints: bool = False) -> dict[str, Any] | None:
   """XLA options the stage needs on this backend; ``layers_ahead``: for a step whose model
-  (no scans) gathered its layers one matmul layer ahead (`zerojax.core.regather.prefetching`);
-  ``pipelined``: for a step whose scanned layers ran one ahead (`zerojax.core.pipeline`), the
-  largest layer's `zerojax.core.pipeline.OneAhead`.
+  (no scans) gathered its layers one matmul layer ahead (`zerojax.core.regather.prefetching`),
+  ``in_checkpoints`` where some of them ran inside the model's own checkpoints
+  (`zerojax.core.regather.inside_checkpoints`); ``pipelined``: for a step whose scanned layers
+  ran one ahead (`zerojax.core.pipeline`), the largest layer's
+  `zerojax.core.pipeline.OneAhead`.
 
   At stages 2-3 each layer's gradient must be reduce-scattered as soon as it exists. XLA's
   CPU backend merges all gradient all-reduces of an unscanned model into one combined op,
@@ -260,8 +262,11 @@ def compiler_options(plan: Any, layers_ahead: bool = False,
   early as its operands allow: otherwise the scheduler left a layer's query, key and value
   gathers beside the previous layer's residual add and norm, which it judged long enough. That
   keeps about one more layer's gathered weights alive, the memory `max_live_layers=2` allows
-  scanned layers. A scanned layer's reduce-scatters lost their matmuls under the same
-  options, so scanned models keep one in flight.
+  scanned layers. Not inside a model's own checkpoints (``nn.remat`` blocks), where the
+  blocks' re-runs in the backward pass gather too, and starting early held more of them at
+  once (a small GPT's loop of remat blocks: 25.9 -> 33.8 MB of temp). A scanned layer's
+  reduce-scatters lost their matmuls under the same options, so scanned models keep one in
+  flight.
 
   Where scanned layers ran one ahead, each loop iteration already holds the next layer's
   gather and the previous layer's reduce-scatter, neither waiting for anything the iteration
@@ -295,5 +300,7 @@ def compiler_options(plan: Any, layers_ahead: bool = False,
                 "xla_gpu_reduce_scatter_combine_threshold_bytes": pipelined.reduced}
   elif layers_ahead and platform == "gpu":
     defaults = {**defaults, **GPU_LAYERS_AHEAD_OPTIONS}
+    if in_checkpoints:
+      del defaults["xla_gpu_experimental_collective_start_as_early_as_possible"]
   user = set(re.findall(r"--(xla_\w+)", os.environ.get(_USER_FLAGS[platform], "")))
   return {k: v for k, v in defaults.items() if k not in user} or None

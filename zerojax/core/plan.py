@@ -352,13 +352,14 @@ class ShardingPlan:
     step whose trace shows otherwise compiles with `compiler_options_for` its model."""
     return self.compiler_options_for(self.prefetches_next_layer and self.params_sharded)
 
-  def compiler_options_for(self, layers_ahead: bool, pipelined: Any = None
-                           ) -> dict[str, Any] | None:
+  def compiler_options_for(self, layers_ahead: bool, pipelined: Any = None,
+                           in_checkpoints: bool = False) -> dict[str, Any] | None:
     """XLA options the stage needs on this backend for a step whose model's layers did
-    (``layers_ahead``) or did not gather one matmul layer ahead, and whose scanned layers ran
-    one ahead (``pipelined``: the largest layer's `zerojax.core.pipeline.OneAhead`) or not
-    (None) (`zerojax.core.formulation.compiler_options`)."""
-    return fm.compiler_options(self, layers_ahead, pipelined)
+    (``layers_ahead``; ``in_checkpoints``: some inside the model's own checkpoints) or did not
+    gather one matmul layer ahead, and whose scanned layers ran one ahead (``pipelined``: the
+    largest layer's `zerojax.core.pipeline.OneAhead`) or not (None)
+    (`zerojax.core.formulation.compiler_options`)."""
+    return fm.compiler_options(self, layers_ahead, pipelined, in_checkpoints)
 
   @property
   def grads_reduced(self) -> PyTree:

@@ -54,16 +54,14 @@ def _in_own_checkpoint() -> bool:
 def _checkpointed(call: Callable[[], Any], arrays: list, boxes: list) -> Any:
   """``call()``, a layer inside the model's own checkpoint (`inside_checkpoints`), as written:
   its gathers wait for its input (under `prefetching`, the previous matmul layer's in the same
-  checkpoint); the checkpoint's re-run orders them again in the backward pass."""
-  if (ctx := context.current()) is not None:
-    ctx.layers_in_checkpoints = True
+  checkpoint, `_ahead_of`); the checkpoint's re-run orders them again in the backward pass."""
   wait = arrays
   if (held := _PREVIOUS.get()) is not None:
-    # Siblings (`_ahead_of`) are not moved up here: in the issue's Llama as a loop of
-    # nn.remat blocks that left fewer all-gathers beside a matmul (51% -> 43%).
-    wait = (held and held[0].input_here()) or arrays
+    wait = _ahead_of(held[0] if held else None, arrays)
     if _has_matrix(boxes):
       held[:] = [_Previous(arrays, wait)]
+      if (ctx := context.current()) is not None:
+        ctx.layers_ahead = ctx.layers_in_checkpoints = True
   with setting(_IN_LAYER, True), setting(AFTER, token_of(wait, boxes[0].barrier)):
     return call()
 

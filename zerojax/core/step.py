@@ -178,9 +178,7 @@ class ZeroStep:
     """``step`` jitted for ``args = (state, batch, *rest)`` and traced once (the trace is
     cached for the first call; it fills ``contexts`` and checks ``compute_dtype``), with the
     compiler options its model needs (`ShardingPlan.compiler_options_for`). Where they are not
-    the ones the plan expected it is jitted again: traced once more, compiled once. A model's
-    own remat blocks keep the base options: with those for layers ahead the issue's Llama as a
-    loop of ``nn.remat`` blocks had 40% of its all-gathers beside a matmul instead of 51%."""
+    the ones the plan expected it is jitted again: traced once more, compiled once."""
     plan = self.plan
     state, batch, *rest = args
     jit = functools.partial(self._jit, step, state_sh, batch, tuple(rest))
@@ -191,8 +189,8 @@ class ZeroStep:
     ctx = contexts[-1]
     ahead = [o for o in ctx.scans if isinstance(o, OneAhead)]
     options = plan.compiler_options_for(
-        ctx.layers_ahead and not ctx.layers_in_checkpoints,
-        OneAhead(*map(max, zip(*ahead))) if ahead else None)
+        ctx.layers_ahead, OneAhead(*map(max, zip(*ahead))) if ahead else None,
+        ctx.layers_in_checkpoints)
     return jitted if options == plan.compiler_options else jit(options)
 
   def _dispatch(self, args):
