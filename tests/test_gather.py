@@ -181,11 +181,12 @@ def test_nnx_layers_regather_exactly_and_a_layer_that_sows_runs_as_written():
   assert count(True) == count(False) + 1  # `a` computes as one layer; `b` as written
 
 
-class _LoopBlock(nn.Module):
+class _LoopBlock(nn.Module):  # a gated MLP: its two input projections read the same input
   @nn.compact
   def __call__(self, x):
-    h = nn.Dense(256, use_bias=False)(nn.LayerNorm()(x))
-    return x + nn.Dense(64)(jax.nn.gelu(h))
+    h = nn.LayerNorm()(x)
+    gate, up = (nn.Dense(256, use_bias=False)(h) for _ in range(2))
+    return x + nn.Dense(64)(jax.nn.gelu(gate) * up)
 
 
 class _Loop(nn.Module):
@@ -232,7 +233,8 @@ def _remats(jitted, *args) -> int:
 @pytest.mark.parametrize("prefetch", [False, True])
 def test_unscanned_layers_train_exactly(monkeypatch, remat, prefetch):
   # With `prefetching` (the default on XLA:GPU and XLA:TPU, forced here on XLA:CPU), a
-  # layer's forward gathers wait for the previous matmul layer's input and its backward
+  # layer's forward gathers wait for the previous matmul layer's input (siblings, the gated
+  # MLP's two input projections, for the input the first of them waited for) and its backward
   # re-gathers for the next one's output cotangent; in the model's own `nn.remat` blocks,
   # layers are no custom VJPs and the block's re-run gathers for its backward pass
   # (`inside_checkpoints`). Only the order and the number of gathers change: three steps'
