@@ -59,7 +59,7 @@ def _checkpointed(call: Callable[[], Any], arrays: list, boxes: list) -> Any:
   if (held := _PREVIOUS.get()) is not None:
     wait = _ahead_of(held[0] if held else None, arrays)
     if _has_matrix(boxes):
-      held[:] = [_Previous(arrays, wait)]
+      held[:] = [_Previous(arrays, wait, [])]
       if (ctx := context.current()) is not None:
         ctx.layers_ahead = ctx.layers_in_checkpoints = True
   with setting(_IN_LAYER, True), setting(AFTER, token_of(wait, boxes[0].barrier)):
@@ -129,10 +129,12 @@ class _Previous:
   with the ``cotangent_trace`` it belongs to (per-block ``nn.remat`` traces each block's
   backward pass apart; in another trace a layer waits for its own)."""
 
-  def __init__(self, input: list, waited: list):
+  def __init__(self, input: list, waited: list, shards: list):
     self.input, self.trace, self.next = input, get_opaque_trace_state(), False
     self.waited = waited  # what its own forward gathers waited for
+    self.shards = shards  # what it gathers (the next matmul layer's backward pass orders them)
     self.cotangent, self.cotangent_trace = None, None
+    self.handed_shards = None  # its shards behind the next matmul layer's cotangent
 
   def input_here(self) -> list | None:
     """``input`` if this trace may read it, else None."""
@@ -200,7 +202,11 @@ def _layer(run: Callable, shards: list, arrays: list, barrier: bool, matrix: boo
     held = None
   previous = held[0] if held else None
   wait = _ahead_of(previous, arrays)
-  mine = _Previous(arrays, wait) if held is not None and matrix else None
+  mine = _Previous(arrays, wait, shards) if held is not None and matrix else None
+  # The previous matmul layer's shards, which this layer's backward pass hands back to it
+  # behind its own cotangent (`layer_bwd`); residuals only, never differentiated.
+  theirs = (previous.shards if barrier and mine is not None and previous is not None
+            and previous.input_here() is not None else [])
   if mine is not None:
     if (ctx := context.current()) is not None:
       ctx.layers_ahead = True
@@ -209,35 +215,46 @@ def _layer(run: Callable, shards: list, arrays: list, barrier: bool, matrix: boo
     held[:] = [mine]
 
   @jax.custom_vjp
-  def layer(shards, arrays, wait):
+  def layer(shards, arrays, wait, theirs):
     return run(shards, arrays, token_of(wait, barrier))
 
-  def layer_fwd(shards, arrays, wait):
-    return run(shards, arrays, token_of(wait, barrier)), (shards, arrays)
+  def layer_fwd(shards, arrays, wait, theirs):
+    return run(shards, arrays, token_of(wait, barrier)), (shards, arrays, theirs)
 
   def layer_bwd(res, ct):
-    shards, arrays = res
+    shards, arrays, theirs = res
+    trace = get_opaque_trace_state()
+    hands = previous is not None and mine is not None and mine.next
     if barrier and ahead:
       # A re-gather's barrier waits for a cotangent. XLA's algebraic simplifier drops a barrier
       # operand that nothing else reads, and the instruction holding a cotangent often is read
       # only there (the layer's matmuls read a reshape of it): through one barrier of its own,
       # the wait and this layer's backward pass read the same instruction. (XLA:TPU, which
       # does not prefetch, needed more temp with it on patterns c and e, the same elsewhere.)
-      ct = jax.lax.optimization_barrier(ct)
-    trace = get_opaque_trace_state()
+      # The previous layer's shards go through the same barrier: its re-gathers then wait for
+      # this layer's cotangent and nothing later, since this layer's matmuls read it. Behind
+      # a barrier of their own (`after`), read by nothing else, XLA:GPU placed that barrier
+      # after this layer's backward matmuls, and the re-gathers had nothing beside them.
+      ct, theirs = jax.lax.optimization_barrier((ct, theirs))
+      if hands and theirs:
+        previous.handed_shards = theirs
     handed = (mine is not None and mine.cotangent is not None
               and mine.cotangent_trace == trace)
-    token = token_of(mine.cotangent if handed else ct, barrier)
-    if previous is not None and mine is not None and mine.next:
+    if handed and mine.handed_shards is not None:
+      token, shards = None, mine.handed_shards  # the same values, ordered by that barrier
+    else:
+      token = token_of(mine.cotangent if handed else ct, barrier)
+    if hands:
       # The previous matmul layer may re-gather once this one's backward pass begins; not
       # behind the last one, whose own re-gather (often the largest, a head's) runs then.
       previous.cotangent, previous.cotangent_trace = ct, trace
     with setting(BACKWARD, True):
       _, vjp = jax.vjp(lambda s, a: run(s, a, token), shards, arrays)
-      return (*vjp(ct), None)  # the wait only orders
+      d_shards, d_arrays = vjp(ct)
+      return d_shards, d_arrays, None, None  # the wait and their shards only order
 
   layer.defvjp(layer_fwd, layer_bwd)
-  return layer(shards, arrays, wait)
+  return layer(shards, arrays, wait, theirs)
 
 
 # -- NNX ---------------------------------------------------------------------------------------
