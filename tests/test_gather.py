@@ -46,6 +46,9 @@ def test_the_plan_waits_by_a_barrier_except_on_cpu():
     assert on.waits_by_barrier is barrier
     # ... and so the whole-model checkpoint needs no CSE barrier of its own there.
     assert on.model_checkpoint_prevents_cse is not barrier
+    # A block's first gathers in a loop of nn.remat blocks wait for nothing on XLA:GPU only
+    # (XLA:TPU held more temp with them, for no more overlap).
+    assert on.prefetches_across_checkpoints is (platform == "gpu")
   boxed = gather.box_params(state.params, plan)
   assert {b.barrier for b in jax.tree.leaves(boxed, is_leaf=lambda x: isinstance(
       x, gather.ZeroParam))} == {False}

@@ -282,6 +282,15 @@ class ShardingPlan:
     return self.platform != "cpu"
 
   @property
+  def prefetches_across_checkpoints(self) -> bool:
+    """Whether, under `prefetches_next_layer`, a layer whose previous matmul layer ran in
+    another checkpoint (a model's loop of ``nn.remat`` blocks: each block's first projections,
+    the head after them) gathers unordered, placed by the scheduler beside the block before,
+    rather than after its own input (`zerojax.core.regather.prefetching`): on XLA:GPU, at more
+    temp. XLA:TPU placed them no better, at more temp too."""
+    return self.platform == "gpu"
+
+  @property
   def model_checkpoint_prevents_cse(self) -> bool:
     """Whether zerojax's checkpoint around a whole model without scans (stage 3, per use:
     `zerojax.core.apply`) is a CSE barrier (``jax.checkpoint(prevent_cse=True)``). That

@@ -146,8 +146,12 @@ def _ahead_of(previous: _Previous | None, arrays: list) -> list:
   previous matmul layer; where that layer read the same input (the key and value projections
   after the query's, a gated MLP's two input projections), what it waited for, so that siblings
   gather beside the matmul before them, not beside each other's (XLA:GPU often merges the
-  siblings' matmuls into one)."""
+  siblings' matmuls into one). Where the previous one ran in another trace (the block before,
+  inside its own ``nn.remat``), none of its values can be read here: the layer waits for its
+  own input, or, under ``prefetching(across_checkpoints=True)``, for nothing."""
   before = previous.input_here() if previous is not None else None
+  if before is None and previous is not None and _ACROSS.get():
+    return []
   if not before:
     return arrays
   if len(before) == len(arrays) and all(a is b for a, b in zip(before, arrays)):
@@ -155,13 +159,14 @@ def _ahead_of(previous: _Previous | None, arrays: list) -> list:
   return before
 
 
-# Inside `prefetching`: the `_Previous` layer ([] before one).
+# Inside `prefetching`: the `_Previous` layer ([] before one), and its ``across_checkpoints``.
 _PREVIOUS: contextvars.ContextVar[list | None] = contextvars.ContextVar("zerojax_previous",
                                                                        default=None)
+_ACROSS: contextvars.ContextVar[bool] = contextvars.ContextVar("zerojax_across", default=False)
 
 
 @contextlib.contextmanager
-def prefetching(on: bool) -> Iterator[None]:
+def prefetching(on: bool, across_checkpoints: bool = False) -> Iterator[None]:
   """With ``on`` (`ShardingPlan.prefetches_next_layer`), each layer's gathers run one matmul
   layer ahead: forward, they wait for the input of the last layer before it that gathered a
   matrix, not for its own input (a layer reading that layer's own input waits for what that
@@ -169,8 +174,14 @@ def prefetching(on: bool) -> Iterator[None]:
   cotangent of the next matmul layer, not for its own (except behind the last matmul layer,
   whose own re-gather runs then). So a layer's weights may arrive while its neighbour's
   matmuls run (two matmul layers' weights gathered at most, siblings counting as one);
-  waiting for its own input or cotangent leaves nothing to run beside the gather."""
-  with setting(_PREVIOUS, [] if on else None):
+  waiting for its own input or cotangent leaves nothing to run beside the gather.
+
+  A layer whose previous matmul layer ran in another trace (the first of a block in its own
+  ``nn.remat``, or the head after such blocks) cannot wait for that layer's input. With
+  ``across_checkpoints`` (`ShardingPlan.prefetches_across_checkpoints`) its gathers wait for
+  nothing and the scheduler places them, beside the block before's matmuls; without, they
+  wait for its own input, with only a norm beside them."""
+  with setting(_PREVIOUS, [] if on else None), setting(_ACROSS, on and across_checkpoints):
     yield
 
 
