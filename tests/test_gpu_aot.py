@@ -695,11 +695,14 @@ def test_gpu_layers_ahead_compile_with_eight_collectives_in_flight(monkeypatch):
   assert jitted == [ahead, fm.GPU_COMPILER_OPTIONS]
   assert schedule(scanned, "reduce-scatter").matmul_share >= 0.99  # 0% with two in flight
   jitted.clear()  # a loop of nn.remat blocks: its layers wait inside the blocks' checkpoints,
-  # one matmul layer ahead there too; its collectives do not start early
+  # one matmul layer ahead there too; its collectives do not start early, and more of them
+  # may be in flight (the issue's Llama: 71% of all-gathers beside a matmul with eight, 78%
+  # with 32, at the same temp)
   memory.compile_for_topology(zerojax.ZeroConfig(stage=3), GPT(dataclasses.replace(
       TINY, scan=False, remat=True)), BATCH, TOPOLOGY)
   in_checkpoints = dict(ahead)
   del in_checkpoints["xla_gpu_experimental_collective_start_as_early_as_possible"]
+  in_checkpoints["xla_gpu_experimental_parallel_collective_overlap_limit"] = 32
   assert jitted == [ahead, in_checkpoints]
   assert plan.compiler_options_for(True, None, True) == in_checkpoints
   config = zerojax.ZeroConfig(stage=2)

@@ -28,7 +28,7 @@ from zerojax.core.remat import block_policy, remat_policy
 __all__ = ["Formulation", "choose", "remat_applied", "lookup_tables", "finds_tables",
            "needs_trace", "compiler_options",
            "GPU_COMPILER_OPTIONS", "GPU_LAYERS_AHEAD_OPTIONS", "GPU_PIPELINED_OPTIONS",
-           "TPU_COMPILER_OPTIONS"]
+           "GPU_IN_CHECKPOINTS_IN_FLIGHT", "TPU_COMPILER_OPTIONS"]
 
 
 class Formulation(NamedTuple):
@@ -209,6 +209,10 @@ GPU_LAYERS_AHEAD_OPTIONS = {"xla_gpu_enable_analytical_latency_estimator": True,
                             "xla_gpu_experimental_parallel_collective_overlap_limit": 8,
                             "xla_gpu_experimental_collective_start_as_early_as_possible": True}
 
+# XLA:GPU, collectives in flight where layers gathered one matmul layer ahead ran inside a
+# model's own checkpoints: see `compiler_options`.
+GPU_IN_CHECKPOINTS_IN_FLIGHT = 32
+
 # XLA:GPU, a step whose scanned layers run one ahead (`zerojax.core.pipeline`): the loops
 # already issue each collective an iteration ahead, so XLA's own pipelining and double
 # buffering are off, and the combine thresholds are raised to the largest layer's
@@ -264,7 +268,9 @@ def compiler_options(plan: Any, layers_ahead: bool = False, pipelined: Any = Non
   keeps about one more layer's gathered weights alive, the memory `max_live_layers=2` allows
   scanned layers. Not inside a model's own checkpoints (``nn.remat`` blocks), where the
   blocks' re-runs in the backward pass gather too, and starting early held more of them at
-  once (a small GPT's loop of remat blocks: 25.9 -> 33.8 MB of temp). A scanned layer's
+  once (a small GPT's loop of remat blocks: 25.9 -> 33.8 MB of temp). Not started early,
+  their collectives keep the same temp with more in flight, and more of them find a matmul
+  (`GPU_IN_CHECKPOINTS_IN_FLIGHT`). A scanned layer's
   reduce-scatters lost their matmuls under the same options, so scanned models keep one in
   flight.
 
@@ -302,5 +308,7 @@ def compiler_options(plan: Any, layers_ahead: bool = False, pipelined: Any = Non
     defaults = {**defaults, **GPU_LAYERS_AHEAD_OPTIONS}
     if in_checkpoints:
       del defaults["xla_gpu_experimental_collective_start_as_early_as_possible"]
+      defaults["xla_gpu_experimental_parallel_collective_overlap_limit"] = (
+          GPU_IN_CHECKPOINTS_IN_FLIGHT)
   user = set(re.findall(r"--(xla_\w+)", os.environ.get(_USER_FLAGS[platform], "")))
   return {k: v for k, v in defaults.items() if k not in user} or None
