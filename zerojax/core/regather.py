@@ -149,9 +149,11 @@ def _ahead_of(previous: _Previous | None, arrays: list) -> list:
   siblings' matmuls into one). Where the previous one ran in another trace (the block before,
   inside its own ``nn.remat``), none of its values can be read here: the layer waits for its
   own input, or, under ``prefetching(across_checkpoints=True)``, for nothing."""
-  before = previous.input_here() if previous is not None else None
-  if before is None and previous is not None and _ACROSS.get():
-    return []
+  if previous is None:
+    return arrays
+  before = previous.input_here()
+  if before is None:  # another trace
+    return [] if _ACROSS.get() else arrays
   if not before:
     return arrays
   if len(before) == len(arrays) and all(a is b for a, b in zip(before, arrays)):
