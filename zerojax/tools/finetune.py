@@ -110,7 +110,8 @@ def finetune_task(fo: FinetuneOptions, opts: Any, config: Any) -> Task:
   base = llama.from_hf_config(fo.model_dir)
   cfg = llama.from_hf_config(fo.model_dir, remat=fo.remat, lora_rank=fo.lora,
                              lora_alpha=float(fo.lora_alpha), lora_targets=fo.lora_targets,
-                             dtype=jnp.dtype(config.compute_dtype))
+                             dtype=jnp.dtype(config.compute_dtype),
+                             param_dtype=jnp.dtype(config.param_dtype))
   seq_len = opts.seq_len
   if seq_len > cfg.max_position_embeddings:
     raise ConfigError(f"seq_len={seq_len} is invalid for {fo.model_dir!r}: at most its "
@@ -172,10 +173,13 @@ def _setup(fo: FinetuneOptions, opts: Any, cfg: Any, base: Any):
   def setup(config, mesh, tx, rng, resume_step):
     if resume_step is None:
       # Adapters are new (the model's init); everything else comes from the files.
-      # transformers writes a tied head once, under the embedding's name.
+      # transformers writes a tied head once, under the embedding's name. Hub checkpoints
+      # are mostly bf16: each block read is cast to param_dtype in place (cast=True), so the
+      # load holds the shards in param_dtype and one block, never a tensor in both dtypes.
       src = weights.safetensors_source(
           fo.model_dir, llama.hf_mapping(base), skip="lora_" if fo.lora else None,
-          allow_extra=[r"^lm_head\.weight$"] if cfg.tie_word_embeddings else False)
+          allow_extra=[r"^lm_head\.weight$"] if cfg.tie_word_embeddings else False,
+          cast=True)
       model, optimizer, plan = create_nnx(make, tx, config=config, mesh=mesh, wrt=wrt,
                                           params=src)
       return (model, optimizer), plan, 0, 0

@@ -1,0 +1,137 @@
+"""Fine-tuning the way Hugging Face users do (#51): bf16/fp16 checkpoints, LoRA with gradient
+accumulation, DeepSpeed "auto" as the Trainer's defaults, chat templates rendered as
+transformers renders them, and ShareGPT data."""
+
+import json
+import tracemalloc
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import torch  # noqa: E402
+import transformers  # noqa: E402
+
+import zerojax  # noqa: E402
+from tests.test_hf_families import make_hf, make_tokenizer  # noqa: E402
+from tests.test_hf_finetune import make_chat_jsonl  # noqa: E402
+from zerojax.models import llama  # noqa: E402
+from zerojax.runtime import weights  # noqa: E402
+
+RUN = ["--no-export", "--no-progress", "steps=1", "seq_len=32", "batch=8", "show_plan=false",
+       "plot=false"]
+
+
+def _base(d, dtype, seed=5):
+  m = make_hf("qwen2", seed=seed, tie_word_embeddings=True, vocab_size=300, bos_token_id=1,
+              eos_token_id=0, pad_token_id=0)
+  m.to(dtype).save_pretrained(d)
+  make_tokenizer(d)
+  make_chat_jsonl(d / "train.jsonl", 40)
+  return d
+
+
+@pytest.fixture(scope="module")
+def bf16_dir(tmp_path_factory):
+  return _base(tmp_path_factory.mktemp("bf16"), torch.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def fp32_dir(tmp_path_factory):
+  return _base(tmp_path_factory.mktemp("fp32"), torch.float32)
+
+
+# -- 1. bf16 and fp16 checkpoints -------------------------------------------------------------
+
+
+def _stored_dtypes(d):
+  return {v[2] for v in weights.checkpoint_index(d).values()}
+
+
+@pytest.mark.parametrize("ckpt, overrides, want", [
+    ("bfloat16", [], "float32"),
+    ("bfloat16", ["param_dtype=bfloat16", "compute_dtype=bfloat16"], "bfloat16"),
+    ("float16", ["compute_dtype=bfloat16"], "float32"),
+])
+def test_half_precision_checkpoints_finetune_cast_to_param_dtype(tmp_path_factory, ckpt,
+                                                                overrides, want, capsys):
+  """A bf16 or fp16 Hub checkpoint trains: each leaf is read in param_dtype, its values the
+  stored ones (cast exactly: every bf16/fp16 value is a float32 value)."""
+  from zerojax.tools import finetune as ft
+  from zerojax.tools.cli import main
+  d = _base(tmp_path_factory.mktemp(ckpt), getattr(torch, ckpt))
+  assert _stored_dtypes(d) == {ckpt}
+  out = tmp_path_factory.mktemp("run")
+  rc = main(["finetune", str(d), "--data", str(d / "train.jsonl"), *RUN, f"out_dir={out}",
+             *overrides])
+  assert rc == 0, capsys.readouterr().err
+  # the values: the task's setup reads the checkpoint into the plan's shards in param_dtype
+  opts = ft.TrainOptions(steps=1, batch=8, seq_len=32)
+  config = zerojax.ZeroConfig(stage=3, **dict(o.split("=") for o in overrides))
+  fo = ft.FinetuneOptions(model_dir=str(d), data=str(d / "train.jsonl"))
+  task = ft.finetune_task(fo, opts, config)
+  (model, _), _, _, _ = task.setup(config, zerojax.make_mesh(config), optax.adamw(0.0), None,
+                                   None)
+  params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+  assert {np.dtype(x.dtype).name for x in jax.tree.leaves(params)} == {want}
+  from safetensors.numpy import load_file
+  stored = load_file(str(d / "model.safetensors"))
+  np.testing.assert_array_equal(np.asarray(params["norm"]["scale"], np.float32),
+                                stored["model.norm.weight"].astype(np.float32))
+  emb = np.asarray(params["embed_tokens"]["embedding"], np.float32)
+  np.testing.assert_array_equal(emb, stored["model.embed_tokens.weight"].astype(np.float32))
+
+
+def _big_checkpoint(path, dtype):
+  """A Llama-layout checkpoint big enough that the load's memory is its shards, not noise."""
+  from safetensors.numpy import save_file
+  cfg = dict(vocab_size=2048, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+             rms_norm_eps=1e-5, rope_theta=500.0, model_type="llama",
+             tie_word_embeddings=False)
+  rs = np.random.RandomState(0)
+  d, i, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+  shapes = {"model.embed_tokens.weight": (v, d), "model.norm.weight": (d,),
+            "lm_head.weight": (v, d)}
+  for n in range(2):
+    p = f"model.layers.{n}."
+    shapes.update({p + "input_layernorm.weight": (d,), p + "post_attention_layernorm.weight": (d,),
+                   p + "self_attn.q_proj.weight": (d, d), p + "self_attn.k_proj.weight": (d // 2, d),
+                   p + "self_attn.v_proj.weight": (d // 2, d), p + "self_attn.o_proj.weight": (d, d),
+                   p + "mlp.gate_proj.weight": (i, d), p + "mlp.up_proj.weight": (i, d),
+                   p + "mlp.down_proj.weight": (d, i)})
+  path.mkdir()
+  save_file({k: rs.standard_normal(s).astype(dtype) for k, s in shapes.items()},
+            str(path / "model.safetensors"))
+  (path / "config.json").write_text(json.dumps(cfg))
+  return path
+
+
+@pytest.mark.parametrize("param_dtype", ["bfloat16", "float32"])
+def test_half_precision_load_stays_within_its_shards(tmp_path, monkeypatch, param_dtype):
+  """Cast as read: the host memory of loading a bf16 checkpoint into param_dtype stays within
+  1.2 x the parameters' bytes in param_dtype / processes (here 1 process holds all 8 devices'
+  shards): no tensor is ever held whole in both dtypes."""
+  d = _big_checkpoint(tmp_path / "ckpt", ml_dtypes.bfloat16)
+  ckpt_bytes = (d / "model.safetensors").stat().st_size
+  monkeypatch.setattr(weights, "_BLOCK_BYTES", 64 << 10)  # blocks small beside the shards
+  cfg = llama.from_hf_config(d, param_dtype=jnp.dtype(param_dtype))
+  config = zerojax.ZeroConfig(stage=3, param_dtype=param_dtype)
+  plan = zerojax.ShardingPlan.create(config, zerojax.make_mesh(config), nnx.state(
+      nnx.eval_shape(lambda: llama.Llama(cfg, nnx.Rngs(0))), nnx.Param))
+  loaded = sum(int(np.prod(lp.shape)) * np.dtype(lp.dtype).itemsize for lp in plan.leaves)
+  assert loaded == pytest.approx(ckpt_bytes * np.dtype(param_dtype).itemsize / 2, rel=0.01)
+  tracemalloc.start()
+  try:
+    tree = weights.load_safetensors(d, plan, llama.hf_mapping(cfg), cast=True)
+    jax.block_until_ready(tree)
+    _, peak = tracemalloc.get_traced_memory()
+  finally:
+    tracemalloc.stop()
+  print(f"load peak {peak / loaded:.3f} x the shards ({loaded:,} bytes)")
+  assert peak <= 1.2 * loaded / jax.process_count(), (peak, loaded)
+  assert {np.dtype(x.dtype).name for x in jax.tree.leaves(tree)} == {param_dtype}
