@@ -18,13 +18,10 @@ from zerojax.models import GPT, GPTConfig
 from zerojax.core.pipeline import LAYERS_SCOPE
 from zerojax.runtime import gpu, memory
 
-try:  # find_spec raises when the parent package (jax_plugins) is absent: no gpu extra
-  HAS_CUDA_PLUGIN = importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
-except ModuleNotFoundError:
-  HAS_CUDA_PLUGIN = False
+HAS_CUDA_PLUGIN = gpu.cuda_plugin() is not None
 needs_gpu_compiler = pytest.mark.skipif(
     not HAS_CUDA_PLUGIN,
-    reason='JAX\'s CUDA plugin is not installed (pip install -e ".[gpu]"): no GPU compiler')
+    reason='JAX\'s CUDA plugin is not installed (pip install -e ".[cuda13]"): no GPU compiler')
 
 TOPOLOGY = "h100:8"
 TINY = GPTConfig(vocab_size=256, seq_len=64, num_layers=2, num_heads=4, d_model=256)
@@ -148,12 +145,15 @@ def test_gpu_topology_rejects_bad_names(name):
     gpu.parse_gpu_topology(name)
 
 
-def test_gpu_topology_without_the_plugin_names_the_extra(monkeypatch):
+def test_gpu_topology_without_the_plugin_names_the_install_line(monkeypatch):
   real = importlib.util.find_spec
   monkeypatch.setattr(importlib.util, "find_spec",
                       lambda n, *a: None if n.startswith("jax_plugins") else real(n, *a))
-  with pytest.raises(ImportError, match=re.escape(gpu.GPU_EXTRA)):
+  with pytest.raises(ImportError) as e:
     gpu.gpu_topology("h100:8")
+  # The plugin that matches the installed JAX exactly, for either CUDA.
+  for cuda in ("cuda13", "cuda12"):
+    assert f'pip install "jax[{cuda}]=={jax.__version__}"' in str(e.value)
 
 
 def test_target_configs_ship_with_the_package():

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import re
 import threading
 from typing import Any, Callable, Iterator
 
@@ -18,11 +19,52 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.extend.core import Literal, Var, get_opaque_trace_state
 from flax import linen as nn
 
-__all__ = ["ORIGINAL_SCAN", "REMAT_PRIMITIVE_NAMES", "name_p", "sharding_constraint_p",
+__all__ = ["JAX_VERSION", "xla_gpu_options", "ORIGINAL_SCAN", "REMAT_PRIMITIVE_NAMES", "name_p", "sharding_constraint_p",
            "jaxpr_has_primitive", "subjaxprs", "eval_jaxpr", "var_uses", "bind_dot_general",
            "install_scan_hook", "ORIGINAL_LINEN_APPLY", "install_linen_apply_hook",
            "backends_initialized", "distributed_state", "detect_cluster",
            "keeps_nested_policies", "install_nested_remat_rule", "checkpoint_trace"]
+
+# The installed JAX release as (major, minor, patch), for the per-release paths below.
+JAX_VERSION: tuple[int, ...] = tuple(int(p) for p in re.findall(r"\d+", jax.__version__)[:3])
+
+# XLA:GPU options that the compiler of a JAX release cannot take, from that release on:
+# {option: (first release, replacement option and value, or None to drop it)}. From jaxlib
+# 0.11 on:
+# * the boolean collective-pipelining options are gone ("No such compile option"); their
+#   successors take a `CollectivePipeliningMode`, given by name (an int is not validated);
+# * XLA:GPU's analytical latency estimator aborts the process while scheduling some programs
+#   (`AnalyticalLatencyEstimator::NodeCost`: "Check failed: buffer != nullptr"), so it is
+#   left out and the scheduler uses its default estimator.
+_PIPELINE_ON = "COLLECTIVE_PIPELINING_MODE_ON"
+_GPU_OPTIONS_FROM: dict[str, tuple[tuple[int, ...], tuple[str, Any] | None]] = {
+    "xla_gpu_enable_pipelined_all_gather": ((0, 11), ("xla_gpu_pipeline_all_gather",
+                                                      _PIPELINE_ON)),
+    "xla_gpu_enable_pipelined_reduce_scatter": ((0, 11), ("xla_gpu_pipeline_reduce_scatter",
+                                                          _PIPELINE_ON)),
+    "xla_gpu_enable_analytical_latency_estimator": ((0, 11), None),
+}
+
+
+def xla_gpu_options(options: dict[str, Any]) -> dict[str, Any]:
+  """``options`` as this JAX release's XLA:GPU takes them: each option its compiler cannot
+  take is replaced or left out (`_GPU_OPTIONS_FROM`).
+
+  Args:
+    options: XLA:GPU compile options, by name.
+
+  Returns:
+    A new dict, in the same order.
+  """
+  out: dict[str, Any] = {}
+  for k, v in options.items():
+    since, replacement = _GPU_OPTIONS_FROM.get(k, ((1 << 30,), None))
+    if JAX_VERSION < since:
+      out[k] = v
+    elif replacement is not None and v:
+      out.setdefault(*replacement)
+  return out
+
 
 # ``jax.lax.scan`` as JAX defines it, captured before zerojax installs its per-thread dispatcher
 # (`install_scan_hook`); zerojax's own loops call this one directly.
@@ -74,14 +116,59 @@ def bind_dot_general(a: Any, b: Any, params: dict[str, Any]) -> Any:
   preferred element type included, which ``jax.lax.dot_general``'s signature renames)."""
   return jax.lax.dot_general_p.bind(a, b, **params)
 
-try:  # The primitives the stage-3 remat policy looks at (the policy API hands it primitives).
-  from jax._src.ad_checkpoint import name_p
-  from jax._src.pjit import sharding_constraint_p
-except ImportError as e:  # pragma: no cover - depends on the installed JAX
+def _lookup(paths: tuple[str, ...]) -> tuple[Any, str | None]:
+  """The first of ``paths`` (``"module:attr.attr"``) this JAX has, and that path; ``(None,
+  None)`` if it has none. Modules are imported here, so a moved one is a miss, not an error."""
+  import importlib
+  for path in paths:
+    module, _, attrs = path.partition(":")
+    try:
+      obj = importlib.import_module(module)
+      for a in attrs.split("."):
+        obj = getattr(obj, a)
+    except (ImportError, AttributeError):
+      continue
+    return obj, path
+  return None, None
+
+
+# Every JAX internal zerojax uses, with where to find it on each supported release (0.10.2 to
+# 0.12.x), public API first: the first path this JAX has is used (`INTERNALS` says which).
+INTERNAL_PATHS: dict[str, tuple[str, ...]] = {
+    "name_p": ("jax.extend.core.primitives:name_p", "jax._src.ad_checkpoint:name_p"),
+    "sharding_constraint_p": ("jax.extend.core.primitives:sharding_constraint_p",
+                              "jax._src.pjit:sharding_constraint_p"),
+    "remat_p": ("jax.extend.core.primitives:remat_p", "jax._src.ad_checkpoint:remat_p"),
+    "nothing_saveable": ("jax:checkpoint_policies.nothing_saveable",),
+    "backends_are_initialized": ("jax._src.xla_bridge:backends_are_initialized",),
+    "distributed_state": ("jax._src.distributed:global_state",),
+    "auto_detect_cluster": (
+        "jax._src.clusters:ClusterEnv.auto_detect_unset_distributed_params",),
+    "partial_eval_rules": (
+        "jax._src.interpreters.partial_eval:partial_eval_jaxpr_custom_rules",),
+    "partial_eval_jaxpr_custom": (
+        "jax._src.interpreters.partial_eval:partial_eval_jaxpr_custom",),
+    "dce_jaxpr": ("jax._src.interpreters.partial_eval:dce_jaxpr",),
+    "new_jaxpr_eqn": ("jax._src.core:new_jaxpr_eqn",),
+    "eqn_effects": ("jax._src.core:eqn_effects",),
+    "core_var": ("jax.extend.core:Var", "jax._src.core:Var"),
+    "trace_ctx": ("jax._src.core:trace_ctx",),
+}
+# The path each internal was found at on this JAX, or None (`INTERNAL_PATHS`).
+INTERNALS: dict[str, str | None] = {}
+_FOUND: dict[str, Any] = {}
+for _name, _paths in INTERNAL_PATHS.items():
+  _FOUND[_name], INTERNALS[_name] = _lookup(_paths)
+
+# The primitives the stage-3 remat policy looks at (the policy API hands it primitives): without
+# them gathered weights would silently be kept, so a release that moves them fails here.
+name_p, sharding_constraint_p = _FOUND["name_p"], _FOUND["sharding_constraint_p"]
+if name_p is None or sharding_constraint_p is None:  # pragma: no cover - depends on the JAX
   raise ImportError(
-      f"zerojax {__name__}: this JAX ({jax.__version__}) moved the internal primitives zerojax's "
-      "stage-3 remat policy must recognise (name_p, sharding_constraint_p); install the JAX "
-      "version pinned in zerojax's pyproject.toml") from e
+      f"zerojax {__name__}: this JAX ({jax.__version__}) has the primitives zerojax's stage-3 "
+      f"remat policy must recognise (name_p, sharding_constraint_p) at none of "
+      f"{INTERNAL_PATHS['name_p'] + INTERNAL_PATHS['sharding_constraint_p']}; zerojax supports "
+      "jax 0.10.2 to 0.12.x")
 
 # The primitive `jax.checkpoint` binds has been called "checkpoint", "remat" and "remat2".
 REMAT_PRIMITIVE_NAMES = frozenset({"checkpoint", "remat", "remat2"})
@@ -111,22 +198,15 @@ def backends_initialized() -> bool:
   """Whether JAX has started its backends (device counts and XLA flags are fixed from then on).
   JAX has no public query; without the internal one this says ``False`` and the checks that
   ask are skipped (JAX then raises its own, later error)."""
-  try:
-    from jax._src import xla_bridge  # internal: looked up late, it may move
-    return bool(xla_bridge.backends_are_initialized())
-  except (ImportError, AttributeError):  # pragma: no cover - depends on the installed JAX
-    return False
+  query = _FOUND["backends_are_initialized"]
+  return bool(query()) if query is not None else False
 
 
 def distributed_state() -> Any:
   """JAX's distributed-runtime state (``process_id``, ``num_processes``,
   ``coordinator_address``, ``client``: the coordination service's key-value store), or
   ``None`` where this JAX keeps it elsewhere (callers then use public APIs only)."""
-  try:
-    from jax._src import distributed  # internal: looked up late, it may move
-    return distributed.global_state
-  except (ImportError, AttributeError):  # pragma: no cover - depends on the installed JAX
-    return None
+  return _FOUND["distributed_state"]
 
 
 def detect_cluster(coordinator: Any, num_processes: Any, process_id: Any, local_device_ids: Any,
@@ -134,10 +214,8 @@ def detect_cluster(coordinator: Any, num_processes: Any, process_id: Any, local_
   """JAX's own scheduler detection (SLURM, Open MPI, Kubernetes, TPU) for the settings still
   unset, as ``jax.distributed.initialize`` does it; the settings unchanged where this JAX does
   not expose it."""
-  try:
-    from jax._src import clusters  # internal: looked up late, it may move
-    detect = clusters.ClusterEnv.auto_detect_unset_distributed_params
-  except (ImportError, AttributeError):  # pragma: no cover - depends on the installed JAX
+  detect = _FOUND["auto_detect_cluster"]
+  if detect is None:  # pragma: no cover - depends on the installed JAX
     return coordinator, num_processes, process_id, local_device_ids
   return detect(coordinator, num_processes, process_id, local_device_ids, method, timeout)
 
@@ -182,38 +260,38 @@ def keeps_nested_policies(policy: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _nested_remat_rule(original: Callable[..., Any]) -> Callable[..., Any]:
-  from jax._src import ad_checkpoint, core  # internal: looked up late, they may move
-  from jax._src.interpreters import partial_eval as pe
+  f = _FOUND
+  Var_, new_eqn, effects = f["core_var"], f["new_jaxpr_eqn"], f["eqn_effects"]
 
   def rule(saveable, unks_in, inst_in, eqn, *args, **kwargs):
     if (not getattr(saveable, "_zerojax_keeps_nested", False)
         or not isinstance(eqn.params.get("prevent_cse"), bool)):
       return original(saveable, unks_in, inst_in, eqn, *args, **kwargs)
-    inner = eqn.params["policy"] or ad_checkpoint.nothing_saveable
+    inner = eqn.params["policy"] or f["nothing_saveable"]
     both = lambda prim, *avals, **params: (saveable(prim, *avals, **params)
                                            and inner(prim, *avals, **params))
-    known, staged, unks_out, inst_out, num_res = pe.partial_eval_jaxpr_custom(
+    known, staged, unks_out, inst_out, num_res = f["partial_eval_jaxpr_custom"](
         eqn.params["jaxpr"], unks_in, inst_in, False, False, both)
     # The backward part computes only the unknown outputs (the tangents' transposes).
-    staged, used = pe.dce_jaxpr(staged, [u for u, i in zip(unks_out, inst_out) if i])
+    staged, used = f["dce_jaxpr"](staged, [u for u, i in zip(unks_out, inst_out) if i])
     used_res, used_ins = used[:num_res], used[num_res:]
-    residuals = [core.Var(v.aval) for v in known.outvars[len(known.outvars) - num_res:]]
+    residuals = [Var_(v.aval) for v in known.outvars[len(known.outvars) - num_res:]]
     ins_known = [x for x, u in zip(eqn.invars, unks_in) if not u]
     ins_staged = [x for x, i in zip(eqn.invars, inst_in) if i]
     ins_staged = [x for x, u in zip(ins_staged, used_ins) if u]
     residuals_used = [r for r, u in zip(residuals, used_res) if u]
-    eqn_known = core.new_jaxpr_eqn(
+    eqn_known = new_eqn(
         ins_known, [*(v for v, u in zip(eqn.outvars, unks_out) if not u), *residuals],
-        eqn.primitive, {**eqn.params, "jaxpr": known}, core.eqn_effects(known, ins_known),
+        eqn.primitive, {**eqn.params, "jaxpr": known}, effects(known, ins_known),
         eqn.source_info, eqn.ctx)
-    eqn_staged = core.new_jaxpr_eqn(
+    eqn_staged = new_eqn(
         [*residuals_used, *ins_staged], [v for v, u in zip(eqn.outvars, unks_out) if u],
         eqn.primitive, {**eqn.params, "jaxpr": staged, "differentiated": True},
-        core.eqn_effects(staged, [*residuals_used, *ins_staged]), eqn.source_info, eqn.ctx)
+        effects(staged, [*residuals_used, *ins_staged]), eqn.source_info, eqn.ctx)
     # Known inputs the backward part reads become residuals of the enclosing checkpoint.
     read = {id(x) for x in ins_staged}
     new_inst = [x for x, i in zip(eqn.invars, inst_in)
-                if type(x) is core.Var and not i and id(x) in read]
+                if type(x) is Var_ and not i and id(x) in read]
     return eqn_known, eqn_staged, list(unks_out), list(unks_out), new_inst + residuals_used
 
   return rule
@@ -224,8 +302,7 @@ def checkpoint_trace() -> Any | None:
   body of a ``jax.checkpoint`` (``nn.remat``), else ``None``. JAX names what a trace is for
   only in its internal debug info; without it this says ``None``."""
   try:
-    from jax._src import core  # internal: looked up late, it may move
-    traced_for = core.trace_ctx.trace.frame.debug_info.traced_for
+    traced_for = _FOUND["trace_ctx"].trace.frame.debug_info.traced_for
   except AttributeError:  # pragma: no cover - depends on the installed JAX
     return None
   if not isinstance(traced_for, str) or "checkpoint" not in traced_for:
@@ -240,12 +317,11 @@ def install_nested_remat_rule() -> bool:
   """Installs, once per process, the partial-evaluation rule `keeps_nested_policies` needs;
   ``False`` where this JAX keeps checkpoints elsewhere (nested checkpoints then follow the
   outermost policy, JAX's own behaviour)."""
-  try:
-    from jax._src import ad_checkpoint  # internal: looked up late, it may move
-    from jax._src.interpreters import partial_eval as pe
-    rules, remat_p = pe.partial_eval_jaxpr_custom_rules, ad_checkpoint.remat_p
-  except (ImportError, AttributeError):  # pragma: no cover - depends on the installed JAX
-    return False
+  rules, remat_p = _FOUND["partial_eval_rules"], _FOUND["remat_p"]
+  needed = ("partial_eval_jaxpr_custom", "dce_jaxpr", "new_jaxpr_eqn", "eqn_effects",
+            "core_var", "nothing_saveable")
+  if rules is None or remat_p is None or any(_FOUND[n] is None for n in needed):
+    return False  # pragma: no cover - depends on the installed JAX
   with _nested_rule_lock:
     if not getattr(rules.get(remat_p), "_zerojax", False):
       rule = _nested_remat_rule(rules[remat_p])

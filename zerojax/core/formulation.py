@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 
 from jax.extend.core import Var
 
-from zerojax._compat import REMAT_PRIMITIVE_NAMES, jaxpr_has_primitive, subjaxprs
+from zerojax._compat import REMAT_PRIMITIVE_NAMES, jaxpr_has_primitive, subjaxprs, xla_gpu_options
 from zerojax.core.pipeline import OneAhead
 from zerojax.core.remat import block_policy, remat_policy
 
@@ -310,5 +310,7 @@ def compiler_options(plan: Any, layers_ahead: bool = False, pipelined: Any = Non
       del defaults["xla_gpu_experimental_collective_start_as_early_as_possible"]
       defaults["xla_gpu_experimental_parallel_collective_overlap_limit"] = (
           GPU_IN_CHECKPOINTS_IN_FLIGHT)
+  if platform == "gpu":
+    defaults = xla_gpu_options(defaults)
   user = set(re.findall(r"--(xla_\w+)", os.environ.get(_USER_FLAGS[platform], "")))
   return {k: v for k, v in defaults.items() if k not in user} or None

@@ -12,20 +12,28 @@ Names are ``GPU:DEVICES`` (one host) or ``GPU:HOSTSxDEVICES``: ``h100:8``, ``h10
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import importlib
 import importlib.resources
 import importlib.util
 import os
 import re
-from typing import Any
+from typing import Any, Iterator
 
+import jax
 from jax.experimental import topologies
 
-__all__ = ["GPU_EXTRA", "GPUS", "GPU_TOPOLOGY_EXAMPLES", "DEFAULT_MEMORY_FRACTION", "GpuSpec",
+__all__ = ["CUDA_PLUGINS", "cuda_plugin", "cuda_install_line", "GPUS", "GPU_TOPOLOGY_EXAMPLES",
+           "DEFAULT_MEMORY_FRACTION", "GpuSpec",
            "is_gpu_topology", "parse_gpu_topology", "gpu_topology", "target_config",
            "memory_fraction", "usable_memory"]
 
-GPU_EXTRA = 'pip install "zerojax[gpu]"'
+# JAX's CUDA plugins by module, newest CUDA first: the extra that installs each.
+CUDA_PLUGINS = {"jax_plugins.xla_cuda13": "cuda13", "jax_plugins.xla_cuda12": "cuda12"}
+# Read by the CUDA plugin's start-up: skip its CUDA version check, which calls cuInit and so
+# fails on a machine without a GPU, where only compiling is wanted.
+_SKIP_CUDA_CHECK = "JAX_SKIP_CUDA_CONSTRAINTS_CHECK"
 # The JAX GPU client preallocates this share of device memory (XLA_PYTHON_CLIENT_MEM_FRACTION).
 DEFAULT_MEMORY_FRACTION = 0.75
 
@@ -77,21 +85,81 @@ def target_config(gpu: str) -> str:
   return (importlib.resources.files("zerojax") / "assets" / "gpu" / GPUS[gpu].asset).read_text()
 
 
+def cuda_plugin() -> str | None:
+  """The module of the installed JAX CUDA plugin (`CUDA_PLUGINS`, CUDA 13 first), or None."""
+  for module in CUDA_PLUGINS:
+    try:
+      if importlib.util.find_spec(module) is not None:
+        return module
+    except ModuleNotFoundError:  # no jax_plugins namespace at all
+      return None
+  return None
+
+
+def cuda_install_line() -> str:
+  """The command that installs the CUDA plugin matching the installed JAX exactly (plugins
+  are released in lockstep with jaxlib, and a newer one would upgrade JAX)."""
+  return (f'pip install "jax[cuda13]=={jax.__version__}" (or "jax[cuda12]=={jax.__version__}" '
+          'for a CUDA 12 driver)')
+
+
+def _has_gpu() -> bool:
+  """Whether this machine shows an NVIDIA driver (its device nodes)."""
+  return os.path.exists("/dev/nvidiactl") or os.path.exists("/proc/driver/nvidia")
+
+
+@contextlib.contextmanager
+def _cuda_check_skipped(skip: bool) -> Iterator[None]:
+  """Sets `_SKIP_CUDA_CHECK` for the block (when ``skip``), restoring what was there."""
+  before = os.environ.get(_SKIP_CUDA_CHECK)
+  if skip:
+    os.environ[_SKIP_CUDA_CHECK] = "1"
+  try:
+    yield
+  finally:
+    if skip and before is None:
+      os.environ.pop(_SKIP_CUDA_CHECK, None)
+    elif skip:
+      os.environ[_SKIP_CUDA_CHECK] = before
+
+
 def gpu_topology(name: str) -> Any:
   """The ``TopologyDescription`` of a GPU pod, e.g. ``'h100:8'``: compile-only devices.
 
-  Needs the CUDA plugin (``pip install "zerojax[gpu]"``) but no GPU, driver or libcuda; JAX's
-  default backend stays what it was (CPU here).
+  Needs JAX's CUDA plugin (CUDA 12 or 13) but no GPU, driver or libcuda, and no
+  ``JAX_PLATFORMS`` setting: on a machine without a GPU the plugin is registered without its
+  CUDA version check (which needs a driver), so JAX's default backend stays the CPU.
+
+  Args:
+    name: ``GPU:DEVICES`` or ``GPU:HOSTSxDEVICES`` (`parse_gpu_topology`).
+
+  Returns:
+    The topology; its ``devices`` are what a mesh for an ahead-of-time compile is built from.
+
+  Raises:
+    ValueError: ``name`` is no GPU topology, or the plugin cannot describe it.
+    ImportError: no CUDA plugin is installed (the message gives the install line).
   """
   spec, hosts, per_host = parse_gpu_topology(name)
-  if importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
+  module = cuda_plugin()
+  if module is None:
     raise ImportError(f"compiling for GPU topology {name!r} needs JAX's CUDA plugin, which is "
-                      f"not installed; install it with: {GPU_EXTRA}")
+                      f"not installed; install it with: {cuda_install_line()}")
+  describe = lambda: topologies.get_topology_desc(
+      platform="cuda", target_config=target_config(spec.name), topology=f"1x{hosts}x{per_host}")
   try:
-    return topologies.get_topology_desc(platform="cuda", target_config=target_config(spec.name),
-                                        topology=f"1x{hosts}x{per_host}")
+    with _cuda_check_skipped(not _has_gpu()):
+      try:
+        return describe()
+      except NotImplementedError:
+        # The plugin failed to start when JAX first looked for plugins (its version check
+        # needs a GPU): register it again, for compiling only.
+        with _cuda_check_skipped(True):
+          importlib.import_module(module).initialize()
+        return describe()
   except Exception as e:  # the plugin's message names what it could not build
-    raise ValueError(f"topology={name!r}: the CUDA plugin could not describe it ({e})") from None
+    raise ValueError(f"topology={name!r}: the CUDA plugin ({module}) could not describe it "
+                     f"({e})") from None
 
 
 def memory_fraction() -> float:

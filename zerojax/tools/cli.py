@@ -271,6 +271,9 @@ def cmd_compile(args) -> int:
   from zerojax.tools import estimate  # lazy: JAX
   if args.batch < 1 or args.seq < 1:
     raise ConfigError(f"--batch {args.batch} --seq {args.seq}: both must be >= 1")
+  # An ahead-of-time compile runs nothing here: the CPU stays the default backend, so no
+  # accelerator runtime starts (or prints its start-up errors) on a machine without one.
+  _shapes_only()
   try:
     r = estimate.compile_for_topology(loaded.config, args.model, (args.batch, args.seq),
                                       args.topology, memory_fraction=args.memory_fraction)
