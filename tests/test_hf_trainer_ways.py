@@ -135,3 +135,66 @@ def test_half_precision_load_stays_within_its_shards(tmp_path, monkeypatch, para
   print(f"load peak {peak / loaded:.3f} x the shards ({loaded:,} bytes)")
   assert peak <= 1.2 * loaded / jax.process_count(), (peak, loaded)
   assert {np.dtype(x.dtype).name for x in jax.tree.leaves(tree)} == {param_dtype}
+
+
+# -- 2. LoRA with gradient accumulation and loss scaling ---------------------------------------
+
+
+def _lora_losses(d, out, *overrides):
+  from zerojax.tools import finetune as ft
+  fo = ft.FinetuneOptions(model_dir=str(d), data=str(d / "train.jsonl"), lora=4, export=False)
+  got = ft.finetune(fo, None, ["steps=3", "seq_len=32", "batch=16", "lr=1e-2", "log_every=1",
+                               "show_plan=false", "plot=false", f"out_dir={out}",
+                               *overrides], progress=False)
+  return [r["loss"] for r in got["result"].history], [r["grad_norm"] for r in
+                                                       got["result"].history]
+
+
+def test_lora_with_gradient_accumulation_equals_the_full_batch(fp32_dir, tmp_path):
+  """The standard HF LoRA recipe (adapters + gradient_accumulation_steps) trains, and each
+  step's loss and gradient norm are the full batch's to float rounding."""
+  full, gn_full = _lora_losses(fp32_dir, tmp_path / "full")
+  acc, gn_acc = _lora_losses(fp32_dir, tmp_path / "acc", "gradient_accumulation_steps=2")
+  assert len(full) == 3 and full[-1] < full[0]  # the adapters learn
+  print(f"LoRA accumulation: loss rel diff {np.max(np.abs(np.subtract(acc, full)) / full):.2e}, "
+        f"grad norm {np.max(np.abs(np.subtract(gn_acc, gn_full)) / gn_full):.2e}")
+  np.testing.assert_allclose(acc, full, rtol=2e-6)
+  np.testing.assert_allclose(gn_acc, gn_full, rtol=2e-5)
+
+
+def test_lora_gradient_with_accumulation_and_loss_scale_equals_the_full_batch(fp32_dir):
+  """`zerojax.value_and_grad(wrt=nnx.LoRAParam)`: the adapters' gradient only, the same with 2
+  micro-batches and a static loss scale as from the full batch."""
+  cfg = llama.from_hf_config(fp32_dir, lora_rank=4, lora_targets=("q_proj", "v_proj"))
+  rs = np.random.RandomState(0)
+  x = jnp.asarray(rs.randint(0, 300, (16, 12)), jnp.int32)
+
+  def loss_of(model, x):
+    logits = model(x[:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, x[:, 1:]).mean()
+
+  out = {}
+  for name, accumulate, scale in (("nnx", 1, None), ("full", 1, None), ("acc", 2, None),
+                                  ("acc_scaled", 2, 2.0**12)):
+    config = zerojax.ZeroConfig(stage=3, gradient_accumulation_steps=accumulate)
+    model, opt, plan = zerojax.create_nnx(lambda: llama.Llama(cfg, nnx.Rngs(0)), optax.sgd(0.1),
+                                          config=config, wrt=nnx.LoRAParam)
+    # non-zero adapters, so every adapter leaf has a gradient
+    for _, v in nnx.iter_graph(model):
+      if isinstance(v, nnx.LoRAParam):
+        v[...] = v[...] + 0.05
+
+    @zerojax.zero_step(plan)
+    def step(model, opt, x):
+      if name == "nnx":  # flax's own, as a reference
+        return nnx.value_and_grad(loss_of, argnums=nnx.DiffState(0, nnx.LoRAParam))(model, x)
+      return zerojax.value_and_grad(loss_of, wrt=nnx.LoRAParam, loss_scale=scale)(model, x)
+
+    out[name] = jax.device_get(step(model, opt, x))
+  loss, grads = out["full"]
+  assert jax.tree.leaves(grads) and all(p[-1].key in ("lora_a", "lora_b") for p, _ in
+             jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(grads))[0])
+  for name in ("nnx", "acc", "acc_scaled"):
+    np.testing.assert_allclose(out[name][0], loss, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(out[name][1]), jax.tree.leaves(grads)):
+      np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-7)

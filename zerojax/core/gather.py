@@ -160,7 +160,9 @@ class ZeroParam(struct.PyTreeNode, meta.AxisMetadata):
       return v
     ns = lambda s: NamedSharding(self.mesh, P(*_of_rank(s, jnp.ndim(v))))
     if self.offloaded:  # this layer's shard comes from pinned_host just before use
-      v = fetch(v, NamedSharding(self.mesh, P(*self.at_rest), memory_kind="device"))
+      # (of the value's rank: inside a scan over layers the box holds one layer's slice)
+      v = fetch(v, NamedSharding(self.mesh, P(*_of_rank(self.at_rest, jnp.ndim(v))),
+                                 memory_kind="device"))
     if self.compute_dtype is not None and jnp.issubdtype(v.dtype, jnp.floating):
       v = v.astype(self.compute_dtype)
     if self.at_rest != self.compute:

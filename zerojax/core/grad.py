@@ -94,7 +94,7 @@ def check_batch(plan: Any, batch: PyTree) -> None:
 
 
 def value_and_grad(fun: Callable, argnums: int = 0, has_aux: bool = False, *,
-                   loss_scale: Any = None) -> Callable:
+                   loss_scale: Any = None, wrt: Any = None) -> Callable:
   """Drop-in for ``jax.value_and_grad`` with ZeRO gradient accumulation and loss scaling.
 
   Args:
@@ -105,6 +105,9 @@ def value_and_grad(fun: Callable, argnums: int = 0, has_aux: bool = False, *,
       averaged over micro-batches (and over data-parallel groups at stages 0-1); other leaves
       come from the last micro-batch. Use ``aux`` for per-batch metrics.
     loss_scale: a loss scale to use instead of the step's (e.g. outside a zerojax step).
+    wrt: for an NNX model, the variables to differentiate (an ``nnx`` filter, e.g.
+      ``nnx.LoRAParam`` for LoRA adapters: the other parameters are constants of the step,
+      still gathered where they are used); ``None``: every ``nnx.Param``.
 
   Returns:
     ``f(params, *batch_args) -> (loss, grads)`` (``((loss, aux), grads)`` with ``has_aux``),
@@ -114,7 +117,10 @@ def value_and_grad(fun: Callable, argnums: int = 0, has_aux: bool = False, *,
 
   def wrapped(params, *args):
     if isinstance(params, nnx.Module):
-      return _nnx_value_and_grad(fun, argnums, has_aux, loss_scale)(params, *args)
+      return _nnx_value_and_grad(fun, argnums, has_aux, loss_scale, wrt)(params, *args)
+    if wrt is not None:
+      raise ValueError("zerojax.value_and_grad(wrt=...) selects variables of an NNX model; "
+                       f"argument 0 is a {type(params).__name__}")
     ctx = context.current()
     if ctx is not None:
       ctx.grad_calls += 1
@@ -138,21 +144,31 @@ def value_and_grad(fun: Callable, argnums: int = 0, has_aux: bool = False, *,
   return wrapped
 
 
-def _nnx_value_and_grad(fun, argnums, has_aux, loss_scale):
+def _nnx_value_and_grad(fun, argnums, has_aux, loss_scale, wrt=None):
   """`value_and_grad` of ``fun(model, *batch)`` for a Flax NNX model: the gradient of its
-  ``nnx.Param`` state (an ``nnx.State``, as ``nnx.value_and_grad`` returns it), through the
-  same accumulation, loss scaling and stage-1 local-gradient paths as a linen step. Other
-  state the model writes (RNG counters, batch statistics) is written back to ``model``."""
+  ``nnx.Param`` state, or of the ``wrt`` variables among them (an ``nnx.State``, as
+  ``nnx.value_and_grad`` returns it), through the same accumulation, loss scaling and stage-1
+  local-gradient paths as a linen step. Other state the model writes (RNG counters, batch
+  statistics) is written back to ``model``."""
   if argnums != 0:
     raise ValueError("zerojax.value_and_grad differentiates argument 0 (the NNX model); got "
                      f"argnums={argnums}")
 
   def run(model, *args):
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    if wrt is None:
+      graphdef, diff, rest = nnx.split(model, nnx.Param, ...)
+      whole = lambda d: d
+    else:
+      # Only ``wrt`` is differentiated (LoRA: the adapters); the frozen parameters are
+      # constants of the step, merged back so that the model and the per-use gathers see the
+      # whole parameter tree in the plan's order.
+      graphdef, diff, frozen, rest = nnx.split(model, wrt, nnx.Param, ...)
+      whole = lambda d: nnx.merge_state(d, frozen)
     ctx = context.current()
 
-    def f(params, *args, per_use=False, layers=False, tables=frozenset(), blocks=frozenset(),
+    def f(diff, *args, per_use=False, layers=False, tables=frozenset(), blocks=frozenset(),
           policy=None):
+      params = whole(diff)
       if per_use or tables:  # at stage 2 only lookup tables are boxed
         params = _in_plan_order(params, ctx.plan, lambda p: box_params(
             p, ctx.plan, tables, only_lookups=not per_use))
@@ -172,7 +188,7 @@ def _nnx_value_and_grad(fun, argnums, has_aux, loss_scale):
       # Traced once more to see whether the model scans its layers and which parameters it
       # looks rows up in: the formulation as `zerojax.core.apply` reads it for linen models.
       named = block_policy(ctx.plan.config) is not None
-      chosen = ctx.plan.formulation(jax.make_jaxpr(f)(params, *args), linen=False,
+      chosen = ctx.plan.formulation(jax.make_jaxpr(f)(diff, *args), linen=False,
                                     blocks=nnx_blocks(model) if named else frozenset())
       f = functools.partial(f, per_use=chosen.per_use, layers=chosen.layers,
                             tables=chosen.tables, blocks=chosen.blocks,
@@ -183,7 +199,7 @@ def _nnx_value_and_grad(fun, argnums, has_aux, loss_scale):
         f = checkpoint_model(f, ctx.plan, chosen.checkpoint, chosen.layers)
 
     (loss, (aux, new_rest)), grads = value_and_grad(f, has_aux=True, loss_scale=loss_scale)(
-        params, *args)
+        diff, *args)
     nnx.update(model, new_rest)
     return ((loss, aux) if has_aux else loss), grads
 

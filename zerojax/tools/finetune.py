@@ -99,10 +99,13 @@ class FinetuneOptions:
 
 
 def _loss(logits, batch):
-  """Mean cross-entropy over the targets the mask keeps."""
+  """Mean cross-entropy over the targets the mask keeps in the whole global batch: each row's
+  ``loss_norm`` (`zerojax.tools.hf_data.loss_norm`) makes the mean over micro-batches (and
+  over devices at stages 0-1) the global batch's per-token mean, so gradient accumulation
+  changes nothing but rounding."""
   ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
-  m = batch["mask"].astype(jnp.float32)
-  return (ce * m).sum() / jnp.maximum(m.sum(), 1.0)
+  w = batch["mask"].astype(jnp.float32) * batch["loss_norm"]
+  return (ce * w).sum() / ce.shape[0]
 
 
 def finetune_task(fo: FinetuneOptions, opts: Any, config: Any) -> Task:
@@ -212,9 +215,8 @@ def _make_step(fo: FinetuneOptions, plan: Any):
     return _loss(model(batch["x"], segment_ids=batch["segment_ids"],
                        positions=batch["positions"]), batch)
 
-  # LoRA: the gradient of the adapters only; full: zerojax's (gradient accumulation).
-  grad = (nnx.value_and_grad(loss_of, argnums=nnx.DiffState(0, nnx.LoRAParam)) if fo.lora
-          else value_and_grad(loss_of))
+  # zerojax's gradient (accumulation, loss scaling); with LoRA, of the adapters only.
+  grad = value_and_grad(loss_of, wrt=nnx.LoRAParam if fo.lora else None)
 
   @zero_step(plan)
   def step(model, optimizer, batch):

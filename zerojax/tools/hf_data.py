@@ -354,8 +354,10 @@ class Batches:
       self._local = process_rows(sharding, global_batch)
 
   def batch(self, step: int) -> dict:
+    """Batch ``step``: this process's rows of it, and ``loss_norm`` (see `loss_norm`)."""
     idx = np.asarray(self._index[step])
-    return _to_global(self.rows, idx, self._local, self.sharding, self.global_batch)
+    return _to_global(self.rows, idx, self._local, self.sharding, self.global_batch,
+                      loss_norm(self.rows.mask[idx], self.global_batch))
 
   def __iter__(self) -> Iterator[dict]:
     return self
@@ -366,10 +368,22 @@ class Batches:
     return out
 
 
-def _to_global(rows: Rows, idx: np.ndarray, local, sharding, global_batch: int) -> dict:
+def loss_norm(mask: np.ndarray, global_batch: int) -> float:
+  """``global_batch / targets counted in the whole global batch``: every row carries it, so a
+  loss ``sum(ce * mask * loss_norm) / rows`` over any part of the batch (a micro-batch, one
+  device's rows) averages, over the parts, to the global batch's per-token mean. Gradient
+  accumulation then equals the full batch (as the HF Trainer normalises by the tokens of the
+  whole accumulated batch), where a mean per micro-batch would weight short ones more."""
+  return global_batch / max(float(np.sum(mask)), 1.0)
+
+
+def _to_global(rows: Rows, idx: np.ndarray, local, sharding, global_batch: int,
+               norm: float | None = None) -> dict:
   if local is not None:
     idx = idx[local]
   data = rows.take(idx)
+  if norm is not None:
+    data["loss_norm"] = np.full((len(idx), 1), norm, np.float32)
   if sharding is None:
     return data
   return {k: jax.make_array_from_process_local_data(sharding, v, (global_batch,) + v.shape[1:])
