@@ -129,7 +129,8 @@ def test_defaults_and_auto_values():
   m = ds.map_deepspeed({"train_batch_size": "auto", "gradient_clipping": "auto",
                         "bf16": {"enabled": "auto"}, "zero_optimization": {"stage": 2}})
   c = m.config
-  assert c.stage == 2 and c.train_batch_size is None and c.gradient_clipping is None
+  # the HF Trainer's defaults (#51): max_grad_norm 1.0, neither bf16 nor fp16
+  assert c.stage == 2 and c.train_batch_size is None and c.gradient_clipping == 1.0
   assert c.compute_dtype == "float32"
   assert _note(m, "train_batch_size") and _note(m, "bf16.enabled")
   assert ds.from_deepspeed({"zero_optimization": {}}).stage == 0  # DeepSpeed's default

@@ -205,7 +205,8 @@ def test_finetune_hf_trainer_deepspeed_config_with_lora(base_dir, tmp_path, caps
   assert run["config"]["stage"] == 3 and run["config"]["train_batch_size"] == 8
   assert run["config"]["offload_params"] and run["config"]["offload_optimizer"]
   assert run["config"]["gradient_clipping"] == 1.0  # the HF Trainer's max_grad_norm
-  assert run["options"]["lr"] == 2e-4 and run["options"]["weight_decay"] == 0.0
+  # "auto" is the HF Trainer's learning_rate and weight_decay (#51), as in zerojax train
+  assert run["options"]["lr"] == 5e-5 and run["options"]["weight_decay"] == 0.0
   assert run["options"]["scheduler"]["total_num_steps"] == 2
   recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
   assert [r["step"] for r in recs] == [1, 2]

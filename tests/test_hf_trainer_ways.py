@@ -198,3 +198,91 @@ def test_lora_gradient_with_accumulation_and_loss_scale_equals_the_full_batch(fp
     np.testing.assert_allclose(out[name][0], loss, rtol=1e-6)
     for a, b in zip(jax.tree.leaves(out[name][1]), jax.tree.leaves(grads)):
       np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-7)
+
+
+# -- 3. DeepSpeed "auto" is the HF Trainer's TrainingArguments default -------------------------
+
+# transformers.TrainingArguments' defaults (written here, not read from transformers): the
+# values its DeepSpeed integration puts in place of each "auto" when the run sets nothing.
+TRAINER = {"learning_rate": 5e-5, "weight_decay": 0.0, "adam_beta1": 0.9, "adam_beta2": 0.999,
+           "adam_epsilon": 1e-8, "max_grad_norm": 1.0, "lr_scheduler_type": "linear",
+           "warmup_steps": 0, "per_device_train_batch_size": 8,
+           "gradient_accumulation_steps": 1, "bf16": False, "fp16": False}
+
+HF_DS = {  # every key the HF DeepSpeed integration fills, as "auto"
+    "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
+    "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+    "bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"},
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
+                                              "weight_decay": "auto"}},
+    "scheduler": {"type": "WarmupDecayLR", "params": {
+        "warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto",
+        "total_num_steps": "auto"}},
+    "zero_optimization": {"stage": 3}}
+
+# each "auto" key -> the TrainingArguments fields its note names as its source
+SOURCES = {"optimizer.params.lr": ["learning_rate=5e-05"],
+           "optimizer.params.betas": ["adam_beta1=0.9", "adam_beta2=0.999"],
+           "optimizer.params.eps": ["adam_epsilon=1e-08"],
+           "optimizer.params.weight_decay": ["weight_decay=0.0"],
+           "gradient_clipping": ["max_grad_norm=1.0"],
+           "scheduler.params.warmup_num_steps": ["warmup_steps=0"],
+           "train_micro_batch_size_per_gpu": ["per_device_train_batch_size=8"],
+           "gradient_accumulation_steps": ["gradient_accumulation_steps=1"],
+           "bf16.enabled": ["bf16=False"], "fp16.enabled": ["fp16=False"]}
+
+
+def _check_trainer_defaults(loaded):
+  from zerojax.tools import train as zt
+  opts = zt.TrainOptions(**loaded.train)
+  c = loaded.config
+  assert opts.lr == TRAINER["learning_rate"] and opts.weight_decay == TRAINER["weight_decay"]
+  assert (opts.b1, opts.b2, opts.eps) == (TRAINER["adam_beta1"], TRAINER["adam_beta2"],
+                                          TRAINER["adam_epsilon"])
+  assert c.gradient_clipping == TRAINER["max_grad_norm"]
+  assert c.compute_dtype == "float32" and c.loss_scale is None  # neither bf16 nor fp16
+  assert c.micro_batch_per_device == TRAINER["per_device_train_batch_size"]
+  assert c.gradient_accumulation_steps == TRAINER["gradient_accumulation_steps"]
+  s = opts.scheduler
+  assert (s["warmup_min_lr"], s["warmup_num_steps"], s["warmup_max_lr"]) == (
+      0.0, TRAINER["warmup_steps"], TRAINER["learning_rate"])
+  # the Trainer's "linear": from the peak straight down to 0 at the last step
+  _, sched = zt.make_optimizer(opts)
+  n = s["total_num_steps"]
+  assert float(sched(0)) == pytest.approx(5e-5)
+  assert float(sched(n // 2)) == pytest.approx(5e-5 * (1 - (n // 2) / n), rel=1e-3)
+  notes = {n.split(":")[0]: n for n in loaded.notes if "'auto' ->" in n}
+  for key, fields in SOURCES.items():
+    for f in fields:
+      assert "auto: Trainer default" in notes[key] and f in notes[key], (key, notes.get(key))
+
+
+def test_auto_is_the_trainers_default_in_train(tmp_path):
+  p = tmp_path / "ds.json"
+  p.write_text(json.dumps(HF_DS))
+  loaded = zerojax.load_config(p, apply_xla_flags=False)  # as `zerojax train` loads it
+  _check_trainer_defaults(loaded)
+  # a value the run gives wins, and says so
+  loaded = zerojax.load_config(p, ["lr=1e-3", "b2=0.95"], apply_xla_flags=False)
+  assert loaded.train["lr"] == 1e-3
+  assert "(lr=0.001, given)" in "\n".join(loaded.notes)
+
+
+def test_auto_is_the_trainers_default_in_finetune(fp32_dir, tmp_path, capsys):
+  from zerojax.tools import finetune as ft
+  from zerojax.tools.cli import main
+  p = tmp_path / "ds.json"
+  p.write_text(json.dumps(HF_DS))
+  for lora in (0, 4):  # not the fine-tuning defaults (1e-5, 2e-4 with LoRA)
+    fo = ft.FinetuneOptions(model_dir=str(fp32_dir), data=str(fp32_dir / "train.jsonl"),
+                            lora=lora)
+    _check_trainer_defaults(ft._load_with_defaults(fo, str(p), []))
+  # printed, each with its source, in the command's log
+  rc = main(["finetune", str(fp32_dir), str(p), "--data", str(fp32_dir / "train.jsonl"),
+             "--no-export", "--no-progress", "steps=1", "seq_len=32", "batch=8",
+             f"out_dir={tmp_path / 'run'}", "show_plan=false", "plot=false"])
+  out = capsys.readouterr().out
+  assert rc == 0
+  assert ("DeepSpeed optimizer.params.betas: 'auto' -> [0.9, 0.999] (auto: Trainer default "
+          "adam_beta1=0.9, adam_beta2=0.999") in out
+  assert "DeepSpeed bf16.enabled: 'auto' -> False (auto: Trainer default bf16=False" in out

@@ -15,8 +15,9 @@ An unknown key is an error that names it; an unsupported device (``offload_param
 ``nvme``) is an error that says what to use instead. ``offload_optimizer`` on ``nvme`` maps to
 ``offload_optimizer='nvme'`` (`zerojax.runtime.nvme`).
 ``"auto"`` values (as written by the Hugging Face Trainer
-integration) mean "the run's own setting": `map_deepspeed` resolves each from the training
-options and overrides and says which, or lists it as unresolved.
+integration) mean what they mean there: the run's own setting where it gives one, else the
+Trainer's ``TrainingArguments`` default (`TRAINER_DEFAULTS`); `map_deepspeed` resolves each and
+says where it came from, or lists it as unresolved.
 
 Training-loop settings DeepSpeed keeps in the same file (``optimizer``, ``scheduler``,
 ``steps_per_print``, ``tensorboard``) are returned in `DeepSpeedMapping.train` for
@@ -42,7 +43,7 @@ from typing import Any, Mapping
 from zerojax.core.config import ConfigError, ZeroConfig, in_file, read_config_file, unknown_key_error
 from zerojax.tools.options import TrainOptions
 
-__all__ = ["RS_COMBINE", "AG_COMBINE", "AR_COMBINE", "LHS", "TOP_LEVEL_KEYS",
+__all__ = ["RS_COMBINE", "AG_COMBINE", "AR_COMBINE", "LHS", "TOP_LEVEL_KEYS", "TRAINER_DEFAULTS",
            "DeepSpeedMapping", "from_deepspeed", "load_deepspeed", "is_deepspeed",
            "map_deepspeed"]
 
@@ -674,11 +675,22 @@ def _scheduler(s: Any) -> dict:
 
 # -- "auto" (Hugging Face Trainer configs) ----------------------------------------------------
 #
-# "auto" means "from the trainer's own arguments". zerojax's are the run's settings: the
-# training options (`zerojax.tools.options.TrainOptions`: lr, steps, batch, warmup_steps, the
-# optimizer's hyperparameters) and the ZeroConfig fields the run was given (overrides). Each
-# "auto" becomes one of them, and says which; where none gives a value, the key is listed in
-# `DeepSpeedMapping.unresolved` with how to set it, and a training run refuses to start.
+# "auto" means "from the trainer's own arguments". zerojax's are the settings the run was given
+# (training options such as lr, batch, warmup_steps, b1; ZeroConfig fields such as
+# compute_dtype, gradient_clipping); where the run gives none, the Trainer's own default, as a
+# config written for it would get. Each "auto" says which. The run's length (steps) is the
+# run's own. What neither gives is listed in `DeepSpeedMapping.unresolved` with how to set it.
+
+# The Hugging Face Trainer's `TrainingArguments` defaults, for the keys its DeepSpeed
+# integration fills: {zerojax setting: (value, TrainingArguments field)}.
+TRAINER_DEFAULTS: dict[str, tuple[Any, str]] = {
+    "lr": (5e-5, "learning_rate"), "weight_decay": (0.0, "weight_decay"),
+    "b1": (0.9, "adam_beta1"), "b2": (0.999, "adam_beta2"), "eps": (1e-8, "adam_epsilon"),
+    "gradient_clipping": (1.0, "max_grad_norm"), "warmup_steps": (0, "warmup_steps"),
+    "micro_batch_per_device": (8, "per_device_train_batch_size"),
+    "gradient_accumulation_steps": (1, "gradient_accumulation_steps"),
+    "bf16": (False, "bf16"), "fp16": (False, "fp16"), "lr_scheduler_type": ("linear", "lr_scheduler_type"),
+}
 
 _BATCH_KEYS = (("train_batch_size", "train_batch_size"),
                ("train_micro_batch_size_per_gpu", "micro_batch_per_device"),
@@ -697,14 +709,23 @@ class _AutoValues:
   unresolved: dict[str, str] = dataclasses.field(default_factory=dict)
 
   def option(self, name: str) -> tuple[Any, str]:
-    """A training option's value and where it came from."""
+    """A training option the Trainer has no argument for (``steps``, ``momentum``): the run's
+    value and where it came from."""
     if name in self.given:
       return self.given[name], f"{name}={self.given[name]!r}, given"
     return self.defaults[name], (f"{name}={self.defaults[name]!r}, zerojax's default; set "
                                  f"{name}=... to change it")
 
+  def trainer(self, name: str) -> tuple[Any, str]:
+    """A setting the Trainer fills: the run's, else the Trainer's default (`TRAINER_DEFAULTS`)."""
+    if name in self.given:
+      return self.given[name], f"{name}={self.given[name]!r}, given"
+    v, field = TRAINER_DEFAULTS[name]
+    return v, f"auto: Trainer default {field}={v!r}; set {name}=... to change it"
+
   def lr(self, d: Mapping[str, Any]) -> tuple[Any, str]:
-    """The peak learning rate: ``lr`` given to the run, else the optimizer's own number."""
+    """The peak learning rate: ``lr`` given to the run, else the optimizer's own number, else
+    the Trainer's ``learning_rate``."""
     if "lr" in self.given:
       return self.given["lr"], f"lr={self.given['lr']!r}, given"
     o = d.get("optimizer")
@@ -712,9 +733,7 @@ class _AutoValues:
         o.get("params"), Mapping) else None
     if _real(v):
       return v, "optimizer.params.lr in the file"
-    return None, ("the learning rate is the run's own choice (no default suits every model): "
-                  "pass lr=... (e.g. `zerojax train ds_config.json lr=3e-4`, or "
-                  "load_config(path, ['lr=3e-4'])) or write the number in the file")
+    return self.trainer("lr")
 
 
 def _resolve_auto(d: Mapping[str, Any], given: Mapping[str, Any]) -> tuple[dict, _AutoValues]:
@@ -743,18 +762,26 @@ def _auto_batch(d: dict, a: _AutoValues) -> None:
       a.chosen[ds_key] = (None, "derived from " + ", ".join(f"{k}={d[k]}" for k in numeric)
                           + " (train = micro x accumulation x data-parallel devices)")
     elif field == "gradient_accumulation_steps":
-      d[ds_key] = 1
-      a.chosen[ds_key] = (1, "no accumulation: the run's batch is one micro-batch per device; "
-                             "set gradient_accumulation_steps=N to accumulate")
+      v, why = a.trainer(field)
+      d[ds_key] = v
+      a.chosen[ds_key] = (v, why)
+    elif "batch" in given:  # the run's global batch (zerojax's batch=)
+      rows = given["batch"]
+      a.chosen[ds_key] = ((rows, f"the run's global batch: batch={rows!r}, given")
+                          if field == "train_batch_size" else
+                          (None, f"the run's global batch over the data-parallel devices "
+                                 f"(batch={rows!r}, given)"))
+    elif field == "micro_batch_per_device":
+      v, why = a.trainer(field)
+      d[ds_key] = v
+      a.chosen[ds_key] = (v, why)
     else:
-      rows, why = a.option("batch")
-      a.chosen[ds_key] = ((rows, f"the run's global batch: {why}") if field == "train_batch_size"
-                          else (None, "the run's global batch over the data-parallel devices "
-                                f"({why})"))
+      a.chosen[ds_key] = (None, "derived as the Trainer does: train_micro_batch_size_per_gpu x "
+                          "gradient_accumulation_steps x data-parallel devices")
 
 
 def _auto_clipping(d: dict, a: _AutoValues) -> None:
-  """gradient_clipping: the run's; with none given, the run must say (no default suits)."""
+  """gradient_clipping: the run's, else the Trainer's max_grad_norm."""
   given = a.given
   if _auto(d.get("gradient_clipping")):
     if "gradient_clipping" in given:
@@ -762,14 +789,14 @@ def _auto_clipping(d: dict, a: _AutoValues) -> None:
       a.chosen["gradient_clipping"] = (given["gradient_clipping"],
                                        f"gradient_clipping={given['gradient_clipping']!r}, given")
     else:
-      del d["gradient_clipping"]
-      a.unresolved["gradient_clipping"] = (
-          "pass gradient_clipping=1.0 (the maximum global gradient norm; 0: no clipping), e.g. "
-          "`zerojax train ds_config.json gradient_clipping=1.0`, or write the number in the file")
+      v, why = a.trainer("gradient_clipping")
+      d["gradient_clipping"] = v
+      a.chosen["gradient_clipping"] = (v, why)
 
 
 def _auto_precision(d: dict, a: _AutoValues) -> None:
-  """Precision: the compute_dtype the run was given."""
+  """Precision: the compute_dtype the run was given, else the Trainer's (neither bf16 nor
+  fp16: float32)."""
   given = a.given
   cd = given.get("compute_dtype")
   names = [n for n in ("bf16", "bfloat16", "fp16") if isinstance(d.get(n), Mapping)]
@@ -787,10 +814,10 @@ def _auto_precision(d: dict, a: _AutoValues) -> None:
       sect["enabled"] = False
       a.chosen[key] = (False, f"{sorted(explicit - {name})[0]} is enabled")
     else:
-      sect["enabled"] = False
-      a.unresolved[key] = ("pass compute_dtype=bfloat16 (bf16), float16 (fp16) or float32 "
-                           "(neither), e.g. `zerojax train ds_config.json "
-                           "compute_dtype=bfloat16`, or write true or false in the file")
+      v, field = TRAINER_DEFAULTS[name if name == "fp16" else "bf16"]
+      sect["enabled"] = v
+      a.chosen[key] = (v, f"auto: Trainer default {field}={v!r}; set compute_dtype=bfloat16 "
+                          "(bf16) or float16 (fp16) to change it")
 
 
 def _auto_fp16(d: dict, a: _AutoValues) -> None:
@@ -821,19 +848,24 @@ def _auto_hyperparameters(d: dict, a: _AutoValues) -> None:
     if k == "lr":
       return a.lr({})  # the optimizer's own lr is the "auto" one
     if k == "betas":
-      (b1, w1), (b2, w2) = a.option("b1"), a.option("b2")
-      return [b1, b2], f"{w1}; {w2}"
-    if k in ("eps", "weight_decay", "momentum"):
+      (b1, w1), (b2, w2) = a.trainer("b1"), a.trainer("b2")
+      if "b1" in a.given or "b2" in a.given:
+        return [b1, b2], f"{w1}; {w2}"
+      return [b1, b2], (f"auto: Trainer default adam_beta1={b1!r}, adam_beta2={b2!r}; set "
+                        "b1=... b2=... to change them")
+    if k in ("eps", "weight_decay"):
+      return a.trainer(k)
+    if k == "momentum":
       return a.option(k)
     return None  # not a key zerojax maps: the mapping names it
 
   def scheduler_value(k):
     if k == "warmup_min_lr":
-      return 0.0, "0, as the Hugging Face Trainer sets it"
-    if k == "warmup_max_lr":
-      return a.lr(d)
+      return 0.0, "auto: the Trainer's 0 (its schedules start from 0)"
+    if k == "warmup_max_lr":  # the optimizer's learning rate, whatever gave it
+      return a.chosen.get("optimizer.params.lr") or a.lr(d)
     if k == "warmup_num_steps":
-      return a.option("warmup_steps")
+      return a.trainer("warmup_steps")
     if k == "total_num_steps":
       return a.option("steps")
     return None, "zerojax has no training option for it: write the value in the file"

@@ -36,7 +36,7 @@ from zerojax.core.config import ConfigError, read_config_file
 from zerojax.models import llama
 from zerojax.runtime import weights
 from zerojax.runtime.checkpoint import Checkpointer
-from zerojax.tools import deepspeed, hf_data
+from zerojax.tools import hf_data
 from zerojax.tools.config_file import load_config, parse_overrides
 from zerojax.tools.export import export
 from zerojax.tools.options import TrainOptions
@@ -307,17 +307,17 @@ def finetune(fo: FinetuneOptions, config_path: str | None = None,
 
 
 def _load_with_defaults(fo: FinetuneOptions, config_path: str | None, overrides: list[str]):
-  """The config file and overrides, with the fine-tuning defaults filling what neither sets (a
-  DeepSpeed "auto" then takes them: they are the run's own settings)."""
+  """The config file and overrides, with the fine-tuning defaults filling what neither sets. A
+  DeepSpeed file's settings (numbers or "auto") are its own: an "auto" the command line leaves
+  unset takes the HF Trainer's default, as `zerojax train` does (`zerojax.tools.deepspeed`)."""
   first = load_config(config_path, overrides, apply_xla_flags=False, for_training=False)
   _, given = parse_overrides(overrides)
   have = set(first.train) | set(given)
-  if first.deepspeed:  # an optimizer "auto" resolved from zerojax train's defaults is not set
-    have = set(given) | (set(first.train) - {"lr", "weight_decay"}) | _numeric_optimizer_keys(
-        config_path)
+  if first.deepspeed:
+    have = set(given) | (set(first.train) - {"lr", "weight_decay", "warmup_steps", "batch"}) \
+        | _deepspeed_sets(config_path)
   defaults = dict(DEFAULTS, lr=LR_LORA if fo.lora else LR_FULL)
   extra = [f"{k}={v}" for k, v in defaults.items() if k not in have]
-  extra += _deepspeed_auto_defaults(config_path, overrides)
   return load_config(config_path, extra + overrides)
 
 
@@ -336,35 +336,18 @@ def _export(fo: FinetuneOptions, opts: TrainOptions, result: Any) -> dict | None
   return info
 
 
-# A DeepSpeed "auto" of a ZeroConfig field takes the HF Trainer's own default when the command
-# does not set it: max_grad_norm=1.0, and neither bf16 nor fp16.
-_HF_TRAINER_DEFAULTS = {"gradient_clipping": 1.0, "compute_dtype": "float32"}
-
-
-def _deepspeed_auto_defaults(config_path: str | None, overrides: Sequence[str]) -> list[str]:
-  if config_path is None:
-    return []
+def _deepspeed_sets(config_path: str) -> set[str]:
+  """The training options a DeepSpeed file sets, with a number or an "auto" (the Trainer's
+  default then): ``lr``, ``weight_decay``, ``warmup_steps``, ``batch``."""
   d = read_config_file(config_path)
-  if not deepspeed.is_deepspeed(d):
-    return []
-  given, _ = parse_overrides(overrides)
-  auto = lambda v: isinstance(v, str) and v.strip().lower() == "auto"
-  sect = lambda k: d.get(k) if isinstance(d.get(k), dict) else {}
-  out = []
-  if auto(d.get("gradient_clipping")) and "gradient_clipping" not in given:
-    out.append(f"gradient_clipping={_HF_TRAINER_DEFAULTS['gradient_clipping']}")
-  if (auto(sect("bf16").get("enabled")) or auto(sect("fp16").get("enabled"))) and (
-      "compute_dtype" not in given):
-    out.append(f"compute_dtype={_HF_TRAINER_DEFAULTS['compute_dtype']}")
+  sect = lambda x, k: x.get(k) if isinstance(x, dict) and isinstance(x.get(k), dict) else {}
+  opt, sched = sect(sect(d, "optimizer"), "params"), sect(sect(d, "scheduler"), "params")
+  out = {k for k in ("lr", "weight_decay") if k in opt}
+  out |= {"lr"} if "warmup_max_lr" in sched else set()
+  out |= {"warmup_steps"} if "warmup_num_steps" in sched else set()
+  out |= {"batch"} if any(k in d for k in ("train_batch_size", "train_micro_batch_size_per_gpu",
+                                           "gradient_accumulation_steps")) else set()
   return out
-
-
-def _numeric_optimizer_keys(config_path: str) -> set[str]:
-  """``lr`` / ``weight_decay`` where a DeepSpeed file writes them as numbers."""
-  o = read_config_file(config_path).get("optimizer")
-  p = o.get("params") if isinstance(o, dict) and isinstance(o.get("params"), dict) else {}
-  return {k for k in ("lr", "weight_decay") if isinstance(p.get(k), (int, float))
-          and not isinstance(p.get(k), bool)}
 
 
 def run(args) -> int:
