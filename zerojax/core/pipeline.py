@@ -295,6 +295,15 @@ def pipelined_scan(pl: Pipeline, f: Callable, init: Any, xs: Any, length: int | 
   return out, _layer_bytes(flat, sharded, pl)
 
 
+def _policy_name(policy: Any) -> str:
+  """A checkpoint policy by its public name (``jax.checkpoint_policies.dots_saveable``), which
+  holds across releases where the objects' own names and reprs do not."""
+  for name, value in vars(jax.checkpoint_policies).items():
+    if value is policy and not name.startswith("_"):
+      return f"jax.checkpoint_policies.{name}"
+  return getattr(policy, "__name__", repr(policy))
+
+
 def _saving_policies(jaxpr: Any) -> list[str]:
   """Names of the ``jax.checkpoint`` policies in ``jaxpr`` that save residuals."""
   out = []
@@ -302,7 +311,7 @@ def _saving_policies(jaxpr: Any) -> list[str]:
     if eqn.primitive.name in REMAT_PRIMITIVE_NAMES:
       policy = eqn.params.get("policy")
       if policy is not None and policy is not jax.checkpoint_policies.nothing_saveable:
-        out.append(getattr(policy, "__name__", repr(policy)))
+        out.append(_policy_name(policy))
     for sub in subjaxprs(eqn.params):
       out += _saving_policies(sub)
   return out
