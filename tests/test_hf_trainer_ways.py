@@ -286,3 +286,210 @@ def test_auto_is_the_trainers_default_in_finetune(fp32_dir, tmp_path, capsys):
   assert ("DeepSpeed optimizer.params.betas: 'auto' -> [0.9, 0.999] (auto: Trainer default "
           "adam_beta1=0.9, adam_beta2=0.999") in out
   assert "DeepSpeed bf16.enabled: 'auto' -> False (auto: Trainer default bf16=False" in out
+
+
+# -- 4. chat templates render as transformers' apply_chat_template -----------------------------
+
+# Templates in the styles of the families' own (written here, short), each exercising what the
+# issue found: ChatML; Llama 3.1's date from strftime_now and its `tools is not none` test;
+# Mistral's raise_exception on roles; a {% generation %} block (assistant masks).
+CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + "
+          "message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}"
+          "{{ '<|im_start|>assistant\n' }}{% endif %}")
+LLAMA3 = """{{- bos_token }}
+{%- if not date_string is defined %}
+    {%- if strftime_now is defined %}
+        {%- set date_string = strftime_now("%d %b %Y") %}
+    {%- else %}
+        {%- set date_string = "26 Jul 2024" %}
+    {%- endif %}
+{%- endif %}
+{%- if tools is not none %}
+    {{- raise_exception("this template takes no tools") }}
+{%- endif %}
+{%- if messages[0]['role'] == 'system' %}
+    {%- set system_message = messages[0]['content']|trim %}
+    {%- set messages = messages[1:] %}
+{%- else %}
+    {%- set system_message = "" %}
+{%- endif %}
+{{- "<|start_header_id|>system<|end_header_id|>\\n\\n" }}
+{{- "Today Date: " + date_string + "\\n\\n" }}
+{{- system_message }}
+{{- "<|eot_id|>" }}
+{%- for message in messages %}
+    {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'+ message['content'] | trim + '<|eot_id|>' }}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}
+{%- endif %}
+"""
+MISTRAL = """{{- bos_token }}
+{%- for message in messages %}
+    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}
+        {{- raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}
+    {%- endif %}
+    {%- if message['role'] == 'user' %}
+        {{- '[INST] ' + message['content'] + ' [/INST]' }}
+    {%- elif message['role'] == 'assistant' %}
+        {{- ' ' + message['content'] + eos_token }}
+    {%- else %}
+        {{- raise_exception('Only user and assistant roles are supported!') }}
+    {%- endif %}
+{%- endfor %}
+"""
+GENERATION = ("{% for message in messages %}{% if message['role'] == 'assistant' %}"
+              "{{ '<|im_start|>assistant\n' }}{% generation %}{{ message['content'] + "
+              "'<|im_end|>' }}{% endgeneration %}{{ '\n' }}{% else %}{{ '<|im_start|>' + "
+              "message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}{% endif %}"
+              "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+              "{% endif %}")
+TEMPLATES = {"chatml": CHATML, "llama3": LLAMA3, "mistral": MISTRAL, "generation": GENERATION}
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|begin_of_text|>",
+            "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<s>", "</s>", "[INST]",
+            "[/INST]"]
+CONVS = [
+    [{"role": "user", "content": "the cat sat on"}, {"role": "assistant", "content": "the mat"}],
+    [{"role": "system", "content": "be brief "}, {"role": "user", "content": "hello world"},
+     {"role": "assistant", "content": "hello zerojax"}, {"role": "user", "content": "a dog?"},
+     {"role": "assistant", "content": "ran in the park, día 3"}],
+    [{"role": "user", "content": "fine-tune what users bring"},
+     {"role": "assistant", "content": " spaced  out "}],
+]
+
+
+def make_template_tokenizer(d, template, bos="<s>", eos="</s>", vocab=400):
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+  tok = Tokenizer(models.BPE())
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = decoders.ByteLevel()
+  tok.train_from_iterator(
+      ["the cat sat on the mat", "a dog ran in the park", "hello world, hello zerojax",
+       "fine-tune what users bring", "Today Date: system user assistant"] * 4,
+      trainers.BpeTrainer(vocab_size=vocab, special_tokens=SPECIALS,
+                          initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+  fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos,
+                                              eos_token=eos, pad_token="<|endoftext|>",
+                                              chat_template=template)
+  d.mkdir(parents=True, exist_ok=True)
+  fast.save_pretrained(d)
+  return transformers.AutoTokenizer.from_pretrained(d, local_files_only=True)
+
+
+@pytest.mark.parametrize("style", sorted(TEMPLATES))
+def test_chat_template_ids_equal_transformers(tmp_path, style):
+  from zerojax.tools import hf_data
+  bos, eos = {"llama3": ("<|begin_of_text|>", "<|eot_id|>")}.get(style, ("<s>", "</s>"))
+  ref = make_template_tokenizer(tmp_path, TEMPLATES[style], bos, eos)
+  tok = hf_data.load_tokenizer(tmp_path)
+  convs = [c for c in CONVS if style != "mistral" or c[0]["role"] != "system"]
+  for conv in convs:
+    want = ref.apply_chat_template(conv, tokenize=True, return_dict=True,
+                                   return_assistant_tokens_mask=style == "generation")
+    ids, mask = hf_data._chat_ids(tok, conv, "t")
+    assert ids == list(want["input_ids"]), (style, tok.render_chat(conv))
+    assert tok.render_chat(conv, add_generation_prompt=True) == ref.apply_chat_template(
+        conv, tokenize=False, add_generation_prompt=True)
+    if style == "generation":  # the template's own assistant mask, as transformers gives it
+      assert mask == list(want["assistant_masks"]) and sum(mask) > 0
+    learned = tok.decode([i for i, m in zip(ids, mask) if m])
+    assert conv[-1]["content"].strip() in learned and conv[0]["content"] not in learned
+  if style == "llama3":  # today's date, as transformers renders it
+    import datetime
+    assert datetime.datetime.now().strftime("%d %b %Y") in tok.render_chat(CONVS[0])
+
+
+def test_chat_template_error_names_the_file_the_line_and_the_record(tmp_path):
+  from zerojax.tools import hf_data
+  make_template_tokenizer(tmp_path, MISTRAL)
+  data = tmp_path / "chat.jsonl"
+  data.write_text(json.dumps({"messages": CONVS[0]}) + "\n" + json.dumps({"messages": [
+      {"role": "user", "content": "a"}, {"role": "user", "content": "b"}]}) + "\n")
+  tok = hf_data.load_tokenizer(tmp_path)
+  with pytest.raises(ValueError) as e:
+    hf_data.build_rows(data, tok, 32)
+  msg = str(e.value)
+  # transformers v5 saves the template as chat_template.jinja
+  assert f"{data}:2" in msg and "chat_template.jinja, line 4" in msg, msg
+  assert "Conversation roles must alternate" in msg
+  # a syntax error: the file and the line
+  (tmp_path / "chat_template.jinja").write_text(
+      "{% for m in messages %}\n{{ m['content'] }\n{% endfor %}")
+  tok = hf_data.load_tokenizer(tmp_path)
+  with pytest.raises(ValueError, match=r"chat_template\.jinja, line 2: .*syntax"):
+    hf_data.build_rows(data, tok, 32)
+
+
+def test_finetune_reports_a_template_error_in_one_line(fp32_dir, tmp_path, capsys):
+  import shutil
+  from zerojax.tools.cli import main
+  d = tmp_path / "m"
+  shutil.copytree(fp32_dir, d)
+  make_template_tokenizer(d, MISTRAL, vocab=300)
+  (d / "bad.jsonl").write_text(json.dumps({"messages": [{"role": "system", "content": "x"},
+                                                        {"role": "user", "content": "y"}]}))
+  rc = main(["finetune", str(d), "--data", str(d / "bad.jsonl"), *RUN,
+             f"out_dir={tmp_path / 'run'}"])
+  err = capsys.readouterr().err
+  assert rc == 2 and f"{d / 'bad.jsonl'}:1" in err and "chat_template.jinja, line" in err, err
+  assert "Traceback" not in err
+
+
+# -- 5. ShareGPT records ------------------------------------------------------------------------
+
+
+def _sharegpt(turns):
+  return json.dumps({"conversations": [{"from": f, "value": v} for f, v in turns]}) + "\n"
+
+
+def test_sharegpt_records_train_on_the_assistants_tokens(tmp_path):
+  """{"conversations": [{"from": "human"|"gpt"|"system", "value"}]} is read as the same
+  conversation in messages form: the same ids and the same loss mask."""
+  from zerojax.tools import hf_data
+  make_template_tokenizer(tmp_path, CHATML)
+  tok = hf_data.load_tokenizer(tmp_path)
+  (tmp_path / "sharegpt.jsonl").write_text(_sharegpt(
+      [("system", "be brief"), ("human", "hello world"), ("gpt", "hello zerojax")]))
+  (tmp_path / "openai.jsonl").write_text(json.dumps({"messages": [
+      {"role": "system", "content": "be brief"}, {"role": "user", "content": "hello world"},
+      {"role": "assistant", "content": "hello zerojax"}]}) + "\n")
+  a = hf_data.build_rows(tmp_path / "sharegpt.jsonl", tok, 64)
+  b = hf_data.build_rows(tmp_path / "openai.jsonl", tok, 64)
+  for f in hf_data.FIELDS:
+    np.testing.assert_array_equal(getattr(a, f), getattr(b, f))
+  assert a.mask.sum() > 0 and not a.no_loss
+  learned = tok.decode(a.y[a.mask.astype(bool)])
+  assert "hello zerojax" in learned and "hello world" not in learned
+
+
+def test_unknown_role_is_refused_by_name_with_file_and_line(tmp_path):
+  from zerojax.tools import hf_data
+  make_template_tokenizer(tmp_path, CHATML)
+  tok = hf_data.load_tokenizer(tmp_path)
+  p = tmp_path / "a.jsonl"
+  p.write_text(_sharegpt([("human", "hi"), ("gpt", "yo")])
+               + _sharegpt([("human", "hi"), ("bot", "yo")]))
+  with pytest.raises(ValueError, match=rf"{p}:2: field 'conversations\[1\]\.from'='bot' is an "
+                     r"unknown ShareGPT speaker: allowed are \[.*'gpt'.*'human'"):
+    hf_data.build_rows(p, tok, 32)
+  # ShareGPT's roles under "messages": no template here knows them, refused by name
+  p.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
+                                        {"role": "assistant", "content": "yo"}]}) + "\n"
+               + json.dumps({"messages": [{"role": "human", "content": "hi"},
+                                          {"role": "gpt", "content": "yo"}]}) + "\n")
+  with pytest.raises(ValueError, match=rf"{p}:2: field 'messages\[0\]\.role'='human' is a role "
+                     r"neither the chat template .* knows.*'user'"):
+    hf_data.build_rows(p, tok, 32)
+
+
+def test_records_with_no_assistant_token_are_counted_and_reported(fp32_dir, tmp_path, capsys):
+  from zerojax.tools.cli import main
+  p = tmp_path / "mixed.jsonl"
+  p.write_text("".join(_sharegpt([("human", "the cat sat"), ("gpt", "on the mat")])
+                       for _ in range(20))
+               + _sharegpt([("human", "a dog ran")]) + _sharegpt([("system", "hello")]))
+  rc = main(["finetune", str(fp32_dir), "--data", str(p), *RUN, f"out_dir={tmp_path / 'run'}"])
+  out = capsys.readouterr().out
+  assert rc == 0
+  assert (f"data {p}: 2 chat records contribute 0 tokens to the loss" in out
+          and f"{p}:21, {p}:22" in out), out

@@ -156,6 +156,12 @@ def _read_data(fo: FinetuneOptions, cfg: Any, seq_len: int) -> tuple[Any, Any]:
       "targets in the loss" + (f", {rows.truncated} documents cut at seq_len"
                                if rows.truncated else "")
       + (f"; eval {fo.eval_data}: {len(eval_rows)} rows" if eval_rows is not None else ""))
+  for r, name in ((rows, fo.data), (eval_rows, fo.eval_data)):
+    if r is not None and r.no_loss:  # said, not fatal: a few such records are common
+      log(f"data {name}: {len(r.no_loss)} chat records contribute 0 tokens to the loss (their "
+          "assistant turns render to no assistant token: no assistant message, or a role the "
+          f"template does not mark): {', '.join(r.no_loss[:5])}"
+          + (" ..." if len(r.no_loss) > 5 else ""))
   return rows, eval_rows
 
 

@@ -3,10 +3,17 @@
 * `load_tokenizer`: the checkpoint directory's ``tokenizer.json`` through ``tokenizers`` (its
   ``tokenizer_config.json`` gives the special tokens and the chat template), or
   ``transformers.AutoTokenizer`` offline when there is no ``tokenizer.json``.
-* `read_documents`: JSONL (``{"text": ...}`` or chat ``{"messages": [{"role", "content"}]}``),
-  Parquet (the same columns) and plain text (documents separated by a blank line).
+* `read_documents`: JSONL (``{"text": ...}``, chat ``{"messages": [{"role", "content"}]}`` or
+  ShareGPT ``{"conversations": [{"from", "value"}]}``), Parquet (the same columns) and plain
+  text (documents separated by a blank line).
+* `ChatTemplate`: the checkpoint's chat template rendered as transformers'
+  ``tokenizer.apply_chat_template`` renders it (a sandboxed jinja2 environment with
+  ``raise_exception`` and ``strftime_now``, ``tools``/``documents`` None, the
+  ``{% generation %}`` block); an error names the template's file and line and the record.
 * `tokenize_documents`: ids and a loss mask per document (for chat: the assistant's tokens
-  only, found through the rendered template's character offsets).
+  only: the template's ``{% generation %}`` spans where it has them, as transformers'
+  ``return_assistant_tokens_mask``, else found through the rendered template's character
+  offsets).
 * `pack` / `pad`: rows of ``seq_len`` next-token pairs with segment ids (a packed row's
   documents do not see each other; `zerojax.models.llama.Llama` reads ``segment_ids``) and
   positions, or one document per row.
@@ -17,9 +24,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import datetime
 import json
 import os
+import re
+import sys
 from typing import Any, Iterator, Sequence
 
 import jax
@@ -27,14 +38,150 @@ import numpy as np
 
 from zerojax.runtime.data import process_rows
 
-__all__ = ["Tokenizer", "load_tokenizer", "read_documents", "tokenize_documents", "Rows",
-           "pack", "pad", "build_rows", "Batches", "eval_batches"]
+__all__ = ["Tokenizer", "ChatTemplate", "load_tokenizer", "read_documents", "Documents",
+           "tokenize_documents", "Rows", "pack", "pad", "build_rows", "Batches", "eval_batches",
+           "loss_norm", "SHAREGPT_ROLES"]
 
 FIELDS = ("x", "y", "mask", "segment_ids", "positions")
 
 
 def _token_text(v: Any) -> str | None:
   return v.get("content") if isinstance(v, dict) else v
+
+
+class TemplateRenderError(ValueError):
+  """A chat template failed: names its file and line, and the record being rendered."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Rendered:
+  """A rendered conversation: its text and the ``(start, end)`` character spans of its
+  ``{% generation %}`` blocks (empty where the template has none)."""
+
+  text: str
+  generation: tuple[tuple[int, int], ...] = ()
+
+
+_GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+
+def _environment():
+  """A sandboxed jinja2 environment as transformers' ``apply_chat_template`` builds it: blocks
+  trimmed, ``loopcontrols``, a ``tojson`` that keeps non-ASCII characters and takes
+  ``indent``/``separators``/``sort_keys``, the globals ``raise_exception`` and
+  ``strftime_now`` (today's date, as a Llama 3.1 template prints it), and the
+  ``{% generation %}`` block, whose output spans are recorded in ``env.zerojax_spans``."""
+  import jinja2  # optional: the train extra
+  from jinja2 import nodes
+  from jinja2.ext import Extension
+  from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+  class Generation(Extension):
+    """``{% generation %}...{% endgeneration %}``: renders its body and records where it lands
+    in the output (the chunks yielded so far, `ChatTemplate.render` counts them)."""
+    tags = {"generation"}
+
+    def parse(self, parser):
+      lineno = next(parser.stream).lineno
+      body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+      return nodes.CallBlock(self.call_method("_mark"), [], [], body).set_lineno(lineno)
+
+    def _mark(self, caller):
+      out = caller()
+      rec = self.environment.zerojax_spans
+      if rec is not None:
+        start = rec["emitted"]()
+        rec["spans"].append((start, start + len(out)))
+      return out
+
+  def raise_exception(message):
+    raise jinja2.exceptions.TemplateError(message)
+
+  def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+  env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                      extensions=[Generation, "jinja2.ext.loopcontrols"])
+  env.filters["tojson"] = tojson
+  env.globals["raise_exception"] = raise_exception
+  env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+  env.zerojax_spans = None
+  return env
+
+
+def _template_line(tb) -> int | None:
+  """The template line of the innermost template frame in a traceback (jinja2 maps its
+  generated code's frames to ``<template>`` lines)."""
+  line = None
+  while tb is not None:
+    if tb.tb_frame.f_code.co_filename == "<template>":
+      line = tb.tb_lineno
+    tb = tb.tb_next
+  return line
+
+
+class ChatTemplate:
+  """A checkpoint's chat template, compiled once, rendered as transformers renders it.
+
+  Args:
+    source: the template text.
+    where: the file it came from (``tokenizer_config.json``, ``chat_template.jinja``), for
+      error messages.
+    special: the tokenizer's special tokens (``bos_token``, ``eos_token``, ...), passed to
+      the template as transformers passes its ``special_tokens_map``.
+  """
+
+  def __init__(self, source: str, where: str, special: dict[str, str | None]):
+    import jinja2  # optional: the train extra
+    self.source, self.where = source, where
+    self.special = {k: v for k, v in special.items() if v is not None}
+    self.has_generation = bool(_GENERATION_TAG.search(source))
+    self._env = _environment()
+    try:
+      self._template = self._env.from_string(source)
+    except jinja2.exceptions.TemplateSyntaxError as e:
+      raise TemplateRenderError(f"chat template in {where}, line {e.lineno}: {e.message} "
+                                "(a jinja2 syntax error)") from None
+
+  def render(self, messages: Sequence[dict], *, add_generation_prompt: bool = False,
+             tools: Any = None, documents: Any = None, record: str = "") -> Rendered:
+    """Renders ``messages`` (keys whose value is None dropped, as transformers drops them).
+
+    Args:
+      messages: ``[{"role", "content", ...}]``.
+      add_generation_prompt, tools, documents: as ``apply_chat_template``'s.
+      record: where the conversation comes from (``file:line``), for error messages.
+
+    Returns:
+      the `Rendered` text and its ``{% generation %}`` spans.
+
+    Raises:
+      TemplateRenderError: the template raised (``raise_exception``) or failed; the message
+        names the template's file and line and the record.
+    """
+    import jinja2  # optional: the train extra
+    msgs = [{k: v for k, v in m.items() if v is not None} for m in messages]
+    chunks: list[str] = []
+    rec = {"spans": [], "emitted": lambda: sum(map(len, chunks))}
+    self._env.zerojax_spans = rec
+    try:
+      for chunk in self._template.generate(
+          messages=msgs, tools=tools, documents=documents,
+          add_generation_prompt=add_generation_prompt, **self.special):
+        chunks.append(chunk)
+    except jinja2.exceptions.TemplateError as e:
+      line = _template_line(sys.exc_info()[2])
+      at = f", line {line}" if line is not None else ""
+      raise TemplateRenderError(f"{record or 'a record'}: the chat template in {self.where}"
+                                f"{at} failed: {e}") from None
+    finally:
+      self._env.zerojax_spans = None
+    return Rendered("".join(chunks), tuple(rec["spans"]))
+
+  def roles(self) -> set[str]:
+    """The quoted words of the template: the roles it names (``'ipython'``, ``"tool"``)."""
+    return set(re.findall(r"""['"]([A-Za-z_][\w-]*)['"]""", self.source))
 
 
 class Tokenizer:
@@ -49,10 +196,16 @@ class Tokenizer:
       with open(cfg_path) as f:
         cfg = json.load(f)
     self.chat_template = cfg.get("chat_template")
+    self.template_file = cfg_path
     tj = os.path.join(self.dir, "chat_template.jinja")
     if self.chat_template is None and os.path.isfile(tj):
       with open(tj) as f:
         self.chat_template = f.read()
+      self.template_file = tj
+    if isinstance(self.chat_template, list):  # named templates: transformers uses "default"
+      named = {t.get("name"): t.get("template") for t in self.chat_template
+               if isinstance(t, dict)}
+      self.chat_template = named.get("default")
     self.special = {k: _token_text(cfg.get(k)) for k in ("bos_token", "eos_token",
                                                          "pad_token", "unk_token")}
     self._tok = self._hf = None
@@ -79,6 +232,7 @@ class Tokenizer:
     self.pad_id = ids["pad_token"] if ids["pad_token"] is not None else self.eos_id
     if self.pad_id is None:
       self.pad_id = 0
+    self._template = None
 
   def encode(self, text: str, special: bool = True) -> tuple[list[int], list[tuple[int, int]]]:
     """Token ids and each token's ``(start, end)`` character span (``special``: the
@@ -96,29 +250,24 @@ class Tokenizer:
     return (self._tok.decode(list(ids), skip_special_tokens=False) if self._tok is not None
             else self._hf.decode(list(ids)))
 
-  def render_chat(self, messages: list[dict]) -> str:
-    """The chat template applied to ``messages`` (no generation prompt), as transformers'
-    ``apply_chat_template(..., tokenize=False)`` renders it."""
+  @property
+  def template(self) -> ChatTemplate:
+    """The checkpoint's `ChatTemplate` (compiled on first use)."""
     if not self.chat_template:
       raise ValueError(f"tokenizer in {self.dir!r} has no chat_template (tokenizer_config.json "
                        "or chat_template.jinja); chat data {\"messages\": [...]} needs one, or "
                        "give the data as {\"text\": ...}")
-    if self._hf is not None:
-      return self._hf.apply_chat_template(messages, tokenize=False)
-    import jinja2  # optional: the train extra
-    from jinja2.sandbox import ImmutableSandboxedEnvironment  # optional: the train extra
+    if self._template is None:
+      self._template = ChatTemplate(self.chat_template, self.template_file, self.special)
+    return self._template
 
-    def raise_exception(msg):
-      raise jinja2.exceptions.TemplateError(msg)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=["jinja2.ext.loopcontrols"])
-    env.filters["tojson"] = lambda v, indent=None, **_: json.dumps(v, indent=indent,
-                                                                    ensure_ascii=False)
-    env.globals["raise_exception"] = raise_exception
-    return env.from_string(self.chat_template).render(
-        messages=messages, add_generation_prompt=False,
-        **{k: v for k, v in self.special.items() if v is not None})
+  def render_chat(self, messages: list[dict], add_generation_prompt: bool = False,
+                  record: str = "") -> str:
+    """The chat template applied to ``messages``, as transformers'
+    ``apply_chat_template(..., tokenize=False)`` renders it (``record``: where the
+    conversation comes from, for errors)."""
+    return self.template.render(messages, add_generation_prompt=add_generation_prompt,
+                                record=record).text
 
 
 def _config_eos(model_dir: str) -> int | None:
@@ -144,11 +293,51 @@ def load_tokenizer(model_dir: str | os.PathLike) -> Tokenizer:
 # -- documents --------------------------------------------------------------------------------
 
 
+# ShareGPT's speakers ("from") and the roles chat templates know them by.
+SHAREGPT_ROLES = {"system": "system", "human": "user", "gpt": "assistant", "user": "user",
+                  "assistant": "assistant", "tool": "tool", "function_call": "assistant",
+                  "observation": "tool"}
+_RECORD_FIELDS = ("text", "messages", "conversations")
+
+
+class Documents(list):
+  """`read_documents`' list of documents; ``where[i]`` is document ``i``'s ``file:line`` (or
+  ``file row n``)."""
+
+  def __init__(self, docs=(), where=()):
+    super().__init__(docs)
+    self.where = list(where)
+
+
+def _sharegpt(conv: Any, where: str) -> list[dict]:
+  """A ShareGPT ``conversations`` list as ``messages`` (``from`` -> role, ``value`` ->
+  content); a speaker ShareGPT does not have is refused by name."""
+  if not isinstance(conv, (list, tuple)) or not conv:
+    raise ValueError(f"{where}: field 'conversations'={conv!r:.60} is invalid: a non-empty list "
+                     "of {'from': ..., 'value': ...} (ShareGPT)")
+  out = []
+  for i, t in enumerate(conv):
+    if not isinstance(t, dict) or not isinstance(t.get("from"), str) or not isinstance(
+        t.get("value"), str):
+      raise ValueError(f"{where}: field 'conversations[{i}]'={t!r:.80} is invalid: a dict with "
+                       "a string 'from' (system, human, gpt) and a string 'value' (ShareGPT)")
+    role = SHAREGPT_ROLES.get(t["from"])
+    if role is None:
+      raise ValueError(f"{where}: field 'conversations[{i}].from'={t['from']!r} is an unknown "
+                       f"ShareGPT speaker: allowed are {sorted(SHAREGPT_ROLES)} (human -> user, "
+                       "gpt -> assistant)")
+    out.append({"role": role, "content": t["value"]})
+  return out
+
+
 def _check_doc(doc: Any, where: str) -> dict:
-  if not isinstance(doc, dict) or ("text" in doc) == ("messages" in doc):
+  if not isinstance(doc, dict) or sum(k in doc for k in _RECORD_FIELDS) != 1:
     keys = sorted(doc) if isinstance(doc, dict) else type(doc).__name__
-    raise ValueError(f"{where}: a record needs exactly one of the fields 'text' (a string) or "
-                     f"'messages' (a list of {{'role', 'content'}}); got {keys}")
+    raise ValueError(f"{where}: a record needs exactly one of the fields 'text' (a string), "
+                     "'messages' (a list of {'role', 'content'}) or 'conversations' (ShareGPT: "
+                     f"a list of {{'from', 'value'}}); got {keys}")
+  if "conversations" in doc:
+    return {"messages": _sharegpt(doc["conversations"], where)}
   if "text" in doc:
     if not isinstance(doc["text"], str):
       raise ValueError(f"{where}: field 'text'={doc['text']!r:.60} is invalid: a string")
@@ -175,7 +364,7 @@ def read_documents(path: str | os.PathLike) -> list[dict]:
   if not os.path.isfile(path):
     raise FileNotFoundError(f"data file {path!r} does not exist")
   ext = os.path.splitext(path)[1].lower()
-  docs: list[dict] = []
+  docs = Documents()
   if ext in (".jsonl", ".json"):
     with open(path, encoding="utf-8") as f:
       for n, line in enumerate(f, 1):
@@ -187,19 +376,23 @@ def read_documents(path: str | os.PathLike) -> list[dict]:
           raise ValueError(f"{path}:{n}: not a JSON object ({e}); JSONL data has one "
                            "object per line") from None
         docs.append(_check_doc(rec, f"{path}:{n}"))
+        docs.where.append(f"{path}:{n}")
   elif ext == ".parquet":
     import pyarrow.parquet as pq  # optional: the train extra
     table = pq.read_table(path)
-    cols = [c for c in ("text", "messages") if c in table.column_names]
+    cols = [c for c in _RECORD_FIELDS if c in table.column_names]
     if len(cols) != 1:
-      raise ValueError(f"{path}: a Parquet file needs exactly one of the columns 'text' or "
-                       f"'messages'; it has {table.column_names}")
+      raise ValueError(f"{path}: a Parquet file needs exactly one of the columns 'text', "
+                       f"'messages' or 'conversations'; it has {table.column_names}")
     for n, v in enumerate(table.column(cols[0]).to_pylist()):
       docs.append(_check_doc({cols[0]: v}, f"{path} row {n}"))
+      docs.where.append(f"{path} row {n}")
   elif ext in (".txt", ".text", ".md"):
     with open(path, encoding="utf-8") as f:
       text = f.read()
-    docs = [{"text": d.strip("\n")} for d in text.split("\n\n") if d.strip()]
+    parts = [d.strip("\n") for d in text.split("\n\n") if d.strip()]
+    docs = Documents([{"text": d} for d in parts],
+                     [f"{path} document {i}" for i in range(len(parts))])
   else:
     raise ValueError(f"data file {path!r}: extension {ext!r} is not read; allowed are .jsonl, "
                      ".json (JSON lines), .parquet and .txt")
@@ -209,12 +402,21 @@ def read_documents(path: str | os.PathLike) -> list[dict]:
 
 
 def _chat_ids(tok: Tokenizer, messages: list[dict], where: str) -> tuple[list[int], list[int]]:
-  """Ids of the rendered conversation and a mask of the assistant's tokens: the template is
-  rendered for each prefix of the conversation, so message ``i`` owns the characters its
-  prefix adds; a token is the assistant's when its first character is."""
+  """Ids of the rendered conversation and a mask of the assistant's tokens.
+
+  A template with ``{% generation %}`` blocks marks them itself: as transformers'
+  ``return_assistant_tokens_mask``, a block covers the tokens from the one holding its first
+  character to the one holding its last. Otherwise the template is rendered for each prefix
+  of the conversation, so message ``i`` owns the characters its prefix adds; a token is the
+  assistant's when its first character is."""
+  template = tok.template
+  if template.has_generation:
+    r = template.render(messages, record=where)
+    ids, offsets = tok.encode(r.text, special=False)
+    return ids, _span_mask(offsets, r.generation)
   text, spans, prev = "", [], ""
   for i in range(len(messages)):
-    text = tok.render_chat(messages[:i + 1])
+    text = template.render(messages[:i + 1], record=where).text
     if not text.startswith(prev):
       raise ValueError(f"{where}: the chat template renders messages[:{i + 1}] as a text that "
                        "does not extend the render of the earlier messages; the assistant's "
@@ -228,19 +430,73 @@ def _chat_ids(tok: Tokenizer, messages: list[dict], where: str) -> tuple[list[in
   return ids, mask
 
 
-def tokenize_documents(tok: Tokenizer, docs: Sequence[dict], where: str = "data"
-                       ) -> list[tuple[np.ndarray, np.ndarray]]:
+def _span_mask(offsets: Sequence[tuple[int, int]], spans: Sequence[tuple[int, int]]
+               ) -> list[int]:
+  """1 for the tokens from the one holding each span's first character to the one holding its
+  last (the span's tokens, boundary tokens included, as transformers marks them)."""
+  def token_at(c):
+    for t, (s, e) in enumerate(offsets):
+      if s <= c < e:
+        return t
+    return None
+
+  mask = [0] * len(offsets)
+  for lo, hi in spans:
+    if hi <= lo:
+      continue
+    first, last = token_at(lo), token_at(hi - 1)
+    if first is None:  # past the text's tokens (transformers stops there too)
+      break
+    for t in range(first, (last if last is not None else len(offsets) - 1) + 1):
+      mask[t] = 1
+  return mask
+
+
+_STANDARD_ROLES = {"system", "user", "assistant", "tool", "developer"}
+
+
+def _check_roles(tok: Tokenizer, messages: Sequence[dict], where: str) -> None:
+  """A role neither the standard set nor the template names is refused (ShareGPT's ``human``/
+  ``gpt`` under ``messages`` would otherwise render and train on nothing)."""
+  known = _STANDARD_ROLES | tok.template.roles()
+  for i, m in enumerate(messages):
+    if m["role"] not in known:
+      hint = (f" (ShareGPT's {m['role']!r} is {SHAREGPT_ROLES[m['role']]!r}: write the record "
+              "as {\"conversations\": [{\"from\", \"value\"}]} or use that role)"
+              if m["role"] in SHAREGPT_ROLES else "")
+      raise ValueError(f"{where}: field 'messages[{i}].role'={m['role']!r} is a role neither "
+                       f"the chat template ({tok.template_file}) nor the standard set knows: "
+                       f"allowed are {sorted(known)}{hint}")
+
+
+def tokenize_documents(tok: Tokenizer, docs: Sequence[dict], where: str = "data",
+                       no_loss: list[str] | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
   """``(ids, loss mask)`` per document: text documents end with the EOS token and train on
-  every token; chat documents train on the assistant's tokens only."""
+  every token; chat documents train on the assistant's tokens only.
+
+  Args:
+    tok: the checkpoint's `Tokenizer`.
+    docs: `read_documents`' documents (its ``where`` names each in errors).
+    where: the data file, for documents without a ``where``.
+    no_loss: a list that receives the ``where`` of every chat document whose assistant turns
+      contribute no token to the loss.
+
+  Returns:
+    one ``(ids, mask)`` per document of two tokens or more.
+  """
   out = []
-  for n, d in enumerate(docs):
+  wheres = getattr(docs, "where", None) or [f"{where} document {n}" for n in range(len(docs))]
+  for d, w in zip(docs, wheres):
     if "text" in d:
       ids, _ = tok.encode(d["text"])
       if tok.eos_id is not None:
         ids = ids + [tok.eos_id]
       mask = [1] * len(ids)
     else:
-      ids, mask = _chat_ids(tok, d["messages"], f"{where} document {n}")
+      _check_roles(tok, d["messages"], w)
+      ids, mask = _chat_ids(tok, d["messages"], w)
+      if no_loss is not None and not any(mask[1:]):  # mask[0] is never a target
+        no_loss.append(w)
     if len(ids) >= 2:
       out.append((np.asarray(ids, np.int32), np.asarray(mask, np.int32)))
   if not out:
@@ -262,6 +518,7 @@ class Rows:
   segment_ids: np.ndarray
   positions: np.ndarray
   truncated: int = 0  # documents cut at seq_len (padded rows only)
+  no_loss: tuple[str, ...] = ()  # chat records whose assistant turns count no token
 
   def __len__(self) -> int:
     return len(self.x)
@@ -323,11 +580,14 @@ def build_rows(path: str | os.PathLike, tok: Tokenizer, seq_len: int, packing: s
                      "kept apart by segment ids) or 'pad' (one document per row)")
   if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
     raise ValueError(f"seq_len={seq_len!r} is invalid: a positive integer")
-  docs = tokenize_documents(tok, read_documents(path), os.fspath(path))
+  no_loss: list[str] = []
+  docs = tokenize_documents(tok, read_documents(path), os.fspath(path), no_loss)
   rows = (pack if packing == "pack" else pad)(docs, seq_len, tok.pad_id)
+  rows.no_loss = tuple(no_loss)
   if not rows.mask.any():
     raise ValueError(f"{os.fspath(path)}: no token counts in the loss (chat data without an "
-                     "assistant message?)")
+                     f"assistant message? {len(no_loss)} records have no assistant token, e.g. "
+                     f"{', '.join(no_loss[:3])})")
   return rows
 
 
