@@ -9,6 +9,8 @@ without the plugin too. Compiles use a tiny GPT on ``h100:8`` (module fixtures, 
 import dataclasses
 import importlib.util
 import re
+import subprocess
+import sys
 
 import jax
 import pytest
@@ -17,6 +19,7 @@ import zerojax
 from zerojax.models import GPT, GPTConfig
 from zerojax.core.pipeline import LAYERS_SCOPE
 from zerojax.runtime import gpu, memory
+from tests import helpers
 
 HAS_CUDA_PLUGIN = gpu.cuda_plugin() is not None
 needs_gpu_compiler = pytest.mark.skipif(
@@ -137,6 +140,43 @@ def test_cli_compile_gpu(capsys):
   assert rc == 0, out
   assert "NVIDIA H100" in out and "FITS" in out and "textbook ZeRO volume" in out
   assert "activation collectives: none" in out
+
+
+# A user's own script or shell on a machine without a GPU: no JAX_PLATFORMS, the CUDA plugin
+# installed (its start-up check calls cuInit, which fails there).
+_API_CHILD = """
+import sys
+import jax
+if sys.argv[1] == "after_jax_started":
+  jax.devices()  # JAX looked for plugins first; the CUDA one failed its check then
+import zerojax
+from zerojax.tools import estimate
+r = estimate.compile_for_topology(zerojax.ZeroConfig(stage=3), "tiny", (8, 64), "h100:8")
+print("VERDICT", r.fits, r.device_kind, r.num_devices, jax.devices()[0].platform)
+"""
+
+
+@needs_gpu_compiler
+@pytest.mark.parametrize("when", ["first", "after_jax_started"])
+def test_python_api_compiles_for_gpu_without_jax_platforms(when):
+  env = helpers.child_env(devices=None, JAX_PLATFORMS=None)
+  r = subprocess.run([sys.executable, "-c", _API_CHILD, when], env=env, capture_output=True,
+                     text=True, timeout=600, cwd=helpers.ROOT)
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert "VERDICT True NVIDIA H100 80GB HBM3 8 cpu" in r.stdout, r.stdout
+  if when == "first":  # zerojax started the plugin itself: no failed driver check logged
+    assert "cuInit" not in r.stderr, r.stderr[-3000:]
+
+
+@needs_gpu_compiler
+def test_cli_compiles_for_gpu_without_jax_platforms():
+  env = helpers.child_env(devices=None, JAX_PLATFORMS=None)
+  r = subprocess.run([sys.executable, "-m", "zerojax", "compile", "--model", "tiny", "--batch",
+                      "8", "--seq", "64", "--topology", TOPOLOGY], env=env, capture_output=True,
+                     text=True, timeout=600, cwd=helpers.ROOT)
+  assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+  assert "FITS" in r.stdout and "NVIDIA H100" in r.stdout
+  assert "cuInit" not in r.stderr and "Traceback" not in r.stderr, r.stderr[-3000:]
 
 
 @pytest.mark.parametrize("name", ["h100", "h100:9", "h100:0", "rtx9000:8", "h100:2x", 8])

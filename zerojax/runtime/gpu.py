@@ -99,8 +99,8 @@ def cuda_plugin() -> str | None:
 def cuda_install_line() -> str:
   """The command that installs the CUDA plugin matching the installed JAX exactly (plugins
   are released in lockstep with jaxlib, and a newer one would upgrade JAX)."""
-  return (f'pip install "jax[cuda13]=={jax.__version__}" (or "jax[cuda12]=={jax.__version__}" '
-          'for a CUDA 12 driver)')
+  v = jax.__version__
+  return f'pip install "jax[cuda13]=={v}" (CUDA 13), or pip install "jax[cuda12]=={v}" (CUDA 12)'
 
 
 def _has_gpu() -> bool:

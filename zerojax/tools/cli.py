@@ -537,7 +537,7 @@ def _add_compile(sub: Any, fmt: type) -> None:
           "the textbook ZeRO volume, collectives that move activations, the share of "
           "all-gather and reduce-scatter bytes overlapped with computation, and the compile "
           "time. TPUs need libtpu (pip install \"zerojax[tpu]\"); XLA:TPU refuses a step that "
-          "does not fit. GPUs need JAX's CUDA plugin (pip install \"zerojax[gpu]\"); XLA:GPU "
+          "does not fit. GPUs need JAX's CUDA plugin (pip install \"zerojax[cuda13]\", or [cuda12]); XLA:GPU "
           "compiles a step that does not fit, so the verdict compares the peak with the share "
           "of device memory the JAX GPU client allocates (--memory-fraction, default "
           "XLA_PYTHON_CLIENT_MEM_FRACTION or 0.75).",
