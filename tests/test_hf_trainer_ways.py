@@ -493,3 +493,84 @@ def test_records_with_no_assistant_token_are_counted_and_reported(fp32_dir, tmp_
   assert rc == 0
   assert (f"data {p}: 2 chat records contribute 0 tokens to the loss" in out
           and f"{p}:21, {p}:22" in out), out
+
+
+# -- 8. logs a cluster user can read -----------------------------------------------------------
+
+
+def test_no_progress_prints_a_log_line_every_log_every_steps(fp32_dir, tmp_path, capsys):
+  """--no-progress: one line at steps 1, 3, 6 and 7 (log_every=3, the first and the last) with
+  the step, loss, tokens/s, MFU, live memory and the compiled per-device peak (show_plan)."""
+  from zerojax.tools.cli import main
+  rc = main(["finetune", str(fp32_dir), "--data", str(fp32_dir / "train.jsonl"), "--no-export",
+             "--no-progress", "steps=7", "log_every=3", "seq_len=32", "batch=8", "plot=false",
+             f"out_dir={tmp_path / 'run'}"])
+  out = capsys.readouterr().out
+  assert rc == 0
+  lines = [l for l in out.splitlines() if l.startswith("step ")]
+  assert [l.split()[1] for l in lines] == ["1/7", "3/7", "6/7", "7/7"], out
+  for l in lines:
+    for field in ("  loss ", "  tokens/s ", "  MFU ", "  memory ", "  compiled peak "):
+      assert field in l, l
+  assert "compiled peak -" not in lines[-1] and "tokens/s -" not in lines[-1]
+  assert "tokens/s -" in lines[0]  # the first step carries the compilation
+
+
+class _FakeDevice:
+  device_kind = "NVIDIA H100 80GB HBM3"
+
+  def memory_stats(self):
+    return {"bytes_in_use": 3 << 30, "peak_bytes_in_use": 5 << 30, "bytes_limit": 80 << 30}
+
+
+def test_log_line_mfu_and_live_memory_where_the_backend_reports_them():
+  from zerojax.tools.train.loop import LogLines
+  got = []
+  h = LogLines(total=10, log_every=5, tokens_per_step=1000, num_params=1e9,
+               devices=[_FakeDevice()] * 8, compiled_peak=lambda: 6 << 30, write=got.append)
+  h.on_records([{"step": 1, "loss": 2.0, "elapsed_sec": 10.0}], 0)
+  h.on_records([{"step": s, "loss": 1.5, "elapsed_sec": 10.0 + 0.001 * (s - 1)}
+                for s in range(2, 6)], 1)
+  assert len(got) == 2 and got[0].startswith("step 1/10") and got[1].startswith("step 5/10")
+  # 1000 tokens per 1 ms = 1e6 tokens/s x 6e9 FLOPs per token over 8 x 989 TFLOP/s
+  assert "tokens/s 1,000,000" in got[1] and f"MFU {100 * 6e15 / (8 * 989e12):.1f}%" in got[1]
+  assert "memory 3.00 GiB live (peak 5.00 GiB of 80.00 GiB)" in got[1]
+  assert "compiled peak 6.00 GiB" in got[1]
+
+
+def test_progress_bar_eta_leaves_out_the_compile():
+  from zerojax.tools.train.loop import ProgressBar
+  bar = ProgressBar(total=10, initial=0, tokens_per_step=100)
+  try:
+    bar.on_records([{"step": 1, "loss": 1.0, "tokens_per_sec": None, "elapsed_sec": 100.0}], 0)
+    bar.on_records([{"step": s, "loss": 1.0, "tokens_per_sec": 100.0,
+                     "elapsed_sec": 100.0 + (s - 1)} for s in range(2, 6)], 1)
+    assert bar.bar.postfix.startswith("eta=00:05"), bar.bar.postfix  # 5 steps left at 1 s
+  finally:
+    bar.close()
+
+
+def test_bar_and_metrics_refresh_whatever_log_every_is(fp32_dir, tmp_path, monkeypatch):
+  """DeepSpeed's steps_per_print: 2000 is log_every=2000: the records still reach the bar and
+  metrics.jsonl every REFRESH_SEC (0 here: every step)."""
+  from zerojax.tools import finetune as ft
+  from zerojax.tools.train import Hook, loop
+  monkeypatch.setattr(loop, "REFRESH_SEC", 0.0)
+  seen = []
+
+  class Seen(Hook):
+    def on_records(self, records, previous_step):
+      seen.append([r["step"] for r in records])
+
+  fo = ft.FinetuneOptions(model_dir=str(fp32_dir), data=str(fp32_dir / "train.jsonl"),
+                          export=False)
+  ft.finetune(fo, None, ["steps=4", "log_every=2000", "seq_len=32", "batch=8", "plot=false",
+                         "show_plan=false", f"out_dir={tmp_path}"], progress=False,
+              hooks=[Seen()])
+  assert seen == [[1], [2], [3], [4]]
+
+
+def test_readme_says_how_to_install_tensorboard():
+  import pathlib
+  readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+  assert "pip install tensorboard" in readme

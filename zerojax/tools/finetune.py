@@ -139,7 +139,7 @@ def finetune_task(fo: FinetuneOptions, opts: Any, config: Any) -> Task:
   return Task(name, seq_len, _setup(fo, opts, cfg, base), make_step, batches,
               num_params=lambda state: cfg.num_params(), save_item=_item,
               checkpoint_model=llama.checkpoint_model(cfg), evaluate=evaluate,
-              eval_every=fo.eval_every)
+              eval_every=fo.eval_every, measure=True)
 
 
 def _read_data(fo: FinetuneOptions, cfg: Any, seq_len: int) -> tuple[Any, Any]:
@@ -235,6 +235,7 @@ def _make_step(fo: FinetuneOptions, plan: Any):
   def run_step(state, batch):
     return state, step(*state, batch)
 
+  run_step.lower = lambda state, batch: step.lower(*state, batch)  # show_plan's compiled peak
   return run_step
 
 

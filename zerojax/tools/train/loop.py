@@ -60,6 +60,8 @@ from zerojax.runtime import memory, nvme
 from zerojax.runtime.checkpoint import Checkpointer, abstract_train_state
 from zerojax.runtime.data import VOCAB_SIZE, TextBatches, load_bytes
 from zerojax.tools.options import DEFAULT_CORPUS, NonFiniteGradientsError, TrainOptions
+from zerojax.tools.train.metrics import (device_memory, format_eta, log_line, peak_flops,
+                                         throughput)
 from zerojax.tools.train.metrics import (MetricsWriter, StepClock, is_main_process, log, plot_loss,
                                    read_jsonl, require, throughput)
 from zerojax.tools.train.schedules import make_optimizer
@@ -293,14 +295,22 @@ class WriteMetrics(Hook):
 class ProgressBar(Hook):
   """A tqdm bar with the latest loss and the run's tokens/s so far (`throughput`: the tokens
   of every step after this run's first over the time since the first finished; the final line
-  prints the same number). Without ``tokens_per_step``, tokens/s is the latest step's own."""
+  prints the same number). Without ``tokens_per_step``, tokens/s is the latest step's own.
+  Its ETA is the steps left at the pace since the run's first step finished: compilation is
+  not in it (tqdm's own ETA would count it)."""
 
   def __init__(self, total: int, initial: int, tokens_per_step: float | None = None):
     tqdm = require("tqdm.auto", "the progress bar (progress=False goes without)").tqdm
     self.bar = tqdm(total=total, initial=initial, desc="train", unit="step",
-                    dynamic_ncols=True, file=sys.stdout)
+                    dynamic_ncols=True, file=sys.stdout,
+                    bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]")
+    self.total = total
     self.tokens_per_step = tokens_per_step
     self.first: dict | None = None  # this run's first record (it carries compilation)
+
+  def write(self, line: str) -> None:
+    """A log line above the bar."""
+    self.bar.write(line, file=sys.stdout)
 
   def on_records(self, records: list[dict], previous_step: int) -> None:
     last = records[-1]
@@ -314,12 +324,47 @@ class ProgressBar(Hook):
         "eval_loss": f"{self.eval_loss:.4f}"}
     if last.get("nvme_read_mb_s") is not None:  # offload_optimizer='nvme': the stream's rates
       extra["nvme_MB_s"] = f"r{last['nvme_read_mb_s']:,.0f}/w{last['nvme_write_mb_s'] or 0:,.0f}"
+    eta = "-"
+    if last is not self.first and last.get("elapsed_sec") is not None and (
+        self.first.get("elapsed_sec") is not None) and last["step"] > self.first["step"]:
+      per_step = (last["elapsed_sec"] - self.first["elapsed_sec"]) / (
+          last["step"] - self.first["step"])
+      eta = format_eta(per_step * (self.total - last["step"]))
     self.bar.set_postfix(loss=f"{last['loss'] or float('nan'):.4f}", **extra,
-                         tok_s="-" if tps is None else f"{tps:,.0f}", refresh=False)
+                         tok_s="-" if tps is None else f"{tps:,.0f}", eta=eta, refresh=False)
     self.bar.update(last["step"] - previous_step)
 
   def close(self) -> None:
     self.bar.close()
+
+
+class LogLines(Hook):
+  """One log line every ``log_every`` steps (and at the run's first and last), whatever the
+  progress bar does: step, loss, tokens/s (as the bar's), MFU (``6 x parameters`` FLOPs per
+  token over the devices' peak, `peak_flops`), the devices' live memory where the backend
+  reports it, and the compiled step's per-device peak where it was measured (``show_plan``).
+  """
+
+  def __init__(self, total: int, log_every: int, tokens_per_step: float, num_params: int,
+               devices: list, compiled_peak: Callable[[], int | None],
+               write: Callable[[str], None] = log):
+    self.total, self.log_every, self.tokens_per_step = total, log_every, tokens_per_step
+    self.flops_per_token = 6.0 * num_params  # forward + backward of a dense model
+    self.devices, self.compiled_peak, self.write = devices, compiled_peak, write
+    peak = peak_flops(devices[0]) if devices else None
+    self.peak = None if peak is None else peak * len(devices)
+    self.first: dict | None = None
+
+  def on_records(self, records: list[dict], previous_step: int) -> None:
+    for rec in records:
+      first = self.first is None
+      self.first = self.first or rec
+      if not (first or rec["step"] % self.log_every == 0 or rec["step"] == self.total):
+        continue
+      tps = throughput([self.first, rec], self.tokens_per_step)
+      mfu = None if tps is None or self.peak is None else tps * self.flops_per_token / self.peak
+      self.write(log_line(rec, self.total, tps, mfu, device_memory(self.devices),
+                          self.compiled_peak()))
 
 
 class SaveCheckpoints(Hook):
@@ -532,16 +577,23 @@ def train(config: ZeroConfig, opts: TrainOptions | None = None, *,
   _log_start(config, mesh, plan, task, state, list(xla_notes) + dirs.notes)
   train_step = task.make_step(plan)
   batches = task.batches(plan, plan.batch_sizes[0], data_step)
+  compiled_peak = None
   if opts.show_plan:
-    _show_plan(plan, task, train_step, state, batches, data_step)
+    compiled_peak = _show_plan(plan, task, train_step, state, batches, data_step)
   writer = MetricsWriter(opts.out_dir, tensorboard=opts.tensorboard, tb_dir=dirs.tb_dir,
                          resume_after=dirs.resume_step)
   if is_main_process():
     _write_run_json(opts, config, dirs)
   hooks = [WriteMetrics(writer)]
   tokens_per_step = plan.batch_sizes[0] * task.seq_len
+  bar = None
   if opts.progress and is_main_process():
-    hooks.append(ProgressBar(opts.steps, start, tokens_per_step))
+    bar = ProgressBar(opts.steps, start, tokens_per_step)
+    hooks.append(bar)
+  if is_main_process():
+    hooks.append(LogLines(opts.steps, opts.log_every, tokens_per_step, task.num_params(state),
+                          list(plan.mesh.devices.flat), lambda: compiled_peak,
+                          bar.write if bar is not None else log))
   records = _Records(config, sched, tokens_per_step, writer.previous, start, hooks)
   ckpt = None
   try:
@@ -580,9 +632,9 @@ def _log_start(config: ZeroConfig, mesh: Any, plan: Any, task: Task, state: Any,
 
 
 def _show_plan(plan: Any, task: Task, train_step: Any, state: Any, batches: Any,
-               data_step: int) -> None:
+               data_step: int) -> int | None:
   """The sharding table, and the per-device memory XLA measures for the compiled step (its
-  first batch is put back)."""
+  first batch is put back); returns that peak (None where the task does not measure)."""
   log(plan.table())
   if task.measure:
     device_step = getattr(train_step, "device_step", train_step)  # NVMe: the device part's
@@ -591,6 +643,8 @@ def _show_plan(plan: Any, task: Task, train_step: Any, state: Any, batches: Any,
     mib = lambda b: f"{b / 2**20:.2f} MiB"
     log(f"per-device memory (XLA): arguments {mib(m.argument)}, temp {mib(m.temp)}, "
         f"peak {mib(m.peak)}; collectives/step {mib(m.collective_total)}")
+    return int(m.peak)
+  return None
 
 
 def _write_run_json(opts: TrainOptions, config: ZeroConfig, dirs: _RunDirs) -> None:
@@ -610,6 +664,7 @@ def _run_steps(opts: TrainOptions, task: Task, state: Any, start: int, train_ste
   """Steps ``start + 1 .. opts.steps``; metrics are fetched every ``log_every`` steps (and
   after every step under ``nonfinite_grads='halt'``, which stops at a non-finite one)."""
   halt = records.policy == "halt"
+  last_drain = time.perf_counter()
   for step in range(start + 1, opts.steps + 1):
     state, m = train_step(state, next(batches))  # no host sync: metrics are fetched in drain()
     if task.evaluate is not None and (step == opts.steps or step == 1 or (
@@ -621,10 +676,18 @@ def _run_steps(opts: TrainOptions, task: Task, state: Any, start: int, train_ste
       _halt(step, records.history[-1], ckpt)
     for h in hooks:
       h.after_step(step, state, records.drain)
-    if step % opts.log_every == 0 or step == opts.steps or step == start + 1:
+    # Also every REFRESH_SEC whatever log_every is (DeepSpeed configs carry
+    # steps_per_print: 2000): the bar and metrics.jsonl keep moving; one host sync per
+    # REFRESH_SEC costs the pipeline nothing measurable.
+    if (step % opts.log_every == 0 or step == opts.steps or step == start + 1
+        or time.perf_counter() - last_drain >= REFRESH_SEC):
       records.drain()
+      last_drain = time.perf_counter()
   records.drain()
   return state
+
+
+REFRESH_SEC = 2.0  # the longest the progress bar and metrics go without an update
 
 
 class _Records:

@@ -17,7 +17,8 @@ from typing import Any, Iterable, Mapping
 import jax
 
 __all__ = ["is_main_process", "log", "require", "EventWriter", "read_run_events", "read_events",
-           "MetricsWriter", "read_jsonl", "plot_loss", "StepClock", "throughput"]
+           "MetricsWriter", "read_jsonl", "plot_loss", "StepClock", "throughput", "PEAK_FLOPS",
+           "peak_flops", "device_memory", "log_line", "format_eta"]
 
 
 def is_main_process() -> bool:
@@ -268,3 +269,64 @@ class StepClock:
   def close(self) -> None:
     self._queue.put(None)
     self._thread.join()
+
+
+# Dense bf16 peak FLOP/s per chip, from the vendors' data sheets, by `device_kind` (the first
+# entry contained in it wins: the more specific names first). MFU is the step's model FLOPs
+# over this; a device not listed (CPU) has no MFU.
+PEAK_FLOPS = (("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("GH200", 989e12),
+              ("B200", 2250e12), ("A100", 312e12), ("L40S", 362e12), ("TPU v6 lite", 918e12),
+              ("TPU v6e", 918e12), ("TPU v5 lite", 197e12), ("TPU v5e", 197e12),
+              ("TPU v5p", 459e12), ("TPU v5", 459e12), ("TPU v4", 275e12))
+
+
+def peak_flops(device: Any) -> float | None:
+  """``device``'s dense bf16 peak FLOP/s (`PEAK_FLOPS`), or ``None`` where unknown (CPU)."""
+  kind = str(getattr(device, "device_kind", ""))
+  return next((f for name, f in PEAK_FLOPS if name.lower() in kind.lower()), None)
+
+
+def device_memory(devices: Iterable[Any]) -> tuple[int, int, int | None] | None:
+  """``(bytes in use, peak bytes in use, limit)`` of the fullest of ``devices`` from
+  ``memory_stats()``, or ``None`` where the backend reports none (CPU)."""
+  best = None
+  for d in devices:
+    try:
+      st = d.memory_stats()
+    except Exception:  # noqa: BLE001 - backends without memory stats raise or return None
+      st = None
+    if st and "bytes_in_use" in st:
+      row = (int(st["bytes_in_use"]), int(st.get("peak_bytes_in_use", st["bytes_in_use"])),
+             int(st["bytes_limit"]) if st.get("bytes_limit") else None)
+      best = row if best is None or row[0] > best[0] else best
+  return best
+
+
+def format_eta(seconds: float) -> str:
+  """``H:MM:SS`` (``MM:SS`` under an hour)."""
+  s = max(0, int(round(seconds)))
+  h, m = divmod(s // 60, 60)
+  return f"{h}:{m:02d}:{s % 60:02d}" if h else f"{m:02d}:{s % 60:02d}"
+
+
+def log_line(rec: Mapping[str, Any], total: int, tokens_per_sec: float | None,
+             mfu: float | None, memory: tuple[int, int, int | None] | None,
+             compiled_peak: int | None) -> str:
+  """One log line of a step: ``step 10/100  loss 2.3456  tokens/s 12,345  MFU 41.2%  memory
+  1.20 GiB live (peak 1.50 GiB of 80.00 GiB)  compiled peak 1.40 GiB``; what is unknown (the
+  first step's throughput, MFU and live memory on CPU) reads ``-``."""
+  size = lambda b: f"{b / 2**30:.2f} GiB" if b >= 2**30 else f"{b / 2**20:.1f} MiB"
+  loss = rec.get("loss")
+  parts = [f"step {rec['step']}/{total}", "loss " + ("-" if loss is None else f"{loss:.4f}"),
+           "tokens/s " + ("-" if tokens_per_sec is None else f"{tokens_per_sec:,.0f}"),
+           "MFU " + ("-" if mfu is None else f"{100 * mfu:.1f}%")]
+  if rec.get("eval_loss") is not None:
+    parts.insert(2, f"eval_loss {rec['eval_loss']:.4f}")
+  if memory is None:
+    parts.append("memory -")
+  else:
+    used, peak, limit = memory
+    parts.append(f"memory {size(used)} live (peak {size(peak)}"
+                 + (f" of {size(limit)})" if limit else ")"))
+  parts.append("compiled peak " + ("-" if compiled_peak is None else size(compiled_peak)))
+  return "  ".join(parts)
