@@ -574,3 +574,26 @@ def test_readme_says_how_to_install_tensorboard():
   import pathlib
   readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
   assert "pip install tensorboard" in readme
+
+
+def test_loss_plot_carries_the_eval_curve(tmp_path, monkeypatch):
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  from zerojax.tools.train import metrics
+  drawn = {}
+  orig = plt.Figure.savefig
+
+  def grab(fig, path, *a, **k):
+    drawn["lines"] = [(l.get_label(), list(l.get_xdata()), list(l.get_ydata()))
+                      for l in fig.axes[0].get_lines()]
+    return orig(fig, path, *a, **k)
+
+  monkeypatch.setattr(plt.Figure, "savefig", grab)
+  recs = [{"step": s, "loss": 3.0 - 0.1 * s, **({"eval_loss": 3.5 - 0.1 * s} if s % 2 else {})}
+          for s in range(1, 6)]
+  metrics.plot_loss(recs, tmp_path / "loss.png")
+  lines = {name: (x, y) for name, x, y in drawn["lines"]}
+  assert lines["eval loss"][0] == [1, 3, 5]
+  np.testing.assert_allclose(lines["eval loss"][1], [3.4, 3.2, 3.0])
+  assert (tmp_path / "loss.png").stat().st_size > 0

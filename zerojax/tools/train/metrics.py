@@ -185,14 +185,21 @@ def read_jsonl(path: str | os.PathLike) -> list[dict]:
 
 def plot_loss(records: Iterable[Mapping[str, Any]], png_path: str | os.PathLike,
               title: str = "zerojax training loss") -> str:
-  """Draws the loss curve of ``records`` (``step``/``loss``) to a PNG; returns its path."""
+  """Draws the loss curve of ``records`` (``step``/``loss``) to a PNG, with the evaluation
+  loss (``eval_loss``) as a second curve where records carry one; returns its path."""
   matplotlib = require("matplotlib", "the loss plot")
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # optional: the train extra (`require` named it)
   records = list(records)
   fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
   ax.plot([r["step"] for r in records],
-          [r["loss"] if r["loss"] is not None else float("nan") for r in records], lw=1.5)
+          [r["loss"] if r["loss"] is not None else float("nan") for r in records], lw=1.5,
+          label="train loss")
+  evals = [r for r in records if r.get("eval_loss") is not None]
+  if evals:
+    ax.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", lw=1.5,
+            ms=3, label="eval loss")
+    ax.legend()
   ax.set_xlabel("step")
   ax.set_ylabel("loss")
   ax.set_title(title)
