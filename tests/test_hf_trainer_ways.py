@@ -3,6 +3,7 @@ accumulation, DeepSpeed "auto" as the Trainer's defaults, chat templates rendere
 transformers renders them, and ShareGPT data."""
 
 import json
+import os
 import tracemalloc
 
 import jax
@@ -597,3 +598,44 @@ def test_loss_plot_carries_the_eval_curve(tmp_path, monkeypatch):
   assert lines["eval loss"][0] == [1, 3, 5]
   np.testing.assert_allclose(lines["eval loss"][1], [3.4, 3.2, 3.0])
   assert (tmp_path / "loss.png").stat().st_size > 0
+
+
+# -- 7. models by Hub id ----------------------------------------------------------------------
+
+
+def _hub_cache(cache, repo, src, commit="0123456789abcdef0123456789abcdef01234567"):
+  """``src``'s files as the Hub cache lays out a download of ``repo``: blobs, a snapshot of
+  links to them, refs/main naming the commit."""
+  import hashlib
+  import shutil
+  root = cache / ("models--" + repo.replace("/", "--"))
+  (root / "refs").mkdir(parents=True)
+  (root / "refs" / "main").write_text(commit)
+  snap = root / "snapshots" / commit
+  snap.mkdir(parents=True)
+  (root / "blobs").mkdir()
+  for f in src.iterdir():
+    if f.is_file() and not f.name.endswith(".jsonl"):
+      blob = root / "blobs" / hashlib.sha256(f.read_bytes()).hexdigest()
+      shutil.copy(f, blob)
+      (snap / f.name).symlink_to(os.path.relpath(blob, snap))
+  return snap
+
+
+
+def test_hub_id_reads_the_local_cache_offline(fp32_dir, tmp_path, monkeypatch, capsys):
+  from zerojax.tools.cli import main
+  snap = _hub_cache(tmp_path / "hub", "acme/tiny-qwen", fp32_dir)
+  monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # no test touches the network
+  monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+  rc = main(["finetune", "acme/tiny-qwen", "--data", str(fp32_dir / "train.jsonl"), *RUN,
+             f"out_dir={tmp_path / 'run'}"])
+  out, err = capsys.readouterr()
+  assert rc == 0, err
+  assert "model acme/tiny-qwen: " in out, out  # read from the cache's snapshot
+  assert str(snap) in json.loads((tmp_path / "run" / "run.json").read_text())["options"]["model"]
+  rc = main(["finetune", "acme/not-cached", "--data", str(fp32_dir / "train.jsonl"), *RUN,
+             f"out_dir={tmp_path / 'run2'}"])
+  err = capsys.readouterr().err
+  assert rc == 2 and "'acme/not-cached' is not a local directory" in err
+  assert "HF_HUB_OFFLINE=1" in err and str(tmp_path / "hub") in err

@@ -418,15 +418,17 @@ def _add_finetune(sub: Any, fmt: type) -> None:
           "local data file, with the directory's own tokenizer and chat template, then export "
           "the result as a Hugging Face model directory (OUT_DIR/hf: the base config, "
           "generation config and tokenizer carried over, LoRA adapters merged).",
-          "Data: JSONL with {\"text\": ...} or chat {\"messages\": [{\"role\", "
-          "\"content\"}, ...]} per line, Parquet with a text or messages column, or plain "
+          "Data: JSONL with {\"text\": ...}, chat {\"messages\": [{\"role\", "
+          "\"content\"}, ...]} or ShareGPT {\"conversations\": [{\"from\", \"value\"}, ...]} "
+          "per line, Parquet with a text, messages or conversations column, or plain "
           "text (documents separated by a blank line). Documents are packed into seq_len rows "
           "that keep them apart in attention (--packing pad: one per row); chat data trains "
           "on the assistant's tokens only.",
           "The run is `zerojax train`'s loop: progress bar, metrics.jsonl, TensorBoard, "
           "checkpoints in out_dir/ckpt every checkpoint_every steps; run the same command "
           "again to resume exactly. CONFIG may be a DeepSpeed ds_config.json from an HF "
-          "Trainer run: its \"auto\" values take this command's settings."),
+          "Trainer run: its \"auto\" values take this command's settings, else the "
+          "Trainer's defaults."),
       epilog=EPILOG_OVERRIDES + "\nfine-tuning defaults (where neither the command nor the "
              "config sets them):\n  steps=100 batch=8 seq_len=512 lr=1e-5 (2e-4 with --lora) "
              "weight_decay=0.0\n  out_dir=runs/finetune checkpoint_every=50 "
@@ -437,7 +439,8 @@ def _add_finetune(sub: Any, fmt: type) -> None:
              "  zerojax finetune ~/models/Mistral-7B --data docs.parquet ds_config.json "
              "batch=64 lr=1e-5")
   f.add_argument("model_dir", help="Hugging Face checkpoint directory (config.json, "
-                 "safetensors, tokenizer)")
+                 "safetensors, tokenizer), or a Hub id such as Qwen/Qwen2.5-0.5B (the local "
+                 "cache, downloaded first if missing; HF_HUB_OFFLINE=1: the cache only)")
   f.add_argument("config", nargs="?", help="zerojax (.json/.yaml) or DeepSpeed (.json) config; "
                  "default: ZeroConfig() (stage 3)")
   f.add_argument("overrides", nargs="*", metavar="key=value", help="config/option overrides")

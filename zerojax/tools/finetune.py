@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from typing import Any, Sequence
 
 import jax
@@ -42,7 +43,8 @@ from zerojax.tools.export import export
 from zerojax.tools.options import TrainOptions
 from zerojax.tools.train import Task, is_main_process, log, setup_cpu_devices, train
 
-__all__ = ["FinetuneOptions", "finetune", "finetune_task", "run", "DEFAULTS"]
+__all__ = ["FinetuneOptions", "finetune", "finetune_task", "run", "DEFAULTS",
+           "resolve_model_dir"]
 
 # The training options' defaults for fine-tuning (`zerojax train`'s suit a tiny GPT from
 # scratch); any of them given on the command line or in the config file wins.
@@ -51,12 +53,62 @@ DEFAULTS = {"steps": 100, "batch": 8, "seq_len": 512, "weight_decay": 0.0, "warm
 LR_FULL, LR_LORA = 1e-5, 2e-4
 
 
+# A Hugging Face Hub id: "org/name" (not an existing path).
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
+# What a fine-tuning run reads from a Hub repository (not PyTorch .bin/.pt weights).
+_HUB_FILES = ["*.json", "*.safetensors", "*.jinja", "*.model", "*.txt", "tokenizer*"]
+
+
+def resolve_model_dir(model: str) -> str:
+  """A local checkpoint directory as it is; a Hub id (``Qwen/Qwen2.5-0.5B``) through
+  ``huggingface_hub``: its snapshot in the local cache, downloaded first if missing (config,
+  safetensors and tokenizer files only). ``HF_HUB_OFFLINE=1`` reads the cache only and
+  ``HF_HUB_CACHE`` / ``HF_HOME`` say where it is, read when the run starts.
+
+  Args:
+    model: a directory, or a Hub id ``org/name``.
+
+  Returns:
+    the local directory holding the checkpoint.
+
+  Raises:
+    ConfigError: the id is in neither the cache nor (online) the Hub, or huggingface_hub is
+      missing.
+  """
+  if os.path.isdir(model) or not _HUB_ID.match(model):
+    return model
+  try:
+    import huggingface_hub  # optional: transformers brings it
+    from huggingface_hub import errors
+  except ImportError:
+    raise ConfigError(f"model {model!r} is not a local directory; reading it as a Hugging Face "
+                      "Hub id needs huggingface_hub (pip install huggingface_hub)") from None
+  offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+  cache = os.environ.get("HF_HUB_CACHE") or (
+      os.path.join(os.environ["HF_HOME"], "hub") if os.environ.get("HF_HOME") else None)
+  try:
+    return huggingface_hub.snapshot_download(model, cache_dir=cache, local_files_only=offline,
+                                             allow_patterns=_HUB_FILES)
+  except errors.LocalEntryNotFoundError:
+    where = cache or "the default Hugging Face cache"
+    raise ConfigError(
+        f"model {model!r} is not a local directory, and the Hub id is not in {where}"
+        + (" (HF_HUB_OFFLINE=1: nothing is downloaded); download it once online "
+           "(`huggingface-cli download " + model + "`), or pass the checkpoint directory"
+           if offline else "; pass the checkpoint directory")) from None
+  except (errors.RepositoryNotFoundError, errors.RevisionNotFoundError,
+          errors.HfHubHTTPError, OSError) as e:
+    raise ConfigError(f"model {model!r} is not a local directory, and the Hugging Face Hub "
+                      f"does not give it: {type(e).__name__}: {str(e).splitlines()[0]}") from None
+
+
 @dataclasses.dataclass
 class FinetuneOptions:
   """What ``zerojax finetune`` adds to `zerojax.tools.train.TrainOptions`.
 
   Attributes:
-    model_dir: the Hugging Face checkpoint directory (config.json, safetensors, tokenizer).
+    model_dir: the Hugging Face checkpoint directory (config.json, safetensors, tokenizer), or
+      a Hub id (`resolve_model_dir`: the local cache, or a download).
     data: the training file (``.jsonl``, ``.parquet`` or ``.txt``).
     eval_data: an evaluation file (same formats), or None.
     eval_every: steps between evaluations (also at the first and the last step).
@@ -81,6 +133,7 @@ class FinetuneOptions:
   export_dir: str | None = None
 
   def __post_init__(self):
+    self.model_dir = resolve_model_dir(os.fspath(self.model_dir))
     if not os.path.isfile(os.path.join(self.model_dir, "config.json")):
       raise ConfigError(f"model_dir={self.model_dir!r} is not a Hugging Face checkpoint "
                         "directory: it has no config.json")
@@ -134,12 +187,21 @@ def finetune_task(fo: FinetuneOptions, opts: Any, config: Any) -> Task:
       cache["plan"] = plan
     return _make_step(fo, plan)
 
-  name = os.path.basename(os.path.normpath(fo.model_dir)) + (f" + LoRA {fo.lora}"
-                                                             if fo.lora else "")
+  name = _model_name(fo.model_dir) + (f" + LoRA {fo.lora}" if fo.lora else "")
   return Task(name, seq_len, _setup(fo, opts, cfg, base), make_step, batches,
               num_params=lambda state: cfg.num_params(), save_item=_item,
               checkpoint_model=llama.checkpoint_model(cfg), evaluate=evaluate,
               eval_every=fo.eval_every, measure=True)
+
+
+def _model_name(model_dir: str) -> str:
+  """The directory's name, or the Hub id of a cache snapshot (``models--org--name/snapshots/
+  <commit>``)."""
+  path = os.path.normpath(model_dir)
+  repo = os.path.basename(os.path.dirname(os.path.dirname(path)))
+  if repo.startswith("models--") and os.path.basename(os.path.dirname(path)) == "snapshots":
+    return repo[len("models--"):].replace("--", "/")
+  return os.path.basename(path)
 
 
 def _read_data(fo: FinetuneOptions, cfg: Any, seq_len: int) -> tuple[Any, Any]:
