@@ -639,3 +639,73 @@ def test_hub_id_reads_the_local_cache_offline(fp32_dir, tmp_path, monkeypatch, c
   err = capsys.readouterr().err
   assert rc == 2 and "'acme/not-cached' is not a local directory" in err
   assert "HF_HUB_OFFLINE=1" in err and str(tmp_path / "hub") in err
+
+
+# -- 6. every command takes a model the way finetune does -------------------------------------
+
+# The published parameter counts of the checkpoints the presets copy their config.json from.
+PUBLISHED = {"llama-3-8b": 8_030_261_248, "llama-3-70b": 70_553_706_496,
+             "qwen2.5-7b": 7_615_616_512, "mistral-7b": 7_241_732_096}
+
+TINY_LLAMA = {"model_type": "llama", "vocab_size": 256, "hidden_size": 64,
+              "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "max_position_embeddings": 64, "rms_norm_eps": 1e-5,
+              "rope_theta": 10000.0}
+
+
+@pytest.fixture
+def tiny_llama_dir(tmp_path):
+  d = tmp_path / "tiny-llama"
+  d.mkdir()
+  (d / "config.json").write_text(json.dumps(TINY_LLAMA))
+  return d
+
+
+def test_presets_are_the_published_checkpoints_shapes():
+  from zerojax.models.hf_presets import HF_PRESETS
+  assert sorted(HF_PRESETS) == sorted(PUBLISHED)
+  for name, n in PUBLISHED.items():
+    assert llama.from_hf_config(HF_PRESETS[name]).num_params() == n, name
+
+
+def test_estimate_and_plan_take_presets_directories_and_config_json(tiny_llama_dir, capsys):
+  from zerojax.tools.cli import main
+  assert main(["estimate", "--model", "llama-3-8b", "--devices", "8"]) == 0
+  out = capsys.readouterr().out
+  assert "llama-3-8b (8,030,261,248 parameters" in out and "stage 3  + parameters" in out
+  n = llama.from_hf_config(TINY_LLAMA).num_params()
+  for model in (str(tiny_llama_dir), str(tiny_llama_dir / "config.json")):
+    assert main(["plan", "--model", model, "--devices", "8"]) == 0
+    out = capsys.readouterr().out
+    assert f"{n:,} parameters, planned for 8 devices" in out
+    assert "llama/layers/mlp/up_proj/kernel" in out
+  # the compiled step's peak of the real Llama step decides the fit
+  assert main(["estimate", "--model", str(tiny_llama_dir), "--devices", "8", "--fit", "1GB",
+               "--seq", "32"]) == 0
+  out = capsys.readouterr().out
+  assert "compiled peaks: the real training step (AdamW) for a batch of 8 rows x 32" in out
+  assert "recommendation: stage 0" in out
+  assert main(["plan", "--model", "llama-9b", "--devices", "8"]) == 2
+  err = capsys.readouterr().err
+  assert "--model 'llama-9b' is unknown" in err and "'llama-3-8b'" in err and "Hub id" in err
+
+
+def test_train_takes_an_hf_model_directory(tiny_llama_dir, tmp_path, capsys):
+  from zerojax.tools.cli import main
+  rc = main(["train", f"model={tiny_llama_dir}", "steps=2", "seq_len=32", "batch=8",
+             f"out_dir={tmp_path / 'run'}", "show_plan=false", "plot=false", "--no-progress"])
+  out = capsys.readouterr().out
+  assert rc == 0
+  n = llama.from_hf_config(TINY_LLAMA).num_params()
+  assert f"model {tiny_llama_dir}: {n:,} parameters" in out and "done: 2 steps" in out
+
+
+@pytest.mark.skipif(__import__("zerojax.runtime.gpu", fromlist=["gpu"]).cuda_plugin() is None,
+                    reason="JAX's CUDA plugin is not installed: no GPU compiler")
+def test_compile_llama_3_8b_for_h100s_prints_the_verdict(capsys):
+  from zerojax.tools.cli import main
+  rc = main(["compile", "--model", "llama-3-8b", "--topology", "h100:8", "--batch", "8",
+             "--seq", "8192"])
+  out = capsys.readouterr().out
+  assert rc in (0, 1) and "model llama-3-8b, global batch 8 x 8192 tokens, h100:8" in out
+  assert ("DOES NOT FIT" in out) == (rc == 1) and "HBM peak" in out

@@ -238,8 +238,8 @@ def _print_fit(args, options, fit, extra_flags, compile_note) -> int:
   if compile_note:
     print(compile_note)
   elif args.model is not None:
-    from zerojax.models import PRESETS  # lazy: JAX
-    seq = args.seq or PRESETS[args.model].seq_len
+    from zerojax.tools.estimate import model_seq_len  # lazy: JAX
+    seq = model_seq_len(args.model, args.seq)  # a GPT preset's, or an HF model's
     print(f"compiled peaks: the real training step (AdamW) for a batch of {args.batch or n} "
           f"rows x {seq} tokens over {n} devices, compiled only")
   print(f"\n--fit {fmt_bytes(args.fit)} per device, lowest communication first:")

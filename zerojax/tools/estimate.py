@@ -1,8 +1,9 @@
 """Will it fit, and which stage: ZeRO model-state estimates per option, the lowest-communication
 option that fits a per-device budget (by the estimate, or by the compiled step's peak), and
 the table and plot `zerojax estimate` prints. The numbers come from `zerojax.runtime.memory`;
-this module adds what names a model or config by a string: GPT presets and config files
-(`compile_for_topology`, `preset_model`).
+this module adds what names a model or config by a string: GPT presets, Hugging Face models
+(the `zerojax.models.hf_presets.HF_PRESETS` names, a model directory, its ``config.json`` or a
+Hub id: `hf_model_config`) and config files (`compile_for_topology`, `preset_model`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,68 @@ from zerojax.tools.train.metrics import require
 
 __all__ = ["fmt_bytes", "Option", "COMM", "paper_options", "model_options",
            "recommend", "recommend_compiled", "format_table", "plot_options", "model_shapes",
-           "step_peak", "preset_options", "abstract_plan", "preset_model", "compile_for_topology"]
+           "step_peak", "preset_options", "abstract_plan", "preset_model", "compile_for_topology",
+           "hf_model_config", "model_names", "model_seq_len"]
+
+
+def model_names() -> str:
+  """What ``--model`` takes, for messages."""
+  from zerojax.models.hf_presets import HF_PRESETS
+  return (f"a GPT preset {sorted(PRESETS)}, a Hugging Face preset {sorted(HF_PRESETS)}, a "
+          "Hugging Face model directory, its config.json, or a Hub id (org/name)")
+
+
+def hf_model_config(name: Any) -> dict | None:
+  """The ``config.json`` facts of a Hugging Face model named by ``name``: a preset of
+  `zerojax.models.hf_presets.HF_PRESETS`, a model directory, a ``config.json`` file, or a Hub
+  id (through `zerojax.tools.finetune.resolve_model_dir`); ``None`` for a GPT preset.
+
+  Raises:
+    ConfigError: ``name`` is none of these.
+  """
+  from zerojax.models import llama
+  from zerojax.models.hf_presets import HF_PRESETS
+  if not isinstance(name, str) or name in PRESETS:
+    return None
+  if name in HF_PRESETS:
+    return dict(HF_PRESETS[name])
+  path = name
+  if not os.path.exists(path):
+    from zerojax.tools.finetune import resolve_model_dir  # a Hub id: the cache or a download
+    try:
+      path = resolve_model_dir(name)
+    except ConfigError as e:
+      raise ConfigError(f"--model {name!r} is unknown ({e}); it takes {model_names()}") from None
+  cfg_file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+  if not os.path.isfile(cfg_file):
+    raise ConfigError(f"--model {name!r} is unknown: it takes {model_names()}")
+  try:
+    return llama.read_hf_config(cfg_file)
+  except (OSError, ValueError) as e:
+    raise ConfigError(f"--model {name!r}: {cfg_file!r} is not a readable config.json ({e})") \
+        from None
+
+
+def _hf_llama_config(d: dict, config: ZeroConfig, name: str) -> Any:
+  from zerojax.models import llama
+  try:
+    return llama.from_hf_config(d, dtype=jnp.dtype(config.compute_dtype),
+                                param_dtype=jnp.dtype(config.param_dtype))
+  except (ValueError, KeyError) as e:
+    raise ConfigError(f"--model {name!r}: {e}") from None
+
+
+def model_seq_len(name: str, seq: int | None = None) -> int:
+  """The sequence length a step of ``name`` is compiled for: ``seq``, else a GPT preset's own,
+  else a Hugging Face model's ``max_position_embeddings`` up to 2048."""
+  if seq:
+    return seq
+  if name in PRESETS:
+    return PRESETS[name].seq_len
+  d = hf_model_config(name)
+  if d is None:
+    raise ConfigError(f"--model {name!r} is unknown: it takes {model_names()}")
+  return min(int(d.get("max_position_embeddings", 2048)), 2048)
 
 
 def fmt_bytes(n: float) -> str:
@@ -199,9 +261,20 @@ def plot_options(options: Sequence[Option], path: str, title: str,
 
 
 def model_shapes(preset: str, config: ZeroConfig):
-  """``(model, its GPTConfig, abstract parameters)`` of a GPT preset, in the config's dtypes."""
+  """``(model, its config, abstract parameters)`` of a GPT preset, or of a Hugging Face model
+  (`hf_model_config`; the model `zerojax.models.hf_presets.LinenLlama`, its config's
+  ``seq_len`` from `model_seq_len`), in the config's dtypes."""
   if preset not in PRESETS:
-    raise ConfigError(f"--model {preset!r} is unknown; presets are {sorted(PRESETS)}")
+    d = hf_model_config(preset)
+    if d is None:
+      raise ConfigError(f"--model {preset!r} is unknown: it takes {model_names()}")
+    from zerojax.models.hf_presets import LinenLlama
+    cfg = _hf_llama_config(d, config, preset)
+    model = LinenLlama(cfg)
+    seq = model_seq_len(preset)
+    shapes = jax.eval_shape(lambda t: model.init(jax.random.key(0), t)["params"],
+                            jax.ShapeDtypeStruct((1, 1), jnp.int32))
+    return model, _HFShape(cfg, seq), meta.unbox(shapes)
   mcfg = dataclasses.replace(PRESETS[preset], dtype=jnp.dtype(config.compute_dtype))
   model = GPT(mcfg)
   tokens = jax.ShapeDtypeStruct((1, mcfg.seq_len), jnp.int32)
@@ -210,6 +283,13 @@ def model_shapes(preset: str, config: ZeroConfig):
   shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, pdtype)
                         if jnp.issubdtype(x.dtype, jnp.floating) else x, meta.unbox(shapes))
   return model, mcfg, shapes
+
+
+@dataclasses.dataclass(frozen=True)
+class _HFShape:
+  """A Hugging Face model's config where `step_peak` reads a GPT preset's (``seq_len``)."""
+  llama: Any
+  seq_len: int
 
 
 def preset_options(preset: str, config: ZeroConfig, n: int) -> tuple[list[Option], int]:
@@ -238,8 +318,9 @@ def step_peak(preset: str, config: ZeroConfig, batch: int, seq: int | None = Non
   """
   model, mcfg, _ = model_shapes(preset, config)
   seq = seq or mcfg.seq_len
-  if seq > mcfg.seq_len:
-    raise ConfigError(f"--seq {seq} is longer than the {preset} model's seq_len {mcfg.seq_len}")
+  longest = (mcfg.llama.max_position_embeddings if isinstance(mcfg, _HFShape) else mcfg.seq_len)
+  if seq > longest:
+    raise ConfigError(f"--seq {seq} is longer than the {preset} model's seq_len {longest}")
   if (config.train_batch_size, config.micro_batch_per_device) == (None, None):
     config = config.replace(train_batch_size=batch)  # before the mesh: abstract_train_state's
   tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
@@ -258,8 +339,16 @@ def preset_model(model: Any, config: ZeroConfig, seq_len: Any = None) -> Any:
   if not isinstance(model, str):
     return model
   if model not in PRESETS:
-    raise ValueError(f"model={model!r} is not a GPT preset; presets are {sorted(PRESETS)} "
-                     "(or pass a Flax linen module)")
+    d = hf_model_config(model)
+    if d is None:
+      raise ValueError(f"model={model!r} is unknown: {model_names()} (or pass a Flax linen "
+                       "module)")
+    from zerojax.models.hf_presets import LinenLlama
+    cfg = _hf_llama_config(d, config, model)
+    if isinstance(seq_len, (int, np.integer)) and seq_len > cfg.max_position_embeddings:
+      raise ConfigError(f"--seq {seq_len} is longer than {model}'s max_position_embeddings "
+                        f"{cfg.max_position_embeddings}")
+    return LinenLlama(cfg)
   cfg = dataclasses.replace(PRESETS[model], dtype=jnp.dtype(config.compute_dtype))
   if isinstance(seq_len, (int, np.integer)) and seq_len > 0:  # position table = sequence
     cfg = dataclasses.replace(cfg, seq_len=int(seq_len))

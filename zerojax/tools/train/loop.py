@@ -448,13 +448,17 @@ class Task:
 
 
 def _gpt_task(opts: TrainOptions, config: ZeroConfig) -> Task:
-  """The GPT preset ``opts.model`` on the byte corpus ``opts.corpus``."""
+  """The GPT preset ``opts.model`` on the byte corpus ``opts.corpus``; or a Hugging Face
+  model's architecture (a preset of `zerojax.models.hf_presets`, a model directory, its
+  config.json or a Hub id), from its init, on the same bytes."""
   if opts.model not in PRESETS:
-    raise ConfigError(f"TrainOptions.model={opts.model!r} is invalid: one of {sorted(PRESETS)}")
-  mcfg = dataclasses.replace(PRESETS[opts.model], vocab_size=VOCAB_SIZE,
-                             dtype=jnp.dtype(config.compute_dtype))
-  if opts.seq_len:
-    mcfg = dataclasses.replace(mcfg, seq_len=opts.seq_len)
+    model, mcfg = _hf_model(opts, config)
+  else:
+    mcfg = dataclasses.replace(PRESETS[opts.model], vocab_size=VOCAB_SIZE,
+                               dtype=jnp.dtype(config.compute_dtype))
+    if opts.seq_len:
+      mcfg = dataclasses.replace(mcfg, seq_len=opts.seq_len)
+    model = GPT(mcfg)
   corpus = opts.corpus or os.fspath(DEFAULT_CORPUS)
   if not os.path.isfile(corpus):
     raise ConfigError(f"TrainOptions.corpus={corpus!r} is not a file; pass corpus=PATH to a text "
@@ -464,7 +468,6 @@ def _gpt_task(opts: TrainOptions, config: ZeroConfig) -> Task:
                       "of consolidated weights (save_weights=true writes one) or a checkpoint "
                       "directory")
   tokens = load_bytes(corpus)
-  model = GPT(mcfg)
   sample = jnp.zeros((1, mcfg.seq_len), jnp.int32)  # shapes for init; the plan sets the batch
 
   def setup(config, mesh, tx, rng, resume_step):
@@ -502,6 +505,25 @@ def _gpt_task(opts: TrainOptions, config: ZeroConfig) -> Task:
   task = Task(opts.model, mcfg.seq_len, setup, make_step, batches,
               lambda state: memory.num_params(state.params), measure=True, nvme=True)
   return task
+
+
+def _hf_model(opts: TrainOptions, config: ZeroConfig) -> tuple[Any, Any]:
+  """``(LinenLlama, config with seq_len)`` of a Hugging Face model named by ``opts.model``."""
+  from zerojax.tools import estimate  # late: estimate imports this package
+  try:
+    d = estimate.hf_model_config(opts.model)
+  except ConfigError as e:
+    raise ConfigError(f"TrainOptions.model={opts.model!r} is invalid: {e}") from None
+  from zerojax.models.hf_presets import LinenLlama
+  cfg = estimate._hf_llama_config(d, config, opts.model)
+  if cfg.vocab_size < VOCAB_SIZE:
+    raise ConfigError(f"TrainOptions.model={opts.model!r}: its vocab_size {cfg.vocab_size} is "
+                      f"below the byte corpus's {VOCAB_SIZE} ids")
+  seq = opts.seq_len or estimate.model_seq_len(opts.model)
+  if seq > cfg.max_position_embeddings:
+    raise ConfigError(f"seq_len={seq} is invalid for {opts.model!r}: at most its "
+                      f"max_position_embeddings={cfg.max_position_embeddings}")
+  return LinenLlama(cfg), estimate._HFShape(cfg, seq)
 
 
 def _nvme_state(opts: TrainOptions, config: ZeroConfig, resume_step: int | None,
