@@ -683,8 +683,35 @@ def environment(dry: bool) -> dict:
                                    "--format=csv,noheader,nounits"])
   if smi:
     name, driver, mem = [x.strip() for x in smi.splitlines()[0].split(",")]
-    env["gpu"] = {"name": name, "driver": driver, "memory_mib": int(float(mem))}
+    env["gpu"] = {"name": name, "driver": driver, "memory_mib": int(float(mem)),
+                  "source": "nvidia-smi"}
+  elif not dry:
+    env["gpu"] = _probe_gpu()
   return env
+
+
+def _probe_gpu() -> dict:
+  """Without nvidia-smi: the device kind from JAX in a child (this process stays off the GPU),
+  its memory from the allocator's limit over the client's fraction, the driver from /proc."""
+  code = ("import jax, os; d = jax.devices()[0]; st = d.memory_stats() or {}; "
+          "print(d.platform, st.get('bytes_limit', 0), d.device_kind, sep='|')")
+  env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+  try:
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                       timeout=120)
+    plat, limit, kind = p.stdout.strip().splitlines()[-1].split("|", 2)
+  except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+    return {"name": "", "why": "neither nvidia-smi nor JAX named a GPU"}
+  driver = None
+  try:
+    with open("/proc/driver/nvidia/version") as f:
+      driver = (re.findall(r"\b(\d+\.\d+(?:\.\d+)?)\b", f.readline()) or [None])[0]
+  except OSError:
+    pass
+  fraction = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", 0.75))
+  return {"name": kind if plat == "gpu" else "", "driver": driver,
+          "memory_mib": int(int(limit) / fraction / MiB) if int(limit) else None,
+          "source": "JAX (no nvidia-smi)"}
 
 
 def gpu_facts(env: dict, dry: bool) -> dict:
@@ -702,7 +729,7 @@ def gpu_facts(env: dict, dry: bool) -> dict:
 def choose_batch(env: dict, dry: bool) -> int:
   if dry:
     return DRY.batch
-  mem = env.get("gpu", {}).get("memory_mib", 81559) * MiB
+  mem = (env.get("gpu", {}).get("memory_mib") or 81559) * MiB
   return max(1, round((mem / 2 - STAGE0_FIXED) / STAGE0_PER_ROW))
 
 
@@ -766,8 +793,12 @@ class Runner:
       status = "timeout"
     seconds = self.ended.get(key, time.monotonic()) - t0
     log.seek(0)
-    tail = log.read()[-3000:]
+    text = log.read()
     log.close()
+    tail = text[-3000:]
+    os.makedirs(os.path.join(self.out_dir, "logs"), exist_ok=True)
+    with open(os.path.join(self.out_dir, "logs", f"{key}.log"), "w") as f:
+      f.write(text[-200_000:])  # the end of each part's output, for the first run's surprises
     rec: dict = {"seconds": round(seconds, 1)}
     if status == "timeout":
       over = "the run's time budget" if time.monotonic() >= self.deadline - 0.5 else \
@@ -826,7 +857,8 @@ def main_run(args) -> dict:
   if unknown:
     raise SystemExit(f"--parts: unknown {sorted(unknown)}; parts are {', '.join(ALL_PARTS)}")
   res: dict = {"environment": env, "gpu": facts, "shapes": dataclasses.asdict(shapes),
-               "params": param_count(shapes), "budget_s": budget, "parts": {}}
+               "params": param_count(shapes), "budget_s": budget, "complete": False}
+  res["parts"] = _SavedParts(os.path.join(out_dir, "results.json"), res)
   parts = res["parts"]
   t_start = time.monotonic()
   try:
@@ -886,6 +918,8 @@ def main_run(args) -> dict:
     r.cleanup()
     shutil.rmtree(nvme_dir, ignore_errors=True)
   res["wall_s"] = round(time.monotonic() - t_start, 1)
+  res["complete"] = True
+  res["parts"] = dict(res["parts"])
   res["summary"] = summarise(res)
   with open(os.path.join(out_dir, "results.json"), "w") as f:
     json.dump(res, f, indent=1, default=_json_default)
@@ -897,6 +931,20 @@ def main_run(args) -> dict:
 
 
 ALL_PARTS = ("speed", "memory", "predict", "offload", "nvme", "edge")
+
+
+class _SavedParts(dict):
+  """The parts' records, written to ``results.json`` (``complete: false``) as each arrives, so
+  a run killed from outside still leaves what it measured."""
+
+  def __init__(self, path: str, res: dict):
+    super().__init__()
+    self.path, self.res = path, res
+
+  def __setitem__(self, key, value):
+    super().__setitem__(key, value)
+    with open(self.path, "w") as f:
+      json.dump({**self.res, "parts": dict(self)}, f, indent=1, default=_json_default)
 
 
 def _start_background(r: Runner, pending: list, concurrency: int) -> None:
@@ -1000,7 +1048,16 @@ def summarise(res: dict) -> dict:
     row["predicted_over_allocator"] = _ratio(row["predicted_peak"], row["allocator_peak"])
     row["predicted_over_analysis"] = _ratio(row["predicted_peak"], row["analysis_peak"])
     row["analysis_over_allocator"] = _ratio(row["analysis_peak"], row["allocator_peak"])
+    # What each side takes as the memory a program may use: the verdict's share of the
+    # documented size, and the allocator's pool.
+    row["predicted_usable"] = p.get("usable_bytes") if p else None
+    row["allocator_limit"] = m["memory_stats"].get("bytes_limit") if m else None
+    row["allocator_peak_after_compile"] = (
+        m.get("memory_stats_after_compile", {}).get("peak_bytes_in_use") if m else None)
     mem[f"stage{st}"] = row
+  gpu_mib = res["environment"].get("gpu", {}).get("memory_mib")
+  peak0 = mem["stage0"]["allocator_peak"]
+  out["stage0_fill"] = None if not gpu_mib or peak0 is None else peak0 / (gpu_mib * MiB)
   out["memory"] = mem
   base = _stage_run(parts, 3)
   off = {}
@@ -1026,10 +1083,13 @@ def summarise(res: dict) -> dict:
       row["max_loss_diff"] = max(abs(a - b) for a, b in zip(o["losses"], base["losses"]))
       row["step_time_ratio"] = _ratio(o["step_s"], base["step_s"])
       # Overlap: the step time offload adds, against the time its copies take at the measured
-      # link rate (optimizer state in and out: 2x; parameters forward, backward, update: 3x).
+      # link rates (optimizer state in and out; parameters in for the forward and backward
+      # passes and the update, out after it).
       opt_host = o["state_kinds"]["opt_state"].get("pinned_host", 0)
       par_host = o["state_kinds"]["params"].get("pinned_host", 0)
-      moved_s = (opt_host + par_host * 1.5) * 2 / (o["link"]["h2d_gb_s"] * 1e9)
+      link = o["link"]
+      moved_s = ((opt_host + 2 * par_host) / (link["h2d_gb_s"] * 1e9)
+                 + (opt_host + par_host) / (link["d2h_gb_s"] * 1e9))
       row["copy_s_at_link_rate"] = moved_s
       row["added_step_s"] = o["step_s"] - base["step_s"]
       row["hidden_share"] = None if moved_s <= 0 else 1 - row["added_step_s"] / moved_s
@@ -1062,7 +1122,42 @@ def summarise(res: dict) -> dict:
                    "fit_ran": fit.get("status") == "ok" and fit["result"].get("ran"),
                    "first_refused": pe["first_refused"], "predicted_over": over,
                    "next": verdict_next, "next_zerojax_check": nr.get("zerojax_check")}
+  out["targets"] = targets(out, res["environment"]["dry_run"])
   return out
+
+
+def targets(sm: dict, dry: bool) -> list[tuple[str, str]]:
+  """Issue 50's targets against this run: (target, what was measured). A dry run judges
+  none: its figures are CPU's at tiny shapes."""
+  def met(ok):
+    return "n/a" if ok is None else "dry run" if dry else ("met" if ok else "NOT MET")
+  rows = []
+  sp = sm.get("speed")
+  r = sp and sp["ratio"]
+  rows.append(("zerojax step time within 3% of hand-written",
+               f"{met(None if r is None else r <= 1.03)} ({_x(r)})"))
+  for st in range(4):
+    q = sm["memory"][f"stage{st}"]["predicted_over_allocator"]
+    rows.append((f"stage {st}: predicted peak within 5% of peak_bytes_in_use",
+                 f"{met(None if q is None else abs(q - 1) <= 0.05)} ({_x(q)})"))
+  for key, o in sm["offload"].items():
+    q = o.get("drop_over_offloaded")
+    rows.append((f"{key}: HBM peak falls by the offloaded bytes, within 5%",
+                 f"{met(None if q is None else abs(q - 1) <= 0.05)} ({_x(q)})"))
+    rows.append((f"{key}: losses bit-equal to the in-HBM run",
+                 f"{met(o.get('losses_equal'))} (largest difference "
+                 f"{o.get('max_loss_diff', float('nan')):.3g})"))
+  nv = sm.get("nvme")
+  rows.append(("ZeRO-Infinity: peak RSS within params + grads + pool + 10%, state on disk >= 2x",
+               "n/a" if not nv else f"{met(nv['holds'] and nv['disk_over_bound'] >= 2)} "
+               f"({_g(nv['rss_peak_above_baseline'])} of {_g(nv['bound'])}; disk "
+               f"{nv['disk_over_bound']:.2f}x)"))
+  e = sm.get("edge")
+  ok = e and bool(e["fit_ran"]) and not e["next"].startswith("ran: THE")
+  rows.append(("the verdict's largest micro-batch runs; the next fails or is a margin case",
+               "n/a" if not e else f"{met(ok)} ({e['largest_fitting']} rows ran: "
+               f"{e['fit_ran']}; {e['first_refused']} rows: {e['next']})"))
+  return rows
 
 
 def _g(b) -> str:
@@ -1091,8 +1186,8 @@ def markdown(res: dict) -> str:
            "",
            f"{env['date_utc']} UTC, {env['host']}, {env['machine']}, {env['cpus']} CPUs, "
            f"Python {env['python']}, " + ", ".join(f"{k} {x}" for k, x in v.items())
-           + (f"; GPU {gpu['name']}, driver {gpu['driver']}, {gpu['memory_mib']} MiB"
-              if gpu else "; no GPU"),
+           + (f"; GPU {gpu.get('name')}, driver {gpu.get('driver')}, "
+              f"{gpu.get('memory_mib')} MiB" if gpu else "; no GPU"),
            f"Model: Llama-shaped, {s['layers']} layers, d_model {s['d_model']}, {s['heads']}/"
            f"{s['kv_heads']} heads, SwiGLU {s['ffn']}, vocab {s['vocab']}, "
            f"{res['params'] / 1e6:.1f}M parameters; batch {s['batch']} x {s['seq']}; "
@@ -1134,6 +1229,13 @@ def markdown(res: dict) -> str:
                  f"{alloc_s} | {_x(m['predicted_over_allocator'])} | "
                  f"{_x(m['predicted_over_analysis'])} | {_x(m['analysis_over_allocator'])} |")
   lines += ["", "Stage 3's device run is part a's zerojax run (alone in its process until then)."]
+  m0 = sm["memory"]["stage0"]
+  if sm.get("stage0_fill") is not None:
+    lines.append(f"Stage 0 fills {sm['stage0_fill']:.0%} of the GPU's memory (the batch aims "
+                 "at half).")
+  lines.append(f"Usable memory: the verdict's {_g(m0['predicted_usable'])}; the allocator's "
+               f"bytes_limit {_g(m0['allocator_limit'])}. Allocator peak after compiling, "
+               f"before any step (stage 0): {_g(m0['allocator_peak_after_compile'])}.")
   lines += ["", "## c. Offload (stage 3 against the in-HBM stage 3 of parts a and b)", "",
             "| run | offloaded | memory kinds (params / opt) | allocator peak drop | drop / "
             "offloaded | analysis peak drop | losses | step time ratio | step time added / "
@@ -1187,6 +1289,8 @@ def markdown(res: dict) -> str:
   else:
     why = (_predictions(parts)[1] or {}).get("why") or _predictions(parts)[2]
     lines.append(f"no edge: {why}")
+  lines += ["", "## Targets (issue 50)", "", "| target | this run |", "|---|---|"]
+  lines += [f"| {t} | {v} |".replace("\n", " ") for t, v in sm["targets"]]
   return "\n".join(lines) + "\n"
 
 

@@ -53,7 +53,9 @@ def test_every_part_is_recorded_and_the_device_parts_ran(dry):
   for key in ("speed", "memory_stage0", "memory_stage1", "memory_stage2", "offload_optimizer",
               "offload_params", "nvme"):
     assert parts[key]["status"] == "ok", (key, parts[key].get("why"), parts[key].get("log_tail"))
-  assert res["environment"]["dry_run"] and res["wall_s"] <= res["budget_s"]
+  assert res["environment"]["dry_run"] and res["complete"] and res["wall_s"] <= res["budget_s"]
+  assert {f"{k}.log" for k in parts if parts[k]["status"] != "skipped"} <= set(
+      os.listdir(out / "logs"))  # each part's own output, for reading a GPU run afterwards
   md = (out / "results.md").read_text()
   for head in ("## a. Speed", "## b. Memory", "## c. Offload", "## d. ZeRO-Infinity",
                "## e. The verdict's edge", "| stage | predicted peak"):
@@ -161,6 +163,8 @@ def test_a_failing_part_is_recorded_and_the_run_goes_on(tmp_path):
              timeout=300)
   nv = res["parts"]["nvme"]
   assert nv["status"] == "failed" and "NotADirectoryError" in nv["why"], nv
+  assert res["complete"] and "NotADirectoryError" in (tmp_path / "out" / "logs" / "nvme.log"
+                                                      ).read_text()
   assert "## d. ZeRO-Infinity" in (tmp_path / "out" / "results.md").read_text()
 
 
