@@ -1118,8 +1118,10 @@ def summarise(res: dict) -> dict:
     else:
       verdict_next = ("ran: a margin case, predicted " if over is not None and over < 0.05 else
                       "ran: THE VERDICT WAS WRONG, predicted ") + f"{over:+.1%} over the usable"
+    fr = fit.get("result", {})
     out["edge"] = {"largest_fitting": pe["largest_fitting"],
-                   "fit_ran": fit.get("status") == "ok" and fit["result"].get("ran"),
+                   "fit_ran": fit.get("status") == "ok" and fr.get("ran"),
+                   "fit_error": None if fr.get("ran") else (fr.get("error") or fit.get("why")),
                    "first_refused": pe["first_refused"], "predicted_over": over,
                    "next": verdict_next, "next_zerojax_check": nr.get("zerojax_check")}
   out["targets"] = targets(out, res["environment"]["dry_run"])
@@ -1251,8 +1253,9 @@ def markdown(res: dict) -> str:
             f"differ by up to {o['max_loss_diff']:.3g}" if "max_loss_diff" in o else "n/a")
     lines.append(f"| {key} | {_g(o['offloaded_bytes'])} | {kinds} | {_g(o.get('allocator_drop'))} "
                  f"| {_x(o.get('drop_over_offloaded'))} | {_g(o.get('analysis_drop'))} | {loss} | "
-                 f"{_x(o.get('step_time_ratio'))} | {o.get('added_step_s', 0) * 1e3:+.1f} ms / "
-                 f"{o.get('copy_s_at_link_rate', 0) * 1e3:.1f} ms |")
+                 f"{_x(o.get('step_time_ratio'))} | " + (
+                     f"{o['added_step_s'] * 1e3:+.1f} ms / {o['copy_s_at_link_rate'] * 1e3:.1f} ms"
+                     if "added_step_s" in o else "n/a: no in-HBM run") + " |")
   lines += ["", "## d. ZeRO-Infinity (optimizer state and fp32 master on disk)", ""]
   nv = _res(parts, "nvme")
   if nv:
@@ -1283,7 +1286,8 @@ def markdown(res: dict) -> str:
   e = sm.get("edge")
   if e:
     lines += [f"- largest micro-batch the verdict says fits: {e['largest_fitting']} rows; "
-              f"ran: {e['fit_ran']}",
+              f"ran: {e['fit_ran']}"
+              + (f" ({str(e['fit_error'])[:300]})" if e.get("fit_error") else ""),
               f"- next size, {e['first_refused']} rows, predicted "
               f"{e['predicted_over']:+.1%} over the usable memory: {e['next']}"]
   else:
