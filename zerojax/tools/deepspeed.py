@@ -37,9 +37,11 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import types
 import warnings
 from typing import Any, Mapping
 
+from zerojax.core import validation
 from zerojax.core.config import ConfigError, ZeroConfig, in_file, read_config_file, unknown_key_error
 from zerojax.tools.options import TrainOptions
 
@@ -377,6 +379,7 @@ def _map_precision(d: Mapping[str, Any], m: _Mapped) -> None:
         kw[field] = _int(f"fp16.{ds_key}", fp16[ds_key])
     if "min_loss_scale" in fp16 and not _auto(fp16["min_loss_scale"]):
       kw["min_loss_scale"] = float(_num("fp16.min_loss_scale", fp16["min_loss_scale"]))
+    _check_fp16(kw, fp16)
     note("fp16", "compute_dtype='float16' with " + (
         "dynamic loss scaling" if kw["loss_scale"] == 0 else f"static loss scale {ls}"))
     for k in sorted(set(fp16) & {"auto_cast", "consecutive_hysteresis",
@@ -389,6 +392,15 @@ def _map_precision(d: Mapping[str, Any], m: _Mapped) -> None:
       raise _err("communication_data_type", v, f"one of {sorted(_DTYPE_NAMES)}")
     kw["reduce_dtype"] = _DTYPE_NAMES[v.lower()]
     note("communication_data_type", f"reduce_dtype={kw['reduce_dtype']!r}")
+
+
+def _check_fp16(kw: Mapping[str, Any], fp16: Mapping[str, Any]) -> None:
+  """Refuses an fp16 loss-scaling value ZeroConfig would refuse, naming its DeepSpeed key
+  (``fp16.loss_scale_window``) and the value in the file rather than the ZeroConfig field."""
+  defaults = {f.name: f.default for f in dataclasses.fields(ZeroConfig)}
+  problem = validation.check_loss_scale(types.SimpleNamespace(**{**defaults, **kw}))
+  if problem is not None and problem.field in _FP16_FIELDS:
+    raise _err(f"fp16.{problem.field}", fp16.get(problem.field, problem.value), problem.allowed)
 
 
 def _map_partitioning(z: Mapping[str, Any], m: _Mapped) -> None:

@@ -15,7 +15,10 @@ Hugging Face checkpoint (Llama, Qwen2, Qwen3, Mistral) on local data, end to end
   generation config and tokenizer carried over, LoRA adapters merged.
 
 CONFIG is a zerojax YAML/JSON or a DeepSpeed ``ds_config.json`` (as an HF Trainer run writes
-it): its ``"auto"`` values take this command's settings (``lr=``, ``batch=``, ...).
+it): its ``"auto"`` values take this command's settings (``lr=``, ``batch=``, ...). Its
+``"fp16"`` section (or ``compute_dtype=float16 loss_scale=0``) trains with `zerojax train`'s
+dynamic loss scaling (`zerojax.core.train_state`), LoRA or full, accumulated or not; the scale
+is printed (`precision_note`, each log line) and checkpointed with the optimizer state.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from jax.experimental import multihost_utils
 from zerojax import create_nnx, value_and_grad, zero_step
 from zerojax.core import memory_kinds, offload
 from zerojax.core.config import ConfigError, read_config_file
+from zerojax.core.train_state import nnx_loss_scaling
 from zerojax.models import llama
 from zerojax.runtime import weights
 from zerojax.runtime.checkpoint import Checkpointer
@@ -44,7 +48,7 @@ from zerojax.tools.options import TrainOptions
 from zerojax.tools.train import Task, is_main_process, log, setup_cpu_devices, train
 
 __all__ = ["FinetuneOptions", "finetune", "finetune_task", "run", "DEFAULTS",
-           "resolve_model_dir"]
+           "resolve_model_dir", "precision_note"]
 
 # The training options' defaults for fine-tuning (`zerojax train`'s suit a tiny GPT from
 # scratch); any of them given on the command line or in the config file wins.
@@ -228,11 +232,16 @@ def _read_data(fo: FinetuneOptions, cfg: Any, seq_len: int) -> tuple[Any, Any]:
 
 
 def _item(state):
-  """What a checkpoint of a fine-tuning run holds: the parameters and the optimizer's state."""
+  """What a checkpoint of a fine-tuning run holds: the parameters and the optimizer's state;
+  under fp16 also the loss-scaling counters (``loss_scaling``: the scale, good steps,
+  hysteresis, skipped steps), so that a resumed run goes on at the scale it had reached."""
   model, optimizer = state
   o = nnx.to_pure_dict(nnx.state(optimizer))
-  return {"params": nnx.to_pure_dict(nnx.state(model, nnx.Param)),
+  item = {"params": nnx.to_pure_dict(nnx.state(model, nnx.Param)),
           "opt_state": o["opt_state"], "step": o["step"]}
+  if "loss_scaling" in o:
+    item["loss_scaling"] = o["loss_scaling"]
+  return item
 
 
 def _setup(fo: FinetuneOptions, opts: Any, cfg: Any, base: Any):
@@ -254,9 +263,10 @@ def _setup(fo: FinetuneOptions, opts: Any, cfg: Any, base: Any):
       model, optimizer, plan = create_nnx(make, tx, config=config, mesh=mesh, wrt=wrt,
                                           params=src)
       return (model, optimizer), plan, 0, 0
+    scaled = _checkpoint_has_loss_scale(opts.checkpoint_dir, resume_step)
     with jax.set_mesh(mesh):
-      target = _item(nnx.eval_shape(lambda: (lambda m: (m, nnx.Optimizer(m, tx, wrt=wrt)))(
-          make())))
+      target = _item(nnx.eval_shape(lambda: _with_scaling(
+          (lambda m: (m, nnx.Optimizer(m, tx, wrt=wrt)))(make()), config, scaled)))
     got: dict = {}
 
     class _Restore:  # create_nnx's lazy params source: the checkpoint, in the new plan's layout
@@ -271,10 +281,45 @@ def _setup(fo: FinetuneOptions, opts: Any, cfg: Any, base: Any):
     nnx.replace_by_pure_dict(st, {"opt_state": got["state"]["opt_state"],
                                   "step": got["state"]["step"]})
     nnx.update(optimizer, st)
+    _restore_loss_scaling(optimizer, got["state"].get("loss_scaling"), resume_step)
     extras = got["extras"]
     return ((model, optimizer), plan, int(extras.step),
             int((extras.data or {}).get("batches_step", extras.step)))
   return setup
+
+
+def _checkpoint_has_loss_scale(checkpoint_dir: str, step: int) -> bool:
+  """Whether checkpoint ``step`` holds fp16 loss-scaling counters (a run saved under fp16)."""
+  with Checkpointer(checkpoint_dir, read_only=True) as ck:
+    return any(p.startswith("loss_scaling/") for p in ck.stored_leaves(step))
+
+
+def _with_scaling(pair: tuple, config: Any, scaled: bool) -> tuple:
+  """``(model, optimizer)`` with the loss-scaling counters a checkpoint saved under fp16
+  holds (as `zerojax.create_nnx` attaches them), so that the restore target matches it
+  whatever this run's precision."""
+  model, optimizer = pair
+  if scaled:
+    optimizer.loss_scaling = nnx_loss_scaling(config.replace(loss_scale=0.0)
+                                              if config.loss_scale is None else config)
+  return model, optimizer
+
+
+def _restore_loss_scaling(optimizer: Any, saved: dict | None, step: int) -> None:
+  """Puts a checkpoint's loss-scaling counters into this run's optimizer and says what the
+  run goes on with: the saved scale, or (a checkpoint saved without fp16) the initial one."""
+  if not hasattr(optimizer, "loss_scaling"):
+    return  # this run scales nothing: the saved counters have no use
+  if saved is None:
+    log(f"fp16: checkpoint step {step} was saved without loss scaling; the loss scale starts "
+        f"at {_scale(optimizer.loss_scaling.scale[...])}")
+    return
+  st = nnx.state(optimizer.loss_scaling)
+  nnx.replace_by_pure_dict(st, saved)
+  nnx.update(optimizer.loss_scaling, st)
+  log(f"fp16: loss scale {_scale(optimizer.loss_scaling.scale[...])} restored from checkpoint "
+      f"step {step} ({int(optimizer.loss_scaling.skipped_steps[...])} overflowing step(s) "
+      "skipped before it)")
 
 
 def _make_step(fo: FinetuneOptions, plan: Any):
@@ -363,16 +408,59 @@ def finetune(fo: FinetuneOptions, config_path: str | None = None,
   if loaded.xla_flags:
     notes.append(f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')}")
   config = loaded.config
-  if config.loss_scale is not None:
-    raise ConfigError(f"loss_scale={config.loss_scale!r} (fp16): zerojax finetune trains in "
-                      "float32 or bfloat16 (compute_dtype=bfloat16, or DeepSpeed bf16.enabled); "
-                      "drop fp16")
-  if config.nonfinite_policy == "skip":
-    raise ConfigError("nonfinite_grads='skip' is not available to zerojax finetune: 'halt' "
-                      "(stop at a non-finite step) or 'ignore'")
+  if config.nonfinite_policy == "skip" and config.loss_scale is None:
+    # The NNX step skips a step only under loss scaling (`zerojax.core.step`).
+    raise ConfigError("nonfinite_grads='skip' is not available to zerojax finetune without "
+                      "loss scaling: 'halt' (stop at a non-finite step) or 'ignore'; with fp16 "
+                      "loss scaling (loss_scale=0) overflowing steps are skipped")
+  if (note := precision_note(config)) is not None:
+    notes.append(note)
   result = train(config, opts, xla_notes=notes, task=finetune_task(fo, opts, config),
                  hooks=hooks)
   return {"result": result, "export": _export(fo, opts, result)}
+
+
+def precision_note(config: Any) -> str | None:
+  """The log line saying what the step does about fp16, read from the fields the step itself
+  reads (`zerojax.core.train_state.StepSettings`, `nnx_loss_scaling`); None where the run
+  neither computes in float16 nor scales its loss.
+
+  Args:
+    config: the run's `zerojax.ZeroConfig`.
+
+  Returns:
+    one line, or None.
+  """
+  cd, ls = config.compute_dtype, config.loss_scale
+  if ls is None:
+    if cd != "float16":
+      return None
+    # Said, not refused: `zerojax train` takes it too; the user should know nothing scales.
+    return ("fp16: compute_dtype='float16' without loss scaling (loss_scale is not set): "
+            "gradients below float16's range become 0; loss_scale=0 (DeepSpeed's fp16 "
+            "default) scales the loss dynamically")
+  if ls == 0:
+    p = config.initial_scale_power
+    how = (f"dynamic loss scaling from 2**{p} = {_scale(2.0 ** p)}, doubled after "
+           f"{config.loss_scale_window} steps in a row without overflow, halved at the "
+           f"{_nth(config.hysteresis)} overflowing step in a row and at each one after "
+           f"(never below {_scale(config.min_loss_scale)})")
+  else:
+    how = f"static loss scale {_scale(ls)}"
+  unneeded = "" if cd == "float16" else f"; compute_dtype={cd!r} does not need it"
+  return (f"fp16: {how}; an overflowing step is skipped (parameters and optimizer state "
+          f"unchanged); compute_dtype={cd!r}, master weights and optimizer state "
+          f"{config.param_dtype}{unneeded}")
+
+
+def _scale(v: Any) -> str:
+  """A loss scale as printed: a power of 2 in full (65536, not 6.5536e+04)."""
+  v = float(v)
+  return f"{v:.0f}" if v == int(v) else f"{v:g}"
+
+
+def _nth(n: int) -> str:
+  return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
 
 
 def _load_with_defaults(fo: FinetuneOptions, config_path: str | None, overrides: list[str]):

@@ -320,8 +320,9 @@ def log_line(rec: Mapping[str, Any], total: int, tokens_per_sec: float | None,
              mfu: float | None, memory: tuple[int, int, int | None] | None,
              compiled_peak: int | None) -> str:
   """One log line of a step: ``step 10/100  loss 2.3456  tokens/s 12,345  MFU 41.2%  memory
-  1.20 GiB live (peak 1.50 GiB of 80.00 GiB)  compiled peak 1.40 GiB``; what is unknown (the
-  first step's throughput, MFU and live memory on CPU) reads ``-``."""
+  1.20 GiB live (peak 1.50 GiB of 80.00 GiB)  compiled peak 1.40 GiB``, with ``loss scale
+  65536`` after the loss under fp16 loss scaling; what is unknown (the first step's
+  throughput, MFU and live memory on CPU) reads ``-``."""
   size = lambda b: f"{b / 2**30:.2f} GiB" if b >= 2**30 else f"{b / 2**20:.1f} MiB"
   loss = rec.get("loss")
   parts = [f"step {rec['step']}/{total}", "loss " + ("-" if loss is None else f"{loss:.4f}"),
@@ -329,6 +330,10 @@ def log_line(rec: Mapping[str, Any], total: int, tokens_per_sec: float | None,
            "MFU " + ("-" if mfu is None else f"{100 * mfu:.1f}%")]
   if rec.get("eval_loss") is not None:
     parts.insert(2, f"eval_loss {rec['eval_loss']:.4f}")
+  if rec.get("loss_scale") is not None:  # fp16: the scale the step left for the next one
+    ls = rec["loss_scale"]  # powers of 2 up to 2**64 in full, not 1.67772e+07
+    parts.insert(2, "loss scale " + (f"{ls:.0f}" if ls == int(ls) else f"{ls:g}") + (
+        f" ({rec['skipped_steps']} skipped)" if rec.get("skipped_steps") else ""))
   if memory is None:
     parts.append("memory -")
   else:
