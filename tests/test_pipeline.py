@@ -14,6 +14,7 @@ from tests.model_patterns import (FULL, SMALL, batches, max_diff, reference_loss
 from zerojax.core import formulation
 from zerojax.core.batchwise import NotRowwise, row_axes
 from zerojax.core.pipeline import FOLD_LAYERS, LAYERS_SCOPE
+from zerojax import _compat
 from zerojax.runtime import memory
 
 try:
@@ -274,9 +275,17 @@ def test_gpu_default_overlaps_scanned_layers_at_textbook_volume(h100, pattern):
   compiled, plan, _ = target_zero(pattern, FULL, 3, h100)
   assert plan.pipeline is not None and plan.live_layers == 2
   text = compiled.as_text()
-  layers = [memory.collective_schedule(text, k, LAYERS_SCOPE)
-            for k in ("all-gather", "reduce-scatter")]
-  assert all(s.matmul_share >= 0.9 for s in layers), [s.matmul_share for s in layers]
+  gathers, scatters = [memory.collective_schedule(text, k, LAYERS_SCOPE)
+                       for k in ("all-gather", "reduce-scatter")]
+  assert gathers.matmul_share >= 0.9, gathers.matmul_share
+  if _compat.JAX_VERSION < (0, 11):
+    assert scatters.matmul_share >= 0.9, scatters.matmul_share
+  else:
+    # Without the analytical latency estimator (it aborts XLA:GPU from jaxlib 0.11 on), the
+    # scheduler closes each layer's reduce-scatter before the matmuls (BENCHMARKS.md, "JAX
+    # releases"); it stays asynchronous, with other computation beside it.
+    assert scatters.total > 0 and memory.collective_schedule(
+        text, "reduce-scatter").overlapped_share == 1.0
   assert memory.collective_schedule(text, "all-gather").matmul_share >= 0.9
   assert memory.activation_collectives(text, plan) == {}
   total = memory.measure(compiled).collective_total
