@@ -43,7 +43,7 @@ def model_names() -> str:
 def hf_model_config(name: Any) -> dict | None:
   """The ``config.json`` facts of a Hugging Face model named by ``name``: a preset of
   `zerojax.models.hf_presets.HF_PRESETS`, a model directory, a ``config.json`` file, or a Hub
-  id (through `zerojax.tools.finetune.resolve_model_dir`); ``None`` for a GPT preset.
+  id (through `zerojax.tools.hub.resolve_model_dir`); ``None`` for a GPT preset.
 
   Raises:
     ConfigError: ``name`` is none of these.
@@ -56,7 +56,7 @@ def hf_model_config(name: Any) -> dict | None:
     return dict(HF_PRESETS[name])
   path = name
   if not os.path.exists(path):
-    from zerojax.tools.finetune import resolve_model_dir  # a Hub id: the cache or a download
+    from zerojax.tools.hub import resolve_model_dir  # a Hub id: the cache or a download
     try:
       path = resolve_model_dir(name)
     except ConfigError as e:
