@@ -12,8 +12,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from tests.test_hf_families import make_hf, make_tokenizer  # noqa: E402
-from tests.test_hf_finetune import make_chat_jsonl  # noqa: E402
+from tests.test_hf_finetune import make_base  # noqa: E402
 import zerojax  # noqa: E402
 from zerojax.tools import finetune as ft  # noqa: E402
 from zerojax.tools import train as zt  # noqa: E402
@@ -29,12 +28,7 @@ DS_FP16 = {"fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 16,
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
-  d = tmp_path_factory.mktemp("fp16base")
-  make_hf("qwen2", seed=5, tie_word_embeddings=True, vocab_size=300, bos_token_id=1,
-          eos_token_id=0, pad_token_id=0).save_pretrained(d)
-  make_tokenizer(d)
-  make_chat_jsonl(d / "train.jsonl", 40)
-  return d
+  return make_base(tmp_path_factory.mktemp("fp16base"), 40)
 
 
 def _records(out):

@@ -31,7 +31,7 @@ TOPOLOGY = "h100:8"
 # From jaxlib 0.11 on XLA:GPU compiles without the analytical latency estimator (it aborts
 # there; `zerojax._compat.xla_gpu_options`), and some schedules and buffers differ: where a
 # test's figure does, it names both (BENCHMARKS.md, "JAX releases").
-OLD_XLA = _compat.JAX_VERSION < (0, 11)
+OLD_XLA = bool(_compat.xla_gpu_options({"xla_gpu_enable_analytical_latency_estimator": True}))
 TINY = GPTConfig(vocab_size=256, seq_len=64, num_layers=2, num_heads=4, d_model=256)
 BATCH = (8, 64)
 # A vocabulary large next to a device's rows: left to itself, the partitioner computed a

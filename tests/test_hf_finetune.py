@@ -163,16 +163,24 @@ def make_chat_jsonl(path, n, seed=0):
                                         + " sat on the mat"}]}) + "\n")
 
 
+def make_base(d, records, eval_records=0, dtype=None):
+  """The fine-tuning tests' base checkpoint in ``d``: a tiny tied Qwen2 (seed 5, vocabulary
+  300), stored in ``dtype`` (a torch dtype; float32 by default), its tokenizer, and
+  ``records`` chat records in train.jsonl (and ``eval_records`` in eval.jsonl)."""
+  from tests.test_hf_families import make_hf, make_tokenizer
+  m = make_hf("qwen2", seed=5, tie_word_embeddings=True, vocab_size=300, bos_token_id=1,
+              eos_token_id=0, pad_token_id=0)
+  (m if dtype is None else m.to(dtype)).save_pretrained(d)
+  make_tokenizer(d)
+  make_chat_jsonl(d / "train.jsonl", records)
+  if eval_records:
+    make_chat_jsonl(d / "eval.jsonl", eval_records, seed=1)
+  return d
+
+
 @pytest.fixture(scope="module")
 def base_dir(tmp_path_factory):
-  from tests.test_hf_families import make_hf, make_tokenizer
-  d = tmp_path_factory.mktemp("base")
-  make_hf("qwen2", seed=5, tie_word_embeddings=True, vocab_size=300, bos_token_id=1,
-          eos_token_id=0, pad_token_id=0).save_pretrained(d)
-  make_tokenizer(d)
-  make_chat_jsonl(d / "train.jsonl", 200)
-  make_chat_jsonl(d / "eval.jsonl", 20, seed=1)
-  return d
+  return make_base(tmp_path_factory.mktemp("base"), 200, eval_records=20)
 
 
 def test_finetune_bad_input_is_named(base_dir, tmp_path, capsys):

@@ -19,8 +19,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import zerojax  # noqa: E402
-from tests.test_hf_families import make_hf, make_tokenizer  # noqa: E402
-from tests.test_hf_finetune import make_chat_jsonl  # noqa: E402
+from tests.test_hf_finetune import make_base  # noqa: E402
 from zerojax.models import llama  # noqa: E402
 from zerojax.runtime import weights  # noqa: E402
 
@@ -28,23 +27,14 @@ RUN = ["--no-export", "--no-progress", "steps=1", "seq_len=32", "batch=8", "show
        "plot=false"]
 
 
-def _base(d, dtype, seed=5):
-  m = make_hf("qwen2", seed=seed, tie_word_embeddings=True, vocab_size=300, bos_token_id=1,
-              eos_token_id=0, pad_token_id=0)
-  m.to(dtype).save_pretrained(d)
-  make_tokenizer(d)
-  make_chat_jsonl(d / "train.jsonl", 40)
-  return d
-
-
 @pytest.fixture(scope="module")
 def bf16_dir(tmp_path_factory):
-  return _base(tmp_path_factory.mktemp("bf16"), torch.bfloat16)
+  return make_base(tmp_path_factory.mktemp("bf16"), 40, dtype=torch.bfloat16)
 
 
 @pytest.fixture(scope="module")
 def fp32_dir(tmp_path_factory):
-  return _base(tmp_path_factory.mktemp("fp32"), torch.float32)
+  return make_base(tmp_path_factory.mktemp("fp32"), 40, dtype=torch.float32)
 
 
 # -- 1. bf16 and fp16 checkpoints -------------------------------------------------------------
@@ -65,7 +55,7 @@ def test_half_precision_checkpoints_finetune_cast_to_param_dtype(tmp_path_factor
   stored ones (cast exactly: every bf16/fp16 value is a float32 value)."""
   from zerojax.tools import finetune as ft
   from zerojax.tools.cli import main
-  d = _base(tmp_path_factory.mktemp(ckpt), getattr(torch, ckpt))
+  d = make_base(tmp_path_factory.mktemp(ckpt), 40, dtype=getattr(torch, ckpt))
   assert _stored_dtypes(d) == {ckpt}
   out = tmp_path_factory.mktemp("run")
   rc = main(["finetune", str(d), "--data", str(d / "train.jsonl"), *RUN, f"out_dir={out}",
