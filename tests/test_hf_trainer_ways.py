@@ -695,8 +695,45 @@ def test_train_takes_an_hf_model_directory(tiny_llama_dir, tmp_path, capsys):
                     reason="JAX's CUDA plugin is not installed: no GPU compiler")
 def test_compile_llama_3_8b_for_h100s_prints_the_verdict(capsys):
   from zerojax.tools.cli import main
-  rc = main(["compile", "--model", "llama-3-8b", "--topology", "h100:8", "--batch", "8",
-             "--seq", "8192"])
+  # The command, as a DeepSpeed or torchtitan user writes it: 2 rows per GPU.
+  rc = main(["compile", "--model", "llama-3-8b", "--topology", "h100:8", "--batch", "2",
+             "--seq", "8192", "compute_dtype=bfloat16", "remat=full"])
   out = capsys.readouterr().out
-  assert rc in (0, 1) and "model llama-3-8b, global batch 8 x 8192 tokens, h100:8" in out
+  assert rc in (0, 1) and ("model llama-3-8b, global batch 16 x 8192 tokens, h100:8 (--batch 2 "
+                           "read as rows per device") in out
   assert ("DOES NOT FIT" in out) == (rc == 1) and "HBM peak" in out
+  if rc == 1:  # remedies name only what the config does not already set
+    assert "remat='full'" not in out.split("DOES NOT FIT")[1]
+    assert "compute_dtype=bfloat16" not in out.split("DOES NOT FIT")[1]
+
+
+@pytest.mark.parametrize("argv, axes, rows, reading", [
+    (["--batch", "16"], {}, 16, None),
+    (["--batch", "2"], {}, 16, "--batch 2 read as rows per device"),
+    (["--batch-per-device", "3"], {}, 24, "3 rows per device x 8 data-parallel devices"),
+    (["--batch", "2"], dict(mesh_axes=("fsdp", "tensor"), mesh_shape=(4, 2)), 8,
+     "over 4 data-parallel devices"),
+    (["--batch-per-device", "1"], dict(mesh_axes=("replica", "fsdp"), mesh_shape=(2, 8)), 16,
+     "x 16 data-parallel devices"),
+])
+def test_compile_reads_batch_as_global_or_per_device(argv, axes, rows, reading):
+  from zerojax.core.config import ZeroConfig
+  from zerojax.tools.cli import _global_batch, build_parser
+  topology = "h100:2x8" if axes.get("mesh_shape") == (2, 8) else "h100:8"
+  args = build_parser().parse_args(["compile", *argv, "--seq", "8", "--topology", topology])
+  got, note = _global_batch(args, ZeroConfig(stage=3, **axes))
+  assert got == rows and (note is None if reading is None else reading in note)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--batch", "12"], "--batch 12: the global batch must be a multiple of the 8 "
+                        "data-parallel devices of h100:8, e.g. --batch 8 or 16"),
+    ([], "give exactly one of --batch (global rows) and --batch-per-device"),
+    (["--batch", "8", "--batch-per-device", "1"], "got --batch and --batch-per-device"),
+    (["--batch", "0"], "--batch 0 --seq 8: both must be >= 1"),
+])
+def test_compile_refuses_a_batch_it_cannot_split(argv, message, capsys):
+  from zerojax.tools.cli import main
+  assert main(["compile", *argv, "--seq", "8", "--topology", "h100:8"]) == 2
+  err = capsys.readouterr().err
+  assert message in err and len(err.strip().splitlines()) == 1

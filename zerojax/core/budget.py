@@ -287,8 +287,26 @@ def suggest_option(need: int, limit: int, config: ZeroConfig | None, params: Any
               f"from zerojax.core.budget.estimate, everything else as measured); set {flags}.")
   last = _option_name(3, True, True)
   want = need - base + model_state(3, True, True)
-  return (f"Even {last} would need about {_mib(want)} per device (estimated): use more devices, "
-          "a smaller batch per device or remat='full'.")
+  return (f"Even {last} would need about {_mib(want)} per device (estimated): use more devices "
+          f"or {activation_remedies(config)}.")
+
+
+def activation_remedies(config: Any) -> str:
+  """What shrinks activations that ``config`` does not already set, as one phrase.
+
+  Args:
+    config: the `ZeroConfig` of the step that did not fit.
+
+  Returns:
+    For example ``"a smaller batch per device, remat='full' or compute_dtype=bfloat16"``.
+  """
+  ways = ["a smaller batch per device (micro_batch_per_device with "
+          "gradient_accumulation_steps)"]
+  if config.remat != "full":
+    ways.append("remat='full'")
+  if str(config.compute_dtype) == "float32":
+    ways.append("compute_dtype=bfloat16")
+  return ", ".join(ways[:-1]) + " or " + ways[-1] if len(ways) > 1 else ways[0]
 
 
 def _mib(n: float) -> str:

@@ -53,7 +53,7 @@ __all__ = ["PAPER_K", "paper_bytes", "Estimate", "num_params", "estimate", "Meas
            "collective_bytes", "collective_bytes_by_dtype", "GatherSchedule", "gather_schedule",
            "collective_schedule", "replica_groups", "reductions", "activation_collectives",
            "textbook_bytes", "GiB", "HBM_PER_CHIP", "TOPOLOGY_EXAMPLES", "TPU_EXTRA",
-           "tpu_topology", "hbm_available", "TopologyCompile", "lm_train_step",
+           "tpu_topology", "topology_size", "hbm_available", "TopologyCompile", "lm_train_step",
            "next_token_loss", "compile_for_topology", "DeviceMemoryError", "bytes_limit",
            "compiled_peak", "check_fits", "check_state_fits"]
 
@@ -1114,6 +1114,21 @@ def compile_for_topology(config: ZeroConfig, model: Any, batch: Any,
   return _compile(step, state, batch, tx, config, devices, compiler_options, common)
 
 
+def topology_size(topology: str) -> int:
+  """The number of devices of a TPU slice or GPU pod name (``'v5e:2x4'``: 8, ``'h100:2x8'``: 16).
+
+  Args:
+    topology: a name `compile_for_topology` takes.
+
+  Returns:
+    How many devices a program compiled for it spans.
+  """
+  if gpu.is_gpu_topology(topology):
+    _, hosts, per_host = gpu.parse_gpu_topology(topology)
+    return hosts * per_host
+  return len(tpu_topology(topology).devices)
+
+
 def _topology_devices(topology: str, memory_fraction: float | None
                       ) -> tuple[list[Any], dict[str, Any]]:
   """The devices of a TPU slice or GPU pod, and what memory one program may use on each."""
@@ -1161,10 +1176,8 @@ def _compile(step: Any, state: Any, batch: Any, tx: Any, config: ZeroConfig,
   measured, text = measure(compiled), compiled.as_text()
   suggestion = None
   if measured.peak > common["hbm_available"]:
-    suggestion = (suggest_option(measured.peak, common["hbm_available"], config, state.params,
-                                 tx, None, devices)
-                  + " Activations shrink with remat='full' or a smaller micro-batch "
-                  "(micro_batch_per_device with gradient_accumulation_steps).")
+    suggestion = suggest_option(measured.peak, common["hbm_available"], config, state.params,
+                                tx, None, devices)
   return TopologyCompile(
       compile_seconds=dt, measured=measured,
       host_argument=int(ma.host_argument_size_in_bytes),

@@ -269,23 +269,58 @@ def cmd_compile(args) -> int:
   loaded = load_config(args.config, args.overrides, apply_xla_flags=False,
                        for_training=False)
   from zerojax.tools import estimate  # lazy: JAX
-  if args.batch < 1 or args.seq < 1:
-    raise ConfigError(f"--batch {args.batch} --seq {args.seq}: both must be >= 1")
   # An ahead-of-time compile runs nothing here: the CPU stays the default backend, so no
   # accelerator runtime starts (or prints its start-up errors) on a machine without one.
   _shapes_only()
   try:
-    r = estimate.compile_for_topology(loaded.config, args.model, (args.batch, args.seq),
+    rows, reading = _global_batch(args, loaded.config)
+    r = estimate.compile_for_topology(loaded.config, args.model, (rows, args.seq),
                                       args.topology, memory_fraction=args.memory_fraction)
   except ImportError as e:
     print(f"{PROG} compile: error: {e}", file=sys.stderr)
     return 2
-  print(f"model {args.model}, global batch {args.batch} x {args.seq} tokens, "
-        f"{args.topology}")
+  print(f"model {args.model}, global batch {rows} x {args.seq} tokens, {args.topology}"
+        + (f" ({reading})" if reading else ""))
   print(r.table())
   for note in loaded.notes:
     print(f"DeepSpeed {note}")
   return 2 if r.compiler_failed else (0 if r.fits else 1)
+
+
+def _global_batch(args, config) -> tuple[int, str | None]:
+  """The global rows `compile` compiles, and how ``--batch``/``--batch-per-device`` read.
+
+  ``--batch`` is the global batch, as in ``zerojax train``. A ``--batch`` smaller than the
+  data-parallel device count cannot be a global batch of a data-parallel step, so it is read
+  as rows per device, the way DeepSpeed's ``train_micro_batch_size_per_gpu`` and the Trainer's
+  ``per_device_train_batch_size`` count, and the header says so.
+  """
+  from zerojax.runtime import memory  # lazy: JAX
+  given = [f for f, v in (("--batch", args.batch), ("--batch-per-device", args.batch_per_device))
+           if v is not None]
+  if len(given) != 1:
+    raise ConfigError(f"compile: give exactly one of --batch (global rows) and "
+                      f"--batch-per-device (rows per data-parallel device); got "
+                      f"{' and '.join(given) or 'neither'}")
+  value = args.batch if args.batch is not None else args.batch_per_device
+  if args.seq < 1 or value < 1:
+    raise ConfigError(f"{given[0]} {value} --seq {args.seq}: both must be >= 1")
+  n = memory.topology_size(args.topology)
+  shape = dict(zip(config.mesh_axes, config.resolved_mesh_shape(n)))
+  dp = math.prod(shape.get(a, 1) for a in ("replica", "fsdp"))
+  if args.batch_per_device is not None:
+    return args.batch_per_device * dp, (f"{args.batch_per_device} rows per device x {dp} "
+                                        "data-parallel devices")
+  if args.batch % dp == 0:
+    return args.batch, None
+  if args.batch < dp:
+    return args.batch * dp, (f"--batch {args.batch} read as rows per device: {args.batch} "
+                             f"rows cannot be split over {dp} data-parallel devices; "
+                             f"--batch-per-device {args.batch} says so")
+  raise ConfigError(f"--batch {args.batch}: the global batch must be a multiple of the {dp} "
+                    f"data-parallel devices of {args.topology}, e.g. --batch "
+                    f"{args.batch // dp * dp} or {-(-args.batch // dp) * dp}; or give "
+                    "--batch-per-device")
 
 
 def _partitioner_gathers(config) -> bool:
@@ -560,7 +595,12 @@ def _add_compile(sub: Any, fmt: type) -> None:
   cp.add_argument("overrides", nargs="*", metavar="key=value", help="ZeroConfig overrides")
   cp.add_argument("--model", default="small", help="GPT preset: tiny, small, gpt-89m, gpt-7.5b, "
                   "gpt-70b (default small)")
-  cp.add_argument("--batch", type=int, required=True, help="global batch (rows per step)")
+  cp.add_argument("--batch", type=int, default=None,
+                  help="global batch (rows per step); one smaller than the data-parallel "
+                  "device count is read as rows per device")
+  cp.add_argument("--batch-per-device", type=int, default=None, metavar="ROWS",
+                  help="rows per data-parallel device (DeepSpeed's "
+                  "train_micro_batch_size_per_gpu), instead of --batch")
   cp.add_argument("--seq", type=int, required=True, help="tokens per row")
   cp.add_argument("--topology", required=True,
                   help="TPU slice (v5e:8x8, v5p:4x4x4, ...) or GPU pod: h100:8 (one host), "
