@@ -280,6 +280,31 @@ def test_auto_is_the_trainers_default_in_finetune(fp32_dir, tmp_path, capsys):
   assert "DeepSpeed bf16.enabled: 'auto' -> False (auto: Trainer default bf16=False" in out
 
 
+# DeepSpeed's own fp16 defaults (written here): the Trainer fills none of these keys, so an
+# "auto" there gets what DeepSpeed would use.
+DS_FP16 = {"loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000,
+           "hysteresis": 2, "min_loss_scale": 1}
+
+
+def test_fp16_loss_scaling_auto_is_deepspeeds_default(tmp_path):
+  p = tmp_path / "ds.json"
+  p.write_text(json.dumps({"fp16": {"enabled": True, **{k: "auto" for k in DS_FP16}},
+                           "zero_optimization": {"stage": 3}}))
+  loaded = zerojax.load_config(p, apply_xla_flags=False)
+  c = loaded.config
+  assert c.compute_dtype == "float16" and c.loss_scale == 0.0  # dynamic loss scaling
+  assert (c.initial_scale_power, c.loss_scale_window, c.hysteresis, c.min_loss_scale) == (
+      16, 1000, 2, 1.0)
+  notes = "\n".join(loaded.notes)
+  for k, v in DS_FP16.items():
+    assert f"fp16.{k}: 'auto' -> {v} (auto: DeepSpeed default fp16.{k}={v}" in notes
+  # a value the run gives wins, and says so
+  loaded = zerojax.load_config(p, ["loss_scale_window=200"], apply_xla_flags=False)
+  assert loaded.config.loss_scale_window == 200
+  assert "fp16.loss_scale_window: 'auto' -> 200 (loss_scale_window=200, given)" in "\n".join(
+      loaded.notes)
+
+
 # -- 4. chat templates render as transformers' apply_chat_template -----------------------------
 
 # Templates in the styles of the families' own (written here, short), each exercising what the

@@ -709,6 +709,10 @@ _BATCH_KEYS = (("train_batch_size", "train_batch_size"),
                ("gradient_accumulation_steps", "gradient_accumulation_steps"))
 _FP16_FIELDS = ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
                 "min_loss_scale")
+# DeepSpeed's defaults of its fp16 section (loss_scale 0: dynamic).
+DEEPSPEED_FP16_DEFAULTS: dict[str, Any] = {"loss_scale": 0, "initial_scale_power": 16,
+                                           "loss_scale_window": 1000, "hysteresis": 2,
+                                           "min_loss_scale": 1}
 
 
 @dataclasses.dataclass
@@ -849,9 +853,10 @@ def _auto_fp16(d: dict, a: _AutoValues) -> None:
         fp16[k] = given[k]
         a.chosen[f"fp16.{k}"] = (given[k], f"{k}={given[k]!r}, given")
       else:
-        a.unresolved[f"fp16.{k}"] = (f"pass {k}=... (" + (
-            "0: dynamic loss scaling, > 0: a static scale" if k == "loss_scale" else
-            "see ZeroConfig") + ") or write the number in the file")
+        # The Trainer fills none of these; DeepSpeed's own default is what "auto" gets there.
+        fp16[k] = DEEPSPEED_FP16_DEFAULTS[k]
+        a.chosen[f"fp16.{k}"] = (fp16[k], f"auto: DeepSpeed default fp16.{k}={fp16[k]!r}; "
+                                          f"set {k}=... to change it")
 
 
 def _auto_hyperparameters(d: dict, a: _AutoValues) -> None:
