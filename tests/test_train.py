@@ -1,5 +1,6 @@
 """The training loop: metrics files, TensorBoard event files, loss scaling, weights round trip."""
 
+import dataclasses
 import json
 import os
 import struct
@@ -209,3 +210,83 @@ def test_train_cli_resume_flags():
   assert args.no_resume and args.overwrite
   with pytest.raises(ConfigError, match="TrainOptions.resume='no'"):
     zt.TrainOptions(resume="no")
+
+
+def test_resume_with_more_steps_continues_the_schedule(tmp_path, monkeypatch, capsys):
+  """#52: a cosine run resumed with another ``steps`` goes on from the rate it had: no jump
+  back up, no early end; the note names the old and the new curve."""
+  from zerojax.runtime import checkpoint as zc
+  from zerojax.tools.train.schedules import make_schedule, run_schedule
+  config = ZeroConfig(stage=2)
+  kw = dict(RESUME_KW, steps=8, log_every=1)
+  opts = zt.TrainOptions(out_dir=str(tmp_path / "b"), checkpoint_dir=str(tmp_path / "b" / "ck"),
+                         **kw)
+  real_save = zc.Checkpointer.save
+
+  def dying_save(self, step, *args, **kw_):
+    if step == 6:
+      raise KeyboardInterrupt("killed at step 6")
+    return real_save(self, step, *args, **kw_)
+
+  monkeypatch.setattr(zc.Checkpointer, "save", dying_save)
+  with pytest.raises(KeyboardInterrupt):
+    zt.train(config, opts)
+  monkeypatch.setattr(zc.Checkpointer, "save", real_save)
+  capsys.readouterr()
+  longer = dataclasses.replace(opts, steps=12)
+  zt.train(config, longer)  # resumes from checkpoint 4
+  out = capsys.readouterr().out
+  lr = [r["lr"] for r in zt.read_jsonl(tmp_path / "b" / "metrics.jsonl")]
+  old, new = make_schedule(longer, 8), run_schedule(longer, [(0, 8), (4, 12)])
+  assert len(lr) == 12
+  assert lr[:4] == pytest.approx([float(old(i)) for i in range(4)])  # before the resume
+  assert lr == pytest.approx([float(new(i)) for i in range(12)])  # step k: count k - 1
+  peak = kw["warmup_steps"]
+  assert all(a >= b for a, b in zip(lr[peak:], lr[peak + 1:]))  # decays, never jumps back up
+  assert float(new(12)) == pytest.approx(float(old(8)))  # ends where the old curve ends
+  assert f"steps 8 -> 12 on resume at step 4: the learning rate goes on from {lr[4]:.4g} (step 5)" in out
+  assert json.load(open(tmp_path / "b" / "run.json"))["lengths"] == [[0, 8], [4, 12]]
+  # resumed again with that length: the same schedule, no new change
+  capsys.readouterr()
+  zt.train(config, dataclasses.replace(longer, steps=12))
+  assert "on resume at step" not in capsys.readouterr().out
+
+
+def test_resume_after_the_end_holds_the_final_rate(tmp_path, capsys):
+  config = ZeroConfig(stage=2)
+  opts = zt.TrainOptions(out_dir=str(tmp_path), checkpoint_dir=str(tmp_path / "ck"),
+                         **dict(RESUME_KW, steps=4, log_every=1))
+  zt.train(config, opts)
+  capsys.readouterr()
+  zt.train(config, dataclasses.replace(opts, steps=7))
+  out = capsys.readouterr().out
+  lr = [r["lr"] for r in zt.read_jsonl(tmp_path / "metrics.jsonl")]
+  end = 0.1 * RESUME_KW["lr"]  # where the 4-step cosine curve ends (count 4)
+  assert len(lr) == 7 and lr[3] > end and lr[4:] == pytest.approx([end] * 3)
+  assert "steps 4 -> 7 on resume at step 4" in out and "stays at its curve's final value" in out
+
+
+@pytest.mark.parametrize("steps, when", [(3, 0), (8, 1), (8, 4)])
+def test_stretched_schedule_is_continuous_and_ends_at_the_curves_end(steps, when):
+  """`run_schedule` for every schedule that depends on the run's length."""
+  from zerojax.tools.train.schedules import depends_on_steps, make_schedule, run_schedule
+  for opts in (zt.TrainOptions(decay="cosine", steps=steps, warmup_steps=2, lr=1e-3),
+               zt.TrainOptions(steps=steps, lr=1e-3, scheduler={
+                   "name": "WarmupDecayLR", "warmup_num_steps": 2, "warmup_type": "linear"}),
+               zt.TrainOptions(steps=steps, lr=1e-3, scheduler={
+                   "name": "WarmupCosineLR", "warmup_num_steps": 2, "cos_min_ratio": 0.1})):
+    assert depends_on_steps(opts)
+    at = 5 if when else 0
+    for old in (6, 12):
+      lengths = [(0, old), (at, steps)] if steps > at else [(0, old)]
+      s, o, n = run_schedule(opts, lengths), make_schedule(opts, old), make_schedule(opts, steps)
+      values = [float(s(i)) for i in range(max(steps, old) + 1)]
+      assert values[:at + 1] == pytest.approx([float(o(i)) for i in range(at + 1)])
+      if steps > at and at <= 2:  # resumed in warmup: simply the new length's schedule
+        assert values[:steps + 1] == pytest.approx([float(n(i)) for i in range(steps + 1)])
+      if steps > at:
+        assert values[steps] == pytest.approx(float(o(old)), abs=1e-9)
+      if steps > at > 2:  # stretched: no step moves the rate more than the old curve did
+        jumps = [abs(b - a) for a, b in zip(values[at:steps], values[at + 1:steps + 1])]
+        assert max(jumps, default=0) <= max(abs(float(o(i + 1)) - float(o(i)))
+                                            for i in range(old)) + 1e-9

@@ -20,6 +20,7 @@ import yaml
 from zerojax.core.config import (ConfigError, ZeroConfig, did_you_mean, in_file, read_config_file,
                                  unknown_key_error)
 from zerojax.tools import deepspeed
+from zerojax.tools.bounds import TRAIN_BOUNDS, check_values
 from zerojax.tools.options import TrainOptions, deepspeed_train_fields
 
 __all__ = ["LoadedConfig", "load_config", "parse_overrides", "parse_value"]
@@ -83,6 +84,7 @@ def parse_overrides(pairs: Sequence[str]) -> tuple[dict[str, Any], dict[str, Any
       raise ConfigError(f"override {pair!r}: unknown key {key!r}"
                         f"{did_you_mean(key, zfields | tfields)}; allowed are ZeroConfig fields "
                         f"{sorted(zfields)} and training options {sorted(tfields)}")
+  check_values(tr, TRAIN_BOUNDS)  # named as given, before a DeepSpeed "auto" copies one
   return zc, tr
 
 

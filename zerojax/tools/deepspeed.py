@@ -43,7 +43,8 @@ from typing import Any, Mapping
 
 from zerojax.core import validation
 from zerojax.core.config import ConfigError, ZeroConfig, in_file, read_config_file, unknown_key_error
-from zerojax.tools.options import TrainOptions
+from zerojax.tools.bounds import TRAIN_BOUNDS
+from zerojax.tools.options import SCHEDULERS, TrainOptions, check_scheduler
 
 __all__ = ["RS_COMBINE", "AG_COMBINE", "AR_COMBINE", "LHS", "TOP_LEVEL_KEYS", "TRAINER_DEFAULTS",
            "DeepSpeedMapping", "from_deepspeed", "load_deepspeed", "is_deepspeed",
@@ -664,6 +665,13 @@ def _optimizer(o: Any) -> dict:
       raise _err(f"optimizer.params.{k}", v, "zerojax maps lr, betas, eps, weight_decay, momentum")
     if _auto(v):
       continue
+    if k == "betas":
+      if not isinstance(v, (list, tuple)) or len(v) != 2:
+        raise _err("optimizer.params.betas", v, "a list of two numbers [beta1, beta2]")
+      for i, (b, field) in enumerate(zip(v, ("b1", "b2"))):
+        TRAIN_BOUNDS[field].check(f"optimizer.params.betas[{i}]", b)
+    else:
+      TRAIN_BOUNDS[k].check(f"optimizer.params.{k}", v)
     out[k] = v
   return out
 
@@ -673,16 +681,13 @@ def _scheduler(s: Any) -> dict:
     raise _err("scheduler", s, "a mapping with \"type\" and \"params\"")
   _unknown("scheduler", set(s), {"type", "params"})
   t = s["type"]
-  allowed = {"WarmupLR": {"warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type"},
-             "WarmupDecayLR": {"warmup_min_lr", "warmup_max_lr", "warmup_num_steps",
-                               "total_num_steps", "warmup_type"},
-             "WarmupCosineLR": {"warmup_min_ratio", "cos_min_ratio", "warmup_num_steps",
-                                "total_num_steps", "warmup_type"}}
-  if t not in allowed:
-    raise _err("scheduler.type", t, f"one of {sorted(allowed)}")
+  if t not in SCHEDULERS:
+    raise _err("scheduler.type", t, f"one of {sorted(SCHEDULERS)}")
   params = dict(_section(s, "params", "scheduler.params"))
-  _unknown(f"scheduler.params ({t})", set(params), allowed[t])
-  return {"name": t, **{k: v for k, v in params.items() if not _auto(v)}}
+  _unknown(f"scheduler.params ({t})", set(params), SCHEDULERS[t])
+  given = {k: v for k, v in params.items() if not _auto(v)}
+  check_scheduler(given)
+  return {"name": t, **given}
 
 
 # -- "auto" (Hugging Face Trainer configs) ----------------------------------------------------

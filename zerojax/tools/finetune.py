@@ -37,6 +37,7 @@ from jax.experimental import multihost_utils
 from zerojax import create_nnx, value_and_grad, zero_step
 from zerojax.core import memory_kinds, offload
 from zerojax.core.config import ConfigError, read_config_file
+from zerojax.tools.bounds import FINETUNE_BOUNDS
 from zerojax.tools.hub import resolve_model_dir
 from zerojax.core.train_state import nnx_loss_scaling
 from zerojax.models import llama
@@ -89,6 +90,8 @@ class FinetuneOptions:
   export_dir: str | None = None
 
   def __post_init__(self):
+    for f, bound in FINETUNE_BOUNDS.items():
+      bound.check(f"--{f.replace('_', '-')}", getattr(self, f))
     self.model_dir = resolve_model_dir(os.fspath(self.model_dir))
     if not os.path.isfile(os.path.join(self.model_dir, "config.json")):
       raise ConfigError(f"model_dir={self.model_dir!r} is not a Hugging Face checkpoint "
@@ -100,10 +103,6 @@ class FinetuneOptions:
                           "or .txt file)")
     if self.packing not in ("pack", "pad"):
       raise ConfigError(f"--packing {self.packing!r} is invalid: 'pack' or 'pad'")
-    for f in ("eval_every", "lora"):
-      v = getattr(self, f)
-      if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-        raise ConfigError(f"--{f.replace('_', '-')} {v!r} is invalid: an integer >= 0")
     self.lora_targets = tuple(self.lora_targets)
 
 

@@ -12,9 +12,10 @@ import pathlib
 from typing import Any, Mapping
 
 from zerojax.core.config import ConfigError
+from zerojax.tools.bounds import SCHEDULER_BOUNDS, TRAIN_BOUNDS, check_values
 
 __all__ = ["PACKAGE_DIR", "DEFAULT_CORPUS", "NonFiniteGradientsError", "TrainOptions",
-           "apply_deepspeed_train", "deepspeed_train_fields"]
+           "SCHEDULERS", "check_scheduler", "apply_deepspeed_train", "deepspeed_train_fields"]
 
 
 PACKAGE_DIR = pathlib.Path(__file__).resolve().parents[1]  # zerojax/
@@ -116,25 +117,42 @@ class TrainOptions:
       if not isinstance(getattr(self, f), bool):
         raise ConfigError(f"TrainOptions.{f}={getattr(self, f)!r} is invalid: true or false (a "
                           "boolean; strings such as 'false' are not booleans)")
-    for f in ("steps", "batch", "log_every", "cpu_devices"):
-      v = getattr(self, f)
-      if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise ConfigError(f"TrainOptions.{f}={v!r} is invalid: a positive integer")
-    if isinstance(self.checkpoint_every, bool) or not isinstance(self.checkpoint_every, int) \
-        or self.checkpoint_every < 0:
-      raise ConfigError(f"TrainOptions.checkpoint_every={self.checkpoint_every!r} is invalid: "
-                        "an integer >= 0 (0: only at the end)")
+    check_values({f: getattr(self, f) for f in TRAIN_BOUNDS}, TRAIN_BOUNDS, "TrainOptions.{}")
+    if self.scheduler:
+      check_scheduler(self.scheduler, "TrainOptions.scheduler[{!r}]")
     if self.decay not in ("constant", "cosine"):
       raise ConfigError(f"TrainOptions.decay={self.decay!r} is invalid: 'constant' or 'cosine'")
     if self.optimizer not in ("adamw", "adam", "sgd", "lamb", "adagrad"):
       raise ConfigError(f"TrainOptions.optimizer={self.optimizer!r} is invalid: one of adamw, "
                         "adam, sgd, lamb, adagrad")
-    if not isinstance(self.lr, (int, float)) or isinstance(self.lr, bool) or self.lr <= 0:
-      raise ConfigError(f"TrainOptions.lr={self.lr!r} is invalid: a positive number")
 
   @classmethod
   def fields(cls) -> list[str]:
     return [f.name for f in dataclasses.fields(cls)]
+
+
+SCHEDULERS: dict[str, frozenset[str]] = {
+    "WarmupLR": frozenset({"warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type"}),
+    "WarmupDecayLR": frozenset({"warmup_min_lr", "warmup_max_lr", "warmup_num_steps",
+                                "total_num_steps", "warmup_type"}),
+    "WarmupCosineLR": frozenset({"warmup_min_ratio", "cos_min_ratio", "warmup_num_steps",
+                                 "total_num_steps", "warmup_type"}),
+}
+"""DeepSpeed's learning-rate schedulers zerojax runs, and the parameters each takes."""
+
+
+def check_scheduler(params: Mapping[str, Any], key: str = "scheduler.params.{}") -> None:
+  """Checks a DeepSpeed scheduler's parameters (``name`` and its params, as
+  `TrainOptions.scheduler` holds them, or a file's ``scheduler.params``).
+
+  Args:
+    params: parameter values by name (``name``, the scheduler type, is skipped).
+    key: how the error names a parameter, ``{}`` standing for its name.
+  """
+  check_values(params, SCHEDULER_BOUNDS, key)
+  wt = params.get("warmup_type", "log")
+  if wt not in ("log", "linear"):
+    raise ConfigError(f"{key.format('warmup_type')}={wt!r} is invalid: 'log' or 'linear'")
 
 
 def apply_deepspeed_train(opts: TrainOptions, train: Mapping[str, Any]) -> TrainOptions:

@@ -64,7 +64,7 @@ from zerojax.tools.train.metrics import (device_memory, format_eta, log_line, pe
                                          throughput)
 from zerojax.tools.train.metrics import (MetricsWriter, StepClock, is_main_process, log, plot_loss,
                                    read_jsonl, require, throughput)
-from zerojax.tools.train.schedules import make_optimizer
+from zerojax.tools.train.schedules import depends_on_steps, make_optimizer, make_schedule
 from zerojax.tools.train.params_io import load_weights, save_weights
 
 __all__ = ["setup_cpu_devices", "nothing_sharded_note", "Hook", "WriteMetrics", "ProgressBar",
@@ -124,6 +124,7 @@ class _RunDirs:
   tb_dir: str
   resume_step: int | None  # the checkpoint step to resume from
   notes: list[str]
+  lengths: list[tuple[int, int]]  # (step, steps): the run's length from each resume on
 
 
 def _previous_run(out_dir: str) -> tuple[dict | None, list[dict]]:
@@ -165,7 +166,8 @@ def _prepare_run(opts: TrainOptions, config: ZeroConfig) -> _RunDirs:
     run_id = (run or {}).get("run_id") or _new_run_id()
     notes.append(f"resuming from checkpoint step {latest} in {ckdir!r} (run {run_id}; "
                  "--no-resume or --overwrite for a new run)")
-    return _RunDirs(run_id, os.path.join(out_dir, "tb", run_id), latest, notes)
+    lengths = _run_lengths(run, opts, latest)
+    return _RunDirs(run_id, os.path.join(out_dir, "tb", run_id), latest, notes, lengths)
   elif latest is not None:  # --no-resume with checkpoints: the new run's would mix with them
     raise ConfigError(
         f"checkpoint_dir {ckdir!r} holds checkpoints of a previous run (latest step {latest}); "
@@ -179,7 +181,36 @@ def _prepare_run(opts: TrainOptions, config: ZeroConfig) -> _RunDirs:
   while os.path.exists(os.path.join(out_dir, "tb", run_id)) or (
       run is not None and run.get("run_id") == run_id):  # two runs within a second
     run_id, n = f"{base}-{n}", n + 1
-  return _RunDirs(run_id, os.path.join(out_dir, "tb", run_id), None, notes)
+  return _RunDirs(run_id, os.path.join(out_dir, "tb", run_id), None, notes, [(0, opts.steps)])
+
+
+def _run_lengths(run: dict | None, opts: TrainOptions, at: int) -> list[tuple[int, int]]:
+  """The run's lengths, ``(step, steps)`` oldest first, with this resume's when ``steps``
+  changed (`zerojax.tools.train.schedules.run_schedule` shapes the schedule from them)."""
+  run = run or {}
+  lengths = [tuple(x) for x in run.get("lengths") or ()] or [
+      (0, run.get("options", {}).get("steps", opts.steps))]
+  if lengths[-1][1] != opts.steps:
+    lengths.append((at, opts.steps))
+  return lengths
+
+
+def _length_note(opts: TrainOptions, dirs: _RunDirs, sched: Any) -> str | None:
+  """What a change of ``steps`` on this resume does to the learning-rate schedule."""
+  (_, old), (at, new) = dirs.lengths[-2:] if len(dirs.lengths) > 1 else ((0, 0), (None, 0))
+  if at is None or at != dirs.resume_step:
+    return None
+  if not depends_on_steps(opts):
+    return (f"steps {old} -> {new} on resume at step {at}: the learning-rate schedule does not "
+            "depend on the run's length, so it goes on unchanged")
+  fresh = make_schedule(opts, new)
+  # sched(k) is the rate of step k + 1 (the optimizer's count before it)
+  return (f"steps {old} -> {new} on resume at step {at}: the learning rate goes on from "
+          f"{float(sched(at)):.4g} (step {at + 1}) along the rest of the {old}-step curve, "
+          f"stretched to end at step {new} ({float(sched(new - 1)):.4g}); it does not jump to "
+          f"the {new}-step curve ({float(fresh(at)):.4g} at step {at + 1})"
+          + (" (the old run had ended: the rate stays at its curve's final value)" if at >= old
+             else ""))
 
 
 def _resume_notes(opts: TrainOptions, config: ZeroConfig, run: dict | None,
@@ -586,7 +617,6 @@ def train(config: ZeroConfig, opts: TrainOptions | None = None, *,
   setup_cpu_devices(opts.cpu_devices)
   config = resolve_config(config, opts)
   mesh = make_mesh(config)
-  tx, sched = make_optimizer(opts)
   task = task or _gpt_task(opts, config)
   if config.optimizer_on_nvme and not task.nvme:
     raise ConfigError(
@@ -594,6 +624,10 @@ def train(config: ZeroConfig, opts: TrainOptions | None = None, *,
         "keeps its optimizer state in memory (zerojax train's GPT task streams it from "
         "nvme_path); use offload_optimizer=true (pinned host memory) or false here")
   dirs = _prepare_run(opts, config)
+  tx, sched = make_optimizer(opts, dirs.lengths)
+  note = _length_note(opts, dirs, sched)
+  if note:
+    dirs.notes.append(note)
   rng = jax.random.key(opts.seed)
   state, plan, start, data_step = task.setup(config, mesh, tx, rng, dirs.resume_step)
   _log_start(config, mesh, plan, task, state, list(xla_notes) + dirs.notes)
@@ -678,7 +712,8 @@ def _write_run_json(opts: TrainOptions, config: ZeroConfig, dirs: _RunDirs) -> N
     resumes.append(dirs.resume_step)
   with open(run_json, "w") as f:
     json.dump({"run_id": dirs.run_id, "config": config.to_dict(),
-               "options": dataclasses.asdict(opts), "resumed_from": resumes}, f, indent=1)
+               "options": dataclasses.asdict(opts), "resumed_from": resumes,
+               "lengths": dirs.lengths}, f, indent=1)
 
 
 def _run_steps(opts: TrainOptions, task: Task, state: Any, start: int, train_step: Any,
