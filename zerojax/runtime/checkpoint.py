@@ -33,8 +33,9 @@ import json
 import logging
 import math
 import os
+import sys
 import warnings
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -58,9 +59,10 @@ STATE_ITEM = "state"
 META_ITEM = "meta"
 
 __all__ = [
-    "Checkpointer", "CheckpointError", "CheckpointNotFoundError", "CheckpointStepMismatchError",
-    "Extras",
-    "abstract_train_state", "leaf_checksum", "numpy_checksum",
+    "Checkpointer", "CheckpointError", "CheckpointDamagedError", "CheckpointNotFoundError",
+    "CheckpointStepMismatchError", "Extras",
+    "abstract_train_state", "leaf_checksum", "move_aside", "numpy_checksum",
+    "resume_with_fallback",
 ]
 
 
@@ -100,6 +102,23 @@ class CheckpointNotFoundError(FileNotFoundError):
 
 class CheckpointStepMismatchError(CheckpointError):
   """A step directory's metadata records another step (edited, renamed, copied or linked)."""
+
+
+class CheckpointDamagedError(CheckpointError):
+  """A committed checkpoint's files cannot be read back as saved (truncated, corrupted or
+  missing data files, unreadable metadata): the step is damaged, not mismatched, so an older
+  complete step is a safe place to resume from (`resume_with_fallback`).
+
+  Attributes:
+    directory: the checkpoint root.
+    step: the damaged step.
+    leaves: the leaves that cannot be read or read back wrong (parameters first; may be empty
+      where only another process could name them, or the metadata is what is damaged).
+  """
+
+  def __init__(self, message: str, *, directory: str, step: int, leaves: Sequence[str] = ()):
+    super().__init__(message)
+    self.directory, self.step, self.leaves = directory, int(step), tuple(leaves)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -432,9 +451,7 @@ class Checkpointer:
       reason = _incomplete_reason(path)
       if reason is None:
         continue
-      dest, n = path + ".incomplete", 1
-      while os.path.lexists(dest):
-        dest, n = f"{path}.incomplete{n}", n + 1
+      dest = _aside_name(path, "incomplete")
       os.rename(path, dest)
       warnings.warn(f"zerojax.runtime.checkpoint: step directory {path!r} is not a complete checkpoint "
                     f"({reason}); moved it to {dest!r} so that it is neither listed nor counted "
@@ -617,8 +634,9 @@ class Checkpointer:
       meta = self._mgr.restore(step, args=ocp.args.Composite(
           **{META_ITEM: ocp.args.JsonRestore()}))[META_ITEM]
     except Exception as e:
-      raise CheckpointError(f"checkpoint {self.step_dir(step)!r}: cannot read its zerojax "
-                            f"metadata {path!r}: {type(e).__name__}: {e}") from e
+      raise CheckpointDamagedError(
+          f"checkpoint {self.step_dir(step)!r}: cannot read its zerojax metadata {path!r}: "
+          f"{type(e).__name__}: {e}", directory=self.directory, step=step) from e
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
       raise CheckpointError(f"checkpoint {self.step_dir(step)!r} is not a zerojax checkpoint "
                             f"(its meta item has format {getattr(meta, 'get', lambda k: None)('format')!r}, "
@@ -658,21 +676,46 @@ class Checkpointer:
         leaves, see `abstract_train_state`). Only its structure, shapes and dtypes are used;
         non-array fields (``apply_fn``, ``tx``) are kept.
       plan: the `ShardingPlan` of the run that restores (it fixes every target sharding).
-      step: the step to restore; ``None`` is the latest complete checkpoint.
+      step: the step to restore; ``None`` is the latest complete checkpoint, and where that
+        one is damaged (`CheckpointDamagedError`), the newest one before it that reads back
+        whole: a warning names the damaged leaves, and a writing `Checkpointer` moves the
+        damaged step aside (`move_aside`).
 
     Returns:
       ``(state, extras)``.
 
     Raises:
       CheckpointNotFoundError: no such directory or step.
+      CheckpointDamagedError: the checkpoint (``step``, or with ``step=None`` every one) is
+        corrupted or truncated (a leaf cannot be read or its checksum differs); the message
+        names the checkpoint and the damaged leaves.
       CheckpointError: the checkpoint does not match ``state`` (a leaf is missing, extra, or
-        has another shape or dtype), or it is corrupted or truncated (a leaf cannot be read
-        or its checksum differs). The message names the checkpoint, the leaf and the mismatch.
+        has another shape or dtype). The message names the checkpoint, the leaf and the
+        mismatch.
     """
     if not isinstance(plan, ShardingPlan):
       raise TypeError(f"restore(state, plan): plan must be a zerojax.ShardingPlan, got "
                       f"{type(plan).__name__}")
-    step = self._resolve_step(step)
+    if step is not None:
+      return self._restore_step(state, plan, self._resolve_step(step))
+    step = self._resolve_step(None)
+    while True:
+      try:
+        return self._restore_step(state, plan, step)
+      except CheckpointDamagedError as e:
+        older = [s for s in self.all_steps() if s < step]
+        if not older:
+          raise _no_fallback(e) from e
+        dest = None
+        if not self.read_only:  # a reader never moves anything; the next writer will not list
+          dest = move_aside(self.directory, step)  # it either once it is moved
+          self._mgr.reload()
+          self._complete.discard(step)
+        warnings.warn(_fallback_warning(e, older[-1], dest), stacklevel=2)
+        step = older[-1]
+
+  def _restore_step(self, state: Any, plan: ShardingPlan, step: int) -> tuple[Any, Extras]:
+    """`restore` of one resolved ``step``."""
     where = self.step_dir(step)
     meta = self.read_meta(step)
     t_flat, t_def = jax.tree_util.tree_flatten_with_path(_state_item(state))
@@ -710,21 +753,37 @@ class Checkpointer:
   def _read_state(self, step: int, abstract_item: PyTree) -> PyTree:
     """Reads the ``state`` item into ``abstract_item``'s shardings; a failure names the
     leaves that cannot be read."""
+    error = None
     try:
-      return self._mgr.restore(step, args=ocp.args.Composite(
+      out = self._mgr.restore(step, args=ocp.args.Composite(
           **{STATE_ITEM: ocp.args.StandardRestore(abstract_item)}))[STATE_ITEM]
-    except Exception as e:
-      bad = self._find_unreadable_leaves(step)
-      bad.sort(key=lambda b: not b[0].startswith("params/"))  # parameters first
-      named = ""
-      if bad:
-        more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
-        named = (f": {len(bad)} leaves cannot be read: "
-                 + ", ".join(repr(p) for p, _ in bad[:5]) + more
-                 + f"; leaf {bad[0][0]!r} fails with {bad[0][1]}")
-      raise CheckpointError(
-          f"checkpoint {self.step_dir(step)!r} cannot be read (corrupted or truncated?)" + named
-          + f"; orbax says: {type(e).__name__}: {str(e)[:800]}") from e
+    except Exception as e:  # noqa: BLE001 - named below, after the processes agree
+      error = e
+    if jax.process_count() > 1:
+      # Each process reads its own shards: one that fails must not leave the others restoring
+      # (and verifying, a collective) alone. Every process learns who failed.
+      failed = np.asarray(multihost_utils.process_allgather(np.int32(error is not None)))
+      others = [i for i, f in enumerate(failed.reshape(-1)) if f and i != jax.process_index()]
+      if error is None and others:
+        raise CheckpointDamagedError(
+            f"checkpoint {self.step_dir(step)!r} cannot be read (corrupted or truncated?) by "
+            f"process(es) {others}; their errors name the leaves", directory=self.directory,
+            step=step)
+    if error is None:
+      return out
+    _quiet_failed_read_aftermath()
+    bad = self._find_unreadable_leaves(step)
+    bad.sort(key=lambda b: not b[0].startswith("params/"))  # parameters first
+    named = ""
+    if bad:
+      more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
+      named = (f": {len(bad)} leaves cannot be read: "
+               + ", ".join(repr(p) for p, _ in bad[:5]) + more
+               + f"; leaf {bad[0][0]!r} fails with {bad[0][1]}")
+    raise CheckpointDamagedError(
+        f"checkpoint {self.step_dir(step)!r} cannot be read (corrupted or truncated?)" + named
+        + f"; orbax says: {type(error).__name__}: {str(error)[:800]}",
+        directory=self.directory, step=step, leaves=[p for p, _ in bad]) from error
 
   def _find_unreadable_leaves(self, step: int) -> list[tuple[str, str]]:
     """On a failed restore: reads every leaf on its own (to host) to name the damaged ones."""
@@ -738,6 +797,39 @@ class Checkpointer:
       except Exception as e:  # noqa: BLE001 - we only report it
         bad.append((path_str(kp), f"{type(e).__name__}: {str(e)[:300]}"))
     return bad
+
+
+_QUIET = []
+
+
+def _quiet_failed_read_aftermath() -> None:
+  """After a failed orbax read, its abandoned tensorstore reads still complete in the
+  background, onto an asyncio loop that is gone: each prints a traceback ("Exception
+  ignored": ``Event loop is closed`` or a read coroutine never awaited; asyncio's "exception
+  was never retrieved" of each failed read), hundreds of them, at any later moment. The
+  failure itself is reported by name, so from then on those are dropped; every other
+  unraisable exception and asyncio error is shown as before."""
+  if _QUIET:
+    return
+  previous = sys.unraisablehook
+
+  class _Filter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+      msg = record.getMessage()
+      return not ("exception was never retrieved" in msg
+                  and ("OCDBT" in msg or f"{os.sep}orbax{os.sep}" in msg))
+
+  def hook(u):
+    exc, obj = u.exc_value, u.object
+    loop_gone = isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed"
+    code = getattr(obj, "cr_code", None)
+    orphan = code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename
+    if not (loop_gone or orphan):
+      previous(u)
+
+  sys.unraisablehook = hook
+  logging.getLogger("asyncio").addFilter(_Filter())
+  _QUIET.append(hook)
 
 
 def _restore_targets(where: str, t_flat: list, s_flat: list,
@@ -770,6 +862,100 @@ def _restore_targets(where: str, t_flat: list, s_flat: list,
                           f"({len(problems)} leaves differ; nothing was loaded): "
                           + "; ".join(problems[:5]) + more)
   return abstract, empty
+
+
+def _aside_name(path: str, why: str) -> str:
+  """``<path>.<why>``, or ``<path>.<why><n>`` where that exists: nothing is written over."""
+  dest, n = f"{path}.{why}", 1
+  while os.path.lexists(dest):
+    dest, n = f"{path}.{why}{n}", n + 1
+  return dest
+
+
+def move_aside(directory: str | os.PathLike, step: int, why: str = "damaged") -> str:
+  """Renames checkpoint ``step`` to ``<step>.<why>`` in ``directory``, so that it is neither
+  listed, restored nor counted by retention; nothing is deleted. Every process calls it (process
+  0 renames, the others wait for it).
+
+  Args:
+    directory: the checkpoint root.
+    step: the step to move aside.
+    why: the new name's suffix.
+
+  Returns:
+    the path it was moved to.
+  """
+  path = os.path.join(os.path.abspath(os.fspath(directory)), str(int(step)))
+  dest = _aside_name(path, why)
+  if jax.process_count() > 1:  # every process named dest before process 0 made it exist
+    multihost_utils.sync_global_devices(f"zerojax.checkpoint: move {step} aside: named")
+  if jax.process_index() == 0 and os.path.lexists(path):
+    os.rename(path, dest)
+  if jax.process_count() > 1:
+    multihost_utils.sync_global_devices(f"zerojax.checkpoint: move {step} aside: moved")
+  return dest
+
+
+def _damage(e: CheckpointDamagedError) -> str:
+  """A damaged checkpoint's leaves, briefly, for a warning or a one-line error."""
+  if not e.leaves:
+    return str(e).split("; orbax says")[0][:300]
+  more = f" and {len(e.leaves) - 6} more" if len(e.leaves) > 6 else ""
+  return (f"{len(e.leaves)} damaged leaves: " + ", ".join(repr(p) for p in e.leaves[:6])
+          + more)
+
+
+def _fallback_warning(e: CheckpointDamagedError, older: int, dest: str | None) -> str:
+  moved = f"moved it to {dest!r}" if dest else "left it in place (read-only)"
+  return (f"zerojax.runtime.checkpoint: checkpoint step {e.step} in {e.directory!r} cannot be "
+          f"read back ({_damage(e)}); {moved} and restored step {older}, the newest complete "
+          "checkpoint before it")
+
+
+def _no_fallback(e: CheckpointDamagedError) -> CheckpointDamagedError:
+  return CheckpointDamagedError(
+      f"checkpoint step {e.step} in {e.directory!r} cannot be read back ({_damage(e)}) and "
+      "there is no complete checkpoint before it to fall back to; start a new run (--overwrite) "
+      f"or restore the directory from a copy. {e}", directory=e.directory, step=e.step,
+      leaves=e.leaves)
+
+
+def resume_with_fallback(directory: str | os.PathLike, step: int,
+                         resume: Callable[[int], Any]) -> tuple[Any, int]:
+  """``resume(step)``, falling back past damaged checkpoints.
+
+  Where checkpoint ``step`` in ``directory`` turns out damaged (``resume`` raises its
+  `CheckpointDamagedError`: truncated, corrupted or missing data files), the step is moved
+  aside (`move_aside`, as a writer moves a half-written step aside), a warning names its
+  damaged leaves, and ``resume`` is called with the newest complete step before it; and so
+  on. Every process calls it (they agree on the damage, `Checkpointer.restore`).
+
+  Args:
+    directory: the checkpoint root.
+    step: the step to resume from first (usually the newest complete one).
+    resume: ``step -> result``; restores the run from that checkpoint.
+
+  Returns:
+    ``(resume's result, the step it resumed from)``.
+
+  Raises:
+    CheckpointDamagedError: no complete step before a damaged one is left; the message names
+      the damaged leaves and what to do.
+  """
+  directory = os.path.abspath(os.fspath(directory))
+  while True:
+    try:
+      return resume(step), step
+    except CheckpointDamagedError as e:
+      if os.path.abspath(e.directory) != directory or e.step != step:
+        raise
+      with Checkpointer(directory, read_only=True) as ck:
+        older = [s for s in ck.all_steps() if s < step]
+      if not older:
+        raise _no_fallback(e) from e
+      dest = move_aside(directory, step)
+      warnings.warn(_fallback_warning(e, older[-1], dest), stacklevel=2)
+      step = older[-1]
 
 
 _REQUIRED_FILES = ("_CHECKPOINT_METADATA", os.path.join(META_ITEM, "metadata"),
@@ -838,20 +1024,31 @@ def _ocdbt_files(item_dir: str) -> dict[str, set[str]]:
 
 
 def _verify(where: str, meta: dict, item: PyTree) -> None:
-  """Compares the restored leaves' checksums with the ones recorded at save time."""
+  """Compares the restored leaves' checksums with the ones recorded at save time; a
+  `CheckpointDamagedError` names every leaf that differs."""
   want = meta.get("checksums")
   if not want:
     raise CheckpointError(f"checkpoint {where!r} has no leaf checksums in its meta item; "
                           "it was not written by zerojax.runtime.checkpoint")
   got = _checksums(item)
+  bad = []
   for path, g in got.items():
     w = want.get(path)
     if w is None:
       raise CheckpointError(f"checkpoint {where!r}: leaf {path!r} has no recorded checksum")
     if list(w) != list(g):
-      raise CheckpointError(
-          f"checkpoint {where!r} is corrupted: leaf {path!r} was read back with checksum "
-          f"{g[0]:08x}{g[1]:08x}, but {w[0]:08x}{w[1]:08x} was recorded when it was saved")
+      bad.append((path, g, w))
+  if bad:
+    bad.sort(key=lambda b: not b[0].startswith("params/"))  # parameters first
+    path, g, w = bad[0]
+    more = f" (and {len(bad) - 1} more: " + ", ".join(
+        repr(b[0]) for b in bad[1:6]) + (", ..." if len(bad) > 6 else "") + ")" if len(
+            bad) > 1 else ""
+    directory, step = os.path.split(where.rstrip("/"))
+    raise CheckpointDamagedError(
+        f"checkpoint {where!r} is corrupted: leaf {path!r}{more} was read back with checksum "
+        f"{g[0]:08x}{g[1]:08x}, but {w[0]:08x}{w[1]:08x} was recorded when it was saved",
+        directory=directory, step=int(meta.get("step", step)), leaves=[b[0] for b in bad])
 
 
 # -- reading single leaves to host (export, diagnostics) ----------------------------------------

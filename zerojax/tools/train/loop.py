@@ -57,7 +57,8 @@ from zerojax.core.config import ConfigError, ZeroConfig
 from zerojax.core.mesh import axis_size
 from zerojax.models import GPT, PRESETS
 from zerojax.runtime import memory, nvme
-from zerojax.runtime.checkpoint import Checkpointer, abstract_train_state
+from zerojax.runtime.checkpoint import (Checkpointer, abstract_train_state,
+                                      resume_with_fallback)
 from zerojax.runtime.data import VOCAB_SIZE, TextBatches, load_bytes
 from zerojax.tools.options import DEFAULT_CORPUS, NonFiniteGradientsError, TrainOptions
 from zerojax.tools.train.metrics import (device_memory, format_eta, log_line, peak_flops,
@@ -629,7 +630,15 @@ def train(config: ZeroConfig, opts: TrainOptions | None = None, *,
   if note:
     dirs.notes.append(note)
   rng = jax.random.key(opts.seed)
-  state, plan, start, data_step = task.setup(config, mesh, tx, rng, dirs.resume_step)
+  if dirs.resume_step is None:
+    state, plan, start, data_step = task.setup(config, mesh, tx, rng, None)
+  else:  # a damaged checkpoint is moved aside, a warning names it, the one before it resumes
+    first = dirs.resume_step
+    (state, plan, start, data_step), dirs.resume_step = resume_with_fallback(
+        opts.checkpoint_dir, first, lambda step: task.setup(config, mesh, tx, rng, step))
+    if dirs.resume_step != first:
+      dirs.notes.append(f"checkpoint step {first} cannot be read back (moved aside): resumed "
+                        f"from step {dirs.resume_step} instead")
   _log_start(config, mesh, plan, task, state, list(xla_notes) + dirs.notes)
   train_step = task.make_step(plan)
   batches = task.batches(plan, plan.batch_sizes[0], data_step)
