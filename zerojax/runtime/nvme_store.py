@@ -29,6 +29,7 @@ reads of the next step nor the process's memory count on the cache.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
 import queue
@@ -40,8 +41,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-__all__ = ["FORMAT", "NvmeError", "NvmePathError", "NvmeStateError", "StreamStats", "NvmeStore",
-           "check_nvme_path", "process_dir"]
+__all__ = ["FORMAT", "NvmeError", "NvmePathError", "NvmeDiskFullError", "NvmeStateError",
+           "StreamStats", "NvmeStore", "check_nvme_path", "process_dir"]
 
 FORMAT = "zerojax-nvme-1"
 _CURRENT = "CURRENT"
@@ -53,6 +54,16 @@ class NvmeError(RuntimeError):
 
 class NvmePathError(NvmeError):
   """``nvme_path`` is missing, not writable, or short of space on this host."""
+
+
+class NvmeDiskFullError(NvmePathError):
+  """The disk under ``nvme_path`` filled up while a new generation was written. The committed
+  generation is intact and the partial one is removed; the message names the path, the bytes
+  needed and the last complete generation."""
+
+
+# A write that fails for want of room (or quota): the disk is full, nothing else is wrong.
+_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
 class NvmeStateError(NvmeError):
@@ -296,15 +307,20 @@ class NvmeStore:
     g = 0 if self.manifest is None else self.manifest["generation"] + 1
     d, fds = self._open_new(g)
     try:
-      for start, stop in bounds:
-        for fd, (_, dtype), v in zip(fds, self.leaves, fill(start, stop), strict=True):
-          _pwrite_from(fd, np.asarray(v, dtype).reshape(-1), start * dtype.itemsize)
-    except BaseException:
-      for fd in fds:
-        os.close(fd)
+      try:
+        for start, stop in bounds:
+          for fd, (_, dtype), v in zip(fds, self.leaves, fill(start, stop), strict=True):
+            _pwrite_from(fd, np.asarray(v, dtype).reshape(-1), start * dtype.itemsize)
+      except BaseException:
+        for fd in fds:
+          os.close(fd)
+        raise
+      self._finish_new(d, fds)
+      self._commit(g, step, shared)
+    except OSError as e:
+      if e.errno in _FULL:
+        raise self._disk_full(e, g) from None
       raise
-    self._finish_new(d, fds)
-    self._commit(g, step, shared)
 
   def read(self, k: int, start: int = 0, stop: int | None = None) -> np.ndarray:
     """Leaf ``k``'s committed values in ``[start, stop)`` (a copy in memory)."""
@@ -340,17 +356,44 @@ class NvmeStore:
     new, wfds = self._open_new(g)
     pipeline = _ChunkPipeline(self.leaves, rfds, wfds, bounds, buffer_count, stats)
     try:
-      pipeline.run(update, pipeline_read, pipeline_write)
-    except BaseException:
-      for fd in rfds + wfds:
+      try:
+        pipeline.run(update, pipeline_read, pipeline_write)
+      except BaseException:
+        for fd in rfds + wfds:
+          os.close(fd)
+        raise
+      for fd in rfds:
         os.close(fd)
+      self._finish_new(new, wfds, stats)
+      self._commit(g, step, shared())
+    except OSError as e:
+      if e.errno in _FULL:
+        raise self._disk_full(e, g) from None
       raise
-    for fd in rfds:
-      os.close(fd)
-    self._finish_new(new, wfds, stats)
-    self._commit(g, step, shared())
     stats.wall_s = time.perf_counter() - t0
     return stats
+
+  def _disk_full(self, e: OSError, g: int) -> NvmeDiskFullError:
+    """The error for a disk that filled up while generation ``g`` was written: ``g``'s files,
+    never committed, are removed (their room given back), and the message says what is left."""
+    try:
+      with open(os.path.join(self.directory, _CURRENT)) as f:
+        committed = json.load(f).get("generation")
+    except (OSError, ValueError):
+      committed = None
+    if committed != g:  # (a commit that got through before the error keeps its files)
+      shutil.rmtree(self._gen_dir(g), ignore_errors=True)
+    free = shutil.disk_usage(self.directory).free
+    m = self.manifest
+    last = (f"the last complete generation, {m['generation']} (the optimizer state after step "
+            f"{m['step']}), is intact in {self._gen_dir(m['generation'])!r}" if m is not None
+            else "no generation was complete yet")
+    return NvmeDiskFullError(
+        f"host {socket.gethostname()!r}: the disk under nvme_path is full ({e.strerror}) "
+        f"while writing generation {g} of the optimizer state to {self._gen_dir(g)!r}: "
+        f"{self.nbytes:,} bytes are needed for it beside the committed one, {free:,} are free "
+        f"(its partial files removed); {last}. Free space there, or point nvme_path at a larger "
+        "disk, and run the same command again: it resumes from the newest checkpoint")
 
   # -- snapshots (checkpoints) ------------------------------------------------------------------
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import json
 import math
 import os
@@ -31,6 +32,8 @@ PROG = "zerojax"
 # unexpected error (a Python traceback); 2 the input is wrong (an argument, a missing or
 # invalid file, a bad config value), as argparse exits for a bad argument.
 EXIT_OK, EXIT_NO, EXIT_INPUT = 0, 1, 2
+DEBUG_HELP = ("show the Python traceback of an input error (a bad value, file, checkpoint, "
+              "nvme_path) instead of its one-line message")
 
 EPILOG_OVERRIDES = """\
 overrides are key=value pairs (values parsed as YAML: 2, 1e-3, true, [2,4], null):
@@ -369,6 +372,50 @@ def cmd_config(args) -> int:
   return 0
 
 
+# -- errors -----------------------------------------------------------------------------------
+
+DEBUG_ENV = "ZEROJAX_DEBUG"
+# OSErrors the user fixes on their machine (space, permissions, a read-only disk), not zerojax.
+_USER_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS}
+
+
+def _debug_flag(argv: list[str]) -> tuple[list[str], bool]:
+  """``argv`` without ``--debug`` (accepted anywhere before a ``--``, for every command), and
+  whether tracebacks are wanted (``--debug``, or ``ZEROJAX_DEBUG=1``, which `--debug` sets
+  for the processes a command starts, e.g. `zerojax launch`'s)."""
+  end = argv.index("--") if "--" in argv else len(argv)
+  debug = "--debug" in argv[:end]
+  if debug:
+    argv = [a for a in argv[:end] if a != "--debug"] + argv[end:]
+    os.environ[DEBUG_ENV] = "1"
+  return argv, debug or os.environ.get(DEBUG_ENV, "") not in ("", "0")
+
+
+def _user_errors() -> tuple[type, ...]:
+  """The exception classes that are input the user can fix: one line and exit 2 (a
+  traceback only with ``--debug``). Classes of modules not loaded yet cannot have been
+  raised, so they are looked up, not imported (the CLI starts without JAX)."""
+  classes: list[type] = [ConfigError, KeyError, ValueError, OSError]
+  for module, names in (("zerojax.runtime.checkpoint", ("CheckpointError",)),
+                        ("zerojax.runtime.nvme_store", ("NvmeError",))):
+    m = sys.modules.get(module)
+    if m is not None:
+      classes += [getattr(m, n) for n in names]
+  return tuple(classes)
+
+
+def _is_user_error(e: BaseException) -> bool:
+  """Of `_user_errors`' classes, an `OSError` is the user's only when a file is missing or
+  the machine refuses a write (`_USER_ERRNOS`); any other stays a traceback."""
+  return (not isinstance(e, OSError) or isinstance(e, FileNotFoundError)
+          or e.errno in _USER_ERRNOS)
+
+
+def _one_line_message(e: BaseException) -> str:
+  msg = e.args[0] if isinstance(e, KeyError) and e.args else e
+  return " ".join(str(msg).splitlines())
+
+
 def cmd_export(argv: list[str]) -> int:
   from zerojax.tools import export  # lazy: JAX
   rc = int(export.main(argv, prog=f"{PROG} export") or 0)
@@ -403,6 +450,7 @@ def build_parser() -> argparse.ArgumentParser:
              "fit) or an\nunexpected error; 2 bad input (an argument, a missing or invalid file "
              "or value).")
   p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+  p.add_argument("--debug", action="store_true", help=DEBUG_HELP)
   sub = p.add_subparsers(dest="command", metavar="COMMAND")
 
   _add_train(sub, fmt)
@@ -415,6 +463,10 @@ def build_parser() -> argparse.ArgumentParser:
                  "(see `zerojax export --help`)")
   sub.add_parser("launch", add_help=False, help="run a script as N local processes "
                  "(multi-host on one machine; see `zerojax launch --help`)")
+  for name, sp in sub.choices.items():  # `zerojax COMMAND ... --debug` (main strips it)
+    if name not in ("export", "launch"):  # those two parse their own arguments
+      sp.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                      help=DEBUG_HELP)
   return p
 
 
@@ -635,7 +687,7 @@ def _train_options_help() -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-  argv = list(sys.argv[1:] if argv is None else argv)
+  argv, debug = _debug_flag(list(sys.argv[1:] if argv is None else argv))
   if argv and argv[0] == "export":  # its own parser lives in zerojax.tools.export
     return cmd_export(argv[1:])
   if argv and argv[0] == "launch":  # its own parser lives in zerojax.tools.launch
@@ -658,9 +710,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.config = None
   try:
     return int(args.func(args) or 0)
-  except (ConfigError, KeyError, ValueError, FileNotFoundError) as e:
-    msg = e.args[0] if isinstance(e, KeyError) and e.args else e
-    print(f"{PROG} {args.command}: error: {msg}", file=sys.stderr)
+  except _user_errors() as e:
+    if debug or not _is_user_error(e):
+      raise
+    print(f"{PROG} {args.command}: error: {_one_line_message(e)}", file=sys.stderr)
     return EXIT_INPUT
 
 
