@@ -52,7 +52,8 @@ from zerojax.runtime.checkpoint import abstract_train_state
 __all__ = ["PAPER_K", "paper_bytes", "Estimate", "num_params", "estimate", "Measured", "measure",
            "collective_bytes", "collective_bytes_by_dtype", "GatherSchedule", "gather_schedule",
            "collective_schedule", "replica_groups", "reductions", "activation_collectives",
-           "textbook_bytes", "GiB", "HBM_PER_CHIP", "TOPOLOGY_EXAMPLES", "TPU_EXTRA",
+           "textbook_bytes", "GiB", "HBM_PER_CHIP", "PEAK_FLOPS_PER_CHIP",
+           "HBM_BANDWIDTH_PER_CHIP", "ICI_BANDWIDTH_PER_CHIP", "TOPOLOGY_EXAMPLES", "TPU_EXTRA",
            "tpu_topology", "topology_size", "hbm_available", "TopologyCompile", "lm_train_step",
            "next_token_loss", "compile_for_topology", "DeviceMemoryError", "bytes_limit",
            "compiled_peak", "check_fits", "check_state_fits"]
@@ -815,6 +816,14 @@ GiB = 2**30
 # The pages write "GB" for v5e/v5p/v6e, but the compiler's usable HBM on a v5e
 # (`hbm_available`, BENCHMARKS.md) exceeds 16e9 bytes: the figures are GiB.
 HBM_PER_CHIP = {"v4": 32 * GiB, "v5e": 16 * GiB, "v5p": 95 * GiB, "v6e": 32 * GiB}
+# Peak bf16 FLOP/s, HBM bytes/s and the collective bandwidth per chip, from the same pages
+# (`zerojax.runtime.step_time`). The pages give v5e/v5p/v6e's bidirectional ICI bandwidth per
+# chip (400, 1200, 800 GB/s); a ring collective moves data one way round, so half of it
+# counts, which is also each pod's "all-reduce bandwidth per Pod" over its chips (v5e 51.2
+# TB/s / 256, v6e 102.4 / 256). v4's page gives only the pod's 1.1 PB/s over 4096 chips.
+PEAK_FLOPS_PER_CHIP = {"v4": 275e12, "v5e": 197e12, "v5p": 459e12, "v6e": 918e12}
+HBM_BANDWIDTH_PER_CHIP = {"v4": 1200e9, "v5e": 819e9, "v5p": 2765e9, "v6e": 1638e9}
+ICI_BANDWIDTH_PER_CHIP = {"v4": 1.1e15 / 4096, "v5e": 200e9, "v5p": 600e9, "v6e": 400e9}
 TOPOLOGY_EXAMPLES = ("v5e:2x4", "v5e:8x8", "v5e:16x16", "v5p:2x2x1", "v5p:4x4x4", "v5p:8x8x8",
                      "v4:2x2x1", "v4:8x8x8", "v6e:4x4", "v6e:16x16")
 TPU_EXTRA = 'pip install "zerojax[tpu]"'
@@ -922,6 +931,10 @@ class TopologyCompile:
   gathers: GatherSchedule | None = None  # `collective_schedule` of the all-gathers
   scatters: GatherSchedule | None = None  # ... and of the reduce-scatters
   activations: dict = dataclasses.field(default_factory=dict)  # `activation_collectives`
+  # `zerojax.runtime.step_time.StepTime`: the schedule's predicted step at published peaks,
+  # and with matmuls at their measured ceiling where one is published (`MEASURED_MATMUL`)
+  step_time: Any = None
+  step_time_ceiling: Any = None
   compiled: Any = dataclasses.field(default=None, repr=False, compare=False)
   plan: Any = dataclasses.field(default=None, repr=False, compare=False)  # over the topology
 
@@ -954,7 +967,21 @@ class TopologyCompile:
           f"  DOES NOT FIT: the compiler refused the step:{need}", f"  compiler: {self.error}",
           f"  estimate: params + optimizer state {g(e.persistent)} on device, "
           f"{g(e.host)} on host; gradients {g(e.grads)}"])
-    return "\n".join(lines + self._memory_rows() + self._collective_lines() + self._verdict())
+    return "\n".join(lines + self._memory_rows() + self._collective_lines()
+                     + self._step_time_lines() + self._verdict())
+
+  def _step_time_lines(self) -> list[str]:
+    if self.step_time is None:
+      return []
+    out = [f"  {l}" for l in self.step_time.lines()]
+    c = self.step_time_ceiling
+    if c is not None:
+      rate = (f": {c.tokens_per_second_per_device:,.0f} tokens/s per device"
+              if c.tokens_per_second else "")
+      out.append(f"  with matmuls at their measured ceiling (step_time.MEASURED_MATMUL): "
+                 f"{c.seconds * 1e3:,.1f} ms{rate}"
+                 + (f", MFU {c.mfu:.0%}" if c.mfu is not None else ""))
+    return out
 
   def _config(self) -> ZeroConfig:
     """The config compiled for (a bare one of the estimate's stage without a plan)."""
@@ -1060,7 +1087,8 @@ def compile_for_topology(config: ZeroConfig, model: Any, batch: Any,
                          topology: str, *, tx: Any = None, train_step: Any = None,
                          init_args: tuple | None = None,
                          compiler_options: dict[str, Any] | None = None,
-                         memory_fraction: float | None = None) -> TopologyCompile:
+                         memory_fraction: float | None = None,
+                         model_flops: float | None = None) -> TopologyCompile:
   """Compiles the real zerojax train step for a TPU or GPU topology ahead of time, on any
   machine.
 
@@ -1085,6 +1113,13 @@ def compile_for_topology(config: ZeroConfig, model: Any, batch: Any,
     compiler_options: XLA options for the compile.
     memory_fraction: GPUs only: the share of device memory the JAX client allocates from
       (default: ``XLA_PYTHON_CLIENT_MEM_FRACTION``, else 0.75).
+    model_flops: the model's FLOPs per step over all devices, for the predicted MFU (default:
+      `zerojax.runtime.step_time.model_flops` of all parameters, plus attention where the
+      module's config names its layers and heads).
+
+  Returns:
+    The `TopologyCompile`; ``step_time`` holds the step time predicted from the compiled
+    schedule (`zerojax.runtime.step_time`).
   """
   if not isinstance(config, ZeroConfig) or isinstance(model, str):
     raise TypeError("compile_for_topology(config, model, ...) takes a ZeroConfig and a Flax "
@@ -1111,7 +1146,23 @@ def compile_for_topology(config: ZeroConfig, model: Any, batch: Any,
                 estimate=estimate(state.params, tx, config=config, mesh=mesh),
                 textbook=textbook_bytes(plan), **memory)
   step = zero_step(plan)(train_step or lm_train_step)
-  return _compile(step, state, batch, tx, config, devices, compiler_options, common)
+  predict = _prediction_inputs(topology, model, state, batch, plan, model_flops)
+  return _compile(step, state, batch, tx, config, devices, compiler_options, common, predict)
+
+
+def _prediction_inputs(topology: str, model: Any, state: Any, batch: Any, plan: Any,
+                       flops: float | None) -> dict[str, Any]:
+  """Tokens per step, model FLOPs and each partition's host, for `step_time`."""
+  from zerojax.runtime import step_time  # lazy: it reads this module's HLO helpers
+  x = batch.get("x") if isinstance(batch, dict) else None
+  tokens = math.prod(x.shape) if x is not None and len(x.shape) == 2 else None
+  if flops is None and tokens is not None:
+    shape = step_time.attention_shape(model) or {}
+    flops = step_time.model_flops(num_params(state.params), tokens,
+                                  seq_len=x.shape[1] if shape else 0, **shape)
+  host_of = ([d.process_index for d in plan.mesh.devices.flat]
+             if gpu.is_gpu_topology(topology) else None)
+  return dict(tokens=tokens, model_flops=flops, host_of=host_of)
 
 
 def topology_size(topology: str) -> int:
@@ -1156,8 +1207,8 @@ def _abstract_batch(batch: Any) -> Any:
 
 
 def _compile(step: Any, state: Any, batch: Any, tx: Any, config: ZeroConfig,
-             devices: list[Any], compiler_options: dict[str, Any] | None, common: dict[str, Any]
-             ) -> TopologyCompile:
+             devices: list[Any], compiler_options: dict[str, Any] | None, common: dict[str, Any],
+             predict: dict[str, Any] | None = None) -> TopologyCompile:
   """Compiles ``step`` and reads the result: memory, collectives, schedule, what would fit."""
   t0 = time.perf_counter()
   lowered = step.lower(state, batch)
@@ -1178,7 +1229,17 @@ def _compile(step: Any, state: Any, batch: Any, tx: Any, config: ZeroConfig,
   if measured.peak > common["hbm_available"]:
     suggestion = suggest_option(measured.peak, common["hbm_available"], config, state.params,
                                 tx, None, devices)
+  from zerojax.runtime import step_time  # lazy: it reads this module's HLO helpers
+  rates = step_time.device_rates(common["topology"])
+  at_peak = step_time.predict_step_time(text, rates, num_devices=len(devices),
+                                        **(predict or {}))
+  ceiling = step_time.MEASURED_MATMUL.get(rates.name)
+  at_ceiling = None if ceiling is None else step_time.predict_step_time(
+      text, rates, num_devices=len(devices), efficiency={"matmul": ceiling,
+                                                         "attention": ceiling},
+      **(predict or {}))
   return TopologyCompile(
+      step_time=at_peak, step_time_ceiling=at_ceiling,
       compile_seconds=dt, measured=measured,
       host_argument=int(ma.host_argument_size_in_bytes),
       host_output=int(ma.host_output_size_in_bytes), host_temp=int(ma.host_temp_size_in_bytes),
