@@ -1,7 +1,8 @@
 """What a train step needs, in the order data flows:
 
 * set-up and decisions: `distributed` (start-up, with `launch_env`, the launcher's variables,
-  `coordinator`, reaching process 0, and `agreement`, the check that processes agree) ->
+  `coordinator`, reaching process 0, `agreement`, the check that processes agree, and `peers`,
+  the watch that stops every process when one is gone) ->
   `config` (with `validation`, what each field allows, and `mapping_file`, reading a settings
   file) -> `mesh` -> `plan` (with `leaves`, the leaf rule, `memory_kinds`, where state rests,
   and `report`, the plan as a table);

@@ -23,7 +23,7 @@ from zerojax.core.launch_env import (DEFAULT_AGREEMENT_TIMEOUT, ENV_AGREEMENT_TI
                                      DistributedInitError, first_line, timeout_seconds)
 
 # `wait_for_peers_to_report` is for `zerojax.core.distributed`'s exit hook, not public.
-__all__ = ["ProcessMismatchError", "fingerprint", "check_agreement"]
+__all__ = ["ProcessMismatchError", "fingerprint", "check_agreement", "mismatches", "exchange"]
 
 
 class ProcessMismatchError(RuntimeError):
@@ -42,14 +42,16 @@ _agreement_calls = 0
 
 
 def fingerprint(config: Any = None, plan: Any = None, *, tx: Any = None, state: Any = None,
-                extra: dict[str, Any] | None = None) -> dict[str, Any]:
+                extra: dict[str, Any] | None = None,
+                fields: dict[str, Any] | None = None) -> dict[str, Any]:
   """``{field: value}``: what every process of a run must agree on (JSON-able values).
 
   Holds the process count, the jax/jaxlib/flax/optax/zerojax versions, every `ZeroConfig`
   field, the plan's mesh and every leaf's path, shape, dtype, spec and memory kind, the
   optimizer's hyperparameters that can be read (``optax.inject_hyperparams`` values in
   ``state.opt_state``, and the numbers and strings ``tx``'s functions close over, such as a
-  constant learning rate), and ``extra``.
+  constant learning rate), ``extra`` (as ``extra.KEY``) and ``fields`` (under their own names,
+  e.g. ``train.steps``).
   """
   fp: dict[str, Any] = {"process_count": jax.process_count()}
   for mod in ("jax", "jaxlib", "flax", "optax", "zerojax"):
@@ -78,11 +80,14 @@ def fingerprint(config: Any = None, plan: Any = None, *, tx: Any = None, state: 
       fp[f"optimizer.hyperparams.{k}"] = v
   for k, v in (extra or {}).items():
     fp[f"extra.{k}"] = _jsonable(v)
+  for k, v in (fields or {}).items():
+    fp[k] = _jsonable(v)
   return fp
 
 
 def check_agreement(config: Any = None, plan: Any = None, *, tx: Any = None,
                     state: Any = None, extra: dict[str, Any] | None = None,
+                    fields: dict[str, Any] | None = None,
                     timeout: float | None = None) -> dict[str, Any]:
   """Checks that every process of the run has the same `fingerprint`; call it before the
   first step (`zerojax.zero_step` does on its first call, and so does the training loop).
@@ -92,7 +97,7 @@ def check_agreement(config: Any = None, plan: Any = None, *, tx: Any = None,
   run returns at once.
 
   Args:
-    config, plan, tx, state, extra: what to compare (see `fingerprint`).
+    config, plan, tx, state, extra, fields: what to compare (see `fingerprint`).
     timeout: seconds to wait for the other processes' fingerprints (default
       ``ZEROJAX_AGREEMENT_TIMEOUT`` or 120).
 
@@ -105,7 +110,7 @@ def check_agreement(config: Any = None, plan: Any = None, *, tx: Any = None,
     DistributedInitError: a process did not send its fingerprint within ``timeout``.
   """
   global _agreement_calls
-  fp = fingerprint(config, plan, tx=tx, state=state, extra=extra)
+  fp = fingerprint(config, plan, tx=tx, state=state, extra=extra, fields=fields)
   if jax.process_count() == 1:
     return fp
   timeout = timeout_seconds(timeout, ENV_AGREEMENT_TIMEOUT, DEFAULT_AGREEMENT_TIMEOUT)
@@ -113,12 +118,7 @@ def check_agreement(config: Any = None, plan: Any = None, *, tx: Any = None,
   key = f"zerojax/agreement/{_agreement_calls}"
   me, n = jax.process_index(), jax.process_count()
   everyone = _exchange(key, json.dumps(fp, sort_keys=True), me, n, timeout)
-  fps = [json.loads(v) for v in everyone]
-  diff = {}
-  for field in sorted(set().union(*fps), key=_field_order):
-    values = [f.get(field, "<missing>") for f in fps]
-    if any(v != values[0] for v in values[1:]):
-      diff[field] = values
+  diff = mismatches([json.loads(v) for v in everyone])
   if diff:
     shown = list(diff.items())[:8]
     more = f"\n  ... and {len(diff) - 8} more fields" if len(diff) > 8 else ""
@@ -132,6 +132,52 @@ def check_agreement(config: Any = None, plan: Any = None, *, tx: Any = None,
   return fp
 
 
+def mismatches(fingerprints: list[dict[str, Any]]) -> dict[str, list[Any]]:
+  """The fields on which the processes' fingerprints differ.
+
+  Args:
+    fingerprints: one `fingerprint` per process, in process order.
+
+  Returns:
+    ``{field: [value of process 0, value of process 1, ...]}`` (``'<missing>'`` where a
+    process lacks the field), in the order the error lists them.
+  """
+  diff = {}
+  for field in sorted(set().union(*fingerprints), key=_field_order):
+    values = [f.get(field, "<missing>") for f in fingerprints]
+    if any(v != values[0] for v in values[1:]):
+      diff[field] = values
+  return diff
+
+
+_exchange_calls: dict[str, int] = {}
+
+
+def exchange(name: str, value: str, timeout: float | None = None) -> list[str]:
+  """Every process's ``value``, in process order, through the coordination service's
+  key-value store (never a device collective); call it on every process, in the same order.
+  Process 0 returns only after every other process has read every value, so it may act on
+  them (and exit) at once. A single-process run returns ``[value]``.
+
+  Args:
+    name: what is exchanged (a key prefix; each call under one name gets its own key).
+    value: this process's value.
+    timeout: seconds to wait for the others (default ``ZEROJAX_AGREEMENT_TIMEOUT`` or 120).
+
+  Returns:
+    the values of processes ``0 .. n - 1``.
+
+  Raises:
+    DistributedInitError: a process did not send its value within ``timeout``.
+  """
+  if jax.process_count() == 1:
+    return [value]
+  timeout = timeout_seconds(timeout, ENV_AGREEMENT_TIMEOUT, DEFAULT_AGREEMENT_TIMEOUT)
+  _exchange_calls[name] = _exchange_calls.get(name, 0) + 1
+  return _exchange(f"zerojax/exchange/{name}/{_exchange_calls[name]}", value,
+                   jax.process_index(), jax.process_count(), timeout, what=repr(name))
+
+
 def _field_order(field: str) -> tuple[int, str]:
   for i, prefix in enumerate(("process_count", "version.", "config.", "mesh", "optimizer.",
                               "plan.params/", "plan.opt_state/", "extra.")):
@@ -140,7 +186,8 @@ def _field_order(field: str) -> tuple[int, str]:
   return 99, field
 
 
-def _exchange(key: str, value: str, me: int, n: int, timeout: float) -> list[str]:
+def _exchange(key: str, value: str, me: int, n: int, timeout: float,
+              what: str = "config fingerprint") -> list[str]:
   """Every process's ``value`` (in process order), through the coordination service's
   key-value store: a blocking get with a deadline, so a mismatch cannot hang it."""
   client = _kv_client()
@@ -159,7 +206,7 @@ def _exchange(key: str, value: str, me: int, n: int, timeout: float) -> list[str
     return out
 
   client.key_value_set(f"{key}/{me}", value)
-  out = get_all("", "config fingerprint", range(n))
+  out = get_all("", what, range(n))
   # Process 0 hosts the coordination service: it acts on the result (an error may end it at
   # once) only after every other process has read every fingerprint.
   if me != 0:

@@ -12,8 +12,14 @@ over all devices of all processes and the decorated step is the same program eve
    ``ZEROJAX_COORDINATOR_ADDRESS``, ``ZEROJAX_NUM_PROCESSES``, ``ZEROJAX_PROCESS_ID``;
 3. JAX's own variables: ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES``,
    ``JAX_PROCESS_ID``;
-4. JAX's cluster auto-detection (SLURM, Open MPI, Kubernetes indexed Jobs, Cloud TPU), which
-   also fills whatever 1-3 left unset.
+4. torchrun's variables: ``MASTER_ADDR``, ``MASTER_PORT`` (the coordinator takes the next
+   port: torchrun's store holds this one), ``WORLD_SIZE``, ``RANK`` (and ``LOCAL_RANK``:
+   one device per process where a host runs several);
+5. JAX's cluster auto-detection (SLURM, Open MPI, Kubernetes indexed Jobs, Cloud TPU), which
+   also fills whatever 1-4 left unset.
+
+Once the processes have joined, the peer watch (`zerojax.core.peers`) ends every survivor
+within a second of another process's death, naming it.
 
 If nothing names more than one process, the run is single-process and `initialize` does not
 start the distributed runtime at all, so the same script runs with 1 process and with N.
@@ -49,6 +55,7 @@ from typing import Any, Sequence
 import jax
 
 from zerojax._compat import backends_initialized, detect_cluster, distributed_state
+from zerojax.core import peers
 from zerojax.core.agreement import ProcessMismatchError, wait_for_peers_to_report
 from zerojax.core.coordinator import report_waiting, split_address, wait_for_coordinator
 from zerojax.core.launch_env import (DEFAULT_HEARTBEAT_TIMEOUT, DEFAULT_INIT_TIMEOUT,
@@ -69,7 +76,8 @@ class DistributedInfo:
     num_processes: processes in the run (1: the distributed runtime is not started).
     coordinator_address: ``host:port`` of the coordination service (``None`` when single).
     source: where the settings came from: ``'arguments'``, ``'zerojax-env'``, ``'jax-env'``,
-      ``'cluster'`` (JAX auto-detection), ``'single'`` or ``'already-initialized'``.
+      ``'torchrun-env'``, ``'cluster'`` (JAX auto-detection), ``'single'`` or
+      ``'already-initialized'``.
   """
 
   process_id: int
@@ -148,6 +156,9 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
   _info = DistributedInfo(s.pid, s.nproc, s.coord, s.source)
   if exit_on_error:
     _install_exit_on_error(s.pid, s.nproc)
+  # JAX's heartbeat finds a dead process only after heartbeat_timeout (100 s by default):
+  # the peer watch finds it within a second, whatever this process is doing.
+  peers.start(s.pid, s.nproc, s.coord, getattr(distributed_state(), "client", None), s.init_t)
   return _info
 
 
@@ -183,6 +194,8 @@ def _settings(coordinator_address, num_processes, process_id, local_device_ids,
                                        cluster_detection_method)
   if local_device_ids is None and source == "cluster":
     local_device_ids = _detected_local_device_ids(cluster_detection_method)
+  elif local_device_ids is None and source == "torchrun-env":
+    local_device_ids = _torchrun_local_device_ids()
   init_t = timeout_seconds(initialization_timeout, ENV_INIT_TIMEOUT, DEFAULT_INIT_TIMEOUT)
   beat_t = timeout_seconds(heartbeat_timeout, ENV_HEARTBEAT_TIMEOUT, DEFAULT_HEARTBEAT_TIMEOUT)
   down_t = timeout_seconds(shutdown_timeout, ENV_SHUTDOWN_TIMEOUT, DEFAULT_SHUTDOWN_TIMEOUT)
@@ -292,6 +305,11 @@ def _resolve(coord, nproc, pid, method):
     coord = coord if coord is not None else c
     nproc = nproc if nproc is not None else n
     pid = pid if pid is not None else i
+  c, n, i = _torchrun_env()
+  if (c, n, i) != (None, None, None) and source is None:
+    source = "torchrun-env"
+  coord, nproc, pid = (coord if coord is not None else c, nproc if nproc is not None else n,
+                       pid if pid is not None else i)
   if method != "deactivate" and (nproc is None or nproc > 1) and None in (coord, nproc, pid):
     # JAX's own detectors (SLURM, Open MPI, Kubernetes, TPU) fill what is still unset.
     c, n, i, _ = detect_cluster(coord, nproc, pid, None, method,
@@ -304,6 +322,37 @@ def _resolve(coord, nproc, pid, method):
         f"zerojax.core.distributed.initialize: a coordinator ({coord!r}) is set but not the number "
         f"of processes; pass num_processes= or set {ENV_NUM_PROCESSES}")
   return coord, nproc, pid, source or "single"
+
+
+def _torchrun_env() -> tuple[str | None, int | None, int | None]:
+  """``(coordinator, processes, process id)`` from torchrun-style variables (``MASTER_ADDR``,
+  ``MASTER_PORT``, ``WORLD_SIZE``, ``RANK``; all ``None`` unless the last three name a run).
+
+  torchrun's own store listens on ``MASTER_PORT``, so the coordinator takes the port after it
+  (``JAX_COORDINATOR_PORT`` picks another, as it does for JAX's cluster detection).
+  """
+  addr, n, i = os.environ.get("MASTER_ADDR"), env_int("WORLD_SIZE"), env_int("RANK")
+  if not addr or n is None or i is None:
+    return None, None, None
+  port = os.environ.get("JAX_COORDINATOR_PORT") or None
+  if port is None:
+    base = env_int("MASTER_PORT")
+    if base is None:
+      raise DistributedInitError(
+          f"MASTER_ADDR={addr!r}, WORLD_SIZE={n} and RANK={i} are set but not MASTER_PORT; set "
+          "MASTER_PORT (torchrun does) or JAX_COORDINATOR_PORT")
+    port = base + 1
+  host = f"[{addr}]" if ":" in addr and not addr.startswith("[") else addr
+  return f"{host}:{port}", n, i
+
+
+def _torchrun_local_device_ids():
+  """One device per process, the one of its ``LOCAL_RANK``, where torchrun starts several
+  processes per host (``LOCAL_WORLD_SIZE`` > 1) and ``JAX_LOCAL_DEVICE_IDS`` is unset."""
+  if os.environ.get("JAX_LOCAL_DEVICE_IDS"):
+    return None
+  local, per_host = env_int("LOCAL_RANK"), env_int("LOCAL_WORLD_SIZE")
+  return [local] if local is not None and per_host is not None and per_host > 1 else None
 
 
 def _detected_local_device_ids(method):
@@ -359,9 +408,13 @@ def _install_exit_on_error(pid: int, nproc: int) -> None:
 
   def hook(kind, value, tb):
     try:
+      if (watch := peers.current()) is not None:
+        watch.failed()  # the others stop too, after a grace to print their own error
       previous(kind, value, tb)
       if isinstance(value, ProcessMismatchError):
         wait_for_peers_to_report(pid, nproc)
+      elif (watch := peers.current()) is not None:
+        watch.wait_for_others_to_leave()
       print(f"zerojax: process {pid} of {nproc} failed with {kind.__name__}; exiting now "
             "(code 1) without waiting for the other processes at JAX's shutdown barrier",
             file=sys.stderr, flush=True)

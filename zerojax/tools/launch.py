@@ -6,7 +6,8 @@ reads (``ZEROJAX_COORDINATOR_ADDRESS``, ``ZEROJAX_NUM_PROCESSES``, ``ZEROJAX_PRO
 ``ZEROJAX_CPU_DEVICES`` with ``--devices-per-process``; without it, 4 per process when no
 accelerator is installed, so that a local run has something to shard). Their output is merged
 line by line, each line prefixed with ``[pI]``. If any child fails, the others are given
-``--grace`` seconds to fail on their own (JAX's heartbeat normally stops them) and are then
+``--grace`` seconds to fail on their own (zerojax's peer watch, `zerojax.core.peers`, stops
+them within a second; JAX catches the launcher's SIGTERM as a preemption notice) and are then
 terminated; the launcher exits with the first failing child's code. It never waits forever:
 ``--timeout`` bounds the whole run.
 
@@ -233,11 +234,13 @@ def launch(command: Sequence[str], num_processes: int = 2, *,
   for t in pumps:
     t.join(timeout=5)
   if code == 0:
-    for i, p in enumerate(procs):
-      if p.returncode:
-        code = _exit_code(p.returncode)
-        note(f"process {i} exited with code {code}")
-        break
+    failed = [(i, p.returncode) for i, p in enumerate(procs) if p.returncode]
+    # A child killed by a signal is the cause; the others' codes follow from it.
+    failed.sort(key=lambda f: f[1] >= 0)
+    for i, c in failed:
+      note(f"process {i} {_how(c)}")
+    if failed:
+      code = _exit_code(failed[0][1])
   return code
 
 
@@ -257,7 +260,7 @@ def _supervise(procs: list[subprocess.Popen], note: Any, grace: float,
         if c not in (None, 0) and failed_at is None:
           code = _exit_code(c)
           failed_at = time.monotonic()
-          note(f"process {i} exited with code {code}; giving the others {grace:g}s to stop")
+          note(f"process {i} {_how(c)}; giving the others {grace:g}s to stop")
       if failed_at is not None and time.monotonic() - failed_at > grace:
         note("terminating the remaining processes")
         _stop(procs)
@@ -277,6 +280,17 @@ def _supervise(procs: list[subprocess.Popen], note: Any, grace: float,
 
 def _exit_code(c: int) -> int:
   return 128 - c if c < 0 else c
+
+
+def _how(c: int) -> str:
+  """How a child ended, from its return code: ``was killed by SIGKILL (code 137)``."""
+  if c < 0:
+    try:
+      name = signal.Signals(-c).name
+    except ValueError:
+      name = f"signal {-c}"
+    return f"was killed by {name} (code {_exit_code(c)})"
+  return f"exited with code {c}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -53,6 +53,7 @@ from jax.experimental import multihost_utils
 
 from zerojax import create_train_state, make_mesh, zero_step
 from zerojax._compat import backends_initialized
+from zerojax.core import distributed
 from zerojax.core.config import ConfigError, ZeroConfig
 from zerojax.core.mesh import axis_size
 from zerojax.models import GPT, PRESETS
@@ -67,6 +68,7 @@ from zerojax.tools.train.metrics import (MetricsWriter, StepClock, is_main_proce
                                    read_jsonl, require, throughput)
 from zerojax.tools.train.schedules import depends_on_steps, make_optimizer, make_schedule
 from zerojax.tools.train.params_io import load_weights, save_weights
+from zerojax.tools.train.processes import check_processes_agree, claim_out_dir
 
 __all__ = ["setup_cpu_devices", "nothing_sharded_note", "Hook", "WriteMetrics", "ProgressBar",
            "SaveCheckpoints", "TrainResult", "Task", "resolve_config", "train"]
@@ -462,6 +464,8 @@ class Task:
       ``offload_optimizer='nvme'``; the loop refuses such a config for a task without.
     optimizer: set by ``setup`` on such a run: the `zerojax.runtime.nvme.NvmeOptimizer`
       (checkpoints are saved and restored through it; its throughput is logged).
+    agreement: ``{field: value}`` every process of a multi-process run must share beyond the
+      config and the options (model files, data files), compared before step 1.
   """
 
   name: str
@@ -477,6 +481,7 @@ class Task:
   measure: bool = False
   nvme: bool = False
   optimizer: Any = None
+  agreement: dict[str, Any] | None = None
 
 
 def _gpt_task(opts: TrainOptions, config: ZeroConfig) -> Task:
@@ -615,8 +620,19 @@ def train(config: ZeroConfig, opts: TrainOptions | None = None, *,
     if not isinstance(h, Hook):
       raise TypeError(f"train: hooks[{i}]={h!r} is not a zerojax.tools.train.Hook; subclass it and "
                       "override after_step, on_records or close")
+  # Started by a launcher (zerojax launch, srun, torchrun): join its process group before
+  # anything touches a device. Alone: nothing happens.
+  distributed.initialize()
   setup_cpu_devices(opts.cpu_devices)
   config = resolve_config(config, opts)
+  check_processes_agree(config, opts, task.agreement if task is not None else None)
+  with claim_out_dir(opts.out_dir):
+    return _train(config, opts, xla_notes, user_hooks, task)
+
+
+def _train(config: ZeroConfig, opts: TrainOptions, xla_notes: Iterable[str],
+           user_hooks: list[Hook], task: Task | None) -> TrainResult:
+  """`train` once the processes agree and ``out_dir`` is this run's."""
   mesh = make_mesh(config)
   task = task or _gpt_task(opts, config)
   if config.optimizer_on_nvme and not task.nvme:
