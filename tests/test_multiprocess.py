@@ -31,7 +31,7 @@ EXAMPLE = ROOT / "examples" / "multihost_train.py"
 RUNS = ["flat:0", "flat:1", "flat:2", "flat:3", "hybrid:3"]
 
 
-def _env() -> dict:
+def _env(**extra: str) -> dict:
   # No device count: the launcher gives each process its own (it keeps one set in the
   # environment). Nor any stray cluster settings.
   env = helpers.child_env(None, JAX_PLATFORMS="cpu")
@@ -39,13 +39,20 @@ def _env() -> dict:
     if k.startswith(("ZEROJAX_", "JAX_COORDINATOR", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID",
                      "SLURM_", "OMPI_")):
       del env[k]
+  env.update(extra)
   return env
 
 
-def launch(args: list[str], timeout: float) -> tuple[int, str, float]:
+# The tests of what stops a survivor when zerojax's peer watch (tests/test_process_group.py)
+# does not: JAX's heartbeat, the exit-on-error hook, the launcher's grace.
+NO_PEER_WATCH = {"ZEROJAX_PEER_WATCH": "0"}
+
+
+def launch(args: list[str], timeout: float, **extra: str) -> tuple[int, str, float]:
   t0 = time.monotonic()
   try:
-    p = subprocess.run([sys.executable, "-m", "zerojax.tools.launch"] + args, env=_env(), cwd=ROOT,
+    p = subprocess.run([sys.executable, "-m", "zerojax.tools.launch"] + args, env=_env(**extra),
+                       cwd=ROOT,
                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                        timeout=timeout)
   except subprocess.TimeoutExpired as e:
@@ -292,7 +299,8 @@ def _launch_until_exit(args: list[str], timeout: float):
   """Runs 2 processes x 2 devices under the launcher with ``args``: ``(lines, when a process
   printed DYING, when the launcher exited, its exit code)``."""
   p = subprocess.Popen([sys.executable, "-m", "zerojax.tools.launch", "-n", "2",
-                        "--devices-per-process", "2", *args], env=_env(), cwd=ROOT,
+                        "--devices-per-process", "2", *args], env=_env(**NO_PEER_WATCH),
+                       cwd=ROOT,
                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
   lines, died_at = [], None
   try:
@@ -380,7 +388,7 @@ def test_multiprocess_launcher_fails_fast():
   # grace period and report the failing child's exit code.
   code, log, secs = launch(["-n", "2", "--devices-per-process", "1", "--heartbeat-timeout",
                             "100", "--grace", "1", "--", str(WORKER), "die", "--survive-for",
-                            "60"], timeout=120)
+                            "60"], timeout=120, **NO_PEER_WATCH)
   # the survivor's collective fails at once and it exits by itself (zerojax's exit on error,
   # code 1: the launcher may see it first), or the launcher terminates it after the grace
   assert code in (1, 3), log[-3000:]

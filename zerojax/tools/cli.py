@@ -19,6 +19,7 @@ from typing import Any, Sequence
 
 from zerojax import __version__
 from zerojax.core.config import ConfigError
+from zerojax.core.launch_env import DistributedInitError
 from zerojax.tools import launch
 from zerojax.tools.config_file import load_config
 from zerojax.tools.options import TrainOptions
@@ -72,7 +73,17 @@ def parse_count(text: str) -> float:
 # --help`, `zerojax config` and argument errors then start in a fraction of a second.
 
 
+def _join_process_group() -> None:
+  """Joins the process group of the launcher that started this command (``zerojax launch``,
+  srun, torchrun, the ``JAX_COORDINATOR_*`` variables), before anything touches a device;
+  alone, nothing happens. First of all: a process whose input is wrong then stops its peers
+  (the peer watch) instead of leaving them waiting for it to join."""
+  from zerojax.core import distributed  # lazy: JAX
+  distributed.initialize()
+
+
 def cmd_train(args) -> int:
+  _join_process_group()
   loaded = load_config(args.config, args.overrides)
   from zerojax.tools import train as zt  # lazy: JAX
   opts = TrainOptions(**loaded.train)
@@ -91,6 +102,7 @@ def cmd_train(args) -> int:
 
 
 def cmd_finetune(args) -> int:
+  _join_process_group()
   from zerojax.tools import finetune  # lazy: JAX
   return finetune.run(args)
 
@@ -714,7 +726,57 @@ def main(argv: Sequence[str] | None = None) -> int:
     if debug or not _is_user_error(e):
       raise
     print(f"{PROG} {args.command}: error: {_one_line_message(e)}", file=sys.stderr)
+    _end_process_group(e)
     return EXIT_INPUT
+  except RuntimeError as e:  # the process group's errors; anything else is a bug: traceback
+    if debug or not _is_process_group_error(e):
+      raise
+    print(f"{PROG} {args.command}: error: {_one_line(e)}", file=sys.stderr)
+    _end_process_group(e)
+    return EXIT_INPUT
+
+
+def _is_process_group_error(e: BaseException) -> bool:
+  """The run's processes could not start together or disagree: input the user can fix."""
+  agreement = sys.modules.get("zerojax.core.agreement")  # loaded where it can be raised
+  return isinstance(e, DistributedInitError) or (
+      agreement is not None and isinstance(e, agreement.ProcessMismatchError))
+
+
+def _one_line(e: BaseException) -> str:
+  """A process-group error on one line: a `ProcessMismatchError` as its fields and values."""
+  fields = getattr(e, "fields", None)
+  if not fields:
+    return " ".join(str(e).split())
+  shown = "; ".join(f"{k} (" + ", ".join(f"process {i}: {v!r}" for i, v in enumerate(vals))
+                    + ")" for k, vals in list(fields.items())[:4])
+  more = f"; and {len(fields) - 4} more" if len(fields) > 4 else ""
+  n = len(next(iter(fields.values())))
+  return (f"the {n} processes of this run disagree on {len(fields)} setting(s), so none "
+          f"starts: {shown}{more}; start every process with the same command, config and "
+          "files")
+
+
+def _end_process_group(e: BaseException) -> None:
+  """In a multi-process run, ends this process now (exit 2) after its one-line error: its
+  peers are told (the peer watch) and, for an error every process raises, process 0 waits
+  for the others to print theirs; JAX's shutdown barrier, which waits for every process,
+  is skipped."""
+  distributed = sys.modules.get("zerojax.core.distributed")
+  if distributed is None or not distributed.info().is_multiprocess:
+    return
+  from zerojax.core import agreement, peers  # lazy: JAX
+  info = distributed.info()
+  watch = peers.current()
+  if watch is not None:
+    watch.failed()
+  if isinstance(e, agreement.ProcessMismatchError) or getattr(e, "on_every_process", False):
+    agreement.wait_for_peers_to_report(info.process_id, info.num_processes)
+  elif watch is not None:
+    watch.wait_for_others_to_leave()
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os._exit(EXIT_INPUT)
 
 
 if __name__ == "__main__":

@@ -24,8 +24,11 @@ is printed (`precision_note`, each log line) and checkpointed with the optimizer
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
+import subprocess
+import sys
 from typing import Any, Sequence
 
 import jax
@@ -35,7 +38,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 from zerojax import create_nnx, value_and_grad, zero_step
-from zerojax.core import memory_kinds, offload
+from zerojax.core import agreement, distributed, memory_kinds, offload
 from zerojax.core.config import ConfigError, read_config_file
 from zerojax.tools.bounds import FINETUNE_BOUNDS
 from zerojax.tools.hub import resolve_model_dir
@@ -48,6 +51,7 @@ from zerojax.tools.config_file import load_config, parse_overrides
 from zerojax.tools.export import export
 from zerojax.tools.options import TrainOptions
 from zerojax.tools.train import Task, is_main_process, log, setup_cpu_devices, train
+from zerojax.tools.train import processes
 
 __all__ = ["FinetuneOptions", "finetune", "finetune_task", "run", "DEFAULTS",
            "resolve_model_dir", "precision_note"]
@@ -146,7 +150,19 @@ def finetune_task(fo: FinetuneOptions, opts: Any, config: Any) -> Task:
   return Task(name, seq_len, _setup(fo, opts, cfg, base), make_step, batches,
               num_params=lambda state: cfg.num_params(), save_item=_item,
               checkpoint_model=llama.checkpoint_model(cfg), evaluate=evaluate,
-              eval_every=fo.eval_every, measure=True)
+              eval_every=fo.eval_every, measure=True,
+              agreement=_agreement(fo) if distributed.info().is_multiprocess else None)
+
+
+def _agreement(fo: FinetuneOptions) -> dict[str, Any]:
+  """What the processes of a fine-tuning run must share beyond the config and the training
+  options (`zerojax.tools.train.processes`): every `FinetuneOptions` field, the model's
+  config.json key by key, the evaluation file (the training file is the options' corpus)."""
+  fields = {f"finetune.{f.name}": getattr(fo, f.name) for f in dataclasses.fields(fo)}
+  fields.update(processes.json_fields("model.config.json",
+                                      os.path.join(fo.model_dir, "config.json")))
+  fields.update(processes.file_fields("eval_data", fo.eval_data))
+  return fields
 
 
 def _model_name(model_dir: str) -> str:
@@ -335,6 +351,7 @@ def finetune(fo: FinetuneOptions, config_path: str | None = None,
   (`zerojax.tools.train.TrainResult`, the export's summary or None). ``hooks``: extra
   `zerojax.tools.train.Hook`s for the loop; ``progress``/``resume``/``overwrite`` as the
   command's ``--no-progress``/``--no-resume``/``--overwrite``."""
+  distributed.initialize()  # under a launcher: its process group, before any device is used
   loaded = _load_with_defaults(fo, config_path, list(overrides))
   train_opts = dict(loaded.train)
   for k in ("corpus", "init_from"):
@@ -433,15 +450,45 @@ def _export(fo: FinetuneOptions, opts: TrainOptions, result: Any) -> dict | None
   """The Hugging Face export of a run that reached its last step (process 0 writes it)."""
   if not (fo.export and result.history and result.history[-1]["step"] == opts.steps):
     return None
+  out = fo.export_dir or os.path.join(opts.out_dir, "hf")
   if jax.process_count() > 1:
     multihost_utils.sync_global_devices("zerojax finetune: checkpoints written")
-  if not is_main_process():
+    # The checkpoint is read through orbax, which synchronises every process of a
+    # multi-process run even to read: process 0 exports in a one-process child, and the
+    # others wait for it (a process that dies meanwhile is the peer watch's).
+    info = _export_alone(opts.checkpoint_dir, out, fo.model_dir) if is_main_process() else None
+    agreement.exchange("finetune-export", "", timeout=_EXPORT_TIMEOUT)
+  else:
+    info = export(opts.checkpoint_dir, out, hf_config=fo.model_dir)
+  if info is None:
     return None
-  out = fo.export_dir or os.path.join(opts.out_dir, "hf")
-  info = export(opts.checkpoint_dir, out, hf_config=fo.model_dir)
   log(f"exported step {info['step']} to {info['path']} ({info['num_params']:,} "
       "parameters): transformers' AutoModelForCausalLM.from_pretrained reads it")
   return info
+
+
+_EXPORT_TIMEOUT = 6 * 3600.0  # seconds the other processes wait for process 0's export
+_EXPORT_CHILD = ("import json, sys\nfrom zerojax.tools.export import export\n"
+                 "print(json.dumps(export(sys.argv[1], sys.argv[2], hf_config=sys.argv[3]), "
+                 "default=str))\n")
+_GROUP_VARIABLES = ("ZEROJAX_COORDINATOR", "ZEROJAX_NUM_PROCESSES", "ZEROJAX_PROCESS_ID",
+                    "JAX_COORDINATOR", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "SLURM_", "OMPI_",
+                    "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK",
+                    "LOCAL_WORLD_SIZE")
+
+
+def _export_alone(checkpoint_dir: str, out: str, model_dir: str) -> dict:
+  """`zerojax.tools.export.export` in a child process of its own (no process group, CPU only:
+  it reads files and writes files)."""
+  env = {k: v for k, v in os.environ.items() if not k.startswith(_GROUP_VARIABLES)}
+  env["JAX_PLATFORMS"] = "cpu"
+  r = subprocess.run([sys.executable, "-c", _EXPORT_CHILD, checkpoint_dir, out, model_dir],
+                     env=env, capture_output=True, text=True)
+  if r.returncode != 0:
+    last = (r.stderr.strip().splitlines() or ["(no output)"])[-1]
+    raise RuntimeError(f"the Hugging Face export of checkpoint_dir {checkpoint_dir!r} to "
+                       f"{out!r} failed (code {r.returncode}): {last}")
+  return json.loads(r.stdout.strip().splitlines()[-1])
 
 
 def _deepspeed_sets(config_path: str) -> set[str]:
