@@ -178,7 +178,7 @@ def _prepare_run(opts: TrainOptions, config: ZeroConfig) -> _RunDirs:
         "(drop --no-resume), delete it with --overwrite (overwrite=true), or choose another "
         "checkpoint_dir")
   elif records:
-    notes.append(_move_metrics_aside(opts, run, records))
+    notes.append(_move_metrics_aside(opts, run, records, config))
   run_id, n = _new_run_id(), 1
   base = run_id
   while os.path.exists(os.path.join(out_dir, "tb", run_id)) or (
@@ -250,11 +250,16 @@ def _resume_notes(opts: TrainOptions, config: ZeroConfig, run: dict | None,
       f"{k}: {old_cfg.get(k)!r} -> {new_cfg.get(k)!r}" for k in changed)]
 
 
-def _move_metrics_aside(opts: TrainOptions, run: dict | None, records: list[dict]) -> str:
+def _move_metrics_aside(opts: TrainOptions, run: dict | None, records: list[dict],
+                        config: ZeroConfig) -> str:
   """A previous run's metrics without a checkpoint: refused when resuming, else moved aside
-  (``--no-resume``); returns the note saying where."""
+  (``--no-resume``); returns the note saying where. The same command stopped before its first
+  checkpoint (killed, or failed) is not another run: it starts again from step 1."""
   out_dir, ckdir = opts.out_dir, opts.checkpoint_dir
-  if opts.resume:
+  again = bool(ckdir) and run is not None and run.get("options") == json.loads(json.dumps(
+      dataclasses.asdict(opts))) and run.get("config") == json.loads(json.dumps(
+          config.to_dict()))
+  if opts.resume and not again:
     steps = f"steps {records[0].get('step')}..{records[-1].get('step')}"
     raise ConfigError(
         f"out_dir {opts.out_dir!r} holds the metrics of a previous run ({steps}"
@@ -268,6 +273,9 @@ def _move_metrics_aside(opts: TrainOptions, run: dict | None, records: list[dict
   moved = os.path.join(out_dir, f"metrics.{old_id}.jsonl")
   if is_main_process():
     os.replace(os.path.join(out_dir, "metrics.jsonl"), moved)
+  if opts.resume:
+    return (f"run {old_id} stopped at step {records[-1].get('step')}, before its first "
+            f"checkpoint: starting it again from step 1 (its metrics were moved to {moved!r})")
   return f"--no-resume: the previous run's metrics were moved to {moved!r}"
 
 
