@@ -89,6 +89,21 @@ def test_missing_nvme_path_is_one_line_exit_2_and_a_traceback_with_debug(tmp_pat
   assert p.returncode == 1 and "Traceback" in p.stderr and "NvmePathError" in p.stderr
 
 
+def test_read_only_nvme_path_is_one_line_exit_2(tmp_path):
+  """A read-only disk (a tmpfs mounted read-only: root ignores a directory's mode bits)."""
+  ro = str(tmp_path / "ro")
+  os.makedirs(ro)
+  if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs",
+                                          ro], capture_output=True).returncode:
+    pytest.skip("mounting a read-only tmpfs needs root")
+  try:
+    line = _one_line_error(_zerojax("train", *TINY, "steps=2", "offload_optimizer=nvme",
+                                    f"out_dir={tmp_path / 'o'}", f"nvme_path={ro}"))
+  finally:
+    subprocess.run(["umount", "-l", ro], capture_output=True)
+  assert f"nvme_path '{ro}' is not writable (Read-only file system" in line, line
+
+
 # -- the NVMe disk fills up mid-run ---------------------------------------------------------
 
 
