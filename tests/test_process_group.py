@@ -416,12 +416,18 @@ _KILL_SCRIPT_ARGS = ["--grace", "60", "--", "-m", "zerojax", "train", "model=tin
 
 
 def _kill_during_run(tmp_path, victim: int, when: str):
-  """Launches a long ``zerojax train``, SIGKILLs process ``victim`` mid-step (``'step'``) or
-  while a checkpoint is being written (``'save'``): ``(output, seconds from the kill to the
+  """Launches a long ``zerojax train``, SIGKILLs process ``victim`` mid-step (``'step'``),
+  while a checkpoint is being written (``'save'``) or mid-step of a run that streams its
+  optimizer state through NVMe files (``'nvme'``): ``(output, seconds from the kill to the
   launcher's end, launcher code)``."""
   out = tmp_path / "run"
+  extra = []
+  if when == "nvme":
+    (out / "nvme").mkdir(parents=True)
+    extra = ["offload_optimizer=nvme", f"nvme_path={out / 'nvme'}"]
   p = subprocess.Popen([sys.executable, "-m", "zerojax", "launch", "-n", "2",
-                        *_KILL_SCRIPT_ARGS, f"out_dir={out}", f"checkpoint_dir={out / 'ckpt'}"],
+                        *_KILL_SCRIPT_ARGS, f"out_dir={out}", f"checkpoint_dir={out / 'ckpt'}",
+                        *extra],
                        env=_env(), cwd=ROOT, stdout=subprocess.PIPE,
                        stderr=subprocess.STDOUT, text=True)
   lines, killed = [], None
@@ -458,7 +464,7 @@ def _child(launcher: int, i: int) -> int:
 
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-@pytest.mark.parametrize("victim,when", [(1, "step"), (0, "save")])
+@pytest.mark.parametrize("victim,when", [(1, "step"), (0, "save"), (1, "nvme")])
 def test_sigkill_of_one_process_ends_the_survivor_within_10s(tmp_path, victim, when):
   log, secs, code = _kill_during_run(tmp_path, victim, when)
   survivor = 1 - victim
