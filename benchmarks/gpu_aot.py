@@ -132,7 +132,7 @@ def section_loops(args):
 
 
 def section_lookups(args):
-  from tests.model_patterns import LOOKUP_LM, lookup_lm_compiled
+  from tests.model_patterns import LOOKUP_LM, LOOKUPS, lookup_lm_compiled
   from zerojax.runtime import memory
   devices = _devices(args.issue_target)
   lm = LOOKUP_LM
@@ -141,16 +141,17 @@ def section_lookups(args):
         f"{lm['seq']}, bf16 compute\n")
   print("| model, stage | temp MiB | collectives MiB | x textbook | all-gather / reduce-scatter "
         "with matmul | activation collectives | compile s |\n|---|---|---|---|---|---|---|")
-  for kind in ("nnx", "pure"):
+  for kind, lookup in [("nnx", "index")] + [("pure", lk) for lk in LOOKUPS]:
     for stage in (2, 3):
       t0 = time.perf_counter()
-      compiled, plan = lookup_lm_compiled(kind, stage, devices)
+      compiled, plan = lookup_lm_compiled(kind, stage, devices, lookup)
+      model = kind if kind == "nnx" else f"pure, {lookup}"
       r = _row("", measured=memory.measure(compiled), text=compiled.as_text(), plan=plan,
                seconds=time.perf_counter() - t0)
       act = memory.activation_collectives(compiled.as_text(), plan)
       named = ", ".join(f"{kind_} {shape} {v / MiB:.1f} MiB" for (kind_, shape, _), v in
                         act.items() if v >= MiB / 10) or "none"
-      print(f"| {kind}, {stage} | {r['temp'] / MiB:.1f} | {r['coll'] / MiB:.1f} | "
+      print(f"| {model}, {stage} | {r['temp'] / MiB:.1f} | {r['coll'] / MiB:.1f} | "
             f"{r['coll'] / r['book']:.2f} | {r['ag_mm']:.0%} / {r['rs_mm']:.0%} | {named} | "
             f"{r['seconds']:.0f} |", flush=True)
 

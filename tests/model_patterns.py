@@ -554,11 +554,38 @@ def max_diff(a: Any, b: Any) -> float:
 LOOKUP_LM = dict(vocab=8192, seq=256, rows=16, d_model=256, layers=2)
 
 
-def lookup_lm_compiled(kind: str, stage: int, devices) -> tuple[Any, Any]:
+def lookup_rows(spelling: str, table: Any, ids: Any) -> Any:
+  """``table``'s rows at ``ids``, spelled as ``spelling`` (one of `LOOKUPS`): every way JAX
+  spells a row lookup, as a pure function may write it."""
+  import jax
+  import jax.numpy as jnp
+  if spelling == "index":
+    return table[ids]
+  if spelling == "take":
+    return jnp.take(table, ids, axis=0)
+  if spelling == "take_along_axis":
+    rows = jnp.take_along_axis(table, ids.reshape(-1, 1), axis=0)
+    return rows.reshape(*ids.shape, table.shape[1])
+  if spelling == "lax_gather":
+    dims = jax.lax.GatherDimensionNumbers(offset_dims=(ids.ndim,), collapsed_slice_dims=(0,),
+                                          start_index_map=(0,))
+    return jax.lax.gather(table, ids[..., None], dims, (1, table.shape[1]),
+                          mode="promise_in_bounds")
+  if spelling == "one_hot":
+    return jax.nn.one_hot(ids, table.shape[0], dtype=table.dtype) @ table
+  raise ValueError(spelling)
+
+
+LOOKUPS = ("index", "take", "take_along_axis", "lax_gather", "one_hot")
+
+
+def lookup_lm_compiled(kind: str, stage: int, devices, lookup: str = "index"
+                       ) -> tuple[Any, Any]:
   """``(compiled, plan)``: a language model written as ``kind`` (``"nnx"``: zerojax's NNX GPT,
-  ``"pure"``: a plain function of a parameter dict that indexes its table, ``wte[tokens]``)
-  at ``ZeroConfig(stage=stage, compute_dtype="bfloat16")``, compiled ahead of time for
-  ``devices`` (a TPU or GPU topology's) from abstract state."""
+  ``"pure"``: a plain function of a parameter dict that looks its table up, spelled as
+  ``lookup`` (`lookup_rows`; ``"index"``: ``wte[tokens]``)) at ``ZeroConfig(stage=stage,
+  compute_dtype="bfloat16")``, compiled ahead of time for ``devices`` (a TPU or GPU
+  topology's) from abstract state."""
   import jax
   import jax.numpy as jnp
   import optax
@@ -599,7 +626,7 @@ def lookup_lm_compiled(kind: str, stage: int, devices) -> tuple[Any, Any]:
             "head": jax.random.normal(k[3], (D, V)) * D ** -0.5}
 
   def apply(params, tokens):
-    x = params["wte"][tokens]
+    x = lookup_rows(lookup, params["wte"], tokens)
     for i in range(L):
       x = x + jax.nn.gelu(x @ params["w_up"][i]) @ params["w_down"][i]
     return x @ params["head"]
@@ -618,10 +645,10 @@ def lookup_lm_compiled(kind: str, stage: int, devices) -> tuple[Any, Any]:
   return step.lower(state, abstract(batch, plan.batch(batch))).compile(), plan
 
 
-def check_lookups_move_weights(kind: str, stage: int, devices) -> None:
+def check_lookups_move_weights(kind: str, stage: int, devices, lookup: str = "index") -> None:
   """`lookup_lm_compiled`'s step moves no activations, at most 1.1x the textbook volume."""
   from zerojax.runtime import memory
-  compiled, plan = lookup_lm_compiled(kind, stage, devices)
+  compiled, plan = lookup_lm_compiled(kind, stage, devices, lookup)
   hlo = compiled.as_text()
   assert memory.activation_collectives(hlo, plan) == {}, memory.activation_collectives(hlo, plan)
   assert memory.measure(compiled).collective_total <= 1.1 * memory.textbook_bytes(plan)

@@ -454,6 +454,50 @@ def test_gpu_nnx_and_pure_lookups_move_no_activations(kind, stage):
 
 
 @needs_gpu_compiler
+@pytest.mark.parametrize("lookup", ["take", "take_along_axis", "lax_gather", "one_hot"])
+@pytest.mark.parametrize("stage", [2, 3])
+def test_gpu_every_lookup_spelling_moves_no_activations(lookup, stage):
+  # #53: jnp.take and jnp.take_along_axis wrap their gather in a jit; seen through, their
+  # gradient is summed whole as x[ids]'s is. Before, jnp.take moved 2 + 2 MiB of
+  # bf16[16,256,256] cotangent rows at stage 3 here.
+  from tests.model_patterns import check_lookups_move_weights
+  check_lookups_move_weights("pure", stage, gpu.gpu_topology(TOPOLOGY).devices, lookup)
+
+
+@needs_gpu_compiler
+def test_gpu_lookup_into_a_sliced_table_is_named_in_a_warning():
+  import jax.numpy as jnp
+  import optax
+  from zerojax.core.plan import ShardingPlan
+  config = zerojax.ZeroConfig(stage=3, compute_dtype="bfloat16", param_persistence_threshold=0)
+  mesh = zerojax.make_mesh(config, devices=list(gpu.gpu_topology(TOPOLOGY).devices))
+  tx = optax.sgd(0.1)
+  params = {"wte": jax.ShapeDtypeStruct((512, 64), jnp.float32),
+            "head": jax.ShapeDtypeStruct((64, 256), jnp.float32)}
+  plan = ShardingPlan.create(config, mesh, params, tx)
+
+  def apply(p, ids):
+    return p["wte"][:256][ids] @ p["head"]  # the lookup reads a slice of the table
+
+  line = apply.__code__.co_firstlineno + 1
+  abstract = lambda t, s: jax.tree.map(
+      lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), t, s)
+  state = jax.eval_shape(lambda p: zerojax.ZeroTrainState.create(
+      apply_fn=apply, params=p, tx=tx, config=config), params)
+  state = abstract(state, plan.state(state)).replace(apply_fn=apply)
+
+  def train_step(state, ids):
+    loss, grads = zerojax.value_and_grad(
+        lambda p: state.apply_fn(p, ids).astype(jnp.float32).mean())(state.params)
+    return state.apply_gradients(grads=grads), loss
+
+  ids = jax.ShapeDtypeStruct((16, 32), jnp.int32)
+  with pytest.warns(UserWarning, match=rf"the lookup at .*test_gpu_aot.py:{line}[: ].*reads "
+                                       r"parameter 'wte' through a reshape or slice"):
+    zerojax.zero_step(plan)(train_step).lower(state, abstract(ids, plan.batch(ids)))
+
+
+@needs_gpu_compiler
 def test_gpu_unscanned_layers_gather_one_ahead_and_nnx_lists_as_linen_loops(monkeypatch):
   # Pattern c's layers (no scan) gather one matmul layer ahead on XLA:GPU: forward, each
   # layer's gathers wait for the previous matmul layer's input; backward, its re-gathers for

@@ -268,12 +268,14 @@ def test_tpu_nnx_pytree_and_bypassing_models_move_weights_not_activations(patter
 
 
 @needs_libtpu
-@pytest.mark.parametrize("kind, stage", [("nnx", 2), ("pure", 3)])
-def test_tpu_nnx_and_pure_lookups_move_no_activations(kind, stage):
-  # As on XLA:GPU (test_gpu_aot, every kind at both stages; here 50-66 s a compile, so one
-  # each: NNX's stage-2 table boxes and the pure function's stage-3 gathered lookup).
+@pytest.mark.parametrize("kind, stage, lookup", [("nnx", 2, "index"), ("pure", 3, "index"),
+                                                 ("pure", 3, "take")])
+def test_tpu_nnx_and_pure_lookups_move_no_activations(kind, stage, lookup):
+  # As on XLA:GPU (test_gpu_aot, every kind and spelling at both stages; here 50-66 s a
+  # compile, so one each: NNX's stage-2 table boxes, the pure function's stage-3 gathered
+  # lookup, and jnp.take's, whose gather sits in a jit of its own).
   from tests.model_patterns import check_lookups_move_weights
-  check_lookups_move_weights(kind, stage, memory.tpu_topology(TOPOLOGY).devices)
+  check_lookups_move_weights(kind, stage, memory.tpu_topology(TOPOLOGY).devices, lookup)
 
 
 @needs_libtpu

@@ -111,6 +111,12 @@ def var_uses(jaxpr: Any) -> dict[Any, list[tuple[Any, int]]]:
   return uses
 
 
+def source_line(eqn: Any) -> str:
+  """Where the user's code bound ``eqn`` (``file:line (function)``), for a warning to name."""
+  summarize = _FOUND["source_summary"]
+  return summarize(eqn.source_info) if summarize is not None else "an unknown line"
+
+
 def bind_dot_general(a: Any, b: Any, params: dict[str, Any]) -> Any:
   """``dot_general`` of ``a`` and ``b`` with a traced equation's own parameters (precision and
   preferred element type included, which ``jax.lax.dot_general``'s signature renames)."""
@@ -153,6 +159,7 @@ INTERNAL_PATHS: dict[str, tuple[str, ...]] = {
     "eqn_effects": ("jax._src.core:eqn_effects",),
     "core_var": ("jax.extend.core:Var", "jax._src.core:Var"),
     "trace_ctx": ("jax._src.core:trace_ctx",),
+    "source_summary": ("jax._src.source_info_util:summarize",),
 }
 # The path each internal was found at on this JAX, or None (`INTERNAL_PATHS`).
 INTERNALS: dict[str, str | None] = {}

@@ -6,16 +6,20 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
+from jax.extend.core import Var
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from zerojax._compat import bind_dot_general, eval_jaxpr, var_uses
+from zerojax._compat import (bind_dot_general, eval_jaxpr, jaxpr_has_primitive, source_line,
+                             var_uses)
 from zerojax.core.gather import GATHERED, after, gather, token_of
+from zerojax.core.leaves import path_str
 from zerojax.core.remat import checkpoint_model
 
 __all__ = ["per_layer_reads"]
@@ -63,6 +67,7 @@ def per_layer_reads(apply_fn: Callable, plan: Any,
   model without scans does. ``chosen`` is told the formulation.
   """
   treedef = jax.tree.structure(plan.params)
+  names = tuple(path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(plan.params)[0])
   per_leaf = list(zip(jax.tree.leaves(plan.params), jax.tree.leaves(plan.grads),
                       jax.tree.leaves(plan.params_gathered)))  # rest, grad, compute
 
@@ -96,7 +101,8 @@ def per_layer_reads(apply_fn: Callable, plan: Any,
       rewrite = _Rewrite(leaves, per_leaf, index, split,
                          _rows_into_matmuls(closed.jaxpr, index, split), formulation.per_use,
                          plan.waits_by_barrier,
-                         formulation.per_use and plan.prefetches_next_layer, formulation.tables)
+                         formulation.per_use and plan.prefetches_next_layer, formulation.tables,
+                         names)
       run = lambda ls, arrs: jax.tree.unflatten(jax.tree.structure(out_shape), eval_jaxpr(
           closed, [*ls, *arrs], rewrite))
     if formulation.checkpoint is not None:  # as a linen model without scans
@@ -137,8 +143,12 @@ class _Rewrite:
   # `zerojax.core.regather`'s) pattern g had 65% of its all-gathers beside a matmul, not 73%.
   prefetch: bool = False
   tables: frozenset = frozenset()  # leaves summed whole (per use: gathered) where looked up in
+  names: tuple = ()  # the leaves' paths, for warnings
   previous: Any = None
   carried: dict = dataclasses.field(default_factory=dict)  # leaf -> stack the next row reads
+
+  def __post_init__(self):
+    self.lookups = _Lookups(self.tables, self.per_leaf, dict(self.index), self.names)
 
   def __call__(self, eqn: Any, invals: list) -> list | None:
     if eqn in self.matmul.deferred:  # the row's slice and squeeze: made by `_row_dot` instead
@@ -156,8 +166,8 @@ class _Rewrite:
       return [out]
     if self.per_use and eqn.primitive.name == "dot_general":
       return _gathered_dot(eqn, invals, self.index, self.per_leaf)
-    if eqn.primitive.name == "gather" and self.index.get(eqn.invars[0]) in self.tables:
-      return _gathered_lookup(eqn, invals, self.per_leaf[self.index[eqn.invars[0]]])
+    if self.tables and (looked_up := self.lookups(eqn, invals)) is not None:
+      return looked_up
     read = _row_read(eqn, self.index)
     if read is None or read[0] not in self.split:
       return None  # other reads of the leaf (w[i, :4], the whole stack) run as written
@@ -165,6 +175,63 @@ class _Rewrite:
     row, self.carried[k] = _read_row(self.carried.get(k, invals[0]), i,
                                      _bare(self.per_leaf[k][1]))
     return [row]
+
+
+_CALLS = frozenset({"pjit", "jit", "closed_call", "core_call"})
+# Equations whose output is their operand's values in its layout: a lookup into the output is
+# one into the table (`compute_dtype` casts).
+_SAME_LAYOUT = frozenset({"convert_element_type", "copy", "copy_p"})
+_RESHAPED = frozenset({"reshape", "squeeze", "expand_dims", "broadcast_in_dim", "transpose",
+                       "slice", "dynamic_slice"})
+
+
+@dataclasses.dataclass
+class _Lookups:
+  """Every spelling of a row lookup into a table, for `_Rewrite`: a ``gather`` of the table
+  or of a cast of it (``params["wte"][ids]``, ``lax.gather``), also inside the ``jit`` that
+  ``jnp.take`` and ``jnp.take_along_axis`` wrap around theirs. A ``one_hot @ table`` is a
+  matmul, gathered per use like any. A lookup into a reshaped or sliced table is left to XLA,
+  with a warning naming its source line: its gradient may then move the looked-up rows."""
+  tables: frozenset
+  per_leaf: list
+  leaf_of: dict  # var -> the table leaf whose values (in its layout) it holds
+  names: tuple
+  reshaped: dict = dataclasses.field(default_factory=dict)  # var -> table leaf, other layout
+
+  def __call__(self, eqn: Any, invals: list) -> list | None:
+    name = eqn.primitive.name
+    leaves = [self.leaf_of.get(v) if isinstance(v, Var) else None for v in eqn.invars]
+    if name == "gather":
+      if leaves[0] in self.tables:
+        return _gathered_lookup(eqn, invals, self.per_leaf[leaves[0]])
+      if isinstance(eqn.invars[0], Var) and eqn.invars[0] in self.reshaped:
+        k = self.reshaped[eqn.invars[0]]
+        name_ = self.names[k] if k < len(self.names) else f"leaf {k}"
+        warnings.warn(
+            f"zerojax: the lookup at {source_line(eqn)} reads parameter {name_!r} through a "
+            "reshape or slice, so its gradient is left to XLA's partitioner, which may move "
+            "the looked-up rows (activations) between devices; look rows up in the table as "
+            "it is (table[ids], jnp.take(table, ids, axis=0))", stacklevel=2)
+      return None
+    hit = [k for k in leaves if k in self.tables]
+    if not hit:
+      for v, out in zip(eqn.invars[:1], eqn.outvars[:1]):
+        if name in _RESHAPED and isinstance(v, Var) and v in self.reshaped:
+          self.reshaped[out] = self.reshaped[v]
+      return None
+    if name in _SAME_LAYOUT:
+      self.leaf_of[eqn.outvars[0]] = hit[0]
+    elif name in _RESHAPED and leaves[0] in self.tables:
+      self.reshaped[eqn.outvars[0]] = leaves[0]
+    elif name in _CALLS and "jaxpr" in eqn.params and jaxpr_has_primitive(
+        eqn.params["jaxpr"], frozenset({"gather"})):
+      inner = eqn.params["jaxpr"]  # inlined, so the lookup inside is seen
+      sub = _Lookups(self.tables, self.per_leaf, {
+          v: k for v, k in zip(inner.jaxpr.invars, leaves) if k is not None}, self.names,
+          {v: self.reshaped[o] for v, o in zip(inner.jaxpr.invars, eqn.invars)
+           if isinstance(o, Var) and o in self.reshaped})
+      return eval_jaxpr(inner, invals, sub)
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
