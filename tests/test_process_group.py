@@ -400,6 +400,15 @@ def test_peer_watch_takes_a_goodbye_for_no_death(capfd):
   assert exits == {} and "zerojax:" not in capfd.readouterr().err
 
 
+def test_peer_watch_ignores_a_stranger(capfd):
+  ws, exits = _watches(2)
+  port = ws[0]._server.getsockname()[1]
+  with socket.create_connection(("127.0.0.1", port)) as s:  # not one of the run's processes
+    s.sendall(b"HELLO 1 not-the-token\nFAIL\n")
+  time.sleep(0.3)
+  assert exits == {} and "zerojax:" not in capfd.readouterr().err
+
+
 def test_peer_watch_stops_the_others_after_an_error(capfd, monkeypatch):
   monkeypatch.setattr(peers, "FAILURE_GRACE", 0.2)
   ws, exits = _watches(2)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import secrets
 import selectors
 import socket
 import sys
@@ -67,6 +68,7 @@ class PeerWatch:
     self._left: set[int] = set()  # process 0: the processes whose connection closed
     self._exiting = False  # this process ends by itself: the watch no longer acts
     self._server: socket.socket | None = None
+    self._token = ""
     self._sel = selectors.DefaultSelector()
 
   # -- setting up ------------------------------------------------------------------------------
@@ -82,7 +84,10 @@ class PeerWatch:
     self._server = srv
     self._sel.register(srv, selectors.EVENT_READ, None)
     bracket = f"[{host}]" if ":" in host else host
-    client.key_value_set(_KEY, f"{bracket}:{srv.getsockname()[1]}")
+    # Only the run's processes know the token: a stray connection to the port (a scanner)
+    # can neither join nor be taken for a process that died.
+    self._token = secrets.token_hex(8)
+    client.key_value_set(_KEY, f"{bracket}:{srv.getsockname()[1]} {self._token}")
     threading.Thread(target=self._serve, daemon=True, name="zerojax-peer-watch").start()
 
   def wait_for_everyone(self, timeout: float) -> None:
@@ -101,11 +106,11 @@ class PeerWatch:
 
   def connect(self, client: Any, timeout: float) -> None:
     """Any other process: connects to process 0's watch (address from the key-value store)."""
-    address = client.blocking_key_value_get(_KEY, int(timeout * 1000))
+    address, token = client.blocking_key_value_get(_KEY, int(timeout * 1000)).split()
     host, port = split_address(address)
     conn = socket.create_connection((host, port), timeout=timeout)
     _keepalive(conn)
-    conn.sendall(f"HELLO {self.pid}\n".encode())
+    conn.sendall(f"HELLO {self.pid} {token}\n".encode())
     conn.settimeout(None)
     self._conns[0] = conn
     threading.Thread(target=self._follow, args=(conn,), daemon=True,
@@ -178,7 +183,8 @@ class PeerWatch:
         while b"\n" in buffers[sock]:
           line, buffers[sock] = buffers[sock].split(b"\n", 1)
           words = line.decode(errors="replace").split()
-          if words[:1] == ["HELLO"] and len(words) == 2 and words[1].isdigit():
+          if (words[:1] == ["HELLO"] and len(words) == 3 and words[1].isdigit()
+              and words[2] == self._token):
             owners[sock] = int(words[1])
             with self._lock:
               self._conns[int(words[1])] = sock
