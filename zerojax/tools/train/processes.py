@@ -145,26 +145,28 @@ def claim_out_dir(out_dir: str) -> Iterator[None]:
     OutDirInUseError: on every process of this run, when another run (another process group,
       or a process started alone) holds ``out_dir``; it names that run's pid and host.
   """
-  fd, error = None, ""
+  held, error = None, ""
   if jax.process_index() == 0:
     try:
-      fd = _lock(out_dir)
+      held = _lock(out_dir)
     except OutDirInUseError as e:
       error = str(e)
   first = agreement.exchange("out_dir-claim", error)[0]
   if first:
-    _release(fd)
+    _release(held)
     raise OutDirInUseError(first)
   try:
     yield
   finally:
-    _release(fd)
+    _release(held)
 
 
-def _lock(out_dir: str) -> int | None:
+def _lock(out_dir: str) -> tuple[int, str, bool] | None:
+  """``(descriptor, out_dir, whether this call created out_dir)``, or None (no lock here)."""
   if fcntl is None:
     return None
   path = os.path.join(out_dir, LOCK_NAME)
+  created = not os.path.isdir(out_dir)
   try:
     os.makedirs(out_dir, exist_ok=True)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -186,7 +188,7 @@ def _lock(out_dir: str) -> int | None:
            "started": time.strftime("%Y-%m-%d %H:%M:%S"), "argv": sys.argv}
   os.ftruncate(fd, 0)
   os.pwrite(fd, json.dumps(owner).encode(), 0)
-  return fd
+  return fd, out_dir, created
 
 
 def _holder(fd: int) -> str:
@@ -200,6 +202,15 @@ def _holder(fd: int) -> str:
     return "another process"
 
 
-def _release(fd: int | None) -> None:
-  if fd is not None:
-    os.close(fd)  # closing the only descriptor releases the lock
+def _release(held: tuple[int, str, bool] | None) -> None:
+  if held is None:
+    return
+  fd, out_dir, created = held
+  # A run refused before it wrote anything leaves no out_dir behind (it made it for the lock).
+  try:
+    if created and os.listdir(out_dir) == [LOCK_NAME]:
+      os.remove(os.path.join(out_dir, LOCK_NAME))
+      os.rmdir(out_dir)
+  except OSError:
+    pass
+  os.close(fd)  # closing the only descriptor releases the lock
