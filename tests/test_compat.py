@@ -53,11 +53,12 @@ def test_gpu_options_follow_the_release(monkeypatch, version, kept, added):
 def _option_sets():
   sets = {"default": fm.GPU_COMPILER_OPTIONS,
           "layers_ahead": {**fm.GPU_COMPILER_OPTIONS, **fm.GPU_LAYERS_AHEAD_OPTIONS},
-          "pipelined": fm.GPU_PIPELINED_OPTIONS}
+          "pipelined": fm.GPU_PIPELINED_OPTIONS,
+          "rows_ahead": {**fm.GPU_COMPILER_OPTIONS, **fm.GPU_ROWS_AHEAD_OPTIONS}}
   return {k: _compat.xla_gpu_options(v) for k, v in sets.items()}
 
 
-@pytest.mark.parametrize("name", ["default", "layers_ahead", "pipelined"])
+@pytest.mark.parametrize("name", ["default", "layers_ahead", "pipelined", "rows_ahead"])
 def test_this_release_takes_every_default_gpu_option(name):
   # XLA validates option names and values against its DebugOptions whatever the backend: a
   # refused option fails this CPU compile as it would fail a GPU one.

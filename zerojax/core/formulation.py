@@ -209,6 +209,10 @@ GPU_LAYERS_AHEAD_OPTIONS = {"xla_gpu_enable_analytical_latency_estimator": True,
                             "xla_gpu_experimental_parallel_collective_overlap_limit": 8,
                             "xla_gpu_experimental_collective_start_as_early_as_possible": True}
 
+# XLA:GPU, a pure function whose row matmuls gather one row matmul ahead
+# (`zerojax.core.rows`): see `compiler_options`.
+GPU_ROWS_AHEAD_OPTIONS = {"xla_gpu_experimental_parallel_collective_overlap_limit": 5}
+
 # XLA:GPU, collectives in flight where layers gathered one matmul layer ahead ran inside a
 # model's own checkpoints: see `compiler_options`.
 GPU_IN_CHECKPOINTS_IN_FLIGHT = 32
@@ -229,7 +233,8 @@ _USER_FLAGS = {"gpu": "XLA_FLAGS", "tpu": "LIBTPU_INIT_ARGS"}
 
 
 def compiler_options(plan: Any, layers_ahead: bool = False, pipelined: Any = None,
-                     in_checkpoints: bool = False) -> dict[str, Any] | None:
+                     in_checkpoints: bool = False, rows_ahead: bool = False
+                     ) -> dict[str, Any] | None:
   """XLA options the stage needs on this backend; ``layers_ahead``: for a step whose model
   (no scans) gathered its layers one matmul layer ahead (`zerojax.core.regather.prefetching`),
   ``in_checkpoints`` where some of them ran inside the model's own checkpoints
@@ -270,7 +275,11 @@ def compiler_options(plan: Any, layers_ahead: bool = False, pipelined: Any = Non
   blocks' re-runs in the backward pass gather too, and starting early held more of them at
   once (a small GPT's loop of remat blocks: 25.9 -> 33.8 MB of temp). Not started early,
   their collectives keep the same temp with more in flight, and more of them find a matmul
-  (`GPU_IN_CHECKPOINTS_IN_FLIGHT`). A scanned layer's
+  (`GPU_IN_CHECKPOINTS_IN_FLIGHT`). A pure function's row matmuls (``rows_ahead``, gathered
+  one row matmul ahead both ways) keep XLA's estimator and start times with five collectives
+  in flight: with one, each row's gradient reduce-scatter ran blocking, its slot wanted by
+  the next gather; with the analytical estimator, most reduce-scatters lost their matmuls.
+  A scanned layer's
   reduce-scatters lost their matmuls under the same options, so scanned models keep one in
   flight.
 
@@ -304,6 +313,8 @@ def compiler_options(plan: Any, layers_ahead: bool = False, pipelined: Any = Non
                     pipelined.gathered, GPU_PIPELINED_OPTIONS[
                         "xla_gpu_all_gather_combine_threshold_bytes"]),
                 "xla_gpu_reduce_scatter_combine_threshold_bytes": pipelined.reduced}
+  elif rows_ahead and not layers_ahead and platform == "gpu":
+    defaults = {**defaults, **GPU_ROWS_AHEAD_OPTIONS}
   elif layers_ahead and platform == "gpu":
     defaults = {**defaults, **GPU_LAYERS_AHEAD_OPTIONS}
     if in_checkpoints:

@@ -362,13 +362,15 @@ class ShardingPlan:
     return self.compiler_options_for(self.prefetches_next_layer and self.params_sharded)
 
   def compiler_options_for(self, layers_ahead: bool, pipelined: Any = None,
-                           in_checkpoints: bool = False) -> dict[str, Any] | None:
+                           in_checkpoints: bool = False, rows_ahead: bool = False
+                           ) -> dict[str, Any] | None:
     """XLA options the stage needs on this backend for a step whose model's layers did
     (``layers_ahead``; ``in_checkpoints``: some inside the model's own checkpoints) or did not
     gather one matmul layer ahead, and whose scanned layers ran one ahead (``pipelined``: the
-    largest layer's `zerojax.core.pipeline.OneAhead`) or not (None)
+    largest layer's `zerojax.core.pipeline.OneAhead`) or not (None), and whose pure
+    function's row matmuls gathered one ahead (``rows_ahead``)
     (`zerojax.core.formulation.compiler_options`)."""
-    return fm.compiler_options(self, layers_ahead, pipelined, in_checkpoints)
+    return fm.compiler_options(self, layers_ahead, pipelined, in_checkpoints, rows_ahead)
 
   @property
   def grads_reduced(self) -> PyTree:

@@ -13,11 +13,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
-from jax.extend.core import Var
+from jax.extend.core import Var, get_opaque_trace_state
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zerojax._compat import (bind_dot_general, eval_jaxpr, jaxpr_has_primitive, source_line,
                              var_uses)
+from zerojax.core import context
 from zerojax.core.gather import GATHERED, after, gather, token_of
 from zerojax.core.leaves import path_str
 from zerojax.core.remat import checkpoint_model
@@ -139,12 +140,13 @@ class _Rewrite:
   barrier: bool  # `ShardingPlan.waits_by_barrier`
   # `ShardingPlan.prefetches_next_layer`: a row matmul's gather waits for the operand of the
   # row matmul before it (``previous``), not its own, so it can run beside that matmul. The
-  # step keeps the base compile options for it: with those for layers ahead (as
-  # `zerojax.core.regather`'s) pattern g had 65% of its all-gathers beside a matmul, not 73%.
+  # step then compiles with the options for rows ahead
+  # (`zerojax.core.formulation.GPU_ROWS_AHEAD_OPTIONS`).
   prefetch: bool = False
   tables: frozenset = frozenset()  # leaves summed whole (per use: gathered) where looked up in
   names: tuple = ()  # the leaves' paths, for warnings
   previous: Any = None
+  link: Any = None  # the last row matmul's `_Link`, under ``prefetch``
   carried: dict = dataclasses.field(default_factory=dict)  # leaf -> stack the next row reads
 
   def __post_init__(self):
@@ -159,10 +161,16 @@ class _Rewrite:
       use = _Gather.of(rest, compute, grad, self.barrier) if self.per_use else None
       other = invals[1 - pos]
       wait = self.previous if self.prefetch and self.previous is not None else other
+      link = (None, None)
+      if self.prefetch and use is not None:
+        if (ctx := context.current()) is not None:
+          ctx.rows_ahead = True
+        link = (self.link, _Link())
+        self.link = link[1]
       self.previous = other
       out, self.carried[k] = _row_dot(
           self.carried.get(k, self.leaves[k]), other, wait, i, pos, _Dot.of(eqn), grad,
-          k not in self.carried, use)
+          k not in self.carried, use, link)
       return [out]
     if self.per_use and eqn.primitive.name == "dot_general":
       return _gathered_dot(eqn, invals, self.index, self.per_leaf)
@@ -290,15 +298,25 @@ def _row(w: jax.Array, i: int, operand: jax.Array, gathered: Any, grad: NamedSha
   return jax.lax.dynamic_index_in_dim(w, i, axis=0, keepdims=False)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7, 8))
+class _Link:
+  """Between a row matmul and the one after it (under prefetch): the later one's output
+  cotangent, set when its backward pass begins, which the earlier one's re-gather waits for,
+  so that it runs beside the later one's backward matmuls. Identity-hashed: a static argument
+  of `_row_dot`."""
+
+  def __init__(self):
+    self.cotangent, self.trace = None, None
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7, 8, 9))
 def _row_dot(w: jax.Array, other: jax.Array, wait: jax.Array, i: int, pos: int, dot: _Dot,
-             grad: NamedSharding, first: bool, gathered: "_Gather | None"
-             ) -> tuple[jax.Array, jax.Array]:
+             grad: NamedSharding, first: bool, gathered: "_Gather | None",
+             link: tuple = (None, None)) -> tuple[jax.Array, jax.Array]:
   """``(dot(w[i], other), w)``: a matmul with a row of ``w``, and ``w`` to read the next row
   from (threaded as in `_read_row`; ``first``: no read of ``w`` came before). The row is
   sliced after ``wait`` exists (``other``, or the previous row matmul's operand: see
   `_Rewrite.prefetch`) and not saved: the backward pass slices it again after the output's
-  cotangent exists. Per use (``gathered``), the row is gathered for the matmul, both
+  cotangent exists (under prefetch, the next row matmul's: ``link``, a pair of `_Link`). Per use (``gathered``), the row is gathered for the matmul, both
   times, and only its shard is ever saved.
 
   Except the first read's row, which is saved: its re-slice would feed only the cotangent of
@@ -311,16 +329,21 @@ def _row_dot(w: jax.Array, other: jax.Array, wait: jax.Array, i: int, pos: int, 
   return dot(use(_row(w, i, wait, gathered, grad)), other, pos), w
 
 
-def _row_dot_fwd(w, other, wait, i, pos, dot, grad, first, gathered):
+def _row_dot_fwd(w, other, wait, i, pos, dot, grad, first, gathered, link):
   row = _row(w, i, wait, gathered, grad)
   use = gathered or (lambda r: r)
   return (dot(use(row), other, pos), w), (w, other, row if first else None)
 
 
-def _row_dot_bwd(i, pos, dot, grad, first, gathered, res, cts):
+def _row_dot_bwd(i, pos, dot, grad, first, gathered, link, res, cts):
   w, other, saved = res
   ct_out, ct_w = cts
-  row = saved if first else _row(w, i, ct_out, gathered, grad)
+  earlier, mine = link
+  trace = get_opaque_trace_state()
+  if earlier is not None:  # the row matmul before this one re-gathers once this cotangent is
+    earlier.cotangent, earlier.trace = ct_out, trace
+  wait = mine.cotangent if mine is not None and mine.trace == trace else ct_out
+  row = saved if first else _row(w, i, wait, gathered, grad)
   row = gathered(row) if gathered is not None else row
   _, vjp = jax.vjp(lambda r, o: dot(r, o, pos), row, other)
   ct_row, ct_other = vjp(ct_out)

@@ -190,7 +190,7 @@ class ZeroStep:
     ahead = [o for o in ctx.scans if isinstance(o, OneAhead)]
     options = plan.compiler_options_for(
         ctx.layers_ahead, OneAhead(*map(max, zip(*ahead))) if ahead else None,
-        ctx.layers_in_checkpoints)
+        ctx.layers_in_checkpoints, ctx.rows_ahead)
     return jitted if options == plan.compiler_options else jit(options)
 
   def _dispatch(self, args):
