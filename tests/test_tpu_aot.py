@@ -136,8 +136,15 @@ def test_tpu_hbm_available_is_the_compilers():
   t = memory.tpu_topology("v5p:2x2x1")
   # What the compiler allows one program: 95.74 GiB on libtpu 0.0.42.1, 10.2 MiB less on
   # 0.0.50.1 (jax 0.12.0.1's).
-  assert abs(memory.hbm_available(t.devices[0]) - 95.74 * 2**30) <= 16 * 2**20
+  assert abs(memory.hbm_available(t.devices[0], measure=True) - 95.74 * 2**30) <= 16 * 2**20
   assert memory.HBM_PER_CHIP["v5p"] == 95 * 2**30
+  # The figures listed for the installed libtpu (read without a compile) are the compiler's.
+  listed = {kind: b for (release, kind), b in memory.USABLE_HBM.items()
+            if release == memory._libtpu_version()}
+  for name in ("v4:2x2x1", "v5e:2x4", "v5p:2x2x1", "v6e:2x4"):
+    d = memory.tpu_topology(name).devices[0]
+    if d.device_kind in listed:
+      assert memory.hbm_available(d, measure=True) == listed[d.device_kind], name
 
 
 @needs_libtpu
@@ -339,3 +346,93 @@ def test_tpu_compiles_host_weights_in_scanned_layers(remat):
                max_live_layers=2, compute_dtype="bfloat16")
   assert r.compiled is not None and r.fits, r.error
   assert r.host_argument > 0
+
+
+# -- one reading of the bytes, one compile (#53.4, #53.5) ----------------------------------------
+
+# Small enough to compile in seconds, large enough that XLA:TPU makes windowed-einsum loops: a
+# one-layer scanned MLP, weights sharded on d_model (hand-written FSDP's rule), batch on the
+# mesh. The loops print no trip count (their counter steps by 2) and one all-gather's
+# continuation fusions compute inside one of them.
+WINDOWED = dict(layers=1, d=512, f=1024, rows=16, seq=1024)
+
+
+def _windowed_step():
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+  mesh = Mesh(np.array(memory.tpu_topology(TOPOLOGY).devices), ("fsdp",))
+  L, d, f, rows, seq = (WINDOWED[k] for k in ("layers", "d", "f", "rows", "seq"))
+
+  def loss(ws, x):
+    def layer(h, w):
+      return jnp.tanh(h @ w[0].astype(jnp.bfloat16)) @ w[1].astype(jnp.bfloat16), None
+    return jnp.mean(jax.lax.scan(layer, x, ws)[0].astype(jnp.float32) ** 2)
+
+  def step(ws, x):
+    return jax.tree.map(lambda w, g: w - 0.1 * g, ws, jax.grad(loss)(ws, x))
+
+  w_sh = NamedSharding(mesh, P(None, "fsdp", None))
+  x_sh = NamedSharding(mesh, P("fsdp"))
+  ws = (jax.ShapeDtypeStruct((L, d, f), jnp.float32, sharding=w_sh),
+        jax.ShapeDtypeStruct((L, f, d), jnp.float32, sharding=w_sh))
+  x = jax.ShapeDtypeStruct((rows, seq, d), jnp.bfloat16, sharding=x_sh)
+  return jax.jit(step, in_shardings=((w_sh, w_sh), x_sh), out_shardings=(w_sh, w_sh)).lower(
+      ws, x).compile().as_text()
+
+
+@needs_libtpu
+def test_tpu_windowed_einsum_loops_one_reading():
+  text = _windowed_step()
+  comps, mult = memory._parse_hlo(text)
+  loops = [n for n in comps if "windowed_dot_general_body" in n]
+  assert loops, "XLA:TPU made no windowed-einsum loop of this step"
+  # An all-gather whose continuation computes inside a windowed loop: its channel sits in
+  # the loop body's fusions and in the start and done fusions outside it.
+  assert any(" fusion(" in l and "async_collective_fusion" in l for n in loops
+             for l in comps[n])
+  weight = WINDOWED["d"] * WINDOWED["f"] * 2  # one layer's weight in bf16: 1 MiB
+  got = memory.collective_bytes(text)
+  # One weight gathered whole once (it was 2 MiB: once per computation holding a copy)
+  assert got["all-gather"] == weight
+  for kind in ("all-gather", "reduce-scatter"):
+    assert memory.collective_schedule(text, kind).total == got[kind], kind
+  # Each windowed loop's trip count is read from its counter (it steps by 2), and the loop
+  # rings one weight's shards round the mesh: the whole weight a loop.
+  for n in loops:
+    trips = mult[n] // WINDOWED["layers"]
+    assert trips >= 2, n
+    per_trip = sum(memory._op_bytes(l) for l in comps[n] if " collective-permute-start(" in l)
+    assert per_trip * trips == weight, n
+  assert got["collective-permute"] >= len(loops) * weight
+
+
+@needs_libtpu
+def test_tpu_stage3_one_reading(stage3):
+  from tests.test_memory_readings import assert_one_reading
+  assert_one_reading(stage3)
+
+
+@needs_libtpu
+def test_tpu_stage3_compiles_once(monkeypatch, stage3):
+  """One XLA:TPU compile: the step's. Reading the chip's usable HBM compiled a probe of its
+  own once per process (#53.5); the figure is listed for this libtpu."""
+  from tests.test_memory_readings import CompileCounter
+  assert (memory._libtpu_version(), stage3.device_kind) in memory.USABLE_HBM
+  monkeypatch.setattr(memory, "_AVAILABLE", {})  # as in a fresh process
+  with CompileCounter() as c:
+    r = _compile(stage=3)
+  assert c.names == ["jit(step)"], c.names
+  assert r.hbm_available == stage3.hbm_available == int(15.75 * 2**30)
+  # the same step as the fixture's compile: memory, bytes and instructions (the module's
+  # table of source locations names this test's frames)
+  assert r.measured == stage3.measured
+  assert _instructions(r.compiled.as_text()) == _instructions(stage3.compiled.as_text())
+
+
+def _instructions(hlo_text: str) -> list[str]:
+  """A compiled module's computations without metadata, nor its source-location tables."""
+  import re
+  return [re.sub(r", metadata=\{[^}]*\}", "", l) for l in hlo_text.splitlines()
+          if l.startswith(("%", "ENTRY", " ", "}"))]

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import importlib.metadata
 import importlib.util
 import itertools
 import math
@@ -54,9 +55,9 @@ __all__ = ["PAPER_K", "paper_bytes", "Estimate", "num_params", "estimate", "Meas
            "collective_schedule", "replica_groups", "reductions", "activation_collectives",
            "textbook_bytes", "GiB", "HBM_PER_CHIP", "PEAK_FLOPS_PER_CHIP",
            "HBM_BANDWIDTH_PER_CHIP", "ICI_BANDWIDTH_PER_CHIP", "TOPOLOGY_EXAMPLES", "TPU_EXTRA",
-           "tpu_topology", "topology_size", "hbm_available", "TopologyCompile", "lm_train_step",
-           "next_token_loss", "compile_for_topology", "DeviceMemoryError", "bytes_limit",
-           "compiled_peak", "check_fits", "check_state_fits"]
+           "tpu_topology", "topology_size", "hbm_available", "USABLE_HBM", "TopologyCompile",
+           "lm_train_step", "next_token_loss", "compile_for_topology", "DeviceMemoryError",
+           "bytes_limit", "compiled_peak", "check_fits", "check_state_fits"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,7 +122,9 @@ def collective_bytes(hlo_text: str) -> dict[str, int]:
     gradient reduce-scatter shows up here as all-reduce at twice its ideal volume;
   * all-to-all, collective-permute: their result size.
 
-  An op inside a ``while`` body counts once per iteration (the loop's known trip count).
+  Each op counts once per execution where it is issued (see `collective_bytes_by_dtype`):
+  inside a ``while`` body once per iteration, by the loop's known trip count or, where XLA
+  prints none (XLA:TPU), the one its counter gives (`_trip_from_condition`).
   """
   out = {k: 0 for k in _KINDS}
   for (kind, _), b in collective_bytes_by_dtype(hlo_text).items():
@@ -136,68 +139,155 @@ def collective_bytes_by_dtype(hlo_text: str, scope: str | None = None
                               ) -> dict[tuple[str, str], int]:
   """`collective_bytes` split by element type: ``{(kind, dtype): bytes}`` with HLO's dtype
   names (``'f32'``, ``'bf16'``, ``'s8'``, ...); e.g. ZeRO++'s int8 gathers are
-  ``('all-gather', 's8')`` plus their ``f32`` scales. ``scope``: count only collectives whose
-  metadata ``op_name`` contains it (a ``jax.named_scope``, e.g. `zerojax.core.zeropp.GATHER_SCOPE`)."""
+  ``('all-gather', 's8')`` plus their ``f32`` scales.
+
+  Each collective counts where it is issued: a synchronous op, or the start of an
+  asynchronous one (XLA:GPU's ``*-start`` or ``async-start``, XLA:TPU's
+  ``async-collective-start`` fusion), once per run of the computation issuing it (`_sites`).
+  Dones and XLA:TPU's continuation fusions hold copies of the same collective and count
+  nothing, wherever they sit (XLA:TPU puts continuations inside its windowed-einsum loops);
+  `collective_schedule` reads the same sites.
+
+  Args:
+    hlo_text: ``compiled.as_text()``.
+    scope: count only collectives whose metadata ``op_name`` contains it (a
+      ``jax.named_scope``, e.g. `zerojax.core.zeropp.GATHER_SCOPE`).
+
+  Returns:
+    Bytes per device per step by ``(kind, dtype)``.
+  """
   comps, mult = _parse_hlo(hlo_text)
   out: dict[tuple[str, str], int] = {}
-  # XLA:TPU runs a collective asynchronously as a start fusion, continuation fusions that
-  # compute while it is in flight, and a done fusion; each fused computation holds a copy of
-  # the collective with the same channel_id. One channel is one collective in the computation
-  # that runs those fusions: count it once there. A copy in another computation (a loop's
-  # first iteration peeled out of it by a pipeliner) runs on its own.
-  owner = _fusion_owners(comps)
-  chained = _async_chains(comps)
-  channels: dict[tuple[str, str, int, str, str], tuple[str, str, int]] = {}
-  for name, lines in comps.items():
-    k = mult.get(name, 0)
-    if not k:
-      continue
-    here: dict[tuple[str, int, str, str], tuple[str, str, int]] = {}
-    for line in lines:
-      m = _OP.search(line)
-      if not m:
-        continue
-      kind = m.group(2)
-      ch = _CHANNEL.search(line)
-      op = _OP_NAME.search(line)
-      if scope is not None and (op is None or scope not in op.group(1)):
-        continue
-      if kind == "all-reduce" and not m.group(3):
-        parts = []
-        for n, sliced, dt in _all_reduce_parts(line, m.group(1), lines, comps):
-          # CPU lowering of reduce-scatter: all-reduce, then each device keeps its slice.
-          parts.append(("reduce-scatter", dt, k * n) if sliced else ("all-reduce", dt, k * 2 * n))
-      else:
-        parts = [(kind, dt, k * n) for dt, n in _paper_bytes(kind, bool(m.group(3)), m.group(1),
-                                                            line).items()]
-      for i, (kind, dt, b) in enumerate(parts):
-        if ch is None:
-          out[(kind, dt)] = out.get((kind, dt), 0) + b
-        else:
-          # Collectives written out in shard_map may all carry channel_id=1, so within one
-          # computation every op counts; a copy of one op in another fused computation of
-          # its async chain has the same channel, metadata name and element type. Outside a
-          # chain every computation's ops are their own: XLA:TPU's reduce-scatter fusions
-          # (an all-reduce and a slice) all carry channel_id=1 and no metadata name.
-          where = owner.get(name, name) if name in chained else name
-          key = (where, ch.group(1), i, op.group(1) if op else "", dt)
-          prev = here.get(key, (kind, dt, 0))
-          here[key] = (kind, dt, prev[2] + b)
-    for key, v in here.items():
-      if key not in channels or channels[key][2] < v[2]:
-        channels[key] = v
-  for kind, dt, b in channels.values():
-    out[(kind, dt)] = out.get((kind, dt), 0) + b
+  for _, k, site in _issued(comps, mult, scope):
+    for kind, dt, b in site.parts:
+      out[(kind, dt)] = out.get((kind, dt), 0) + k * b
   return out
 
 
-def _async_chains(comps: dict[str, list[str]]) -> set[str]:
-  """The fused computations of XLA:TPU's asynchronous collectives: the start and done
-  (``AsyncCollectiveStart`` / ``AsyncCollectiveDone`` custom calls) and the continuations
-  (``async_collective_fusion``), each holding a copy of the same collective."""
-  return {name for name, lines in comps.items()
-          if name.startswith("async_collective_fusion")
-          or any("AsyncCollectiveStart" in l or "AsyncCollectiveDone" in l for l in lines)}
+@dataclasses.dataclass(frozen=True)
+class _Site:
+  """One collective instruction as the computation running it issues or awaits it."""
+
+  index: int  # position in that computation's schedule (its named instructions)
+  phase: str  # 'start', 'done' or 'sync'
+  key: str  # pairs a start with its done: the start's name (XLA:GPU), channel (XLA:TPU)
+  line: str  # the collective's own instruction (inside a fusion or async wrapper)
+  op_name: str | None  # its JAX operation (metadata), else its wrapper's
+  parts: tuple[tuple[str, str, int], ...] = ()  # (kind, dtype, bytes); starts and syncs only
+
+
+_DONE = re.compile(r"\s(?:all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute|"
+                   r"async)-done\(%([\w.\-]+)")
+_ASYNC_START = re.compile(r"\sasync-start\(")
+
+
+def _runners(comps: dict[str, list[str]]) -> set[str]:
+  """Computations whose instructions run as such: not fused computations nor the bodies of
+  XLA:GPU's ``async-start`` wrappers (their instruction issues what they hold)."""
+  wrapped = {c for lines in comps.values() for l in lines if _ASYNC_START.search(l)
+             for c in _CALLEE.findall(l)}
+  return set(comps) - set(_fusion_owners(comps)) - wrapped
+
+
+def _inner_collectives(comps: dict[str, list[str]], callee: str, depth: int = 0
+                       ) -> list[tuple[str, list[str]]]:
+  """``(instruction, its computation's lines)`` of each collective in a fused or wrapped
+  computation, through nested fusions."""
+  out = []
+  body = comps.get(callee, [])
+  for l in body:
+    if _OP.search(l):
+      out.append((l, body))
+    elif " fusion(" in l and depth < 8:
+      for c in _CALLEE.findall(l):
+        out.extend(_inner_collectives(comps, c, depth + 1))
+  return out
+
+
+def _parts(line: str, lines: list[str], comps: dict[str, list[str]]
+           ) -> tuple[tuple[str, str, int], ...]:
+  """``(kind, dtype, bytes)`` of one collective instruction in the paper's convention. A
+  synchronous all-reduce whose result is only sliced (XLA:CPU's reduce-scatter, XLA:TPU's
+  ``all-reduce-scatter`` fusions) is a reduce-scatter."""
+  m = _OP.search(line)
+  kind, start = m.group(2), bool(m.group(3))
+  if kind == "all-reduce" and not start:
+    return tuple(("reduce-scatter", dt, n) if sliced else ("all-reduce", dt, 2 * n)
+                 for n, sliced, dt in _all_reduce_parts(line, m.group(1), lines, comps))
+  return tuple((kind, dt, n) for dt, n in _paper_bytes(kind, start, m.group(1), line).items())
+
+
+def _op_name(line: str) -> str | None:
+  m = _OP_NAME.search(line)
+  return m.group(1) if m else None
+
+
+def _sites(comps: dict[str, list[str]], name: str, has_matmul: Any = None
+           ) -> tuple[list[_Site], list[tuple[int, bool]]]:
+  """The collectives one running computation issues and awaits, in schedule order, and
+  (with ``has_matmul``) its computations ``(index, has a matmul)``.
+
+  A start is XLA:GPU's ``<kind>-start`` (synchronous where its backend config says
+  ``"is_sync": true``) or ``async-start`` around a collective, or XLA:TPU's
+  ``async-collective-start`` fusion (its ``AsyncCollectiveStart``); a done pairs with it by
+  the start's name (XLA:GPU) or channel (XLA:TPU). XLA:TPU's continuation fusions
+  (``async_collective_fusion``) compute while their collective is in flight: computation
+  here, no collective. Any other fusion holding a collective issues it synchronously."""
+  lines = [l for l in comps.get(name, []) if _name_of(l)]
+  sites: list[_Site] = []
+  compute: list[tuple[int, bool]] = []
+  for i, l in enumerate(lines):
+    nm = _name_of(l)
+    m = _OP.search(l)
+    if m:
+      phase = "start" if m.group(3) and not _SYNC.search(l) else "sync"
+      sites.append(_Site(i, phase, nm, l, _op_name(l), _parts(l, comps[name], comps)))
+      continue
+    done = _DONE.search(l)
+    if done:
+      sites.append(_Site(i, "done", done.group(1), l, _op_name(l)))
+      continue
+    if _ASYNC_START.search(l) or " fusion(" in l:
+      callee = (_CALLEE.findall(l) or [""])[0]
+      inner = _inner_collectives(comps, callee)
+      if inner:
+        body = "\n".join(comps.get(callee, []))
+        if callee.startswith("async_collective_fusion"):
+          if has_matmul is not None:
+            compute.append((i, has_matmul(l)))  # runs while its collective progresses
+          continue
+        if "AsyncCollectiveDone" in body or nm.startswith("async-collective-done"):
+          phase = "done"
+        elif (_ASYNC_START.search(l) or "AsyncCollectiveStart" in body
+              or nm.startswith("async-collective-start")):
+          phase = "start"
+        else:
+          phase = "sync"
+        for il, ilines in inner:
+          ch = _CHANNEL.search(il)
+          key = nm if _ASYNC_START.search(l) or ch is None else "ch" + ch.group(1)
+          sites.append(_Site(i, phase, key, il, _op_name(il) or _op_name(l),
+                             () if phase == "done" else _parts(il, ilines, comps)))
+        continue
+    if has_matmul is not None and (" fusion(" in l or any(op in l for op in _COMPUTE_OPS)):
+      compute.append((i, has_matmul(l)))
+  return sites, compute
+
+
+def _issued(comps: dict[str, list[str]], mult: dict[str, int], scope: str | None = None):
+  """``(computation, runs per step, site)`` of every collective issued (a start or a
+  synchronous op) by a running computation, under ``scope`` where given."""
+  for name in _runners(comps):
+    k = mult.get(name, 0)
+    if not k:
+      continue
+    for site in _sites(comps, name)[0]:
+      if site.phase != "done" and _in_scope(site, scope):
+        yield name, k, site
+
+
+def _in_scope(site: _Site, scope: str | None) -> bool:
+  return scope is None or (site.op_name is not None and scope in site.op_name)
 
 
 def _fusion_owners(comps: dict[str, list[str]]) -> dict[str, str]:
@@ -306,8 +396,10 @@ _LT = re.compile(r"ROOT .*compare\(%([\w.\-]+), %([\w.\-]+)\), direction=LT")
 def _trip_from_condition(while_line: str, comps: dict[str, list[str]],
                          caller: list[str]) -> int | None:
   """Trip count of a ``while`` without ``known_trip_count`` (XLA:TPU prints none): its
-  condition is ``counter < N`` with N a constant, and the counter starts at a constant
-  (through copies) in the loop's initial tuple."""
+  condition is ``state[i] < N`` with N a constant, ``state[i]`` starts at a constant
+  (through copies) in the loop's initial tuple and the body adds a constant step to it (1
+  where the body's update is not that form). XLA:TPU's windowed-einsum loops keep their
+  counter past the operands and step it by 2 (two chunks an iteration)."""
   cond = _COND.search(while_line)
   lines = comps.get(cond.group(1), []) if cond else []
   root = next((_LT.search(l) for l in lines if _LT.search(l)), None)
@@ -316,16 +408,47 @@ def _trip_from_condition(while_line: str, comps: dict[str, list[str]],
   bound = _constant(root.group(2), lines)
   if bound is None:
     return None
+  counter = next((l for l in lines if _name_of(l) == root.group(1)), "")
+  idx = re.search(r"\sget-tuple-element\(.*index=(\d+)", counter)
+  index = int(idx.group(1)) if idx else 0
   init = re.search(r"\swhile\(%([\w.\-]+)\)", while_line)
   start = 0
   if init:
     tup = next((l for l in caller if _name_of(l) == init.group(1)), "")
-    first = re.search(r"\stuple\(%([\w.\-]+)", tup)
-    if first:
-      start = _constant(first.group(1), caller)
+    operands = _tuple_operands(tup)
+    if index < len(operands):
+      start = _constant(operands[index], caller)
       if start is None:
         return None
-  return max(bound - start, 0)
+  body = _WHILE.search(while_line)
+  step = _step(comps.get(body.group(1), []) if body else [], index)
+  return max(-(-(bound - start) // step), 0)
+
+
+def _tuple_operands(line: str) -> list[str]:
+  """The operand names of a ``tuple(...)`` instruction."""
+  m = re.search(r"\stuple\((.*?)\)(?:,|$)", line)
+  return re.findall(r"%([\w.\-]+)", m.group(1)) if m else []
+
+
+def _step(body: list[str], index: int) -> int:
+  """What a loop body adds to its state's element ``index`` each iteration: the constant of
+  ``add(get-tuple-element(param, index), constant)`` at that place of its root tuple, else 1."""
+  root = next((l for l in body if l.lstrip().startswith("ROOT") and " tuple(" in l), "")
+  operands = _tuple_operands(root)
+  if index >= len(operands):
+    return 1
+  update = next((l for l in body if _name_of(l) == operands[index]), "")
+  add = re.search(r"\sadd\(%([\w.\-]+), %([\w.\-]+)\)", update)
+  if not add:
+    return 1
+  for counter, c in ((add.group(1), add.group(2)), (add.group(2), add.group(1))):
+    gte = next((l for l in body if _name_of(l) == counter), "")
+    if re.search(rf"\sget-tuple-element\(.*index={index}\b", gte):
+      step = _constant(c, body)
+      if step is not None and step > 0:
+        return step
+  return 1
 
 
 def _constant(name: str, lines: list[str], depth: int = 0) -> int | None:
@@ -418,40 +541,43 @@ def collective_schedule(hlo_text: str, kind: str = "all-gather",
   if kind not in ("all-gather", "reduce-scatter"):
     raise ValueError(f"kind={kind!r} is invalid: 'all-gather' or 'reduce-scatter'")
   comps, mult = _parse_hlo(hlo_text)
-  fused = _fusion_owners(comps).keys()
   has_matmul = _matmul_finder(comps)
   asynchronous = overlapped = overlapped_mm = synchronous = pairs = overlapped_pairs = 0
-  for name, lines in comps.items():
+  for name in _runners(comps):
     k = mult.get(name, 0)
-    if name in fused or not k:
+    if not k:
       continue
-    events = _schedule_events([l for l in lines if _name_of(l)], kind, comps, has_matmul,
-                              scope)
-    synchronous += k * events.synchronous
-    for key, (i, b) in events.starts.items():
-      j = events.dones.get(key)
-      if j is None:
+    sites, compute = _sites(comps, name, has_matmul)
+    starts: dict[str, list[tuple[int, int]]] = {}
+    dones: dict[str, list[int]] = {}
+    for s in sites:
+      if not _in_scope(s, scope) and s.phase != "done":
         continue
-      pairs += 1
-      asynchronous += k * b
-      between = [mm for c, mm in events.compute if ((i < c < j) if j > i else (c > i or c < j))]
-      if between:
-        overlapped += k * b
-        overlapped_pairs += 1
-        if any(between):
-          overlapped_mm += k * b
+      b = sum(n for kd, _, n in s.parts if kd == kind)
+      if s.phase == "sync":
+        synchronous += k * b
+      elif s.phase == "start" and b:
+        starts.setdefault(s.key, []).append((s.index, b))
+      elif s.phase == "done":
+        dones.setdefault(s.key, []).append(s.index)
+    for key, issued in starts.items():
+      for n, (i, b) in enumerate(issued):
+        pairs += 1
+        asynchronous += k * b
+        awaited = dones.get(key, [])
+        # A done before its start in a loop body awaits the next iteration's (pipelined
+        # across the back edge): what runs beside it wraps around. A start awaited in
+        # another computation is in flight at least until this one ends.
+        j = awaited[n] if n < len(awaited) else None
+        between = [mm for c, mm in compute
+                   if (c > i if j is None else (i < c < j) if j > i else (c > i or c < j))]
+        if between:
+          overlapped += k * b
+          overlapped_pairs += 1
+          if any(between):
+            overlapped_mm += k * b
   return GatherSchedule(asynchronous + synchronous, asynchronous, overlapped, synchronous,
                         pairs, overlapped_pairs, overlapped_mm, kind)
-
-
-@dataclasses.dataclass
-class _Events:
-  """One computation's collectives of a kind, in schedule positions (`collective_schedule`)."""
-
-  starts: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)  # key: (i, bytes)
-  dones: dict[str, int] = dataclasses.field(default_factory=dict)  # key: i
-  compute: list[tuple[int, bool]] = dataclasses.field(default_factory=list)  # (i, has a matmul)
-  synchronous: int = 0  # bytes of blocking collectives (once; the caller weights by runs)
 
 
 def _op_bytes(line: str) -> int:
@@ -460,78 +586,14 @@ def _op_bytes(line: str) -> int:
 
 
 def _collectives(comps: dict[str, list[str]], callee: str) -> list[tuple[str, str | None, int]]:
-  """``(kind, channel id, bytes)`` of each collective inside a fused computation. An
-  all-reduce whose result is only sliced (XLA:TPU's ``all-reduce-scatter`` fusions) is a
-  reduce-scatter, as `collective_bytes` counts it."""
+  """``(kind, channel id, bytes)`` of each collective inside a fused computation, as
+  `collective_bytes` counts it (`_parts`)."""
   out = []
-  body = comps.get(callee, [])
-  for l in body:
-    m = _OP.search(l)
-    if not m:
-      continue
+  for l, lines in _inner_collectives(comps, callee):
     ch = _CHANNEL.search(l)
-    channel = ch.group(1) if ch else None
-    if m.group(2) == "all-reduce" and not m.group(3):
-      for n, sliced, _ in _all_reduce_parts(l, m.group(1), body, comps):
-        out.append(("reduce-scatter", channel, n) if sliced else ("all-reduce", channel, 2 * n))
-    else:
-      out.append((m.group(2), channel,
-                  sum(_paper_bytes(m.group(2), bool(m.group(3)), m.group(1), l).values())))
+    for kind, _, n in _parts(l, lines, comps):
+      out.append((kind, ch.group(1) if ch else None, n))
   return out
-
-
-def _schedule_events(seq: list[str], kind: str, comps: dict[str, list[str]],
-                     has_matmul: Any, scope: str | None = None) -> _Events:
-  """The starts, dones, computations and blocking bytes of one computation's instructions
-  (of collectives under ``scope`` only, where given)."""
-  start_op, done_op, sync_op = f" {kind}-start(", f" {kind}-done(", f" {kind}("
-  ev = _Events()
-  for i, l in enumerate(seq):
-    nm = _name_of(l)
-    if scope is not None and (start_op in l or (sync_op in l and _OP.search(l))):
-      op = _OP_NAME.search(l)
-      if op is None or scope not in op.group(1):
-        continue
-    if start_op in l:
-      if _SYNC.search(l):
-        ev.synchronous += _op_bytes(l)
-      else:
-        ev.starts[nm] = (i, _op_bytes(l))
-    elif done_op in l:
-      op = re.search(re.escape(done_op.strip()) + r"%([\w.\-]+)", l)
-      if op:
-        ev.dones[op.group(1)] = i
-    elif sync_op in l and _OP.search(l):
-      ev.synchronous += _op_bytes(l)
-    elif " fusion(" in l:
-      _fusion_event(ev, i, l, nm, kind, comps, has_matmul, scope)
-    elif any(op in l for op in _COMPUTE_OPS):
-      ev.compute.append((i, has_matmul(l)))
-  return ev
-
-
-def _fusion_event(ev: _Events, i: int, l: str, nm: str, kind: str,
-                  comps: dict[str, list[str]], has_matmul: Any, scope: str | None = None
-                  ) -> None:
-  """A fusion: XLA:TPU's async collective start or done, a continuation, or computation."""
-  callee = (_CALLEE.findall(l) or [""])[0]
-  colls = _collectives(comps, callee)
-  mine = [(ch, b) for kd, ch, b in colls if kd == kind]
-  op = _OP_NAME.search(l)
-  if mine and scope is not None and (op is None or scope not in op.group(1)):
-    return  # a collective outside the scope asked for
-  if nm.startswith("async-collective-start"):
-    for ch, b in mine:
-      ev.starts[ch or nm] = (i, b)
-  elif nm.startswith("async-collective-done"):
-    for ch, _ in mine:
-      ev.dones[ch or nm] = i
-  elif callee.startswith("async_collective_fusion"):
-    ev.compute.append((i, has_matmul(l)))  # runs while its collective progresses
-  elif mine:
-    ev.synchronous += sum(b for _, b in mine)
-  elif not colls:
-    ev.compute.append((i, has_matmul(l)))
 
 
 def gather_schedule(hlo_text: str) -> GatherSchedule:
@@ -729,43 +791,31 @@ def activation_collectives(hlo_text: str, plan: Any) -> dict[tuple[str, str, str
            for k, p in ((False, _param_shapes(plan)), (True, _param_shapes(plan, shards=True)))}
   total = sum(math.prod(lp.shape) for lp in plan.leaves)
   comps, mult = _parse_hlo(hlo_text)
-  chained = _async_chains(comps)
   out: dict[tuple[str, str], int] = {}
-  seen: set[tuple[str, str]] = set()
-  for name, lines in comps.items():
-    k = mult.get(name, 0)
-    if not k:
-      continue
-    for line in lines:
-      m = _OP.search(line)
-      if not m:
+  # Each collective where it is issued, as `collective_bytes` reads it (`_issued`).
+  for _, k, site in _issued(comps, mult):
+    line = site.line
+    m = _OP.search(line)
+    kind, start = m.group(2), bool(m.group(3))
+    operands, results = _async_halves(kind, m.group(1)) if start else (None, m.group(1))
+    tensors = operands if (kind == "reduce-scatter" and operands is not None) else results
+    group = _group_size(line) if (kind == "reduce-scatter" and operands is None) else 1
+    for dt, dims in _SHAPE.findall(tensors):
+      n = math.prod(int(d) for d in dims.split(",") if d) if dims else 1
+      flat = dims.count(",") == 0 and n * group <= total
+      shape = tuple(int(d) for d in dims.split(",") if d)
+      shapes, sizes = known[kind in ("collective-permute", "all-to-all")]
+      if (n <= 1 or flat or _padded(shape, shapes)
+          or (n * group in sizes and (group > 1 or _regrouped(shape, shapes)))):
         continue
-      kind, start = m.group(2), bool(m.group(3))
-      ch = _CHANNEL.search(line)
-      if ch is not None and name in chained:  # copies of one collective (`_async_chains`)
-        key = (ch.group(1), line.split("=", 1)[1][:80])
-        if key in seen:
-          continue
-        seen.add(key)
-      operands, results = _async_halves(kind, m.group(1)) if start else (None, m.group(1))
-      tensors = operands if (kind == "reduce-scatter" and operands is not None) else results
-      group = _group_size(line) if (kind == "reduce-scatter" and operands is None) else 1
-      for dt, dims in _SHAPE.findall(tensors):
-        n = math.prod(int(d) for d in dims.split(",") if d) if dims else 1
-        flat = dims.count(",") == 0 and n * group <= total
-        shape = tuple(int(d) for d in dims.split(",") if d)
-        shapes, sizes = known[kind in ("collective-permute", "all-to-all")]
-        if (n <= 1 or flat or _padded(shape, shapes)
-            or (n * group in sizes and (group > 1 or _regrouped(shape, shapes)))):
-          continue
-        op = _OP_NAME.search(line)
-        if kind == "collective-permute" and op is None and _row_block(shape, shapes):
-          continue
-        if op is not None and _zerojax_own(op.group(1)):
-          continue
-        b = n * group * _DTYPE_BYTES[dt] * (2 if kind == "all-reduce" else 1)
-        tag = (kind, f"{dt}[{dims}]", op.group(1).rsplit("/", 1)[-1].rstrip(")") if op else "")
-        out[tag] = out.get(tag, 0) + k * b
+      op = _OP_NAME.search(line)
+      if kind == "collective-permute" and op is None and _row_block(shape, shapes):
+        continue
+      if op is not None and _zerojax_own(op.group(1)):
+        continue
+      b = n * group * _DTYPE_BYTES[dt] * (2 if kind == "all-reduce" else 1)
+      tag = (kind, f"{dt}[{dims}]", op.group(1).rsplit("/", 1)[-1].rstrip(")") if op else "")
+      out[tag] = out.get(tag, 0) + k * b
   return out
 
 
@@ -858,17 +908,48 @@ def tpu_topology(name: str) -> Any:
 
 
 _AVAILABLE: dict[str, int] = {}
+# What XLA:TPU lets one program use per device (`hbm_available`) as its out-of-memory message
+# states it, by libtpu release and device kind, measured with ``measure=True``. Reading it
+# costs a compile of its own (a second XLA:TPU compile beside the step's); a release or kind
+# not listed is measured so, once per process.
+USABLE_HBM = {
+    ("0.0.42.1", "TPU v4"): 16374562816,  # 15.25 GiB
+    ("0.0.42.1", "TPU v5 lite"): 16911433728,  # 15.75 GiB
+    ("0.0.42.1", "TPU v5"): 102800042229,  # 95.74 GiB
+    ("0.0.42.1", "TPU v6 lite"): 33554432000,  # 31.25 GiB
+    ("0.0.50.1", "TPU v5 lite"): 16911433728,
+}
 
 
-def hbm_available(device: Any) -> int:
+def _libtpu_version() -> str | None:
+  try:
+    return importlib.metadata.version("libtpu")
+  except importlib.metadata.PackageNotFoundError:
+    return None
+
+
+def hbm_available(device: Any, *, measure: bool = False) -> int:
   """HBM bytes the TPU compiler lets one program use on ``device`` (a topology device).
 
-  Measured, not looked up: a program needing far more than any chip has is compiled for the
-  device, and the compiler's out-of-memory message states the available bytes (less than the
-  chip's HBM; BENCHMARKS.md lists them).
+  The compiler's own figure, not the chip's: a program needing far more than any chip has is
+  compiled for the device, and the compiler's out-of-memory message states the available
+  bytes (less than the chip's HBM; BENCHMARKS.md lists them). `USABLE_HBM` holds those
+  already measured for the installed libtpu, so that compiling a step for a listed chip is
+  the only XLA:TPU compile.
+
+  Args:
+    device: a device of a `tpu_topology`.
+    measure: compile the probe even when `USABLE_HBM` lists the device (to check it).
+
+  Returns:
+    Bytes per device.
   """
   kind = device.device_kind
-  if kind not in _AVAILABLE:
+  if not measure:
+    listed = USABLE_HBM.get((_libtpu_version(), kind))
+    if listed is not None:
+      return listed
+  if measure or kind not in _AVAILABLE:
     s = jax.ShapeDtypeStruct((2**40 // 4,), np.float32,
                              sharding=NamedSharding(Mesh(np.array([device]), ("d",)),
                                                     PartitionSpec()))
@@ -1031,9 +1112,10 @@ class TopologyCompile:
                    f"in the dtypes moved): {m.collective_total / self.textbook:.2f}x")
     for sched in (self.gathers, self.scatters):
       if sched is not None and sched.total:
-        lines.append(f"  {sched.kind}: {sched.overlapped_share:.0%} of bytes async with "
-                     f"compute between start and done, {sched.matmul_share:.0%} with a matmul; "
-                     f"{g(sched.synchronous)} blocking")
+        # The schedule's bytes beside the totals above: the same reading (`_issued`).
+        lines.append(f"  {sched.kind}: {g(sched.total)}, {sched.overlapped_share:.0%} of bytes "
+                     "async with compute between start and done, "
+                     f"{sched.matmul_share:.0%} with a matmul; {g(sched.synchronous)} blocking")
     ag, rs = self.layer_gathers, self.layer_scatters
     if ag is not None and rs is not None and ag.total:
       lines.append(f"  scanned layers one ahead: {g(ag.total)} of all-gathers, "
