@@ -465,6 +465,20 @@ def test_gpu_every_lookup_spelling_moves_no_activations(lookup, stage):
 
 
 @needs_gpu_compiler
+def test_gpu_scanned_layers_are_gathered_twice_and_reduced_once():
+  # #53: ZeRO-3's count on the compiled HLO, each collective once per loop trip: 2 gathers
+  # and 1 reduce-scatter per layer per step. The backward loop used to hold every layer, at
+  # the cost of a reduce-scatter of zeros and an unused re-gather (25 and 13 of 12 layers).
+  from tests.model_patterns import FULL, target_zero
+  compiled, _, _ = target_zero("a", FULL, 3, gpu.gpu_topology(TOPOLOGY).devices)
+  layer = 4 * (2 * 512 * 2048 + 2048 + 512 + 2 * 512)  # float32: two kernels, biases, a norm
+  gathered = memory.collective_schedule(compiled.as_text(), "all-gather", LAYERS_SCOPE).total
+  reduced = memory.collective_schedule(compiled.as_text(), "reduce-scatter", LAYERS_SCOPE).total
+  assert round(gathered / layer) == 2 * FULL.layers and gathered <= 2 * FULL.layers * layer
+  assert reduced == FULL.layers * layer
+
+
+@needs_gpu_compiler
 def test_gpu_lookup_into_a_sliced_table_is_named_in_a_warning():
   import jax.numpy as jnp
   import optax

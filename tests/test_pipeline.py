@@ -13,7 +13,7 @@ from tests.model_patterns import (FULL, SMALL, batches, max_diff, reference_loss
                                   zero_runner)
 from zerojax.core import formulation
 from zerojax.core.batchwise import NotRowwise, row_axes
-from zerojax.core.pipeline import FOLD_LAYERS, LAYERS_SCOPE
+from zerojax.core.pipeline import LAYERS_SCOPE
 from zerojax import _compat
 from zerojax.runtime import memory
 
@@ -89,7 +89,7 @@ PER_USE_ONE_AHEAD = dict(gather="explicit", max_live_layers=2)
 
 @pytest.mark.parametrize("pattern, layers, kw", [
     ("a", 4, {}),  # nn.scan(nn.remat(Block)): layers before and after the backward loop
-    ("a", FOLD_LAYERS, {}),  # every layer inside the backward loop
+    ("a", 8, {}),
     ("b", 2, {"param_persistence_threshold": 0}),  # nn.scan(Block): biases sharded too
     ("a", 3, {"mesh_axes": ("replica", "fsdp"), "mesh_shape": (2, 4)}),  # HSDP
     ("a", 4, {"gradient_accumulation_steps": 2}),  # inside the micro-batch scan

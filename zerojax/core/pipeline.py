@@ -46,9 +46,6 @@ from zerojax.core.gather import ZeroParam
 __all__ = ["Pipeline", "Declined", "OneAhead", "pipelined_scan", "LAYERS_SCOPE", "NOT_LAYERS",
            "describe"]
 
-# From this many layers on, the backward loop holds every layer (`_scan_fn`).
-FOLD_LAYERS = 8
-
 # Name scope of the scanned layers' collectives (in the HLO's op_name metadata): the
 # schedule of these alone is what the pipeline sets.
 LAYERS_SCOPE = "zerojax_layers"
@@ -332,16 +329,13 @@ def _scan_fn(layer: Callable, sharded: list[_Leaf], pl: Pipeline, n: int,
   the consts to differentiate.
 
   Forward, iteration i runs layer i and gathers layer i+1; the last iteration gathers the
-  last layer again, for the backward pass, which starts with it. Backward, iteration i
-  reduce-scatters layer i+1's gradient, re-gathers layer i-1 once that reduce-scatter is done
-  (so the two take turns beside the layer's matmuls rather than one waiting for the other at
-  its end), and runs layer i.
-
-  With `FOLD_LAYERS` layers or more, the backward loop holds every layer, so each layer is
-  compiled twice (forward; re-run and backward) and nothing more, at the cost of two
-  collectives with nothing to move: the first iteration reduce-scatters zeros and the last
-  re-gathers layer 0 (2/(3n) of the textbook volume). With fewer, where that would be a large
-  share, layer n-1 runs before the loop and layer 0 after it, compiled once more each.
+  last layer again, for the backward pass, which starts with it. Backward, layer n-1 runs
+  before the loop; iteration i reduce-scatters layer i+1's gradient, re-gathers layer i-1 once
+  that reduce-scatter is done (so the two take turns beside the layer's matmuls rather than
+  one waiting for the other at its end), and runs layer i; layer 0 runs after the loop. So
+  each layer is gathered once in each pass and reduced once, ZeRO-3's count. (A backward loop
+  holding every layer compiles the layer twice fewer, but its first iteration reduce-scatters
+  zeros and its last re-gathers layer 0 unused: 2/(3n) of the textbook volume.)
   """
   axis = pl.fsdp
   gather_slice = lambda sl: _gather(sl, sharded, axis)
@@ -402,38 +396,28 @@ def _scan_fn(layer: Callable, sharded: list[_Leaf], pl: Pipeline, n: int,
       sl, red = jax.lax.optimization_barrier((_index(shards, below), red))
       ahead = gather_slice(sl)
       dki, dwi, dwh, dc, dr = grads(i, w, dc)
-      # Written in place (layer n-1's slot takes the fold's zeros first, then its gradient):
-      # the loop's outputs are the gradient, with no copy to put them in layer order.
-      acc = put(acc, red, jnp.minimum(i + 1, n - 1))
+      # Written in place: the loop's outputs are the gradient, with no copy to put them in
+      # layer order.
+      acc = put(acc, red, i + 1)
       return (dc, ahead, dwi, jax.tree.map(jnp.add, dk, dki), acc), (dwh, dr)
 
     # Reversed loops (layer i in iteration n-1-i) stack their outputs in layer order.
     loop = lambda body, init, lo, hi: ORIGINAL_SCAN(body, init, jnp.arange(lo, hi), reverse=True)
     acc0 = [jnp.zeros_like(x) for x in shards]
-    if n >= FOLD_LAYERS:
-      # Layers n-1 .. 0 in the loop: its first iteration reduce-scatters zeros, its last
-      # gathers layer 0 again, unused.
-      init = (ct_carry, last, [jnp.zeros_like(w) for w in last],
-              [jnp.zeros_like(consts[k]) for k in fk], acc0)
-      (dc, _, pending, dk, acc), (dwhs, drs) = loop(
-          lambda st, i: step(st, i, jnp.maximum(i - 1, 0)), init, 0, n)
-      dshards = put(acc, reduce(pending), 0)
-      other_parts = [(dwhs, drs)]
-    else:
-      # Few layers: layer n-1 before the loop, layer 0 after it, nothing moved twice.
-      one = lambda xs: [x[None] for x in xs]
-      dk, pending, dwh_top, dc, dr_top = grads(n - 1, last, ct_carry)
-      state = (dc, gather(shards, n - 2), pending, dk, acc0)
-      outs: tuple = ()
-      if n > 2:  # layers n-2 .. 1, reducing n-1 .. 2
-        state, outs = loop(lambda st, i: step(st, i, i - 1), state, 1, n - 1)
-      dc, w0, pending, dk, acc = state
-      acc = put(acc, reduce(pending), 1)
-      dk0, dw0, dwh0, dc, dr0 = grads(0, w0, dc)
-      dk = jax.tree.map(jnp.add, dk, dk0)
-      dshards = put(acc, reduce(dw0), 0)
-      other_parts = [(one(dwh0), one(dr0))] + ([outs] if n > 2 else []) + [
-          (one(dwh_top), one(dr_top))]
+    # Layer n-1 before the loop, layer 0 after it: nothing moved twice.
+    one = lambda xs: [x[None] for x in xs]
+    dk, pending, dwh_top, dc, dr_top = grads(n - 1, last, ct_carry)
+    state = (dc, gather(shards, n - 2), pending, dk, acc0)
+    outs: tuple = ()
+    if n > 2:  # layers n-2 .. 1, reducing n-1 .. 2
+      state, outs = loop(lambda st, i: step(st, i, i - 1), state, 1, n - 1)
+    dc, w0, pending, dk, acc = state
+    acc = put(acc, reduce(pending), 1)
+    dk0, dw0, dwh0, dc, dr0 = grads(0, w0, dc)
+    dk = jax.tree.map(jnp.add, dk, dk0)
+    dshards = put(acc, reduce(dw0), 0)
+    other_parts = [(one(dwh0), one(dr0))] + ([outs] if n > 2 else []) + [
+        (one(dwh_top), one(dr_top))]
     cat = lambda parts: [jnp.concatenate(p) for p in zip(*parts)]
     dwholes = [g.astype(x.dtype) for g, x in zip(cat([p[0] for p in other_parts]), wholes)]
     dconsts: list[Any] = [None] * len(consts)
