@@ -5,7 +5,8 @@ Adam's ``mu`` and ``nu`` over every local parameter shard, concatenated) plus a 
 shared scalars (Adam's ``count``). They live under
 ``<nvme_path>/zerojax-nvme/process-<i>/``::
 
-  CURRENT               JSON manifest: generation, step, leaves, shared scalars (the commit)
+  CURRENT               JSON manifest: generation, step, leaves, shared scalars, and a
+                        CRC-32 of every chunk of every file as it was written (the commit)
   gen-00000012/0.bin    leaf 0 of generation 12 (raw bytes, native dtype)
   gen-00000012/1.bin    ...
 
@@ -24,6 +25,11 @@ generation and returns its buffer to the pool. ``os.preadv``/``os.pwrite`` relea
 at once; host memory holds ``buffer_count`` chunks of optimizer state, never the whole state.
 Pages read or written are dropped from the page cache (``posix_fadvise``), so that neither the
 reads of the next step nor the process's memory count on the cache.
+
+**Snapshots** (`NvmeStore.snapshot`, a checkpoint's ``nvme-<step>``) keep the manifest, with its
+per-chunk CRC-32s, beside the files; `NvmeStore.verify_snapshot` reads them back against it
+before a resume, so a truncated, corrupted or missing file is named
+(`NvmeSnapshotDamagedError`: which file, which element ranges) instead of resumed from.
 """
 
 from __future__ import annotations
@@ -37,15 +43,19 @@ import shutil
 import socket
 import threading
 import time
+import zlib
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
 __all__ = ["FORMAT", "NvmeError", "NvmePathError", "NvmeDiskFullError", "NvmeStateError",
-           "StreamStats", "NvmeStore", "check_nvme_path", "process_dir"]
+           "NvmeSnapshotDamagedError", "DamagedFile", "StreamStats", "NvmeStore",
+           "check_nvme_path", "process_dir"]
 
 FORMAT = "zerojax-nvme-1"
 _CURRENT = "CURRENT"
+_MANIFEST = "manifest.json"  # a snapshot's copy of CURRENT
+_DIGEST = "crc32"  # of each chunk's bytes, as written (zlib: cheap beside the disk's rate)
 
 
 class NvmeError(RuntimeError):
@@ -68,6 +78,39 @@ _FULL = (errno.ENOSPC, errno.EDQUOT)
 
 class NvmeStateError(NvmeError):
   """The files under ``nvme_path`` do not hold the state this run expects."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DamagedFile:
+  """One file of a snapshot that does not read back as it was written.
+
+  Attributes:
+    name: the file's name in the snapshot (``'0.bin'``, or ``'manifest.json'``, whose loss
+      leaves every leaf's file unusable).
+    leaf: the store leaf the file holds (index into `NvmeStore.leaves`); ``None`` for the
+      manifest: every leaf.
+    reason: what is wrong, in words.
+    ranges: ``(start, stop)`` element ranges whose values are lost or wrong.
+  """
+
+  name: str
+  leaf: int | None
+  reason: str
+  ranges: tuple[tuple[int, int], ...]
+
+
+class NvmeSnapshotDamagedError(NvmeError):
+  """A snapshot's files are truncated, corrupted or missing (not a snapshot of another run:
+  that is `NvmeStateError`).
+
+  Attributes:
+    directory: the snapshot's directory.
+    damaged: a `DamagedFile` per damaged file.
+  """
+
+  def __init__(self, message: str, *, directory: str, damaged: Sequence[DamagedFile]):
+    super().__init__(message)
+    self.directory, self.damaged = directory, tuple(damaged)
 
 
 def process_dir(nvme_path: str, process_index: int) -> str:
@@ -169,6 +212,28 @@ def _pread_into(fd: int, buf: np.ndarray, offset: int) -> None:
     done += n
 
 
+def _crc(buf: np.ndarray) -> int:
+  """CRC-32 of an array's bytes (zlib releases the GIL for it)."""
+  return zlib.crc32(memoryview(np.ascontiguousarray(buf)).cast("B"))
+
+
+def _digests(bounds: Sequence[tuple[int, int]], per_file: Sequence[Sequence[int]]) -> dict:
+  """The manifest's record of a generation's chunk checksums: the chunks' element bounds
+  (which a later run may cut otherwise) and each file's CRC-32 per chunk."""
+  return {"algorithm": _DIGEST, "bounds": [[int(a), int(b)] for a, b in bounds],
+          "files": [[int(c) for c in crcs] for crcs in per_file]}
+
+
+def _merge(ranges: Sequence[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+  out: list[list[int]] = []
+  for a, b in sorted(ranges):
+    if out and a <= out[-1][1]:
+      out[-1][1] = max(out[-1][1], b)
+    else:
+      out.append([a, b])
+  return tuple((a, b) for a, b in out)
+
+
 def _pwrite_from(fd: int, buf: np.ndarray, offset: int) -> None:
   view = memoryview(np.ascontiguousarray(buf)).cast("B")
   done = 0
@@ -260,10 +325,14 @@ class NvmeStore:
         os.unlink(path)
 
   def _commit(self, generation: int, step: int, shared: Sequence[np.ndarray],
-              extra: dict | None = None) -> None:
+              extra: dict | None = None, digests: dict | None = None) -> None:
+    if digests is None and self.manifest is not None and (
+        self.manifest["generation"] == generation):  # the same files (a skipped step)
+      digests = self.manifest.get("digests")
     m = {"format": FORMAT, "generation": generation, "step": int(step),
          "leaves": [[n, d.str] for n, d in self.leaves], "size": self.size,
-         "layout": self.layout, "shared": [_encode(x) for x in shared], **(extra or {})}
+         "layout": self.layout, "shared": [_encode(x) for x in shared],
+         **({"digests": digests} if digests else {}), **(extra or {})}
     tmp = os.path.join(self.directory, _CURRENT + ".tmp")
     with open(tmp, "w") as f:
       json.dump(m, f)
@@ -306,17 +375,21 @@ class NvmeStore:
     ``(start, stop)``): ``fill(start, stop)`` returns each leaf's values there."""
     g = 0 if self.manifest is None else self.manifest["generation"] + 1
     d, fds = self._open_new(g)
+    crcs: list[list[int]] = [[] for _ in self.leaves]
     try:
       try:
         for start, stop in bounds:
-          for fd, (_, dtype), v in zip(fds, self.leaves, fill(start, stop), strict=True):
-            _pwrite_from(fd, np.asarray(v, dtype).reshape(-1), start * dtype.itemsize)
+          for fd, (_, dtype), v, c in zip(fds, self.leaves, fill(start, stop), crcs,
+                                          strict=True):
+            v = np.ascontiguousarray(np.asarray(v, dtype).reshape(-1))
+            c.append(_crc(v))
+            _pwrite_from(fd, v, start * dtype.itemsize)
       except BaseException:
         for fd in fds:
           os.close(fd)
         raise
       self._finish_new(d, fds)
-      self._commit(g, step, shared)
+      self._commit(g, step, shared, digests=_digests(bounds, crcs))
     except OSError as e:
       if e.errno in _FULL:
         raise self._disk_full(e, g) from None
@@ -365,7 +438,7 @@ class NvmeStore:
       for fd in rfds:
         os.close(fd)
       self._finish_new(new, wfds, stats)
-      self._commit(g, step, shared())
+      self._commit(g, step, shared(), digests=_digests(bounds, pipeline.digests))
     except OSError as e:
       if e.errno in _FULL:
         raise self._disk_full(e, g) from None
@@ -410,7 +483,7 @@ class NvmeStore:
     os.makedirs(tmp)
     for k in range(len(self.leaves)):
       _link_or_copy(os.path.join(src, f"{k}.bin"), os.path.join(tmp, f"{k}.bin"))
-    with open(os.path.join(tmp, "manifest.json"), "w") as f:
+    with open(os.path.join(tmp, _MANIFEST), "w") as f:
       json.dump(self.manifest, f)
       f.flush()
       os.fsync(f.fileno())
@@ -418,16 +491,114 @@ class NvmeStore:
     os.replace(tmp, dest)
     _fsync_dir(os.path.dirname(os.path.abspath(dest)))
 
-  def restore_snapshot(self, src: str) -> None:
-    """Makes the snapshot in ``src`` the committed generation (linked or copied in)."""
-    with open(os.path.join(src, "manifest.json")) as f:
-      m = json.load(f)
+  def verify_snapshot(self, src: str) -> dict:
+    """Reads the snapshot in ``src`` back against its manifest: every file there, of the size
+    written, and each chunk with the CRC-32 recorded when it was written (a snapshot written
+    before chunk checksums were recorded: sizes only). It reads the whole state once.
+
+    Args:
+      src: the snapshot's directory (`snapshot`'s ``dest``).
+
+    Returns:
+      the snapshot's manifest.
+
+    Raises:
+      NvmeSnapshotDamagedError: a file is missing, truncated or corrupted, or the manifest
+        is missing or unreadable; naming each damaged file and its damaged element ranges.
+      NvmeStateError: the snapshot holds another run's state (leaves, size or layout).
+    """
+    path = os.path.join(src, _MANIFEST)
+    everything = ((0, self.size),)
+    try:
+      with open(path) as f:
+        m = json.load(f)
+      if not isinstance(m, dict):
+        raise ValueError(f"a JSON {type(m).__name__}, not an object")
+    except (OSError, ValueError) as e:
+      why = ("missing" + ("" if os.path.isdir(src) else " (so is the snapshot directory)")
+             if isinstance(e, FileNotFoundError) else f"unreadable ({type(e).__name__}: {e})")
+      raise NvmeSnapshotDamagedError(
+          f"snapshot {src!r}: its manifest {_MANIFEST} is {why}; without it no file there can "
+          "be used", directory=src,
+          damaged=[DamagedFile(_MANIFEST, None, why, everything)]) from None
     for k in ("leaves", "size", "layout"):
       mine = {"leaves": [[n, d.str] for n, d in self.leaves], "size": self.size,
               "layout": self.layout}[k]
       if m.get(k) != mine:
         raise NvmeStateError(f"snapshot {src!r} holds an optimizer state of another {k} than "
                              "this run's")
+    d = m.get("digests") or {}
+    checked = d.get("algorithm") == _DIGEST and len(d.get("files", ())) == len(self.leaves)
+    bounds = [tuple(b) for b in d["bounds"]] if checked else []
+    damaged = [f for k in range(len(self.leaves))
+               if (f := self._check_file(src, k, bounds, d["files"][k] if checked else None))]
+    if damaged:
+      what = "; ".join(f"{f.name} {f.reason}" for f in damaged)
+      raise NvmeSnapshotDamagedError(f"snapshot {src!r} cannot be read back as written: {what}",
+                                     directory=src, damaged=damaged)
+    return m
+
+  def _check_file(self, src: str, k: int, bounds: Sequence[tuple[int, int]],
+                  crcs: Sequence[int] | None) -> DamagedFile | None:
+    """Leaf ``k``'s file in snapshot ``src`` against its size and ``crcs`` (one per chunk of
+    ``bounds``; ``None``: its size only)."""
+    name, itemsize = f"{k}.bin", self.leaves[k][1].itemsize
+    want = self.size * itemsize
+    try:
+      fd = os.open(os.path.join(src, name), os.O_RDONLY)
+    except OSError as e:
+      why = "missing" if e.errno == errno.ENOENT else f"cannot be opened ({e.strerror})"
+      return DamagedFile(name, k, why, ((0, self.size),))
+    try:
+      have = os.fstat(fd).st_size
+      bad: list[tuple[int, int]] = []
+      reasons = []
+      if have != want:
+        reasons.append(f"has {have:,} bytes, {want:,} were written"
+                       + (" (truncated)" if have < want else ""))
+        if have < want:
+          bad.append((have // itemsize, self.size))
+      if crcs is not None:
+        buf = np.empty(max((b - a for a, b in bounds), default=0) * itemsize, np.uint8)
+        wrong = 0
+        for (a, b), c in zip(bounds, crcs):
+          if b * itemsize > have:  # lost past the end (counted above); the rest unverifiable
+            continue
+          view = buf[:(b - a) * itemsize]
+          try:
+            _pread_into(fd, view, a * itemsize)
+          except (OSError, NvmeStateError) as e:  # an I/O error, or a file shrinking now
+            bad.append((a, b))
+            reasons.append(f"chunk at element {a:,} cannot be read ({e})")
+            continue
+          _drop_cache(fd, a * itemsize, (b - a) * itemsize)
+          if _crc(view) != c:
+            bad.append((a, b))
+            wrong += 1
+        if wrong:
+          reasons.append(f"{wrong} of {len(bounds)} chunks read back with another CRC-32 than "
+                         "was recorded when they were written (corrupted)")
+      if not reasons:
+        return None
+      return DamagedFile(name, k, ", ".join(reasons), _merge(bad) or ((0, self.size),))
+    finally:
+      os.close(fd)
+
+  def restore_snapshot(self, src: str, *, verify: bool = True) -> None:
+    """Makes the snapshot in ``src`` the committed generation (linked or copied in).
+
+    Args:
+      src: the snapshot's directory.
+      verify: read it back first (`verify_snapshot`); ``False`` where the caller just did.
+
+    Raises:
+      NvmeSnapshotDamagedError, NvmeStateError: as `verify_snapshot` (nothing changed).
+    """
+    if verify:
+      m = self.verify_snapshot(src)
+    else:
+      with open(os.path.join(src, _MANIFEST)) as f:
+        m = json.load(f)
     g = 0 if self.manifest is None else self.manifest["generation"] + 1
     d = self._gen_dir(g)
     if os.path.exists(d):
@@ -436,7 +607,7 @@ class NvmeStore:
     for k in range(len(self.leaves)):
       _link_or_copy(os.path.join(src, f"{k}.bin"), os.path.join(d, f"{k}.bin"))
     _fsync_dir(d)
-    self._commit(g, m["step"], [_decode(x) for x in m["shared"]])
+    self._commit(g, m["step"], [_decode(x) for x in m["shared"]], digests=m.get("digests"))
 
 
 class _ChunkPipeline:
@@ -456,6 +627,7 @@ class _ChunkPipeline:
     self.done: queue.Queue = queue.Queue()
     self.failed: list[BaseException] = []
     self.stop_flag = threading.Event()
+    self.digests = [[0] * len(self.starts) for _ in leaves]  # CRC-32 per file and chunk
 
   def read_chunk(self, i: int) -> tuple[int, list[np.ndarray]]:
     """Chunk ``i`` of every leaf, read into a buffer from the pool."""
@@ -472,6 +644,8 @@ class _ChunkPipeline:
   def write_chunk(self, i: int, bufs: list[np.ndarray]) -> None:
     """Writes chunk ``i`` of every leaf and returns its buffers to the pool."""
     a, b = self.starts[i], self.stops[i]
+    for k, buf in enumerate(bufs):  # before the timing: write_s is the disk's time
+      self.digests[k][i] = _crc(buf[:b - a])
     t = time.perf_counter()
     for fd, (_, dtype), buf in zip(self.wfds, self.leaves, bufs):
       _pwrite_from(fd, buf[:b - a], a * dtype.itemsize)
