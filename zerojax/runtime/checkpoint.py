@@ -114,11 +114,17 @@ class CheckpointDamagedError(CheckpointError):
     step: the damaged step.
     leaves: the leaves that cannot be read or read back wrong (parameters first; may be empty
       where only another process could name them, or the metadata is what is damaged).
+    files: the damaged files, relative to ``directory``, where they are known (an NVMe
+      optimizer-state snapshot's, `zerojax.runtime.nvme`).
+    beside: what lies beside the step in ``directory`` and belongs to it (an NVMe run's
+      ``nvme-<step>`` snapshot): moved aside with it (`move_aside`).
   """
 
-  def __init__(self, message: str, *, directory: str, step: int, leaves: Sequence[str] = ()):
+  def __init__(self, message: str, *, directory: str, step: int, leaves: Sequence[str] = (),
+               files: Sequence[str] = (), beside: Sequence[str] = ()):
     super().__init__(message)
     self.directory, self.step, self.leaves = directory, int(step), tuple(leaves)
+    self.files, self.beside = tuple(files), tuple(beside)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -708,11 +714,29 @@ class Checkpointer:
           raise _no_fallback(e) from e
         dest = None
         if not self.read_only:  # a reader never moves anything; the next writer will not list
-          dest = move_aside(self.directory, step)  # it either once it is moved
-          self._mgr.reload()
-          self._complete.discard(step)
+          dest = self.set_aside(step, beside=e.beside)  # it either once it is moved
         warnings.warn(_fallback_warning(e, older[-1], dest), stacklevel=2)
         step = older[-1]
+
+  def set_aside(self, step: int, *, beside: Sequence[str] = (), why: str = "damaged") -> str:
+    """`move_aside` of checkpoint ``step`` (and ``beside``), which this `Checkpointer` then
+    neither lists nor restores. Every process calls it.
+
+    Args:
+      step: the step to move aside.
+      beside: names in the directory that belong to the step (an NVMe run's ``nvme-<step>``).
+      why: the new names' suffix.
+
+    Returns:
+      the path the step directory was moved to.
+    """
+    if self.read_only:
+      raise CheckpointError(f"checkpoint {self.directory!r} is opened read-only: step {step} "
+                            "cannot be moved aside")
+    dest = move_aside(self.directory, step, why, beside=beside)
+    self._mgr.reload()
+    self._complete.discard(step)
+    return dest
 
   def _restore_step(self, state: Any, plan: ShardingPlan, step: int) -> tuple[Any, Extras]:
     """`restore` of one resolved ``step``."""
@@ -864,15 +888,17 @@ def _restore_targets(where: str, t_flat: list, s_flat: list,
   return abstract, empty
 
 
-def _aside_name(path: str, why: str) -> str:
-  """``<path>.<why>``, or ``<path>.<why><n>`` where that exists: nothing is written over."""
-  dest, n = f"{path}.{why}", 1
-  while os.path.lexists(dest):
-    dest, n = f"{path}.{why}{n}", n + 1
-  return dest
+def _aside_name(path: str, why: str, *others: str) -> str:
+  """``<path>.<why>``, or ``<path>.<why><n>`` where that exists: nothing is written over.
+  The suffix is free for each of ``others`` too (a step and its companions share it)."""
+  suffix, n = f".{why}", 1
+  while any(os.path.lexists(p + suffix) for p in (path, *others)):
+    suffix, n = f".{why}{n}", n + 1
+  return path + suffix
 
 
-def move_aside(directory: str | os.PathLike, step: int, why: str = "damaged") -> str:
+def move_aside(directory: str | os.PathLike, step: int, why: str = "damaged", *,
+               beside: Sequence[str] = ()) -> str:
   """Renames checkpoint ``step`` to ``<step>.<why>`` in ``directory``, so that it is neither
   listed, restored nor counted by retention; nothing is deleted. Every process calls it (process
   0 renames, the others wait for it).
@@ -881,32 +907,51 @@ def move_aside(directory: str | os.PathLike, step: int, why: str = "damaged") ->
     directory: the checkpoint root.
     step: the step to move aside.
     why: the new name's suffix.
+    beside: other names in ``directory`` that belong to the step (an NVMe run's
+      ``nvme-<step>`` snapshot), each moved to ``<name>.<why>`` too where it exists.
 
   Returns:
-    the path it was moved to.
+    the path the step directory was moved to.
   """
-  path = os.path.join(os.path.abspath(os.fspath(directory)), str(int(step)))
-  dest = _aside_name(path, why)
+  root = os.path.abspath(os.fspath(directory))
+  path = os.path.join(root, str(int(step)))
+  companions = [os.path.join(root, b) for b in beside]
+  dest = _aside_name(path, why, *companions)
+  others = [(p, p + dest[len(path):]) for p in companions]  # the step's suffix
   if jax.process_count() > 1:  # every process named dest before process 0 made it exist
     multihost_utils.sync_global_devices(f"zerojax.checkpoint: move {step} aside: named")
-  if jax.process_index() == 0 and os.path.lexists(path):
-    os.rename(path, dest)
+  if jax.process_index() == 0:
+    # The companions first: a step directory without its snapshot is never listed complete.
+    for src, to in others:
+      if os.path.lexists(src):
+        os.rename(src, to)
+    if os.path.lexists(path):
+      os.rename(path, dest)
   if jax.process_count() > 1:
     multihost_utils.sync_global_devices(f"zerojax.checkpoint: move {step} aside: moved")
   return dest
 
 
 def _damage(e: CheckpointDamagedError) -> str:
-  """A damaged checkpoint's leaves, briefly, for a warning or a one-line error."""
+  """A damaged checkpoint's leaves (and files, where known), briefly, for a warning or a
+  one-line error."""
+  files = ""
+  if e.files:
+    more = f" and {len(e.files) - 4} more" if len(e.files) > 4 else ""
+    files = " in " + ", ".join(repr(f) for f in e.files[:4]) + more
   if not e.leaves:
-    return str(e).split("; orbax says")[0][:300]
+    return str(e).split("; orbax says")[0][:300] + files
   more = f" and {len(e.leaves) - 6} more" if len(e.leaves) > 6 else ""
   return (f"{len(e.leaves)} damaged leaves: " + ", ".join(repr(p) for p in e.leaves[:6])
-          + more)
+          + more + files)
 
 
 def _fallback_warning(e: CheckpointDamagedError, older: int, dest: str | None) -> str:
   moved = f"moved it to {dest!r}" if dest else "left it in place (read-only)"
+  if e.beside:
+    suffix = "." + os.path.basename(dest).split(".", 1)[1] if dest else ""  # <step>.<suffix>
+    moved += (" with " + ", ".join(f"{b!r}" for b in e.beside) + " beside it"
+              + (" (to " + ", ".join(f"{b + suffix!r}" for b in e.beside) + ")" if dest else ""))
   return (f"zerojax.runtime.checkpoint: checkpoint step {e.step} in {e.directory!r} cannot be "
           f"read back ({_damage(e)}); {moved} and restored step {older}, the newest complete "
           "checkpoint before it")
@@ -917,7 +962,7 @@ def _no_fallback(e: CheckpointDamagedError) -> CheckpointDamagedError:
       f"checkpoint step {e.step} in {e.directory!r} cannot be read back ({_damage(e)}) and "
       "there is no complete checkpoint before it to fall back to; start a new run (--overwrite) "
       f"or restore the directory from a copy. {e}", directory=e.directory, step=e.step,
-      leaves=e.leaves)
+      leaves=e.leaves, files=e.files, beside=e.beside)
 
 
 def resume_with_fallback(directory: str | os.PathLike, step: int,
@@ -926,7 +971,8 @@ def resume_with_fallback(directory: str | os.PathLike, step: int,
 
   Where checkpoint ``step`` in ``directory`` turns out damaged (``resume`` raises its
   `CheckpointDamagedError`: truncated, corrupted or missing data files), the step is moved
-  aside (`move_aside`, as a writer moves a half-written step aside), a warning names its
+  aside (`move_aside`, as a writer moves a half-written step aside; with what the error says
+  lies beside it, an NVMe run's ``nvme-<step>`` snapshot), a warning names its
   damaged leaves, and ``resume`` is called with the newest complete step before it; and so
   on. Every process calls it (they agree on the damage, `Checkpointer.restore`).
 
@@ -953,7 +999,7 @@ def resume_with_fallback(directory: str | os.PathLike, step: int,
         older = [s for s in ck.all_steps() if s < step]
       if not older:
         raise _no_fallback(e) from e
-      dest = move_aside(directory, step)
+      dest = move_aside(directory, step, beside=e.beside)
       warnings.warn(_fallback_warning(e, older[-1], dest), stacklevel=2)
       step = older[-1]
 

@@ -51,6 +51,7 @@ import dataclasses
 import hashlib
 import os
 import shutil
+import warnings
 from typing import Any, Callable, Sequence
 
 import jax
@@ -58,15 +59,18 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx, struct
+from jax.experimental import multihost_utils
 
 from zerojax.core import agreement, create
 from zerojax.core.config import ConfigError, ZeroConfig
-from zerojax.core.plan import ShardingPlan
+from zerojax.core.plan import ShardingPlan, path_str
 from zerojax.core.step import zero_step
-from zerojax.runtime.nvme_store import (NvmeError, NvmePathError, NvmeStateError, NvmeStore,
+from zerojax.runtime.nvme_store import (NvmeError, NvmePathError, NvmeSnapshotDamagedError,
+                                        NvmeStateError, NvmeStore,
                                         StreamStats, check_nvme_path, process_dir)
 
-__all__ = ["NotChunkableError", "NvmeError", "NvmePathError", "NvmeStateError", "StreamStats",
+__all__ = ["NotChunkableError", "NvmeError", "NvmePathError", "NvmeStateError",
+           "NvmeSnapshotDamagedError", "StreamStats",
            "ChunkedTransformation", "chunked_transformation", "capture_gradients",
            "NvmeOptimizer", "NnxView", "create_train_state", "create_nnx", "device_config",
            "METRICS"]
@@ -854,19 +858,126 @@ class NvmeOptimizer:
                          ) -> tuple[Any, Any]:
     """Restores the newest complete checkpoint (or ``step``): the train state through orbax
     into this run's plan, and the optimizer state's files as the store's committed
-    generation. Returns ``(state, extras)`` as `Checkpointer.restore` does."""
+    generation, once they read back as written (`NvmeStore.verify_snapshot`: sizes and the
+    CRC-32 of every chunk).
+
+    A damaged checkpoint (truncated, corrupted or missing files, in orbax's step or in its
+    ``nvme-<step>`` snapshot) is a `zerojax.runtime.checkpoint.CheckpointDamagedError` naming
+    the damaged leaves (the optimizer-state leaves a damaged snapshot file holds) and files,
+    whose ``beside`` names the snapshot, so that
+    `zerojax.runtime.checkpoint.resume_with_fallback` moves both aside. With ``step=None``
+    the newest complete step before it is restored instead, with a warning, as
+    `Checkpointer.restore` does (a writing ``checkpointer`` moves the damaged step aside).
+
+    Args:
+      checkpointer: the run's `zerojax.runtime.checkpoint.Checkpointer`.
+      state: the train state to restore into (its structure, shapes and shardings).
+      step: the step; ``None`` is the newest complete one.
+
+    Returns:
+      ``(state, extras)`` as `Checkpointer.restore` does.
+
+    Raises:
+      CheckpointDamagedError: ``step`` (or, with ``None``, every complete step) is damaged.
+      NvmeStateError: no such complete step, or its snapshot holds another run's layout.
+    """
+    from zerojax.runtime import checkpoint as zc  # late: orbax is imported only to restore
+    if step is not None:
+      if step not in checkpointer.all_steps():
+        raise NvmeStateError(f"checkpoint step {step} in {checkpointer.directory!r} does not "
+                             f"exist; complete steps are {self.checkpoint_steps(checkpointer)}")
+      return self._restore_step(checkpointer, state, step)
     steps = self.checkpoint_steps(checkpointer)
-    if step is None:
-      if not steps:
-        raise NvmeStateError(f"no complete NVMe checkpoint in {checkpointer.directory!r} "
-                             f"(orbax steps {checkpointer.all_steps()})")
-      step = steps[-1]
-    elif step not in steps:
-      raise NvmeStateError(f"checkpoint step {step} in {checkpointer.directory!r} has no "
-                           f"optimizer-state files; complete steps are {steps}")
-    state, extras = checkpointer.restore(state, self.plan, step)
-    self.store.restore_snapshot(self._snapshot_dir(checkpointer.directory, step))
+    if not steps:
+      raise NvmeStateError(f"no complete NVMe checkpoint in {checkpointer.directory!r} "
+                           f"(orbax steps {checkpointer.all_steps()})")
+    step = steps[-1]
+    while True:
+      try:
+        return self._restore_step(checkpointer, state, step)
+      except zc.CheckpointDamagedError as e:
+        older = [s for s in self.checkpoint_steps(checkpointer) if s < step]
+        if not older:
+          raise zc._no_fallback(e) from e
+        dest = None if checkpointer.read_only else checkpointer.set_aside(step, beside=e.beside)
+        warnings.warn(zc._fallback_warning(e, older[-1], dest), stacklevel=2)
+        step = older[-1]
+
+  def _restore_step(self, checkpointer: Any, state: Any, step: int) -> tuple[Any, Any]:
+    """`restore_checkpoint` of one step: the snapshot is read back first (the cheaper
+    failure, and nothing is restored from a step that cannot be used), every process agreeing
+    on whether each could."""
+    from zerojax.runtime import checkpoint as zc
+    snap = self._snapshot_dir(checkpointer.directory, step)
+    beside = (f"nvme-{step}",)
+    damaged = other = None
+    try:
+      self.store.verify_snapshot(snap)
+    except NvmeSnapshotDamagedError as e:
+      damaged = e
+    except NvmeError as e:  # another run's snapshot: not damage, and no fallback
+      other = e
+    if jax.process_count() > 1:
+      # Each process reads its own snapshot: one that fails must not leave the others
+      # restoring (a collective) alone; every process learns who failed and how.
+      flags = np.asarray(multihost_utils.process_allgather(
+          np.int32(2 if other else 1 if damaged else 0))).reshape(-1)
+      if other is None and (flags == 2).any():  # a layout that differs, not damage: no fallback
+        raise NvmeStateError(f"checkpoint step {step}: process(es) "
+                             f"{[i for i, f in enumerate(flags) if f == 2]} cannot restore "
+                             "their optimizer-state snapshot; their errors say why")
+      if other is None and damaged is None and flags.any():
+        raise zc.CheckpointDamagedError(
+            f"checkpoint step {step} in {checkpointer.directory!r}: the optimizer-state "
+            f"snapshots of process(es) {[i for i, f in enumerate(flags) if f]} cannot be read "
+            "back as written (truncated, corrupted or missing files); their warnings name the "
+            "files and leaves", directory=checkpointer.directory, step=step, beside=beside)
+    if other is not None:
+      raise other
+    if damaged is not None:
+      raise self._damaged(checkpointer, step, damaged) from None
+    try:
+      state, extras = checkpointer.restore(state, self.plan, step)
+    except zc.CheckpointDamagedError as e:
+      e.beside = (*e.beside, *beside)  # the snapshot goes aside with orbax's step
+      raise
+    self.store.restore_snapshot(snap, verify=False)
     return state, extras
+
+  def _damaged(self, checkpointer: Any, step: int, e: NvmeSnapshotDamagedError) -> Exception:
+    """The `CheckpointDamagedError` of a damaged snapshot: its files, and the optimizer-state
+    leaves whose values (of this process's shards) they hold, in tree order."""
+    from zerojax.runtime import checkpoint as zc
+    names = self._state_leaf_names()
+    leaves: list[str] = []
+    files, held = [], []
+    for f in e.damaged:
+      rel = os.path.relpath(os.path.join(e.directory, f.name), checkpointer.directory)
+      files.append(rel)
+      mine = []
+      for idx in range(len(self.store.leaves)) if f.leaf is None else [f.leaf]:
+        k = self.chunked.streamed[idx]
+        params = sorted({s.leaf for s in self.segments for a, b in f.ranges
+                         if s.start < b and a < s.stop})
+        mine += [names[(k, j)] for j in params]
+      held.append(f"{rel} {f.reason}, holding {len(mine)} leaves' values")
+      leaves += [n for n in mine if n not in leaves]
+    return zc.CheckpointDamagedError(
+        f"checkpoint step {step} in {checkpointer.directory!r}: its optimizer-state snapshot "
+        f"cannot be read back as written: " + "; ".join(held) + " (" + ", ".join(
+            repr(n) for n in leaves[:6]) + (f" and {len(leaves) - 6} more" if len(
+                leaves) > 6 else "") + ")", directory=checkpointer.directory, step=step,
+        leaves=leaves, files=files, beside=(f"nvme-{step}",))
+
+  def _state_leaf_names(self) -> dict[tuple[int, int], str]:
+    """``{(state leaf k, parameter leaf j): name}`` of the streamed leaves, named as the
+    in-memory optimizer state's leaves are in a checkpoint (``opt_state/0/mu/...``)."""
+    abstract = jax.eval_shape(self.tx.init, jax.tree.unflatten(
+        self._treedef, [jax.ShapeDtypeStruct(s, self.chunked.param_dtype) for s in self._shapes]))
+    paths = [path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(abstract)[0]]
+    _, positions = self._full_positions()
+    return {(k, j): f"opt_state/{p}" for (kind, k, j), p in zip(positions, paths)
+            if kind == "chunk"}
 
   def step(self, train_step: Callable, donate: bool = True) -> Callable:
     """``train_step`` as a full NVMe step: `zerojax.zero_step` on the devices, then
