@@ -337,3 +337,24 @@ def test_cli_resume_past_a_truncated_nvme_snapshot_exits_0(tmp_path):
                    r"step 2", p.stderr), p.stderr
   assert "resumed from step 2 instead" in p.stdout, p.stdout
   assert json.load(open(tmp_path / "run" / "run.json"))["resumed_from"] == [2]
+
+
+@pytest.mark.slow
+def test_damaged_orbax_step_of_an_nvme_run_takes_its_snapshot_aside(runs, tmp_path):
+  """The other half of an NVMe checkpoint: orbax's data file of the newest step truncated.
+  The step falls back as well, and its snapshot goes aside with it (not left to be deleted
+  as an orphan by the next save)."""
+  from tests.test_checkpoint_fallback import _data_files
+  _finished(tmp_path)
+  ckdir = tmp_path / "run" / "ckpt"
+  _truncate(_data_files(str(ckdir / "6"))[0])
+  with pytest.warns(UserWarning, match=r"checkpoint step 6 .*cannot be read back \(\d+ damaged "
+                                       r"leaves: .*moved it to '[^']*6\.damaged' with 'nvme-6' "
+                                       r"beside it \(to 'nvme-6\.damaged'\) and restored step 4"):
+    r = zt.train(_config(tmp_path), _opts(tmp_path))
+  assert sorted(os.listdir(ckdir)) == ["2", "4", "6", "6.damaged", "nvme-2", "nvme-4",
+                                       "nvme-6", "nvme-6.damaged"]
+  assert [x["loss"] for x in zt.read_jsonl(tmp_path / "run" / "metrics.jsonl")] == [
+      x["loss"] for x in runs["lines"]]
+  jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)),
+               r.state.params, runs["from4"].state.params)
