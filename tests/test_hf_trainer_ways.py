@@ -730,6 +730,21 @@ def test_compile_llama_3_8b_for_h100s_prints_the_verdict(capsys):
   if rc == 1:  # remedies name only what the config does not already set
     assert "remat='full'" not in out.split("DOES NOT FIT")[1]
     assert "compute_dtype=bfloat16" not in out.split("DOES NOT FIT")[1]
+  # bfloat16 on XLA:GPU: cuDNN's fused attention, as transformers' SDPA; with the scores
+  # materialised (8192^2 per head) the step needed 73.4 GiB and did not fit
+  assert "attention: cuDNN's fused kernel" in out and rc == 0 and "FITS" in out
+
+
+def test_hf_presets_take_the_fused_attention_only_where_it_applies():
+  from zerojax.models import llama
+  assert llama.fused_attention("gpu", "bfloat16", None) == "cudnn"
+  assert llama.fused_attention("gpu", "float32", None) == "xla"  # cuDNN's kernel: 16-bit only
+  assert llama.fused_attention("gpu", "bfloat16", 4096) == "xla"  # Mistral's window
+  assert llama.fused_attention("tpu", "bfloat16", None) == "xla"
+  with pytest.raises(ValueError, match=r"attention='cudnn' needs dtype bfloat16 or float16"):
+    llama.LlamaConfig(attention="cudnn")
+  with pytest.raises(ValueError, match=r"LlamaConfig.attention='flash' is invalid"):
+    llama.LlamaConfig(attention="flash")
 
 
 @pytest.mark.parametrize("argv, axes, rows, reading", [

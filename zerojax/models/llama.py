@@ -42,6 +42,7 @@ from flax import nnx
 from zerojax.runtime.weights import TensorMap
 
 __all__ = ["LlamaConfig", "Llama", "hf_mapping", "from_hf_config", "hf_config", "FAMILIES",
+           "ATTENTIONS", "fused_attention",
            "checkpoint_model", "segment_positions"]
 
 _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -50,6 +51,25 @@ FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 _ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
          "mistral": "MistralForCausalLM"}
 _LAYER_TYPES = ("full_attention", "sliding_attention")
+ATTENTIONS = ("xla", "cudnn")
+_FUSED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def fused_attention(platform: str, dtype: Any, sliding_window: int | None) -> str:
+  """The `LlamaConfig.attention` a model computing in ``dtype`` on ``platform`` gets by
+  default: ``'cudnn'`` on XLA:GPU in bfloat16 or float16 without a sliding window (memory
+  linear in the sequence, as transformers' SDPA attention), else ``'xla'``.
+
+  Args:
+    platform: the devices' platform (``'gpu'``, ``'tpu'``, ``'cpu'``).
+    dtype: the compute dtype.
+    sliding_window: the model's window, or None.
+
+  Returns:
+    ``'cudnn'`` or ``'xla'``.
+  """
+  fused = (platform == "gpu" and jnp.dtype(dtype) in _FUSED_DTYPES and sliding_window is None)
+  return "cudnn" if fused else "xla"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +103,10 @@ class LlamaConfig:
   dtype: Any = jnp.float32  # compute dtype
   param_dtype: Any = jnp.float32
   remat: bool = False  # jax.checkpoint around each scanned layer
+  # "xla": the scores materialised, as transformers' eager attention computes them; "cudnn":
+  # cuDNN's fused kernel (`jax.nn.dot_product_attention`), XLA:GPU only, bfloat16 or float16,
+  # no sliding window, no packed segments: memory linear in the sequence, not quadratic.
+  attention: str = "xla"
   lora_rank: int = 0
   lora_alpha: float = 16.0
   lora_targets: tuple[str, ...] = ("q_proj", "v_proj")
@@ -107,6 +131,14 @@ class LlamaConfig:
     bad = [t for t in self.lora_targets if t not in _ATTN + _MLP]
     if bad:
       raise ValueError(f"LlamaConfig.lora_targets has {bad}: allowed are {_ATTN + _MLP}")
+    if self.attention not in ATTENTIONS:
+      raise ValueError(f"LlamaConfig.attention={self.attention!r} is invalid: one of "
+                       f"{ATTENTIONS}")
+    if self.attention == "cudnn" and (jnp.dtype(self.dtype) not in _FUSED_DTYPES
+                                      or self.sliding_window is not None):
+      raise ValueError(f"LlamaConfig.attention='cudnn' needs dtype bfloat16 or float16 and no "
+                       f"sliding_window (given dtype={jnp.dtype(self.dtype).name}, "
+                       f"sliding_window={self.sliding_window!r}); use attention='xla'")
     w = self.sliding_window
     if w is not None and (not isinstance(w, int) or isinstance(w, bool) or w < 1):
       raise ValueError(f"LlamaConfig.sliding_window={w!r} is invalid: a positive integer or "
@@ -232,6 +264,14 @@ class Attention(nnx.Module):
       q, k = self.q_norm(q), self.k_norm(k)
     q, k = _rope(q, cos, sin), _rope(k, cos, sin)
     v = self.v_proj(x).reshape(B, T, kv, hd)
+    if cfg.attention == "cudnn":
+      if segment_ids is not None:
+        raise ValueError("LlamaConfig.attention='cudnn' takes no segment_ids (packed rows); "
+                         "use attention='xla' or unpacked rows")
+      y = jax.nn.dot_product_attention(q.astype(cfg.dtype), k.astype(cfg.dtype),
+                                       v.astype(cfg.dtype), is_causal=True,
+                                       implementation="cudnn")
+      return self.o_proj(y.reshape(B, T, h * hd))
     # Grouped-query attention: query head j reads key/value head j // (h // kv).
     q = q.reshape(B, T, kv, h // kv, hd)
     att = jnp.einsum("bqgrd,bkgd->bgrqk", q, k).astype(jnp.float32) * hd ** -0.5

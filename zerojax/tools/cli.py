@@ -296,6 +296,10 @@ def cmd_compile(args) -> int:
     return 2
   print(f"model {args.model}, global batch {rows} x {args.seq} tokens, {args.topology}"
         + (f" ({reading})" if reading else ""))
+  platform = "gpu" if args.topology.split(":")[0] in _gpu_names() else "tpu"
+  if (note := estimate.attention_note(estimate.preset_model(args.model, loaded.config,
+                                                            args.seq, platform))):
+    print(note)
   print(r.table())
   for note in loaded.notes:
     print(f"DeepSpeed {note}")
@@ -336,6 +340,11 @@ def _global_batch(args, config) -> tuple[int, str | None]:
                     f"data-parallel devices of {args.topology}, e.g. --batch "
                     f"{args.batch // dp * dp} or {-(-args.batch // dp) * dp}; or give "
                     "--batch-per-device")
+
+
+def _gpu_names() -> tuple[str, ...]:
+  from zerojax.runtime import gpu  # lazy: JAX
+  return tuple(gpu.GPUS)
 
 
 def _partitioner_gathers(config) -> bool:

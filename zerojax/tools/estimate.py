@@ -22,7 +22,7 @@ from jax.sharding import AbstractMesh, AxisType
 from zerojax.core.config import ConfigError, ZeroConfig
 from zerojax import ShardingPlan, zero_step
 from zerojax.models import GPT, PRESETS
-from zerojax.runtime import memory
+from zerojax.runtime import gpu, memory
 from zerojax.runtime.checkpoint import abstract_train_state
 from zerojax.tools.config_file import load_config
 from zerojax.tools.train.metrics import require
@@ -71,13 +71,31 @@ def hf_model_config(name: Any) -> dict | None:
         from None
 
 
-def _hf_llama_config(d: dict, config: ZeroConfig, name: str) -> Any:
+def _hf_llama_config(d: dict, config: ZeroConfig, name: str, platform: str = "cpu") -> Any:
+  """The `zerojax.models.llama.LlamaConfig` of a Hugging Face config in ``config``'s dtypes,
+  with the attention ``platform``'s devices compute fastest
+  (`zerojax.models.llama.fused_attention`)."""
   from zerojax.models import llama
   try:
-    return llama.from_hf_config(d, dtype=jnp.dtype(config.compute_dtype),
-                                param_dtype=jnp.dtype(config.param_dtype))
+    cfg = llama.from_hf_config(d, dtype=jnp.dtype(config.compute_dtype),
+                               param_dtype=jnp.dtype(config.param_dtype))
+    return dataclasses.replace(cfg, attention=llama.fused_attention(
+        platform, cfg.dtype, cfg.sliding_window))
   except (ValueError, KeyError) as e:
     raise ConfigError(f"--model {name!r}: {e}") from None
+
+
+def attention_note(model: Any) -> str | None:
+  """How a Hugging Face preset's attention is computed, for a command to print; None for
+  other models."""
+  cfg = getattr(model, "cfg", None)
+  if getattr(cfg, "attention", None) == "cudnn":
+    return "attention: cuDNN's fused kernel (jax.nn.dot_product_attention), memory linear in " \
+           "the sequence"
+  if getattr(cfg, "attention", None) == "xla":
+    return ("attention: scores materialised (XLA's own; cuDNN's fused kernel needs XLA:GPU, "
+            "bfloat16 or float16 and no sliding window), memory quadratic in the sequence")
+  return None
 
 
 def model_seq_len(name: str, seq: int | None = None) -> int:
@@ -333,9 +351,11 @@ def step_peak(preset: str, config: ZeroConfig, batch: int, seq: int | None = Non
                               host_resident=b["params_host"] + b["opt_state_host"])[0]
 
 
-def preset_model(model: Any, config: ZeroConfig, seq_len: Any = None) -> Any:
-  """A Flax module as it is, or the GPT preset of that name in ``config.compute_dtype`` (its
-  position table ``seq_len`` long when given)."""
+def preset_model(model: Any, config: ZeroConfig, seq_len: Any = None,
+                 platform: str = "cpu") -> Any:
+  """A Flax module as it is, or the preset of that name in ``config.compute_dtype``: a GPT
+  (its position table ``seq_len`` long when given) or a Hugging Face model (its attention
+  the one ``platform``'s devices compute fastest)."""
   if not isinstance(model, str):
     return model
   if model not in PRESETS:
@@ -344,7 +364,7 @@ def preset_model(model: Any, config: ZeroConfig, seq_len: Any = None) -> Any:
       raise ValueError(f"model={model!r} is unknown: {model_names()} (or pass a Flax linen "
                        "module)")
     from zerojax.models.hf_presets import LinenLlama
-    cfg = _hf_llama_config(d, config, model)
+    cfg = _hf_llama_config(d, config, model, platform)
     if isinstance(seq_len, (int, np.integer)) and seq_len > cfg.max_position_embeddings:
       raise ConfigError(f"--seq {seq_len} is longer than {model}'s max_position_embeddings "
                         f"{cfg.max_position_embeddings}")
@@ -365,5 +385,6 @@ def compile_for_topology(config: ZeroConfig | str | os.PathLike, model: Any, bat
   if not isinstance(config, ZeroConfig):
     config = load_config(config, apply_xla_flags=False).config
   seq_len = batch[1] if isinstance(batch, tuple) and len(batch) == 2 else None
-  return memory.compile_for_topology(config, preset_model(model, config, seq_len), batch,
-                                     topology, **kwargs)
+  platform = "gpu" if gpu.is_gpu_topology(topology) else "tpu"
+  return memory.compile_for_topology(config, preset_model(model, config, seq_len, platform),
+                                     batch, topology, **kwargs)

@@ -560,7 +560,7 @@ def _hf_model(opts: TrainOptions, config: ZeroConfig) -> tuple[Any, Any]:
   except ConfigError as e:
     raise ConfigError(f"TrainOptions.model={opts.model!r} is invalid: {e}") from None
   from zerojax.models.hf_presets import LinenLlama
-  cfg = estimate._hf_llama_config(d, config, opts.model)
+  cfg = estimate._hf_llama_config(d, config, opts.model, jax.devices()[0].platform)
   if cfg.vocab_size < VOCAB_SIZE:
     raise ConfigError(f"TrainOptions.model={opts.model!r}: its vocab_size {cfg.vocab_size} is "
                       f"below the byte corpus's {VOCAB_SIZE} ids")
