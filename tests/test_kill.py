@@ -54,11 +54,14 @@ def _killed_until_done(tmp_path, extra, seed):
     if rng.random() < 0.3:  # early: resuming (restore, files moved aside) or compiling
       time.sleep(rng.uniform(0.0, 6.0))
     else:  # in the step loop: steps, metrics, checkpoint saves, NVMe streams
+      # A step drawn from the kill's own stretch of the run, then a moment into it: counted in
+      # steps, not seconds, so a faster machine does not finish the run before the last kill.
+      target = rng.randint(kills * STEPS // (KILLS + 1) + 1, (kills + 1) * STEPS // (KILLS + 1))
       for line in p.stdout:
         seen.append(line)
-        if line.startswith("step "):
+        if line.startswith("step ") and int(line.split()[1].split("/")[0]) >= target:
           break
-      time.sleep(rng.uniform(0.0, 2.0))
+      time.sleep(rng.uniform(0.0, 0.3))
     if p.poll() is None:
       p.send_signal(signal.SIGKILL)
       kills += 1
