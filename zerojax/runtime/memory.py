@@ -35,6 +35,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import linen as nn
+from flax import nnx
 from jax.experimental import topologies
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -56,8 +58,8 @@ __all__ = ["PAPER_K", "paper_bytes", "Estimate", "num_params", "estimate", "Meas
            "textbook_bytes", "GiB", "HBM_PER_CHIP", "PEAK_FLOPS_PER_CHIP",
            "HBM_BANDWIDTH_PER_CHIP", "ICI_BANDWIDTH_PER_CHIP", "TOPOLOGY_EXAMPLES", "TPU_EXTRA",
            "tpu_topology", "topology_size", "hbm_available", "USABLE_HBM", "TopologyCompile",
-           "lm_train_step", "next_token_loss", "compile_for_topology", "DeviceMemoryError",
-           "bytes_limit", "compiled_peak", "check_fits", "check_state_fits"]
+           "lm_train_step", "next_token_loss", "nnx_lm_train_step", "compile_for_topology",
+           "DeviceMemoryError", "bytes_limit", "compiled_peak", "check_fits", "check_state_fits"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1165,6 +1167,14 @@ def lm_train_step(state: Any, batch: Any) -> tuple[Any, dict[str, Any]]:
   return state.apply_gradients(grads=grads), {"loss": loss}
 
 
+def nnx_lm_train_step(model: Any, optimizer: Any, batch: Any) -> dict[str, Any]:
+  """`lm_train_step` for an NNX model and its ``nnx.Optimizer`` (as ``zerojax finetune``
+  trains one)."""
+  loss, grads = value_and_grad(lambda m, b: next_token_loss(m(b["x"]), b["y"]))(model, batch)
+  optimizer.update(model, grads)
+  return {"loss": loss}
+
+
 def compile_for_topology(config: ZeroConfig, model: Any, batch: Any,
                          topology: str, *, tx: Any = None, train_step: Any = None,
                          init_args: tuple | None = None,
@@ -1184,13 +1194,15 @@ def compile_for_topology(config: ZeroConfig, model: Any, batch: Any,
 
   Args:
     config: the `ZeroConfig`.
-    model: a Flax linen module.
+    model: a Flax linen module, or a function making an NNX module (built abstractly,
+      `zerojax.core.create.abstract_nnx`).
     batch: ``(batch, seq_len)`` for a token model (global rows, tokens per row), or a pytree
       of ``jax.ShapeDtypeStruct`` for ``train_step``.
     topology: a TPU slice name such as ``'v5e:8x8'`` or ``'v5p:4x4x4'`` (`tpu_topology`), or
       a GPU pod such as ``'h100:8'`` or ``'h100:2x8'`` (`zerojax.runtime.gpu.gpu_topology`).
     tx: the optax transformation (default ``optax.adamw(1e-4)``).
-    train_step: ``(state, batch) -> (state, metrics)`` (default `lm_train_step`).
+    train_step: ``(state, batch) -> (state, metrics)`` (default `lm_train_step`); for an NNX
+      model ``(model, optimizer, batch) -> metrics`` (default `nnx_lm_train_step`).
     init_args: arguments of ``model.init`` after the rng (default ``(batch['x'],)``).
     compiler_options: XLA options for the compile.
     memory_fraction: GPUs only: the share of device memory the JAX client allocates from
@@ -1203,21 +1215,33 @@ def compile_for_topology(config: ZeroConfig, model: Any, batch: Any,
     The `TopologyCompile`; ``step_time`` holds the step time predicted from the compiled
     schedule (`zerojax.runtime.step_time`).
   """
-  if not isinstance(config, ZeroConfig) or isinstance(model, str):
+  linen = isinstance(model, nn.Module)
+  if not isinstance(config, ZeroConfig) or not (linen or callable(model)):
     raise TypeError("compile_for_topology(config, model, ...) takes a ZeroConfig and a Flax "
-                    "module; zerojax.memory.compile_for_topology also reads a config file "
-                    "path and a GPT preset name")
+                    "linen module or a function making an NNX module; "
+                    "zerojax.memory.compile_for_topology also reads a config file path and a "
+                    "preset name")
   devices, memory = _topology_devices(topology, memory_fraction)
   tx = optax.adamw(1e-4) if tx is None else tx
   batch = _abstract_batch(batch)
-  if init_args is None:
-    if not (isinstance(batch, dict) and "x" in batch):
-      raise ValueError("init_args is needed when batch has no 'x' entry to initialise the "
-                       "model with")
-    init_args = (batch["x"],)
   mesh = make_mesh(config, devices=devices)
-  state, plan = abstract_train_state(model, tx, jax.random.key(0), *init_args, config=config,
-                                     mesh=mesh)
+  if linen:
+    if init_args is None:
+      if not (isinstance(batch, dict) and "x" in batch):
+        raise ValueError("init_args is needed when batch has no 'x' entry to initialise the "
+                         "model with")
+      init_args = (batch["x"],)
+    state, plan = abstract_train_state(model, tx, jax.random.key(0), *init_args, config=config,
+                                       mesh=mesh)
+    params, module = state.params, model
+    step = zero_step(plan)(train_step or lm_train_step)
+    lower = lambda b: step.lower(state, b)
+  else:  # NNX: abstract model and optimizer, as `zerojax.create_nnx` would make them
+    from zerojax.core.create import abstract_nnx  # lazy: flax.nnx
+    module, opt, plan = abstract_nnx(model, tx, config=config, mesh=mesh)
+    params = nnx.state(module, nnx.Param)
+    step = zero_step(plan)(train_step or nnx_lm_train_step)
+    lower = lambda b: step.lower(module, opt, b)
   batch_sh = plan.batch(batch)
   batch = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                        batch, batch_sh)
@@ -1225,14 +1249,14 @@ def compile_for_topology(config: ZeroConfig, model: Any, batch: Any,
                     for x, s in zip(jax.tree.leaves(batch), jax.tree.leaves(batch_sh)))
   common = dict(topology=topology, device_kind=devices[0].device_kind,
                 num_devices=len(devices), batch_bytes=batch_bytes, plan=plan,
-                estimate=estimate(state.params, tx, config=config, mesh=mesh),
+                estimate=estimate(params, tx, config=config, mesh=mesh),
                 textbook=textbook_bytes(plan), **memory)
-  step = zero_step(plan)(train_step or lm_train_step)
-  predict = _prediction_inputs(topology, model, state, batch, plan, model_flops)
-  return _compile(step, state, batch, tx, config, devices, compiler_options, common, predict)
+  predict = _prediction_inputs(topology, module, params, batch, plan, model_flops)
+  return _compile(lower, step, params, batch, tx, config, devices, compiler_options, common,
+                  predict)
 
 
-def _prediction_inputs(topology: str, model: Any, state: Any, batch: Any, plan: Any,
+def _prediction_inputs(topology: str, model: Any, params: Any, batch: Any, plan: Any,
                        flops: float | None) -> dict[str, Any]:
   """Tokens per step, model FLOPs and each partition's host, for `step_time`."""
   from zerojax.runtime import step_time  # lazy: it reads this module's HLO helpers
@@ -1240,7 +1264,7 @@ def _prediction_inputs(topology: str, model: Any, state: Any, batch: Any, plan: 
   tokens = math.prod(x.shape) if x is not None and len(x.shape) == 2 else None
   if flops is None and tokens is not None:
     shape = step_time.attention_shape(model) or {}
-    flops = step_time.model_flops(num_params(state.params), tokens,
+    flops = step_time.model_flops(num_params(params), tokens,
                                   seq_len=x.shape[1] if shape else 0, **shape)
   host_of = ([d.process_index for d in plan.mesh.devices.flat]
              if gpu.is_gpu_topology(topology) else None)
@@ -1288,12 +1312,13 @@ def _abstract_batch(batch: Any) -> Any:
   return batch
 
 
-def _compile(step: Any, state: Any, batch: Any, tx: Any, config: ZeroConfig,
+def _compile(lower: Any, step: Any, params: Any, batch: Any, tx: Any, config: ZeroConfig,
              devices: list[Any], compiler_options: dict[str, Any] | None, common: dict[str, Any],
              predict: dict[str, Any] | None = None) -> TopologyCompile:
-  """Compiles ``step`` and reads the result: memory, collectives, schedule, what would fit."""
+  """Compiles ``step`` (``lower(batch)`` lowers it) and reads the result: memory,
+  collectives, schedule, what would fit."""
   t0 = time.perf_counter()
-  lowered = step.lower(state, batch)
+  lowered = lower(batch)
   common["formulation"] = next(iter(step.formulation.values()), None)
   common["remat"] = next(iter(step.remat.values()), None)
   common["layers"] = next(iter(step.layers.values()), None)
@@ -1309,7 +1334,7 @@ def _compile(step: Any, state: Any, batch: Any, tx: Any, config: ZeroConfig,
   measured, text = measure(compiled), compiled.as_text()
   suggestion = None
   if measured.peak > common["hbm_available"]:
-    suggestion = suggest_option(measured.peak, common["hbm_available"], config, state.params,
+    suggestion = suggest_option(measured.peak, common["hbm_available"], config, params,
                                 tx, None, devices)
   from zerojax.runtime import step_time  # lazy: it reads this module's HLO helpers
   rates = step_time.device_rates(common["topology"])

@@ -386,5 +386,13 @@ def compile_for_topology(config: ZeroConfig | str | os.PathLike, model: Any, bat
     config = load_config(config, apply_xla_flags=False).config
   seq_len = batch[1] if isinstance(batch, tuple) and len(batch) == 2 else None
   platform = "gpu" if gpu.is_gpu_topology(topology) else "tpu"
-  return memory.compile_for_topology(config, preset_model(model, config, seq_len, platform),
-                                     batch, topology, **kwargs)
+  module = preset_model(model, config, seq_len, platform)
+  if isinstance(model, str) and model not in PRESETS:
+    # A Hugging Face model compiles as `zerojax finetune` trains it: the NNX model itself, its
+    # scanned layers gathered per use (the linen wrapper's one parameter entry would be
+    # gathered whole).
+    from flax import nnx
+    from zerojax.models import llama
+    cfg = module.cfg
+    module = lambda: llama.Llama(cfg, nnx.Rngs(0))
+  return memory.compile_for_topology(config, module, batch, topology, **kwargs)
