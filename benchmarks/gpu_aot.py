@@ -97,9 +97,10 @@ def _baseline(cfg, topology, batch, style, stage3_plan, usable):
 def _zerojax(cfg, topology, batch, **config):
   import zerojax
   from benchmarks.decoder import Decoder, zerojax_step
-  from zerojax.runtime import memory
+  from zerojax.runtime import memory, step_time
   zc = zerojax.ZeroConfig(compute_dtype="bfloat16", **config)
-  return memory.compile_for_topology(zc, Decoder(cfg), batch, topology, train_step=zerojax_step)
+  return memory.compile_for_topology(zc, Decoder(cfg), batch, topology, train_step=zerojax_step,
+                                     predictor=step_time.predict_compiled)
 
 
 def section_issue(args):

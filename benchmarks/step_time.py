@@ -37,9 +37,10 @@ A3_HIGH_NETWORK = 100e9 / 8  # bytes/s per GPU: 800 Gb/s of GPU NICs over 8 GPUs
 def _compile(cfg, topology, batch, **config):
   import zerojax
   from benchmarks.decoder import Decoder, zerojax_step
-  from zerojax.runtime import memory
+  from zerojax.runtime import memory, step_time
   zc = zerojax.ZeroConfig(compute_dtype="bfloat16", **config)
-  return memory.compile_for_topology(zc, Decoder(cfg), batch, topology, train_step=zerojax_step)
+  return memory.compile_for_topology(zc, Decoder(cfg), batch, topology, train_step=zerojax_step,
+                                     predictor=step_time.predict_compiled)
 
 
 def _predict(r, rates=None, ceiling=False):

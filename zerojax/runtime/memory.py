@@ -1180,7 +1180,8 @@ def compile_for_topology(config: ZeroConfig, model: Any, batch: Any,
                          init_args: tuple | None = None,
                          compiler_options: dict[str, Any] | None = None,
                          memory_fraction: float | None = None,
-                         model_flops: float | None = None) -> TopologyCompile:
+                         model_flops: float | None = None,
+                         predictor: Any = None) -> TopologyCompile:
   """Compiles the real zerojax train step for a TPU or GPU topology ahead of time, on any
   machine.
 
@@ -1210,10 +1211,13 @@ def compile_for_topology(config: ZeroConfig, model: Any, batch: Any,
     model_flops: the model's FLOPs per step over all devices, for the predicted MFU (default:
       `zerojax.runtime.step_time.model_flops` of all parameters, plus attention where the
       module's config names its layers and heads).
+    predictor: predicts the step time from the compiled schedule,
+      `zerojax.runtime.step_time.predict_compiled` (which ``zerojax.memory``'s
+      `compile_for_topology` and ``zerojax compile`` pass); None: no prediction.
 
   Returns:
     The `TopologyCompile`; ``step_time`` holds the step time predicted from the compiled
-    schedule (`zerojax.runtime.step_time`).
+    schedule, with a ``predictor``.
   """
   linen = isinstance(model, nn.Module)
   if not isinstance(config, ZeroConfig) or not (linen or callable(model)):
@@ -1251,24 +1255,12 @@ def compile_for_topology(config: ZeroConfig, model: Any, batch: Any,
                 num_devices=len(devices), batch_bytes=batch_bytes, plan=plan,
                 estimate=estimate(params, tx, config=config, mesh=mesh),
                 textbook=textbook_bytes(plan), **memory)
-  predict = _prediction_inputs(topology, module, params, batch, plan, model_flops)
+  predict = None
+  if predictor is not None:
+    predict = lambda text: predictor(text, topology, devices, module, params, batch, plan,
+                                     model_flops)
   return _compile(lower, step, params, batch, tx, config, devices, compiler_options, common,
                   predict)
-
-
-def _prediction_inputs(topology: str, model: Any, params: Any, batch: Any, plan: Any,
-                       flops: float | None) -> dict[str, Any]:
-  """Tokens per step, model FLOPs and each partition's host, for `step_time`."""
-  from zerojax.runtime import step_time  # lazy: it reads this module's HLO helpers
-  x = batch.get("x") if isinstance(batch, dict) else None
-  tokens = math.prod(x.shape) if x is not None and len(x.shape) == 2 else None
-  if flops is None and tokens is not None:
-    shape = step_time.attention_shape(model) or {}
-    flops = step_time.model_flops(num_params(params), tokens,
-                                  seq_len=x.shape[1] if shape else 0, **shape)
-  host_of = ([d.process_index for d in plan.mesh.devices.flat]
-             if gpu.is_gpu_topology(topology) else None)
-  return dict(tokens=tokens, model_flops=flops, host_of=host_of)
 
 
 def topology_size(topology: str) -> int:
@@ -1314,7 +1306,7 @@ def _abstract_batch(batch: Any) -> Any:
 
 def _compile(lower: Any, step: Any, params: Any, batch: Any, tx: Any, config: ZeroConfig,
              devices: list[Any], compiler_options: dict[str, Any] | None, common: dict[str, Any],
-             predict: dict[str, Any] | None = None) -> TopologyCompile:
+             predict: Any = None) -> TopologyCompile:
   """Compiles ``step`` (``lower(batch)`` lowers it) and reads the result: memory,
   collectives, schedule, what would fit."""
   t0 = time.perf_counter()
@@ -1336,15 +1328,7 @@ def _compile(lower: Any, step: Any, params: Any, batch: Any, tx: Any, config: Ze
   if measured.peak > common["hbm_available"]:
     suggestion = suggest_option(measured.peak, common["hbm_available"], config, params,
                                 tx, None, devices)
-  from zerojax.runtime import step_time  # lazy: it reads this module's HLO helpers
-  rates = step_time.device_rates(common["topology"])
-  at_peak = step_time.predict_step_time(text, rates, num_devices=len(devices),
-                                        **(predict or {}))
-  ceiling = step_time.MEASURED_MATMUL.get(rates.name)
-  at_ceiling = None if ceiling is None else step_time.predict_step_time(
-      text, rates, num_devices=len(devices), efficiency={"matmul": ceiling,
-                                                         "attention": ceiling},
-      **(predict or {}))
+  at_peak, at_ceiling = predict(text) if predict is not None else (None, None)
   return TopologyCompile(
       step_time=at_peak, step_time_ceiling=at_ceiling,
       compile_seconds=dt, measured=measured,

@@ -35,7 +35,7 @@ from zerojax.runtime import gpu
 from zerojax.runtime import memory as mem
 
 __all__ = ["DeviceRates", "device_rates", "OpCost", "op_costs", "StepTime", "predict_step_time",
-           "model_flops", "attention_shape", "MEASURED_MATMUL"]
+           "predict_compiled", "model_flops", "attention_shape", "MEASURED_MATMUL"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -745,3 +745,40 @@ def attention_shape(model: Any) -> dict[str, int] | None:
     head_dim = pick("d_model", "hidden_size", "n_embd") // heads
   return (dict(layers=layers, heads=heads, head_dim=head_dim)
           if layers and heads and head_dim else None)
+
+
+def predict_compiled(hlo_text: str, topology: str, devices: Sequence[Any], model: Any,
+                     params: Any, batch: Any, plan: Any, flops: float | None = None
+                     ) -> tuple[StepTime, StepTime | None]:
+  """The predicted step of a step compiled by `zerojax.runtime.memory.compile_for_topology`
+  (its ``predictor``): at published peaks, and at the measured matmul ceiling where one is
+  known (`MEASURED_MATMUL`).
+
+  Args:
+    hlo_text: the compiled step's ``as_text()``.
+    topology: the topology it was compiled for.
+    devices: its devices.
+    model: the module (its config gives attention's shape, `attention_shape`).
+    params: its parameters (for the model FLOPs, `model_flops`).
+    batch: its abstract batch (``'x'`` of ``(rows, seq)`` tokens gives tokens per step).
+    plan: its `zerojax.ShardingPlan` (each partition's host).
+    flops: the model's FLOPs per step over all devices, or None for `model_flops`'s.
+
+  Returns:
+    ``(at peaks, at the matmul ceiling or None)``.
+  """
+  x = batch.get("x") if isinstance(batch, dict) else None
+  tokens = math.prod(x.shape) if x is not None and len(x.shape) == 2 else None
+  if flops is None and tokens is not None:
+    shape = attention_shape(model) or {}
+    flops = model_flops(mem.num_params(params), tokens,
+                        seq_len=x.shape[1] if shape else 0, **shape)
+  host_of = ([d.process_index for d in plan.mesh.devices.flat]
+             if gpu.is_gpu_topology(topology) else None)
+  rates = device_rates(topology)
+  kw = dict(num_devices=len(devices), tokens=tokens, model_flops=flops, host_of=host_of)
+  at_peak = predict_step_time(hlo_text, rates, **kw)
+  ceiling = MEASURED_MATMUL.get(rates.name)
+  at_ceiling = None if ceiling is None else predict_step_time(
+      hlo_text, rates, efficiency={"matmul": ceiling, "attention": ceiling}, **kw)
+  return at_peak, at_ceiling

@@ -22,7 +22,7 @@ from jax.sharding import AbstractMesh, AxisType
 from zerojax.core.config import ConfigError, ZeroConfig
 from zerojax import ShardingPlan, zero_step
 from zerojax.models import GPT, PRESETS
-from zerojax.runtime import gpu, memory
+from zerojax.runtime import gpu, memory, step_time
 from zerojax.runtime.checkpoint import abstract_train_state
 from zerojax.tools.config_file import load_config
 from zerojax.tools.train.metrics import require
@@ -395,4 +395,5 @@ def compile_for_topology(config: ZeroConfig | str | os.PathLike, model: Any, bat
     from zerojax.models import llama
     cfg = module.cfg
     module = lambda: llama.Llama(cfg, nnx.Rngs(0))
+  kwargs.setdefault("predictor", step_time.predict_compiled)
   return memory.compile_for_topology(config, module, batch, topology, **kwargs)
