@@ -23,6 +23,7 @@ from zerojax.core.config import ZeroConfig
 from zerojax.core.plan import path_str
 from zerojax.runtime import nvme_store
 from zerojax.tools import train as zt
+from tests.test_nvme import _add_one, _store
 
 KW = dict(model="tiny", seq_len=16, batch=8, steps=6, log_every=1, checkpoint_every=2,
           progress=False, show_plan=False, plot=False, tensorboard=False)
@@ -115,18 +116,6 @@ def _lost(damage, size, chunks, n, itemsize):
 # -- the store: checksums recorded as written, verified on restore --------------------------------
 
 
-def _store(tmp_path, size=1000):
-  s = nvme_store.NvmeStore(str(tmp_path / "p0"), [("mu", np.float32), ("nu", np.float32)], size,
-                           {"test": 1})
-  bounds = [(a, min(a + 100, size)) for a in range(0, size, 100)]
-  s.write_initial(lambda a, b: [np.arange(a, b, dtype=np.float32)] * 2, bounds,
-                  [np.int32(0)], step=0)
-  return s, bounds
-
-
-def _add_one(i, arrays):
-  for a in arrays:
-    a += 1
 
 
 @pytest.mark.parametrize("read, write", [(True, True), (False, False)])

@@ -20,6 +20,7 @@ from tests import helpers
 from zerojax.runtime import nvme_store
 from zerojax.tools import cli
 from zerojax.tools import train as zt
+from tests.test_nvme import _add_one, _store
 
 TINY = ["model=tiny", "seq_len=16", "batch=8", "lr=3e-3", "show_plan=false", "plot=false",
         "tensorboard=false", "cpu_devices=8", "--no-progress"]
@@ -107,18 +108,6 @@ def test_read_only_nvme_path_is_one_line_exit_2(tmp_path):
 # -- the NVMe disk fills up mid-run ---------------------------------------------------------
 
 
-def _store(tmp_path, size=1000):
-  s = nvme_store.NvmeStore(str(tmp_path / "p0"), [("mu", np.float32), ("nu", np.float32)], size,
-                           {"test": 1})
-  bounds = [(a, min(a + 100, size)) for a in range(0, size, 100)]
-  s.write_initial(lambda a, b: [np.arange(a, b, dtype=np.float32)] * 2, bounds,
-                  [np.int32(0)], step=0)
-  return s, bounds
-
-
-def _add_one(i, arrays):
-  for a in arrays:
-    a += 1
 
 
 @pytest.mark.parametrize("pipelined", [True, False])
