@@ -42,11 +42,26 @@ def create_train_state(model: Any, tx: Any, rng: jax.Array, *init_args: Any,
   metrics from ``config``); a `ZeroTrainState` subclass gets ``config=config`` at creation.
   Inconsistent batch sizes in ``config`` fail here, before any device work.
 
-  ``params`` starts from existing parameters instead of the model's init: see
-  `existing_params`.
+  Args:
+    model: the linen module.
+    tx: the optax transformation.
+    rng: the init's random key.
+    *init_args: example inputs for ``model.init`` (arrays or ``jax.ShapeDtypeStruct``).
+    config: the zerojax configuration.
+    mesh: the device mesh; default ``make_mesh(config)``.
+    state_cls: the train-state class; default `ZeroTrainState`.
+    params: existing parameters instead of the model's init: see `existing_params`.
+    **init_kwargs: keyword arguments for ``model.init``.
 
   Returns:
-    ``(state, plan)``.
+    ``(state, plan)``: the sharded train state and its `ShardingPlan`.
+
+  Raises:
+    ValueError: ``model.init`` makes no ``'params'``.
+    WeightsError: ``params`` does not match the model's parameters (a `ValueError`).
+    TypeError: a parameter leaf is not floating point.
+    ConfigError: ``config``'s batch sizes are inconsistent, or the plan cannot be made.
+    DeviceMemoryError: the sharded state does not fit in the devices' memory.
   """
   make_state, plan, abstract = state_initializer(model, tx, rng, *init_args, config=config,
                                                  mesh=mesh, state_cls=state_cls, **init_kwargs)
@@ -61,8 +76,27 @@ def create_train_state(model: Any, tx: Any, rng: jax.Array, *init_args: Any,
 def state_initializer(model: Any, tx: Any, rng: jax.Array, *init_args: Any,
                       config: ZeroConfig, mesh: jax.sharding.Mesh | None = None,
                       state_cls: type | None = None, **init_kwargs: Any):
-  """``(make_state, plan, abstract_state)``: the pieces `create_train_state` and a checkpoint
-  restore target (`zerojax.runtime.checkpoint.abstract_train_state`) share. Nothing is allocated."""
+  """The pieces `create_train_state` and a checkpoint restore target share; allocates nothing.
+
+  Args:
+    model: the linen module.
+    tx: the optax transformation.
+    rng: the init's random key.
+    *init_args: example inputs for ``model.init``.
+    config: the zerojax configuration.
+    mesh: the device mesh; default ``make_mesh(config)``.
+    state_cls: the train-state class; default `ZeroTrainState`.
+    **init_kwargs: keyword arguments for ``model.init``.
+
+  Returns:
+    ``(make_state, plan, abstract_state)``: ``make_state(rng, *init_args)`` builds the state,
+    ``plan`` is its `ShardingPlan`, ``abstract_state`` its ``jax.ShapeDtypeStruct`` tree.
+
+  Raises:
+    ValueError: ``model.init`` makes no ``'params'``.
+    TypeError: a parameter leaf is not floating point.
+    ConfigError: ``config``'s batch sizes are inconsistent, or the plan cannot be made.
+  """
   mesh = make_mesh(config) if mesh is None else mesh
   pdtype = jnp.dtype(config.param_dtype)
   state_cls = ZeroTrainState if state_cls is None else state_cls
@@ -106,9 +140,22 @@ def state_initializer(model: Any, tx: Any, rng: jax.Array, *init_args: Any,
 
 def abstract_nnx(model_fn: Callable[[], Any], tx: Any, *, config: ZeroConfig,
                  mesh: jax.sharding.Mesh | None = None, wrt: Any = None):
-  """`create_nnx` without allocating: ``(model, optimizer, plan)`` whose variables are
-  ``jax.ShapeDtypeStruct`` in the plan's sharded layout, for ``zero_step(plan)(...).lower`` on
-  devices that can only be compiled for (a TPU or GPU topology)."""
+  """`create_nnx` without allocating.
+
+  For ``zero_step(plan)(...).lower`` on devices that can only be compiled for (a TPU or GPU
+  topology).
+
+  Args:
+    model_fn: a no-argument function returning the ``nnx.Module`` (traced, not run).
+    tx: the optax transformation.
+    config: the zerojax configuration.
+    mesh: the device mesh (abstract or real); default ``make_mesh(config)``.
+    wrt: the NNX filter of the trained parameters (``nnx.Param`` by default).
+
+  Returns:
+    ``(model, optimizer, plan)`` whose variables are ``jax.ShapeDtypeStruct`` in the plan's
+    sharded layout.
+  """
   mesh = make_mesh(config) if mesh is None else mesh
   graphdef, abs_state, shardings, plan = _nnx_layout(model_fn, tx, config, mesh, wrt)
   state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
@@ -142,6 +189,8 @@ def create_nnx(model_fn: Callable[[], Any], tx: Any, *, config: ZeroConfig,
     model_fn: a no-argument function returning the ``nnx.Module`` (it is traced, not run
       eagerly, so the full parameters never materialise on one device).
     tx: the optax transformation.
+    config: the zerojax configuration.
+    mesh: the device mesh; default ``make_mesh(config)``.
     wrt: the NNX filter of the trained parameters (``nnx.Param`` by default; e.g.
       ``nnx.LoRAParam`` trains adapters only). The other ``nnx.Param`` leaves are frozen: they
       are planned and sharded like the rest, but get no optimizer state (and no gradient when
@@ -149,7 +198,12 @@ def create_nnx(model_fn: Callable[[], Any], tx: Any, *, config: ZeroConfig,
     params: existing parameters instead of the model's init: see `existing_params`.
 
   Returns:
-    ``(model, optimizer, plan)``.
+    ``(model, optimizer, plan)``; with ``config.loss_scale`` set, the optimizer carries the
+    loss-scaling state as ``optimizer.loss_scaling``.
+
+  Raises:
+    WeightsError: ``params`` does not match the model's parameters (a `ValueError`).
+    ConfigError: the plan cannot be made for ``config`` and the model.
   """
   mesh = make_mesh(config) if mesh is None else mesh
   wrt = nnx.Param if wrt is None else wrt
@@ -196,8 +250,17 @@ def existing_params(params: Any, plan: ShardingPlan) -> tuple[list[jax.Array], t
   whose random init of the given leaves is dead code that XLA removes (the model is only
   traced: ``eval_shape`` gives the structure). Given jax arrays are donated to the new state.
 
+  Args:
+    params: the parameters: a pytree of arrays (``jax.ShapeDtypeStruct`` for leaves to take
+      from the init), or a source with ``load(plan)``.
+    plan: the `ShardingPlan` whose ``params`` layout they go into.
+
   Returns:
     ``(arrays, given)``: the placed arrays, and per plan leaf whether it was given.
+
+  Raises:
+    WeightsError: a leaf is missing, extra, or of the wrong shape (raised by
+      `zerojax.core.placement.place`).
   """
   leaves = jax.tree.leaves(place(params, plan))
   given = tuple(not isinstance(x, jax.ShapeDtypeStruct) for x in leaves)

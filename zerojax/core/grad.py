@@ -71,7 +71,16 @@ F32 = jnp.float32
 
 
 def check_batch(plan: Any, batch: PyTree) -> None:
-  """Checks the global batch of a step against the config's batch sizes (at trace time)."""
+  """Checks the global batch of a step against the config's batch sizes (at trace time).
+
+  Args:
+    plan: the step's `ShardingPlan`.
+    batch: the global batch (its first leaf with a dimension gives the row count).
+
+  Raises:
+    ConfigError: the rows differ from ``train_batch_size``, or do not split into
+      ``gradient_accumulation_steps`` micro-batches over the data-parallel size.
+  """
   cfg, dp = plan.config, plan.data_parallel_size
   rows = [np.shape(x)[0] for x in jax.tree.leaves(batch) if np.ndim(x) >= 1]
   if not rows:
@@ -112,6 +121,13 @@ def value_and_grad(fun: Callable, argnums: int = 0, has_aux: bool = False, *,
   Returns:
     ``f(params, *batch_args) -> (loss, grads)`` (``((loss, aux), grads)`` with ``has_aux``),
     loss and grads unscaled.
+
+  Raises:
+    ValueError: (when ``f`` is called) ``wrt`` is given for a non-NNX argument, or
+      ``argnums`` is not 0 where the gradient is accumulated or scaled, or for an NNX model.
+    ConfigError: (when ``f`` is called) a batch leaf's rows do not split into the
+      accumulation steps over the data-parallel size, or an NNX model's parameters do not
+      match the plan's.
   """
   plain = jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux)
 

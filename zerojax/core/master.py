@@ -25,8 +25,12 @@ __all__ = ["MasterWeightsState", "master_weights"]
 
 
 class MasterWeightsState(NamedTuple):
-  """``master``: the parameters in the master dtype; ``inner_state``: the wrapped
-  transformation's state, made for ``master``."""
+  """The optimizer state of `master_weights`.
+
+  Attributes:
+    master: the parameters in the master dtype.
+    inner_state: the wrapped transformation's state, made for ``master``.
+  """
   master: Any
   inner_state: Any
 
@@ -43,6 +47,10 @@ def master_weights(inner: optax.GradientTransformation,
   Args:
     inner: the optax transformation to run in full precision (e.g. ``optax.adamw(1e-4)``).
     dtype: the master dtype, a floating dtype (default float32).
+
+  Returns:
+    An ``optax.GradientTransformation`` whose state is a `MasterWeightsState` and whose
+    ``update(updates, state, params)`` needs ``params``.
 
   Raises:
     ValueError: ``dtype`` is not a floating dtype, or ``update`` is called without params.

@@ -26,6 +26,19 @@ def make_mesh(config: ZeroConfig, devices: Sequence[jax.Device] | None = None) -
   With several processes and a ``replica`` axis whose size divides the process count, the
   ``replica`` axis spans processes (slow network) and ``fsdp``/``tensor`` stay within a
   process (fast links): this is hybrid sharding, ZeRO++ hpZ-style.
+
+  Args:
+    config: the configuration whose ``mesh_axes`` and ``mesh_shape`` (a -1 entry takes the
+      remaining devices) shape the mesh.
+    devices: the devices to lay out; default every device of every process.
+
+  Returns:
+    A ``jax.sharding.Mesh`` with ``config.mesh_axes`` as its axis names, every axis of type
+    ``AxisType.Auto``.
+
+  Raises:
+    ConfigError: the mesh shape does not match the number of devices (raised by
+      ``ZeroConfig.resolved_mesh_shape``).
   """
   devices = list(jax.devices() if devices is None else devices)
   shape = config.resolved_mesh_shape(len(devices))
@@ -55,17 +68,40 @@ def _hybrid_mesh(shape, axes, devices, nproc, types) -> Mesh:
 
 
 def data_axes(mesh: Mesh) -> tuple[str, ...]:
-  """Mesh axes the batch is split over: every data-parallel axis (``replica``, ``fsdp``)."""
+  """Mesh axes the batch is split over: every data-parallel axis (``replica``, ``fsdp``).
+
+  Args:
+    mesh: the device mesh.
+
+  Returns:
+    The names of ``mesh``'s data-parallel axes, in the order ``replica``, ``fsdp``.
+  """
   return tuple(a for a in ("replica", "fsdp") if a in mesh.axis_names)
 
 
 def axis_size(mesh: Mesh, name: str) -> int:
+  """The size of one mesh axis, 1 for an axis the mesh does not have.
+
+  Args:
+    mesh: the device mesh.
+    name: an axis name such as ``'fsdp'``.
+
+  Returns:
+    ``mesh.shape[name]``, or 1 when ``name`` is not one of ``mesh``'s axes.
+  """
   return mesh.shape[name] if name in mesh.axis_names else 1
 
 
 def platform(mesh: Any) -> str:
-  """The backend a mesh's devices compile for (``'cpu'``, ``'gpu'``, ``'tpu'``). An abstract
-  mesh (planning without devices) names the abstract device's platform, else ``'cpu'``."""
+  """The backend a mesh's devices compile for (``'cpu'``, ``'gpu'``, ``'tpu'``).
+
+  Args:
+    mesh: a ``Mesh``, or an ``AbstractMesh`` (planning without devices).
+
+  Returns:
+    The platform name of the mesh's first device; for an abstract mesh, its abstract device's
+    platform, else ``'cpu'``.
+  """
   if isinstance(mesh, jax.sharding.AbstractMesh):
     device = mesh.abstract_device
     return device.platform if device is not None else "cpu"

@@ -20,7 +20,18 @@ class WeightsError(ValueError):
 
 
 def make_array(read: Callable[[tuple], np.ndarray], shape, dtype, sharding) -> jax.Array:
-  """``make_array_from_callback`` reading each distinct shard once per process."""
+  """``make_array_from_callback`` reading each distinct shard once per process.
+
+  Args:
+    read: ``read(index) -> np.ndarray``, the values at ``index`` (a tuple of slices).
+    shape: the global shape.
+    dtype: the array's dtype.
+    sharding: the array's sharding; a host memory kind builds each shard on the device and
+      then moves it.
+
+  Returns:
+    The global ``jax.Array``.
+  """
   cache: dict[Any, np.ndarray] = {}
 
   def cb(index):
@@ -42,10 +53,19 @@ def make_array(read: Callable[[tuple], np.ndarray], shape, dtype, sharding) -> j
 
 
 def place(params: Any, plan: Any) -> Any:
-  """Puts existing parameters (numpy/jax arrays, or a lazy source with ``load(plan)``) into
-  ``plan.params``' layout, leaf by leaf; each device receives only its shard.
+  """Puts existing parameters into ``plan.params``' layout, leaf by leaf.
 
-  ``jax.ShapeDtypeStruct`` leaves stay placeholders (to be initialised from the model).
+  Each device receives only its shard. ``jax.ShapeDtypeStruct`` leaves stay placeholders (to be
+  initialised from the model).
+
+  Args:
+    params: a pytree of numpy or jax arrays shaped like the model's parameters, or a lazy
+      source with ``load(plan)``.
+    plan: the `ShardingPlan` whose ``params`` shardings the leaves take.
+
+  Returns:
+    A tree shaped as ``plan.params`` of placed ``jax.Array`` (and ``jax.ShapeDtypeStruct``
+    placeholders).
 
   Raises:
     WeightsError: the tree's structure differs from the plan's, or a leaf has another shape or

@@ -38,7 +38,18 @@ __all__ = ["ZeroStep", "zero_step"]
 
 
 class ZeroStep:
-  """A jitted ZeRO train step; create it with `zero_step`."""
+  """A jitted ZeRO train step; create it with `zero_step`.
+
+  Attributes:
+    fn: the user's train step.
+    plan: the `ShardingPlan` whose shardings the step uses.
+    donate: whether the state's buffers are donated to the step.
+    formulation: per compiled variant, how it gathers parameters: ``'compiler'`` (XLA's
+      partitioner) or ``'per use'`` (zerojax's gathers where each layer reads them).
+    remat: per compiled variant, where ``config.remat`` acted.
+    layers: per compiled variant that scanned layers, whether they ran one ahead, or why not.
+    last_step_time: the ``step_time`` of the last call, in seconds (``nan`` after a compile).
+  """
 
   def __init__(self, fn: Callable, plan: ShardingPlan, donate: bool = True):
     functools.update_wrapper(self, fn)
@@ -218,6 +229,22 @@ class ZeroStep:
     with two or more dimensions, rows otherwise) divided by ``step_time``.
 
     Arguments after the batch (an RNG key, a step number) are passed through replicated.
+
+    Args:
+      *args: ``(state, batch, *rest)``, or for Flax NNX ``(model, optimizer, batch, *rest)``.
+
+    Returns:
+      ``(new_state, metrics)`` for a state; for NNX, ``metrics`` (``model`` and ``optimizer``
+      are updated in place).
+
+    Raises:
+      TypeError: too few arguments, or the train step did not return ``(state, metrics)``.
+      ConfigError: the state or step cannot honour the config (clipping or loss scaling
+        without a `ZeroTrainState`, per-use gathering the step never reaches, accumulation or
+        loss scaling without `zerojax.value_and_grad`, an NNX optimizer without loss-scaling
+        state).
+      DeviceMemoryError: on a backend that reports a memory limit, the compiled step does not
+        fit in it.
     """
     n = len(self._jitted)
     kind, lead, batch, rest = self._dispatch(args)
@@ -249,16 +276,37 @@ class ZeroStep:
     return metrics
 
   def jitted(self, *args) -> Any:
-    """The ``jax.jit`` function this step runs for ``args`` (e.g. for ``jax.export`` or
-    ``.trace``): called as ``f(state, batch, *rest)``, for NNX as ``f(nnx.state((model,
-    optimizer)), batch, *rest)``."""
+    """The ``jax.jit`` function this step runs for ``args`` (e.g. for ``jax.export`` or ``.trace``).
+
+    Args:
+      *args: the step's arguments, as for a call.
+
+    Returns:
+      The jitted function, called as ``f(state, batch, *rest)``; for NNX as
+      ``f(nnx.state((model, optimizer)), batch, *rest)``.
+
+    Raises:
+      TypeError: too few arguments.
+      ConfigError: the state or step cannot honour the config (as for a call).
+    """
     kind, lead, batch, rest = self._dispatch(args)
     if kind == "nnx":
       return self._nnx(*lead, batch, rest)[0]
     return self._linen(lead[0], batch, rest)
 
   def lower(self, *args):
-    """Lowers the step for ``args`` (arrays or ShapeDtypeStructs), e.g. to inspect memory."""
+    """Lowers the step for ``args`` (arrays or ShapeDtypeStructs), e.g. to inspect memory.
+
+    Args:
+      *args: the step's arguments, as for a call.
+
+    Returns:
+      The ``jax.stages.Lowered`` step.
+
+    Raises:
+      TypeError: too few arguments.
+      ConfigError: the state or step cannot honour the config (as for a call).
+    """
     kind, lead, batch, rest = self._dispatch(args)
     if kind == "nnx":
       f, state = self._nnx(*lead, batch, rest)
@@ -282,6 +330,13 @@ def zero_step(plan: ShardingPlan, *, donate: bool = True) -> Callable[[Callable]
   Args:
     plan: the `ShardingPlan`; its shardings become the step's in/out shardings.
     donate: donate the state's buffers to the step (it is updated in place).
+
+  Returns:
+    A decorator that turns ``train_step`` into a `ZeroStep`.
+
+  Raises:
+    TypeError: ``plan`` is not a `ShardingPlan`.
+    ConfigError: the config's batch sizes are inconsistent.
   """
   if not isinstance(plan, ShardingPlan):
     raise TypeError(f"zero_step(plan) needs a zerojax.ShardingPlan, got {type(plan).__name__}")

@@ -46,7 +46,17 @@ __all__ = ["StepSettings", "ZeroTrainState", "update_scale", "learning_rate", "s
 
 @dataclasses.dataclass(frozen=True)
 class StepSettings:
-  """The config fields `ZeroTrainState` acts on (static: part of the compiled step)."""
+  """The config fields `ZeroTrainState` acts on (static: part of the compiled step).
+
+  Attributes:
+    loss_scale: ``None`` for no loss scaling, 0 for dynamic loss scaling, a positive number
+      for a static loss scale.
+    loss_scale_window: consecutive good steps after which a dynamic scale doubles.
+    hysteresis: consecutive overflows before a dynamic scale halves.
+    min_loss_scale: the floor of a dynamic scale.
+    gradient_clipping: the global-norm clipping threshold, or ``None`` for no clipping.
+    nonfinite: ``ZeroConfig.nonfinite_policy``: ``'halt'``, ``'skip'`` or ``'ignore'``.
+  """
 
   loss_scale: float | None = None  # None off, 0 dynamic, > 0 static
   loss_scale_window: int = 1000
@@ -57,6 +67,14 @@ class StepSettings:
 
   @classmethod
   def from_config(cls, config: ZeroConfig) -> "StepSettings":
+    """The settings that ``config`` asks for.
+
+    Args:
+      config: the zerojax configuration.
+
+    Returns:
+      A `StepSettings` with ``config``'s loss-scaling, clipping and non-finite policy fields.
+    """
     return cls(config.loss_scale, config.loss_scale_window, config.hysteresis,
                config.min_loss_scale, config.gradient_clipping, config.nonfinite_policy)
 
@@ -73,17 +91,21 @@ class StepSettings:
 
   @property
   def scaling(self) -> bool:
+    """Whether loss scaling (static or dynamic) is on."""
     return self.loss_scale is not None
 
   @property
   def dynamic(self) -> bool:
+    """Whether the loss scale is dynamic."""
     return self.loss_scale == 0
 
 
 class ZeroTrainState(train_state.TrainState):
   """``TrainState`` plus loss-scaling state, clipping and per-step metrics.
 
-  Attributes (all replicated scalars):
+  The fields it adds to ``TrainState`` are replicated scalars (``settings`` excepted).
+
+  Attributes:
     loss_scale: the current loss scale (1.0 without loss scaling).
     good_steps: consecutive non-overflowing steps since the scale last changed or overflowed.
     hysteresis_left: overflows still tolerated before the scale halves.
@@ -104,7 +126,20 @@ class ZeroTrainState(train_state.TrainState):
   @classmethod
   def create(cls, *, apply_fn, params, tx, config: ZeroConfig | None = None,
              settings: StepSettings | None = None, **kwargs) -> "ZeroTrainState":
-    """Like ``TrainState.create``; ``config`` (or ``settings``) sets clipping and scaling."""
+    """Like ``TrainState.create``; ``config`` (or ``settings``) sets clipping and scaling.
+
+    Args:
+      apply_fn: the model's apply function.
+      params: the parameters.
+      tx: the optax transformation.
+      config: the configuration whose clipping, loss-scaling and non-finite fields apply; its
+        ``initial_scale_power`` sets the first dynamic loss scale (default 2**16).
+      settings: the `StepSettings` to use instead of ``config``'s.
+      **kwargs: further fields, passed to ``TrainState.create``.
+
+    Returns:
+      A `ZeroTrainState` at step 0 with the initial loss scale and zeroed counters.
+    """
     if settings is None:
       settings = StepSettings.from_config(config) if config is not None else StepSettings()
     if not settings.scaling:
@@ -123,6 +158,18 @@ class ZeroTrainState(train_state.TrainState):
         grad_norm=jnp.zeros((), jnp.float32), **kwargs)
 
   def apply_gradients(self, *, grads, **kwargs) -> "ZeroTrainState":
+    """One optimizer step: norm, finiteness check, clipping, update, loss-scale update.
+
+    The order and the skip rules are those of this module's docstring; everything runs on the
+    device, with no host synchronisation.
+
+    Args:
+      grads: the unscaled gradient, shaped as ``params``.
+      **kwargs: further fields to replace, passed to ``TrainState.apply_gradients``.
+
+    Returns:
+      The next state; on a skipped step, its ``params`` and ``opt_state`` are the old ones.
+    """
     s = self.settings
     grads = _grads_on_device(grads)
     norm = optax.tree.norm(grads).astype(jnp.float32)
@@ -150,8 +197,12 @@ class ZeroTrainState(train_state.TrainState):
         overflow=jnp.logical_not(finite), grad_norm=norm)
 
   def step_metrics(self) -> dict[str, jax.Array]:
-    """The last step's grad norm, loss scale, skipped-step count, overflow flag and learning
-    rate (if the optimizer exposes it through ``optax.inject_hyperparams``)."""
+    """The last step's metrics.
+
+    Returns:
+      A dict with ``grad_norm``, ``loss_scale``, ``skipped_steps``, ``overflow`` and, if the
+      optimizer exposes it through ``optax.inject_hyperparams``, ``learning_rate``.
+    """
     out = {"grad_norm": self.grad_norm, "loss_scale": self.loss_scale,
            "skipped_steps": self.skipped_steps, "overflow": self.overflow}
     lr = learning_rate(self.opt_state)
@@ -161,7 +212,19 @@ class ZeroTrainState(train_state.TrainState):
 
 
 def update_scale(scale, good_steps, hysteresis_left, finite, settings: StepSettings):
-  """The next ``(scale, good_steps, hysteresis_left)`` of (dynamic) loss scaling."""
+  """The next ``(scale, good_steps, hysteresis_left)`` of (dynamic) loss scaling.
+
+  Args:
+    scale: the current loss scale.
+    good_steps: consecutive good steps so far.
+    hysteresis_left: overflows still tolerated before the scale halves.
+    finite: whether this step's gradient was finite (a boolean scalar).
+    settings: the `StepSettings`; without dynamic scaling the inputs come back unchanged.
+
+  Returns:
+    ``(scale, good_steps, hysteresis_left)`` after this step, as float32, int32 and int32
+    arrays.
+  """
   if not settings.dynamic:
     return scale, good_steps, hysteresis_left
   overflow = jnp.logical_not(finite)
@@ -176,7 +239,15 @@ def update_scale(scale, good_steps, hysteresis_left, finite, settings: StepSetti
 
 
 def learning_rate(opt_state: Any) -> jax.Array | None:
-  """The ``learning_rate`` of the first ``optax.inject_hyperparams`` state in ``opt_state``."""
+  """The ``learning_rate`` of the first ``optax.inject_hyperparams`` state in ``opt_state``.
+
+  Args:
+    opt_state: an optax optimizer state.
+
+  Returns:
+    The learning rate as an array, or ``None`` when no ``inject_hyperparams`` state in
+    ``opt_state`` has one.
+  """
   kinds = (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)
   for x in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, kinds)):
     if isinstance(x, kinds) and "learning_rate" in x.hyperparams:
@@ -195,9 +266,19 @@ def _grads_on_device(grads):
 
 def skip_nonfinite(tx: optax.GradientTransformation, finite_out: list
                    ) -> optax.GradientTransformation:
-  """``tx`` whose update is a no-op when the gradient has a non-finite element: zero updates and
-  the old optimizer state (a select: bit-identical). The step's finiteness flag is appended to
-  ``finite_out`` for the caller (NNX loss scaling) to act on."""
+  """``tx`` whose update is a no-op when the gradient has a non-finite element.
+
+  On such a step the update is zero and the optimizer state the old one (a select:
+  bit-identical).
+
+  Args:
+    tx: the optax transformation to wrap.
+    finite_out: a list to which each ``update`` call appends the step's finiteness flag, for
+      the caller (NNX loss scaling) to act on.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` with ``tx``'s ``init``.
+  """
 
   def update(grads, state, params=None, **kw):
     finite = jnp.all(jnp.asarray([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
@@ -245,5 +326,13 @@ def _nnx_loss_scaling_types():
 
 
 def nnx_loss_scaling(config: ZeroConfig) -> Any:
-  """The loss-scaling state `zerojax.create_nnx` attaches to an NNX optimizer."""
+  """The loss-scaling state `zerojax.create_nnx` attaches to an NNX optimizer.
+
+  Args:
+    config: the configuration whose loss-scaling fields apply (``loss_scale`` must be set).
+
+  Returns:
+    An ``nnx.Module`` holding the loss scale, good-step, hysteresis, skipped-step and overflow
+    counters, with ``update(finite, settings)`` and ``metrics()``.
+  """
   return _nnx_loss_scaling_types()[1](config)
