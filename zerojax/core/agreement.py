@@ -52,6 +52,18 @@ def fingerprint(config: Any = None, plan: Any = None, *, tx: Any = None, state: 
   ``state.opt_state``, and the numbers and strings ``tx``'s functions close over, such as a
   constant learning rate), ``extra`` (as ``extra.KEY``) and ``fields`` (under their own names,
   e.g. ``train.steps``).
+
+  Args:
+    config: the run's `ZeroConfig` (each field becomes ``config.NAME``).
+    plan: the run's `ShardingPlan` (its mesh and every leaf's layout).
+    tx: the optax transformation, whose closed-over numbers and strings are compared.
+    state: a train state (or optimizer state) whose ``inject_hyperparams`` values are
+      compared.
+    extra: further values, compared as ``extra.KEY``.
+    fields: further values, compared under their own names.
+
+  Returns:
+    ``{field: value}`` with JSON-able values.
   """
   fp: dict[str, Any] = {"process_count": jax.process_count()}
   for mod in ("jax", "jaxlib", "flax", "optax", "zerojax"):
@@ -97,12 +109,17 @@ def check_agreement(config: Any = None, plan: Any = None, *, tx: Any = None,
   run returns at once.
 
   Args:
-    config, plan, tx, state, extra, fields: what to compare (see `fingerprint`).
+    config: the run's `ZeroConfig` (see `fingerprint`).
+    plan: the run's `ShardingPlan`.
+    tx: the optax transformation.
+    state: the train state (or optimizer state).
+    extra: further values, compared as ``extra.KEY``.
+    fields: further values, compared under their own names.
     timeout: seconds to wait for the other processes' fingerprints (default
       ``ZEROJAX_AGREEMENT_TIMEOUT`` or 120).
 
   Returns:
-    this process's fingerprint.
+    This process's fingerprint.
 
   Raises:
     ProcessMismatchError: on every process, naming each differing field and its value per
@@ -165,7 +182,7 @@ def exchange(name: str, value: str, timeout: float | None = None) -> list[str]:
     timeout: seconds to wait for the others (default ``ZEROJAX_AGREEMENT_TIMEOUT`` or 120).
 
   Returns:
-    the values of processes ``0 .. n - 1``.
+    The values of processes ``0 .. n - 1``.
 
   Raises:
     DistributedInitError: a process did not send its value within ``timeout``.

@@ -34,7 +34,21 @@ PAPER_K = 12
 
 
 def paper_bytes(num_params: float, stage: int, num_devices: int, k: int = PAPER_K) -> float:
-  """Bytes of model state per device from the ZeRO paper (mixed-precision Adam)."""
+  """Bytes of model state per device from the ZeRO paper (mixed-precision Adam).
+
+  Args:
+    num_params: Ψ, the number of parameters.
+    stage: the ZeRO stage, 0 to 3.
+    num_devices: N, the number of data-parallel devices.
+    k: optimizer-state bytes per parameter (12 for mixed-precision Adam).
+
+  Returns:
+    The bytes per device, from the formula in this module's docstring.
+
+  Raises:
+    ValueError: ``stage`` is not 0-3, ``num_devices`` is not a positive integer, or
+      ``num_params`` is negative.
+  """
   _check_args(stage=stage, num_devices=num_devices)
   if not num_params >= 0:
     raise ValueError(f"num_params={num_params!r} is invalid: a number of parameters >= 0")
@@ -56,7 +70,18 @@ def _check_args(stage: Any = None, num_devices: Any = None) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class Estimate:
-  """Analytic per-device bytes of one stage (device- and host-resident)."""
+  """Analytic per-device bytes of one stage (device- and host-resident).
+
+  Attributes:
+    stage: the ZeRO stage estimated.
+    num_devices: the devices of the mesh planned on.
+    params: device-resident parameter bytes per device.
+    grads: gradient bytes per device.
+    opt_state: device-resident optimizer-state bytes per device.
+    params_host: host-resident (offloaded) parameter bytes per device.
+    opt_state_host: host-resident (offloaded) optimizer-state bytes per device.
+    frozen: paths of frozen leaves (no gradient, no optimizer state).
+  """
 
   stage: int
   num_devices: int
@@ -79,6 +104,7 @@ class Estimate:
 
   @property
   def host(self) -> int:
+    """Host-resident model state: offloaded parameters and optimizer state."""
     return self.params_host + self.opt_state_host
 
 
@@ -87,6 +113,12 @@ def num_params(tree: Any) -> int:
 
   The one count zerojax prints: run headers, ``zerojax plan``/``estimate`` and
   `ShardingPlan.table` all count the leaves of the real tree.
+
+  Args:
+    tree: a pytree of arrays, ``jax.ShapeDtypeStruct`` or Flax-boxed leaves.
+
+  Returns:
+    The total number of elements.
   """
   return sum(math.prod(np.shape(x)) for x in jax.tree.leaves(meta.unbox(tree)))
 
@@ -109,6 +141,13 @@ def estimate(params: Any, tx: Any = None, *, config: ZeroConfig | None = None,
     mesh: a mesh to plan on instead of an abstract ``(num_devices,)`` fsdp mesh.
     trainable: ``path -> bool``: frozen leaves count no gradient (give ``tx``/``opt_state``
       for the trained leaves only, e.g. ``optax.masked``); `Estimate.frozen` lists them.
+
+  Returns:
+    The `Estimate` for the stage.
+
+  Raises:
+    ValueError: ``stage`` is not 0-3, or ``num_devices`` is not a positive integer.
+    ConfigError: the mesh shape does not fit ``num_devices``, or the plan cannot be made.
   """
   if config is not None:
     # `create_train_state` stores floating parameters in config.param_dtype: count that.
@@ -152,8 +191,15 @@ class DeviceMemoryError(RuntimeError):
 
 
 def bytes_limit(devices: Any) -> int | None:
-  """The smallest ``memory_stats()['bytes_limit']`` of ``devices``, or ``None`` where the
-  backend reports none (CPU reports no memory stats)."""
+  """The devices' memory limit: the smallest ``memory_stats()['bytes_limit']``.
+
+  Args:
+    devices: an iterable of ``jax.Device``.
+
+  Returns:
+    The limit in bytes, or ``None`` where the backend reports none (CPU reports no memory
+    stats).
+  """
   limits = []
   for d in devices:
     try:
@@ -166,13 +212,21 @@ def bytes_limit(devices: Any) -> int | None:
 
 
 def compiled_peak(compiled: Any, host_resident: int = 0) -> tuple[int, str]:
-  """``(bytes, breakdown)``: a compiled computation's device-memory peak per device,
-  arguments + outputs - aliased (donated) + temporaries, from XLA's memory analysis.
+  """A compiled computation's device-memory peak per device, from XLA's memory analysis.
 
-  Backends that place host-offloaded buffers in their own memory space report them in the
-  ``host_*`` fields, apart from these. XLA:CPU reports host (``pinned_host``) arguments as
-  ordinary arguments with every ``host_*`` field 0; there ``host_resident`` (the state's
-  host-resident bytes per device, e.g. from `ShardingPlan.bytes_per_device`) is subtracted.
+  The peak is arguments + outputs - aliased (donated) + temporaries. Host-offloaded buffers
+  reported in the ``host_*`` fields are not counted; where every ``host_*`` field is 0 (the
+  backend counts host arguments as ordinary ones, see ``docs/design.md``), ``host_resident`` is
+  subtracted instead.
+
+  Args:
+    compiled: a ``jax.stages.Compiled``.
+    host_resident: the state's host-resident bytes per device (e.g. from
+      `ShardingPlan.bytes_per_device`), subtracted where the backend reports no ``host_*``
+      bytes.
+
+  Returns:
+    ``(bytes, breakdown)``: the peak in bytes and a one-line breakdown of its parts.
   """
   ma = compiled.memory_analysis()
   a, o, al, t = (int(ma.argument_size_in_bytes), int(ma.output_size_in_bytes),
@@ -195,8 +249,11 @@ def check_fits(compiled: Any, devices: Any, *, limit: int | None = None,
       allocated to get it).
     devices: the devices it runs on (their ``memory_stats()['bytes_limit']`` is the limit).
     limit: the limit in bytes per device instead of the devices' own.
-    config, params, tx / opt_state: the run's config and its parameter tree and optimizer (or
-      optimizer state): with them the error names the next stage or offload that would fit.
+    config: the run's config; with ``params`` and ``tx`` (or ``opt_state``) the error names
+      the next stage or offload that would fit.
+    params: the run's parameter tree.
+    tx: the run's optax transformation.
+    opt_state: the run's optimizer state (or its shapes), instead of ``tx``.
 
   Returns:
     the peak in bytes, or ``None`` when no limit is known (then nothing is checked).
@@ -219,10 +276,24 @@ def check_fits(compiled: Any, devices: Any, *, limit: int | None = None,
 
 def check_state_fits(plan: ShardingPlan, devices: Any = None, *, limit: int | None = None,
                      params: Any = None, tx: Any = None) -> int | None:
-  """Fails if the train state of ``plan`` (its device-resident parameters and optimizer
-  state per device) exceeds the devices' memory limit: checked before the state is created.
+  """Fails if the train state of ``plan`` exceeds the devices' memory limit.
 
-  Returns the state's bytes per device, or ``None`` when no limit is known.
+  The state is its device-resident parameters and optimizer state per device; it is checked
+  before the state is created.
+
+  Args:
+    plan: the `ShardingPlan` of the state.
+    devices: the devices it lives on; default the plan's mesh's devices.
+    limit: the limit in bytes per device instead of the devices' own.
+    params: the parameter tree; with ``tx``, the error names the next option that fits.
+    tx: the optax transformation.
+
+  Returns:
+    The state's bytes per device, or ``None`` when no limit is known (then nothing is
+    checked).
+
+  Raises:
+    DeviceMemoryError: the state exceeds the limit.
   """
   devices = list(plan.mesh.devices.flat) if devices is None else devices
   limit = bytes_limit(devices) if limit is None else int(limit)
@@ -256,7 +327,22 @@ def suggest_option(need: int, limit: int, config: ZeroConfig | None, params: Any
 
   The estimate keeps everything but the model state as measured (activations and
   temporaries do not depend on the stage to first order) and swaps the current model state
-  for the option's (`estimate`)."""
+  for the option's (`estimate`).
+
+  Args:
+    need: the bytes per device the current option needs.
+    limit: the devices' limit in bytes.
+    config: the current config (``None``: a generic suggestion).
+    params: the parameter tree (``None``: a generic suggestion).
+    tx: the optax transformation.
+    opt_state: the optimizer state, instead of ``tx``.
+    devices: the devices (their number is the data-parallel size estimated for).
+    state_only: compare the persistent state (parameters and optimizer state) only, as
+      `check_state_fits` does, rather than the whole model state.
+
+  Returns:
+    One or two sentences naming the option and the settings to use.
+  """
   if config is None or params is None or (tx is None and opt_state is None):
     return ("Use a higher stage, offload (offload_optimizer / offload_params), remat, a smaller "
             "batch or more devices; `zerojax estimate --fit` compares the options.")

@@ -87,10 +87,12 @@ class DistributedInfo:
 
   @property
   def is_multiprocess(self) -> bool:
+    """Whether the run has more than one process."""
     return self.num_processes > 1
 
   @property
   def is_coordinator(self) -> bool:
+    """Whether this is process 0, which hosts the coordination service."""
     return self.process_id == 0
 
 
@@ -275,7 +277,12 @@ def _join(s: _Settings) -> None:
 
 
 def info() -> DistributedInfo:
-  """This process's `DistributedInfo` (single-process if `initialize` was never called)."""
+  """Who this process is in the run.
+
+  Returns:
+    This process's `DistributedInfo`: the one `initialize` returned, that of a runtime JAX
+    started otherwise, or a single-process one if neither happened.
+  """
   if _info is not None:
     return _info
   if jax.distributed.is_initialized():

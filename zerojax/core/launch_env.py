@@ -39,7 +39,17 @@ class DistributedInitError(RuntimeError):
 
 
 def env_int(name: str) -> int | None:
-  """The integer in environment variable ``name``; ``None`` when it is unset or empty."""
+  """The integer in an environment variable.
+
+  Args:
+    name: the variable's name.
+
+  Returns:
+    Its value as an ``int``; ``None`` when it is unset or empty.
+
+  Raises:
+    DistributedInitError: the value is not an integer.
+  """
   v = os.environ.get(name)
   if v is None or v == "":
     return None
@@ -50,7 +60,19 @@ def env_int(name: str) -> int | None:
 
 
 def timeout_seconds(value: float | None, env: str, default: float) -> float:
-  """A timeout: ``value``, else environment variable ``env``, else ``default``; must be > 0."""
+  """A timeout: ``value``, else environment variable ``env``, else ``default``.
+
+  Args:
+    value: the timeout given as an argument, in seconds, or ``None``.
+    env: the environment variable to read when ``value`` is ``None``.
+    default: the timeout when neither is set.
+
+  Returns:
+    The timeout in seconds, as a float.
+
+  Raises:
+    DistributedInitError: the variable is not a number, or the timeout is not > 0.
+  """
   if value is None:
     v = os.environ.get(env)
     if v:
@@ -66,6 +88,13 @@ def timeout_seconds(value: float | None, env: str, default: float) -> float:
 
 
 def first_line(e: BaseException) -> str:
-  """The first line of ``e``'s message (at most 500 characters), as an error quotes its cause."""
+  """The first line of an exception's message, as an error quotes its cause.
+
+  Args:
+    e: the exception.
+
+  Returns:
+    The first line of ``str(e)``, at most 500 characters (empty for an empty message).
+  """
   s = str(e).strip()
   return s.splitlines()[0][:500] if s else ""
