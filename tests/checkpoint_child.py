@@ -1,6 +1,6 @@
-"""Child process for tests/test_checkpoint.py: resume in a new process, a killed save, export
-memory. Run as ``python tests/checkpoint_child.py MODE ARGS_JSON`` with XLA_FLAGS setting the
-device count and PYTHONPATH pointing at the work tree."""
+"""Child process for tests/runtime/test_checkpoint.py: resume in a new process, a killed save,
+export memory. Run as ``python tests/checkpoint_child.py MODE ARGS_JSON`` with XLA_FLAGS
+setting the device count and PYTHONPATH pointing at the work tree."""
 
 import json
 import os

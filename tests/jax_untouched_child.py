@@ -1,4 +1,4 @@
-"""Child of `tests/test_compat.py`: prints, as JSON, what ``jax.lax.scan``,
+"""Child of `tests/core/test_compat.py`: prints, as JSON, what ``jax.lax.scan``,
 ``flax.linen.Module.apply`` and ``jax.checkpoint`` compute (jaxprs and values, forward and
 under ``jax.grad``) for code outside any zerojax step. With ``zerojax`` as its argument it first
 runs zerojax steps that trace a scan, a linen model's own ``apply`` and nested checkpoints."""

@@ -3,7 +3,7 @@
 Nine ways people write a model (``PATTERNS``, described in ``DESCRIPTIONS``), at two sizes
 (``SMALL`` for the tests, ``FULL`` for the benchmark), each trained by zerojax at a default
 `ZeroConfig` (`zero_runner`), by hand-written JAX FSDP (`baseline_runner`: jit in/out shardings
-only) and unsharded on one device (`reference_losses`). ``tests/test_patterns.py`` asserts
+only) and unsharded on one device (`reference_losses`). ``tests/core/test_patterns.py`` asserts
 ZeRO's guarantees on them; ``benchmarks/patterns.py`` tabulates them.
 
 JAX is imported inside the functions, so that a script importing this module can still set

@@ -1,4 +1,4 @@
-"""One process of a multi-process test run (started by tests/test_multiprocess.py through
+"""One process of a multi-process test run (started by tests/core/test_multiprocess.py through
 ``python -m zerojax.tools.launch``). Not a test module itself.
 
 Modes:

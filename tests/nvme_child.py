@@ -1,5 +1,6 @@
 """A training run with its optimizer state on NVMe, checkpointing after every step; the
-kill test (tests/test_nvme.py) kills it at random moments and runs it again until it finishes.
+kill test (tests/runtime/test_nvme.py) kills it at random moments and runs it again until it
+finishes.
 
 Usage: python -m tests.nvme_child NVME_PATH CKPT_DIR STEPS OUT.npz
 

@@ -1,4 +1,4 @@
-"""One process of the 2-process NVMe optimizer-state test (tests/test_nvme_multiprocess.py),
+"""One process of the 2-process NVMe optimizer-state test (tests/runtime/test_nvme_multiprocess.py),
 started through ``python -m zerojax.tools.launch``; with ``--reference``, the one-process
 in-memory run of the same global config on as many devices. Not a test module itself.
 

@@ -1,5 +1,5 @@
 """AOT-compiles a stage-3 step for N simulated CPU devices and prints measured vs estimated
-per-device bytes as JSON (run by tests/test_scale.py in a subprocess with
+per-device bytes as JSON (run by tests/core/test_scale.py in a subprocess with
 ``XLA_FLAGS=--xla_force_host_platform_device_count=N``). Nothing is allocated: the state and
 the batch are abstract (``jax.ShapeDtypeStruct`` with the plan's shardings).
 """

@@ -21,6 +21,6 @@ def _collect(*args: str) -> list[str]:
 def test_fast_subset_keeps_parity_at_every_stage_and_leaves_out_the_slow_tests():
   everything, fast = _collect(), set(_collect("-m", "not slow"))
   for stage in range(4):
-    assert f"tests/test_step.py::test_parity_linen_scanned[{stage}]" in fast
+    assert f"tests/core/test_step.py::test_parity_linen_scanned[{stage}]" in fast
   slow = [n for n in everything if n not in fast]
   assert slow and len(fast) + len(slow) == len(everything)

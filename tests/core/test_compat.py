@@ -1,0 +1,89 @@
+"""zerojax._compat on the installed JAX release: every internal has a path, every default
+compiler option is one this release's XLA takes, and JAX outside a zerojax step is JAX's own."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from zerojax import _compat
+from zerojax.core import formulation as fm
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_every_internal_has_a_path_on_this_release():
+  missing = [n for n, p in _compat.INTERNALS.items() if p is None]
+  assert not missing, f"jax {jax.__version__} has none of the paths of {missing}"
+  for name, path in _compat.INTERNALS.items():
+    assert path in _compat.INTERNAL_PATHS[name]
+
+
+def test_public_api_is_preferred_where_the_release_has_it():
+  # The primitives the remat policy recognises are public (jax.extend) on 0.10.2 to 0.12.x.
+  for name in ("name_p", "sharding_constraint_p", "remat_p"):
+    assert _compat.INTERNALS[name].startswith("jax.extend."), _compat.INTERNALS[name]
+  assert _compat.INTERNALS["nothing_saveable"].startswith("jax:checkpoint_policies")
+
+
+@pytest.mark.parametrize("version,kept,added", [
+    ((0, 10, 2), {"xla_gpu_enable_pipelined_all_gather",
+                  "xla_gpu_enable_pipelined_reduce_scatter",
+                  "xla_gpu_enable_analytical_latency_estimator"}, set()),
+    ((0, 11, 2), set(), {"xla_gpu_pipeline_all_gather", "xla_gpu_pipeline_reduce_scatter"}),
+    ((0, 12, 0), set(), {"xla_gpu_pipeline_all_gather", "xla_gpu_pipeline_reduce_scatter"}),
+])
+def test_gpu_options_follow_the_release(monkeypatch, version, kept, added):
+  monkeypatch.setattr(_compat, "JAX_VERSION", version)
+  given = {**fm.GPU_COMPILER_OPTIONS, **fm.GPU_LAYERS_AHEAD_OPTIONS}
+  got = _compat.xla_gpu_options(given)
+  renamed = set(_compat._GPU_OPTIONS_FROM)
+  assert set(got) == (set(given) - renamed) | kept | added
+  for k in added:
+    assert got[k] == "COLLECTIVE_PIPELINING_MODE_ON"
+  # Options no release renames pass through with their values.
+  for k in set(given) - renamed:
+    assert got[k] == given[k]
+
+
+def _option_sets():
+  sets = {"default": fm.GPU_COMPILER_OPTIONS,
+          "layers_ahead": {**fm.GPU_COMPILER_OPTIONS, **fm.GPU_LAYERS_AHEAD_OPTIONS},
+          "pipelined": fm.GPU_PIPELINED_OPTIONS,
+          "rows_ahead": {**fm.GPU_COMPILER_OPTIONS, **fm.GPU_ROWS_AHEAD_OPTIONS}}
+  return {k: _compat.xla_gpu_options(v) for k, v in sets.items()}
+
+
+@pytest.mark.parametrize("name", ["default", "layers_ahead", "pipelined", "rows_ahead"])
+def test_this_release_takes_every_default_gpu_option(name):
+  # XLA validates option names and values against its DebugOptions whatever the backend: a
+  # refused option fails this CPU compile as it would fail a GPU one.
+  lowered = jax.jit(lambda x: x * 2).lower(jnp.ones(4))
+  options = _option_sets()[name]
+  assert options
+  lowered.compile(options)
+
+
+def _child(*args):
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env["JAX_PLATFORMS"] = "cpu"
+  r = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "jax_untouched_child.py"),
+                      *args], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+  assert r.returncode == 0, r.stderr[-3000:]
+  return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_jax_outside_a_zerojax_step_computes_as_jax_does():
+  plain = _child()
+  after = _child("zerojax")
+  # The zerojax steps did trace through its scan and linen interceptors (so they were live).
+  assert after.pop("hooks") == {"scan": True, "apply": True}
+  losses = {k: after.pop(k) for k in list(after) if k.startswith("zerojax_loss")}
+  assert all(map(jnp.isfinite, losses.values()))
+  assert after.keys() == plain.keys()
+  for key in plain:  # jaxprs (forward and under grad) and values, exactly
+    assert after[key] == plain[key], key
