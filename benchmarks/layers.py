@@ -1,11 +1,11 @@
 """Temp bytes per stage for scanned vs unscanned layers: ``python benchmarks/layers.py``.
 
-The model of ``tests/test_memory.py`` (GPT, 8 layers, d_model 256, batch 8×16) on 8 simulated
-CPU devices, compiled (not run) for stages 0-3 and for stage 3 with ``max_live_layers=2``, once
-with ``nn.scan`` layers and once with a Python loop of layers. The step is the README's:
-``zerojax.value_and_grad`` with the batch as an argument. Per-device temp and all-gather bytes
-come from ``compiled.memory_analysis()`` and the compiled HLO (`zerojax.runtime.memory.measure`). Prints a
-markdown table; nothing is written.
+The model of ``tests/runtime/test_memory.py`` (GPT, 8 layers, d_model 256, batch 8×16) on 8
+simulated CPU devices, compiled (not run) for stages 0-3 and for stage 3 with ``max_live_layers=2``,
+once with ``nn.scan`` layers and once with a Python loop of layers. The step is the README's:
+``zerojax.value_and_grad`` with the batch as an argument. Per-device temp and all-gather bytes come
+from ``compiled.memory_analysis()`` and the compiled HLO (`zerojax.runtime.memory.measure`). Prints
+a markdown table; nothing is written.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ and final-parameter difference to an unsharded (one-device) run, and the median 
 relative to the baseline, timed alternately in one run.
 
 ``--size small`` runs the tests' sizes; the patterns and their runners are defined in
-``tests/model_patterns.py``, shared with the tests (``tests/test_patterns.py``).
+``tests/model_patterns.py``, shared with the tests (``tests/core/test_patterns.py``).
 
 ``--target h100:8`` (or a TPU slice such as ``v5e:2x4``) compiles the same steps ahead of time
 for that accelerator compiler from abstract state (nothing runs) and gives, per pattern and
@@ -48,7 +48,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-# The patterns, their sizes and runners are shared with the tests (tests/test_patterns.py).
+# The patterns, their sizes and runners are shared with the tests (tests/core/test_patterns.py).
 from tests.model_patterns import (  # noqa: E402
     DESCRIPTIONS, FULL, PATTERNS, SMALL, Runner, Size, abstract, baseline_runner, batches,
     fsdp_spec, linen_models, loss_of, make_tx, max_diff, nnx_model, pytree_apply, pytree_init,
