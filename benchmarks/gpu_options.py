@@ -1,7 +1,7 @@
 """XLA:GPU compile options one at a time on the issue's Llama at stage 3 (h100:8), ahead of time.
 
 ``python benchmarks/gpu_options.py`` compiles zerojax's default stage-3 step with each option
-changed from zerojax's GPU defaults (`zerojax.core.formulation.GPU_COMPILER_OPTIONS`) and prints temp,
+changed from zerojax's GPU defaults (`zerojax.core.backend.GPU.compiler_options`) and prints temp,
 collective bytes and the schedule. DeepSpeed's bucket knobs map onto the combine thresholds:
 ``reduce_bucket_size`` (elements x gradient bytes) onto the reduce-scatter/all-reduce
 thresholds, ``allgather_bucket_size`` and ``stage3_prefetch_bucket_size`` onto the all-gather
@@ -44,7 +44,7 @@ VARIANTS = [
 def main() -> None:
   import zerojax
   from benchmarks.decoder import ISSUE_LLAMA, Decoder, zerojax_step
-  from zerojax.core.formulation import GPU_COMPILER_OPTIONS
+  from zerojax.core.backend import GPU
   from zerojax.runtime import memory
   print("| options | temp MiB | collectives MiB | all-gather ops | all-gather async / with matmul "
         "| reduce-scatter ops | reduce-scatter with matmul | compile s |\n|---|---|---|---|---|---|---|---|")
@@ -52,7 +52,7 @@ def main() -> None:
     zc = zerojax.ZeroConfig(stage=3, compute_dtype="bfloat16")
     r = memory.compile_for_topology(zc, Decoder(ISSUE_LLAMA), (16, 1024), "h100:8",
                                     train_step=zerojax_step,
-                                    compiler_options={**GPU_COMPILER_OPTIONS, **opts})
+                                    compiler_options={**GPU.compiler_options, **opts})
     m, ag, rs = r.measured, r.gathers, r.scatters
     print(f"| {name} | {m.temp / MiB:.1f} | {m.collective_total / MiB:.1f} | {ag.pairs} | "
           f"{ag.overlapped_share:.0%} / {ag.matmul_share:.0%} | {rs.pairs} | "

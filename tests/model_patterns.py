@@ -388,19 +388,21 @@ def one_ahead_and_not(pattern: str, size: Size, devices, monkeypatch
                       ) -> tuple[tuple[float, int], tuple[float, int]]:
   """``((share, temp) with layers gathered one matmul layer ahead, the same without)``:
   ``pattern``'s default stage-3 step compiled for ``devices`` twice, the second time with
-  `ShardingPlan.prefetches_next_layer` off (``monkeypatch`` keeps it off for the rest of the
+  `Backend.prefetches_next_layer` off (``monkeypatch`` keeps it off for the rest of the
   test). ``share``: all-gather bytes with a matmul between start and done."""
-  from zerojax.core.plan import ShardingPlan
+  import dataclasses
+  from zerojax.core import backend
   from zerojax.runtime import memory
 
   def compile_(expect: bool) -> tuple[float, int]:
     compiled, plan, _ = target_zero(pattern, size, 3, devices)
-    assert plan.prefetches_next_layer == expect
+    assert plan.backend.prefetches_next_layer == expect
     share = memory.collective_schedule(compiled.as_text(), "all-gather").matmul_share
     return share, memory.measure(compiled).temp
 
   ahead = compile_(True)
-  monkeypatch.setattr(ShardingPlan, "prefetches_next_layer", property(lambda self: False))
+  off = dataclasses.replace(backend.for_platform(devices[0].platform), prefetches_next_layer=False)
+  monkeypatch.setitem(backend.BACKENDS, off.name, off)
   return ahead, compile_(False)
 
 

@@ -612,16 +612,17 @@ def test_gpu_whole_model_checkpoint_is_no_cse_barrier(monkeypatch):
   # At the conformance size: at the small one, with eight collectives in flight, the barrier's
   # temp was 3% lower (1.58 against 1.62 MB), gathers outweighing the activations it holds.
   from tests.model_patterns import FULL, target_zero
-  from zerojax.core.plan import ShardingPlan
+  from zerojax.core import backend
   devices = gpu.gpu_topology(TOPOLOGY).devices
 
   def compile_():
     compiled, plan, _ = target_zero("d1", FULL, 3, devices)
     m = memory.measure(compiled)
-    return m.temp, m.collective_total, plan.model_checkpoint_prevents_cse
+    return m.temp, m.collective_total, plan.backend.model_checkpoint_prevents_cse
 
   temp, moved, barrier = compile_()
-  monkeypatch.setattr(ShardingPlan, "model_checkpoint_prevents_cse", property(lambda self: True))
+  monkeypatch.setitem(backend.BACKENDS, "gpu",
+                      dataclasses.replace(backend.GPU, model_checkpoint_prevents_cse=True))
   barrier_temp, barrier_moved, forced = compile_()
   assert (barrier, forced) == (False, True)
   assert temp < barrier_temp, (temp, barrier_temp)  # 67.8 against 117.1 MB
@@ -771,15 +772,15 @@ def test_gpu_layers_ahead_compile_with_eight_collectives_in_flight(monkeypatch):
   # model's own remat blocks; a scanned model keeps one (its reduce-scatters lost their
   # matmuls with two), at the cost of tracing it once more, and XLA compiles each step once.
   from tests.model_patterns import FULL, target_zero
-  from zerojax.core import formulation as fm
+  from zerojax.core.backend import GPU
   from zerojax.core.step import ZeroStep
   monkeypatch.delenv("XLA_FLAGS", raising=False)
   jitted, jit = [], ZeroStep._jit
   monkeypatch.setattr(ZeroStep, "_jit", lambda self, *a: jitted.append(a[-1]) or jit(self, *a))
   devices = gpu.gpu_topology(TOPOLOGY).devices
   release = _compat.xla_gpu_options
-  ahead = release({**fm.GPU_COMPILER_OPTIONS, **fm.GPU_LAYERS_AHEAD_OPTIONS})
-  default = release(fm.GPU_COMPILER_OPTIONS)
+  ahead = release({**GPU.compiler_options, **GPU.layers_ahead_options})
+  default = release(GPU.compiler_options)
   schedule = lambda compiled, kind: memory.collective_schedule(compiled.as_text(), kind)
 
   loop, plan, _ = target_zero("c", FULL, 3, devices)
@@ -797,7 +798,7 @@ def test_gpu_layers_ahead_compile_with_eight_collectives_in_flight(monkeypatch):
   # collectives combine up to its size, gathered, and one device's share, reduced.
   layer = 2 * 512 * 2048 + 2048 + 512 + 2 * 512
   assert jitted == [ahead, release({  # expected no scans, traced once more
-      **fm.GPU_PIPELINED_OPTIONS, "xla_gpu_all_gather_combine_threshold_bytes": 4 * layer,
+      **GPU.pipelined_options, "xla_gpu_all_gather_combine_threshold_bytes": 4 * layer,
       "xla_gpu_reduce_scatter_combine_threshold_bytes": 4 * layer // 8})]
   if OLD_XLA:  # 92%; 0% from jaxlib 0.11 (still asynchronous)
     assert schedule(scanned, "reduce-scatter").matmul_share >= 0.9
@@ -819,7 +820,7 @@ def test_gpu_layers_ahead_compile_with_eight_collectives_in_flight(monkeypatch):
   assert jitted == [ahead, in_checkpoints]
   assert plan.compiler_options_for(True, None, True) == in_checkpoints
   jitted.clear()  # a pure function's row matmuls, gathered one row matmul ahead both ways
-  rows = release({**fm.GPU_COMPILER_OPTIONS, **fm.GPU_ROWS_AHEAD_OPTIONS})
+  rows = release({**GPU.compiler_options, **GPU.rows_ahead_options})
   pure, _, _ = target_zero("g", FULL, 3, devices)
   assert jitted == [ahead, rows] and plan.compiler_options_for(False, None, False, True) == rows
   # 94% / 87% (73% / 54% with one in flight and re-gathers waiting for their own cotangent;
@@ -893,7 +894,7 @@ def test_lookup_tables_are_the_leaves_a_model_gathers_rows_from():
   from types import SimpleNamespace
   import jax.numpy as jnp
   from flax import linen as nn
-  from zerojax.core import formulation as fm
+  from zerojax.core import backend, formulation as fm
 
   class LM(nn.Module):
     @nn.compact
@@ -907,7 +908,7 @@ def test_lookup_tables_are_the_leaves_a_model_gathers_rows_from():
   names = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_leaves_with_path(params)]
   jaxpr = jax.make_jaxpr(lambda p: LM().apply({"params": p}, ids))(params)
   plan = lambda platform, grads=True: SimpleNamespace(
-      config=SimpleNamespace(shards_grads=grads), platform=platform)
+      config=SimpleNamespace(shards_grads=grads), backend=backend.for_platform(platform))
   assert {names[i] for i in fm.lookup_tables(plan("gpu"), jaxpr)} == {
       "['pos']", "['wte']['embedding']"}
   assert fm.lookup_tables(plan("cpu"), jaxpr) == frozenset()
@@ -1012,30 +1013,28 @@ def test_gpu_nnx_step_records_its_formulation_and_warns_when_not_boxed():
 def test_gpu_compiler_options_yield_to_xla_flags(monkeypatch):
   # zerojax's per-compile GPU options are defaults: a flag in XLA_FLAGS (the user's, or the
   # DeepSpeed mapping's reduce_bucket_size / overlap_comm) is left to XLA_FLAGS.
-  from types import SimpleNamespace
-  from zerojax.core import formulation as fm
-  plan = SimpleNamespace(platform="gpu", config=zerojax.ZeroConfig(stage=3))
+  from zerojax.core.backend import GPU
+  config = zerojax.ZeroConfig(stage=3)
   monkeypatch.delenv("XLA_FLAGS", raising=False)
-  assert fm.compiler_options(plan) == _compat.xla_gpu_options(fm.GPU_COMPILER_OPTIONS)
-  assert fm.compiler_options(plan)["xla_gpu_reduce_scatter_combine_threshold_bytes"] == 1
+  assert GPU.options(config) == _compat.xla_gpu_options(dict(GPU.compiler_options))
+  assert GPU.options(config)["xla_gpu_reduce_scatter_combine_threshold_bytes"] == 1
   monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_reduce_scatter_combine_threshold_bytes=4194304 "
                      "--xla_gpu_enable_latency_hiding_scheduler=false")
-  opts = fm.compiler_options(plan)
+  opts = GPU.options(config)
   assert "xla_gpu_reduce_scatter_combine_threshold_bytes" not in opts
   assert "xla_gpu_enable_latency_hiding_scheduler" not in opts
   assert (opts["xla_gpu_enable_pipelined_all_gather"] is True if OLD_XLA else
           opts["xla_gpu_pipeline_all_gather"] == "COLLECTIVE_PIPELINING_MODE_ON")
   monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_experimental_parallel_collective_overlap_limit=1")
-  opts = fm.compiler_options(plan, layers_ahead=True)
+  opts = GPU.options(config, layers_ahead=True)
   assert opts.get("xla_gpu_enable_analytical_latency_estimator") is (True if OLD_XLA else None)
   assert "xla_gpu_experimental_parallel_collective_overlap_limit" not in opts
 
 
 def test_tpu_compiler_options_yield_to_libtpu_init_args(monkeypatch):
-  from types import SimpleNamespace
-  from zerojax.core import formulation as fm
-  plan = SimpleNamespace(platform="tpu", config=zerojax.ZeroConfig(stage=3))
+  from zerojax.core.backend import TPU
+  config = zerojax.ZeroConfig(stage=3)
   monkeypatch.delenv("LIBTPU_INIT_ARGS", raising=False)
-  assert fm.compiler_options(plan) == {"xla_tpu_enable_ici_ag_pipelining": True}
+  assert TPU.options(config) == {"xla_tpu_enable_ici_ag_pipelining": True}
   monkeypatch.setenv("LIBTPU_INIT_ARGS", "--xla_tpu_enable_ici_ag_pipelining=false")
-  assert fm.compiler_options(plan) is None
+  assert TPU.options(config) is None

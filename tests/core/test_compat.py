@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import pytest
 
 from zerojax import _compat
-from zerojax.core import formulation as fm
+from zerojax.core.backend import GPU
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -39,7 +39,7 @@ def test_public_api_is_preferred_where_the_release_has_it():
 ])
 def test_gpu_options_follow_the_release(monkeypatch, version, kept, added):
   monkeypatch.setattr(_compat, "JAX_VERSION", version)
-  given = {**fm.GPU_COMPILER_OPTIONS, **fm.GPU_LAYERS_AHEAD_OPTIONS}
+  given = {**GPU.compiler_options, **GPU.layers_ahead_options}
   got = _compat.xla_gpu_options(given)
   renamed = set(_compat._GPU_OPTIONS_FROM)
   assert set(got) == (set(given) - renamed) | kept | added
@@ -51,10 +51,11 @@ def test_gpu_options_follow_the_release(monkeypatch, version, kept, added):
 
 
 def _option_sets():
-  sets = {"default": fm.GPU_COMPILER_OPTIONS,
-          "layers_ahead": {**fm.GPU_COMPILER_OPTIONS, **fm.GPU_LAYERS_AHEAD_OPTIONS},
-          "pipelined": fm.GPU_PIPELINED_OPTIONS,
-          "rows_ahead": {**fm.GPU_COMPILER_OPTIONS, **fm.GPU_ROWS_AHEAD_OPTIONS}}
+  sets = {"default": GPU.compiler_options,
+          "layers_ahead": {**GPU.compiler_options, **GPU.layers_ahead_options},
+          "in_checkpoints": {**GPU.compiler_options, **GPU.layers_ahead_in_checkpoints_options},
+          "pipelined": GPU.pipelined_options,
+          "rows_ahead": {**GPU.compiler_options, **GPU.rows_ahead_options}}
   return {k: _compat.xla_gpu_options(v) for k, v in sets.items()}
 
 

@@ -1,7 +1,6 @@
 """`zerojax.core.gather`: ordering data dependencies and the stage-3 per-layer custom VJP."""
 
 import dataclasses
-import types
 
 import flax.linen as nn
 import jax
@@ -11,7 +10,7 @@ import optax
 import pytest
 
 import zerojax
-from zerojax.core import gather
+from zerojax.core import backend, gather
 
 
 def test_after_is_exact_identity():
@@ -31,27 +30,23 @@ def test_after_an_array_orders_by_a_barrier_in_the_forward_pass_only():
   assert "optimization_barrier" not in str(jax.make_jaxpr(jax.vjp(gather.after, w, x)[1])(w))
 
 
-def _mesh_on(platform):
-  # `mesh.platform` reads only the platform of the mesh's devices.
-  return types.SimpleNamespace(devices=np.asarray([types.SimpleNamespace(platform=platform)]))
-
-
 def test_the_plan_waits_by_a_barrier_except_on_cpu():
   # XLA:CPU removes barriers before it schedules; XLA:GPU and XLA:TPU keep them.
   state, plan = zerojax.create_train_state(Net(), optax.sgd(0.1), jax.random.key(0),
                                        jnp.ones((16, 64)), config=zerojax.ZeroConfig(stage=3))
-  assert plan.waits_by_barrier is False
+  assert plan.backend is backend.CPU and plan.backend.waits_by_barrier is False
   for platform, barrier in (("gpu", True), ("tpu", True), ("cpu", False)):
-    on = dataclasses.replace(plan, mesh=_mesh_on(platform))
+    on = backend.for_platform(platform)
     assert on.waits_by_barrier is barrier
     # ... and so the whole-model checkpoint needs no CSE barrier of its own there.
     assert on.model_checkpoint_prevents_cse is not barrier
     # A block's first gathers in a loop of nn.remat blocks wait for nothing on XLA:GPU only
     # (XLA:TPU held more temp with them, for no more overlap).
     assert on.prefetches_across_checkpoints is (platform == "gpu")
-  boxed = gather.box_params(state.params, plan)
-  assert {b.barrier for b in jax.tree.leaves(boxed, is_leaf=lambda x: isinstance(
-      x, gather.ZeroParam))} == {False}
+  for on, barrier in ((plan, False), (dataclasses.replace(plan, backend=backend.GPU), True)):
+    boxed = gather.box_params(state.params, on)
+    assert {b.barrier for b in jax.tree.leaves(boxed, is_leaf=lambda x: isinstance(
+        x, gather.ZeroParam))} == {barrier}
 
 
 def test_token_is_the_array_with_a_barrier_else_a_finite_scalar():
@@ -221,7 +216,7 @@ def _loop_losses(stage, own_remat, steps=3, **config_kw):
   for _ in range(steps):
     state, m = step(state, x)
     out.append(float(m["loss"]))
-  return out, plan.prefetches_next_layer
+  return out, plan.backend.prefetches_next_layer
 
 
 _REMATS = [0, ""]  # the last helper's step: checkpoints differentiated (`_remats`), remat
@@ -242,9 +237,9 @@ def test_unscanned_layers_train_exactly(monkeypatch, remat, prefetch):
   # layers are no custom VJPs and the block's re-run gathers for its backward pass
   # (`inside_checkpoints`). Only the order and the number of gathers change: three steps'
   # losses match stage 0's.
-  from zerojax.core.plan import ShardingPlan
   want, _ = _loop_losses(0, remat)
-  monkeypatch.setattr(ShardingPlan, "prefetches_next_layer", property(lambda self: prefetch))
+  monkeypatch.setitem(backend.BACKENDS, "cpu",
+                      dataclasses.replace(backend.CPU, prefetches_next_layer=prefetch))
   got, on = _loop_losses(3, remat)
   assert on == prefetch
   np.testing.assert_allclose(got, want, rtol=1e-5)

@@ -23,6 +23,7 @@ import flax.linen as nn
 
 import zerojax
 from tests import model_patterns as pt
+from zerojax.core import backend
 from zerojax.runtime.memory import measure
 
 pytestmark = pytest.mark.slow
@@ -111,7 +112,7 @@ def _mlp_temp(depth: int, **kw) -> int:
   x = jnp.ones((64, 512))
   state, plan = zerojax.create_train_state(_Mlp(depth), optax.adam(1e-3), jax.random.key(0), x,
                                            config=cfg)
-  if cfg.persistence_threshold():
+  if backend.CPU.persistence_threshold(cfg):
     assert any(lp.reason == "threshold" for lp in plan.leaves)  # the biases stay replicated
 
   def step(state, batch):

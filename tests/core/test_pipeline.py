@@ -241,7 +241,7 @@ def test_max_live_layers_default_follows_the_compiler(h100, v5e):
     cases += [(v5e, {}, 1, False), (v5e, {"max_live_layers": 2}, 2, False)]
   for devices, kw, live, ahead in cases:
     plan = _plan(devices, **kw)
-    assert (plan.live_layers, plan.pipeline is not None) == (live, ahead), (kw, plan.platform)
+    assert (plan.live_layers, plan.pipeline is not None) == (live, ahead), (kw, plan.backend.name)
 
 
 # -- XLA:GPU ----------------------------------------------------------------------------------

@@ -131,8 +131,8 @@ def _layers(run: Callable, params: Any, plan: ShardingPlan, chosen: Formulation)
   # re-gathers after its output's cotangent.
   layers = (nn.intercept_methods(regather_layers) if chosen.layers
             else contextlib.nullcontext())
-  with blocks, layers, prefetching(chosen.layers and plan.prefetches_next_layer,
-                                  plan.prefetches_across_checkpoints):
+  with blocks, layers, prefetching(chosen.layers and plan.backend.prefetches_next_layer,
+                                  plan.backend.prefetches_across_checkpoints):
     return checkpoint_model(run, plan, chosen.checkpoint, chosen.layers)(params)
 
 

@@ -65,7 +65,7 @@ class ZeroConfig:
       a separate collective per bias costs more than it saves, and at stage 3 on TPU;
       otherwise 0, every divisible leaf sharded: under XLA's partitioner replicated biases
       only change its strategy and add temp, and so they do per use on XLA:GPU (BENCHMARKS.md).
-      See `persistence_threshold`.
+      See `zerojax.core.backend.Backend.persistence_threshold`.
     param_dtype: dtype of the master parameters and optimizer state.
     compute_dtype: dtype the model computes in (set on Flax modules that leave ``dtype``
       unset, an ``nnx.Embed`` whose ``dtype`` is its table's included).
@@ -238,15 +238,6 @@ class ZeroConfig:
     ZeRO++ quantisation."""
     return (self.gather == "explicit" or self.reduce_dtype is not None
             or self.offload_params or self.quantized)
-
-  def persistence_threshold(self, platform: str = "cpu") -> int:
-    """``param_persistence_threshold`` with ``None`` resolved for a backend (``'cpu'``,
-    ``'gpu'``, ``'tpu'``; see the field). Stage 3 gathers per use on TPU and GPU; XLA:TPU then
-    needs less temp with small leaves kept whole, XLA:GPU more (BENCHMARKS.md)."""
-    if self.param_persistence_threshold is not None:
-      return self.param_persistence_threshold
-    per_use_on_tpu = platform == "tpu" and self.shards_params
-    return 4096 if self.per_use_settings or per_use_on_tpu else 0
 
   @property
   def optimizer_on_nvme(self) -> bool:

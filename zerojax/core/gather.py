@@ -120,7 +120,7 @@ _behind.defvjp(lambda w, token: (_behind(w, token), None), lambda _, ct: (ct, No
 def token_of(tree: Any, barrier: bool) -> jax.Array | None:
   """What work ordered after ``tree`` (by `after`) waits for; None if it holds no float array.
 
-  With ``barrier`` (`ShardingPlan.waits_by_barrier`), the first float array itself, which
+  With ``barrier`` (`Backend.waits_by_barrier`), the first float array itself, which
   `after` orders by an optimization barrier. Else a finite float32 scalar of that array (a sum:
   one pass over it, and an all-reduce of the scalar when the array is sharded).
   """
@@ -149,7 +149,7 @@ class ZeroParam(struct.PyTreeNode, meta.AxisMetadata):
   compute_dtype: Any = struct.field(pytree_node=False, default=None)
   # A table the model looks rows up in: its gradient is summed whole before it is sharded.
   lookup: bool = struct.field(pytree_node=False, default=False)
-  # How a layer re-gathering it waits for its input (`ShardingPlan.waits_by_barrier`).
+  # How a layer re-gathering it waits for its input (`Backend.waits_by_barrier`).
   barrier: bool = struct.field(pytree_node=False, default=False)
 
   def unbox(self) -> jax.Array:
@@ -245,7 +245,7 @@ def box_params(params: Any, plan: Any, lookups: frozenset[int] = frozenset(),
     return ZeroParam(x, plan.mesh, spec(at_rest.spec, nd), spec(compute.spec, nd),
                      spec(grad.spec, nd), reduce_dtype,
                      offloaded=at_rest.memory_kind == HOST, compute_dtype=compute_dtype,
-                     lookup=lookup, barrier=plan.waits_by_barrier)
+                     lookup=lookup, barrier=plan.backend.waits_by_barrier)
 
   leaves, treedef = jax.tree.flatten(params)
   tables = jax.tree.unflatten(treedef, [i in lookups for i in range(len(leaves))])

@@ -193,8 +193,8 @@ def _nnx_value_and_grad(fun, argnums, has_aux, loss_scale, wrt=None):
         checkpoint_nnx_blocks(m, blocks, policy)
       if layers:  # as a linen model without scans (`zerojax.core.apply`)
         regather_nnx_layers(m)
-      with prefetching(layers and ctx.plan.prefetches_next_layer,
-                       ctx.plan.prefetches_across_checkpoints):
+      with prefetching(layers and ctx.plan.backend.prefetches_next_layer,
+                       ctx.plan.backend.prefetches_across_checkpoints):
         out = fun(m, *args)
       loss, aux = out if has_aux else (out, None)
       return loss, (aux, nnx.state(m, nnx.Not(nnx.Param)))

@@ -24,7 +24,8 @@ from flax.core import meta
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from zerojax.core.config import ConfigError, ZeroConfig
-from zerojax.core.mesh import axis_size, platform
+from zerojax.core.backend import Backend, for_mesh
+from zerojax.core.mesh import axis_size
 
 __all__ = ["LeafPlan", "plan_leaf", "opt_param_index", "plan_opt_state", "metadata_specs",
            "unbox", "flatten", "path_str", "as_shape", "axes_of", "shard_bytes"]
@@ -54,7 +55,8 @@ class LeafPlan:
 
 
 def plan_leaf(config: ZeroConfig, mesh: Mesh, path: str, x: Any,
-               meta_spec: tuple | None) -> LeafPlan:
+              meta_spec: tuple | None, backend: Backend | None = None) -> LeafPlan:
+  backend = backend if backend is not None else for_mesh(mesh)
   shape, dtype = tuple(x.shape), x.dtype
   base, reason = None, None
   for regex, spec in config.rules:
@@ -72,9 +74,9 @@ def plan_leaf(config: ZeroConfig, mesh: Mesh, path: str, x: Any,
   size = math.prod(shape)
   if f == 1:
     return LeafPlan(path, shape, dtype, gathered, gathered, reason or "fsdp=1")
-  if size < config.persistence_threshold(platform(mesh)):
+  if size < backend.persistence_threshold(config):
     return LeafPlan(path, shape, dtype, gathered, gathered, "threshold")
-  stacked = len(shape) >= 3 and platform(mesh) == "gpu" and config.shards_params
+  stacked = len(shape) >= 3 and backend.shards_leading_dim and config.shards_params
   best = _sharded_dim(shape, base, f, leading=stacked)
   if best is None:
     return LeafPlan(path, shape, dtype, gathered, gathered, "indivisible")
@@ -140,7 +142,7 @@ def opt_param_index(tx: Any, opt_state: PyTree, params: PyTree,
                for i, (_, x) in zip(found, flat))
 
 
-def plan_opt_state(config, mesh, opt_state, leaves, opt_param, kind):
+def plan_opt_state(config, mesh, opt_state, leaves, opt_param, kind, backend=None):
   """Optimizer-state shardings: mirror a parameter's plan where the leaf mirrors a parameter."""
   flat, treedef = jax.tree_util.tree_flatten_with_path(opt_state)
   specs, infos = [], []
@@ -148,7 +150,8 @@ def plan_opt_state(config, mesh, opt_state, leaves, opt_param, kind):
     shape, dtype = tuple(np.shape(x)), getattr(x, "dtype", np.dtype(type(x)))
     lp = leaves[i] if i is not None else None
     if lp is None:
-      lp = plan_leaf(config, mesh, path_str(kp), jax.ShapeDtypeStruct(shape, dtype), None)
+      lp = plan_leaf(config, mesh, path_str(kp), jax.ShapeDtypeStruct(shape, dtype), None,
+                     backend)
     spec = lp.sharded if config.shards_opt_state else lp.gathered
     specs.append(NamedSharding(mesh, spec, memory_kind=kind))
     infos.append((path_str(kp), shape, dtype, spec))

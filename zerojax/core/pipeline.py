@@ -156,7 +156,7 @@ class OneAhead(NamedTuple):
   """A scan whose layers ran one ahead, and what its largest layer's collectives move per
   device: its gathered weights (``gathered`` bytes) and its share of the reduced gradient
   (``reduced`` bytes). XLA:GPU's combiners join a layer's per-weight collectives into one of
-  each kind up to these sizes (`zerojax.core.formulation.compiler_options`)."""
+  each kind up to these sizes (`zerojax.core.backend.Backend.options`)."""
   gathered: int
   reduced: int
 

@@ -51,7 +51,8 @@ from zerojax.core import quantize as q
 from zerojax.core.config import ConfigError, ZeroConfig
 from zerojax.core.dtypes import reduce_dtype_of
 from zerojax.core.memory_kinds import HOST, memory_kinds
-from zerojax.core.mesh import axis_size, data_axes, platform
+from zerojax.core.backend import Backend, for_mesh
+from zerojax.core.mesh import axis_size, data_axes
 from zerojax.core.pipeline import Pipeline
 from zerojax.core import formulation as fm, report
 from zerojax.core.leaves import (LeafPlan, as_shape, axes_of, flatten, metadata_specs,
@@ -78,6 +79,8 @@ class ShardingPlan:
     opt_leaves: ``(path, shape, dtype, spec)`` per optimizer-state leaf.
     opt_param: per optimizer-state leaf, the index in ``leaves`` of the parameter it mirrors
       (same shape: Adam's moments, momentum), or ``None`` (step counts, factored statistics).
+    backend: the compiler-dependent decisions (`zerojax.core.backend.Backend`), by default the
+      mesh's devices'.
   """
 
   config: ZeroConfig
@@ -89,13 +92,19 @@ class ShardingPlan:
   leaves: tuple[LeafPlan, ...]
   opt_leaves: tuple[tuple[str, tuple[int, ...], Any, P], ...]
   opt_param: tuple[int | None, ...] = ()
+  backend: Backend | None = None
+
+  def __post_init__(self):
+    if self.backend is None:  # frozen: set once, here
+      object.__setattr__(self, "backend", for_mesh(self.mesh))
 
   # -- construction ---------------------------------------------------------------------------
 
   @classmethod
   def create(cls, config: ZeroConfig, mesh: Mesh, params: PyTree,
              tx: Any = None, opt_state: PyTree = None,
-             trainable: Callable[[str], bool] | None = None) -> "ShardingPlan":
+             trainable: Callable[[str], bool] | None = None,
+             backend: Backend | None = None) -> "ShardingPlan":
     """Plans ``params`` (arrays, ShapeDtypeStructs, or Flax-boxed/NNX-Variable leaves).
 
     Args:
@@ -106,6 +115,15 @@ class ShardingPlan:
       opt_state: the optimizer state (or its shapes) if there is no ``tx``.
       trainable: ``path -> bool``; leaves it rejects are frozen (`LeafPlan.trainable`): laid
         out as the stage says, but counted with no gradient (the table marks them).
+      backend: the compiler-dependent decisions; None: those of the mesh's devices
+        (`zerojax.core.backend.for_mesh`).
+
+    Returns:
+      The plan.
+
+    Raises:
+      ConfigError: the mesh has no ``fsdp`` axis, a rule or partitioning metadata names a
+        dimension that does not divide, or offload asks for a memory the devices lack.
     """
     if "fsdp" not in mesh.axis_names:
       raise ConfigError(f"mesh axes {mesh.axis_names} have no 'fsdp' axis to shard over")
@@ -113,8 +131,9 @@ class ShardingPlan:
     meta_specs = metadata_specs(params, mesh)
     params = unbox(params)
     paths, flat, treedef = flatten(params)
-    leaves = tuple(
-        plan_leaf(config, mesh, p, x, meta_specs.get(p)) for p, x in zip(paths, flat))
+    backend = backend if backend is not None else for_mesh(mesh)
+    leaves = tuple(plan_leaf(config, mesh, p, x, meta_specs.get(p), backend)
+                   for p, x in zip(paths, flat))
     if trainable is not None:
       leaves = tuple(lp if trainable(lp.path) else dataclasses.replace(lp, trainable=False)
                      for lp in leaves)
@@ -134,10 +153,11 @@ class ShardingPlan:
     opt_sh, opt_leaves, opt_param = (None, (), ())
     if opt_state is not None:
       opt_param = opt_param_index(tx, opt_state, params, leaves)
-      opt_sh, opt_leaves = plan_opt_state(config, mesh, opt_state, leaves, opt_param, opt_kind)
+      opt_sh, opt_leaves = plan_opt_state(config, mesh, opt_state, leaves, opt_param, opt_kind,
+                                          backend)
     _warn_nothing_to_shard(config, mesh)
     return cls(config, mesh, params_sh, params_gathered, grads_sh, opt_sh, leaves, opt_leaves,
-               opt_param)
+               opt_param, backend)
 
   # -- shardings for other trees --------------------------------------------------------------
 
@@ -260,48 +280,6 @@ class ShardingPlan:
   # -- the decisions every other module reads ---------------------------------------------
 
   @property
-  def platform(self) -> str:
-    """The backend the plan's devices compile for (``'cpu'``, ``'gpu'``, ``'tpu'``)."""
-    return platform(self.mesh)
-
-  @property
-  def waits_by_barrier(self) -> bool:
-    """Whether a layer's gathers wait for its input (`zerojax.core.gather.after`) by an
-    optimization barrier, which computes nothing (XLA:GPU, XLA:TPU), rather than by a summed
-    scalar of it: XLA:CPU removes barriers before it schedules."""
-    return self.platform != "cpu"
-
-  @property
-  def prefetches_next_layer(self) -> bool:
-    """Whether, in a model without scans, each layer's forward gathers wait for the previous
-    matmul layer's input rather than its own, and its backward re-gathers for the next one's
-    output cotangent, so they can run beside that layer's matmuls
-    (`zerojax.core.regather.prefetching`; a pure function's row matmuls, forward only:
-    `zerojax.core.rows`): on XLA:GPU and XLA:TPU, at no more temp there. XLA:CPU runs nothing
-    beside a collective, so there it would only hold a second layer's weights."""
-    return self.platform != "cpu"
-
-  @property
-  def prefetches_across_checkpoints(self) -> bool:
-    """Whether, under `prefetches_next_layer`, a layer whose previous matmul layer ran in
-    another checkpoint (a model's loop of ``nn.remat`` blocks: each block's first projections,
-    the head after them) gathers unordered, placed by the scheduler beside the block before,
-    rather than after its own input (`zerojax.core.regather.prefetching`): on XLA:GPU, at more
-    temp. XLA:TPU placed them no better, at more temp too."""
-    return self.platform == "gpu"
-
-  @property
-  def model_checkpoint_prevents_cse(self) -> bool:
-    """Whether zerojax's checkpoint around a whole model without scans (stage 3, per use:
-    `zerojax.core.apply`) is a CSE barrier (``jax.checkpoint(prevent_cse=True)``). That
-    barrier holds the whole model's saved activations at once; without it XLA:GPU and XLA:TPU
-    schedule them as they would without the checkpoint (the issue's Llama as a Python loop on
-    v5e:2x4: 5.35 against 3.04 GiB of temp). A layer's re-gathers still wait for its output's
-    cotangent by their own barrier, so XLA cannot merge them with the forward's gathers; on
-    XLA:CPU, whose pipeline drops barriers, the checkpoint keeps its own."""
-    return self.platform == "cpu"
-
-  @property
   def params_sharded(self) -> bool:
     """Whether parameters rest sharded and are gathered where they are used (stage 3)."""
     return self.config.shards_params
@@ -309,24 +287,20 @@ class ShardingPlan:
   @property
   def live_layers(self) -> int:
     """How many of a scanned model's gathered layers may be live at once at stage 3:
-    ``max_live_layers``, or where it is ``None`` 2 on XLA:GPU (the next layer's gather beside
-    the current layer's compute), 1 on XLA:CPU, which runs nothing beside a collective, so a
-    second layer would only cost its memory, and 1 on XLA:TPU, whose ICI all-gather
-    pipelining already issues each gather an iteration ahead (BENCHMARKS.md)."""
-    live = self.config.max_live_layers
-    return live if live is not None else (2 if self.platform == "gpu" else 1)
+    ``max_live_layers``, or where it is ``None`` the backend's (`Backend.live_layers`)."""
+    return self.backend.default_live_layers(self.config)
 
   @property
   def pipeline(self) -> Pipeline | None:
     """How scanned layers gathered per use run one ahead (`zerojax.core.pipeline`): at stage 3
     with two live layers (`live_layers`) and a ``remat`` that re-runs each layer whole
     (``'auto'``, ``'full'``), on a mesh whose other axes than the data axes have size 1, without
-    ZeRO++ (its own per-device collectives) or parameters on the host, and not on XLA:TPU
-    (which lowered its flat all-gather as an all-reduce: BENCHMARKS.md). ``None``: scanned
+    ZeRO++ (its own per-device collectives) or parameters on the host, on a backend that
+    pipelines layers (`Backend.pipelines_layers`). ``None``: scanned
     layers gather inside their own iteration (``max_live_layers`` > 1 then unrolls the loop)."""
     c = self.config
     others = [a for a in self.mesh.axis_names if a not in self.data_axes]
-    if (self.platform == "tpu" or not self.params_sharded or self.live_layers < 2
+    if (not self.backend.pipelines_layers or not self.params_sharded or self.live_layers < 2
         or c.remat not in ("auto", "full") or c.quantized or c.offload_params
         or axis_size(self.mesh, "fsdp") < 2 or any(axis_size(self.mesh, a) > 1 for a in others)):
       return None
@@ -359,7 +333,7 @@ class ShardingPlan:
     """XLA options the stage needs on this backend, for the model a step expects before it is
     traced: at stage 3 on XLA:GPU, layers without scans gathered one matmul layer ahead. A
     step whose trace shows otherwise compiles with `compiler_options_for` its model."""
-    return self.compiler_options_for(self.prefetches_next_layer and self.params_sharded)
+    return self.compiler_options_for(self.backend.prefetches_next_layer and self.params_sharded)
 
   def compiler_options_for(self, layers_ahead: bool, pipelined: Any = None,
                            in_checkpoints: bool = False, rows_ahead: bool = False
@@ -368,9 +342,9 @@ class ShardingPlan:
     (``layers_ahead``; ``in_checkpoints``: some inside the model's own checkpoints) or did not
     gather one matmul layer ahead, and whose scanned layers ran one ahead (``pipelined``: the
     largest layer's `zerojax.core.pipeline.OneAhead`) or not (None), and whose pure
-    function's row matmuls gathered one ahead (``rows_ahead``)
-    (`zerojax.core.formulation.compiler_options`)."""
-    return fm.compiler_options(self, layers_ahead, pipelined, in_checkpoints, rows_ahead)
+    function's row matmuls gathered one ahead (``rows_ahead``) (`Backend.options`)."""
+    return self.backend.options(self.config, layers_ahead, pipelined, in_checkpoints,
+                                rows_ahead)
 
   @property
   def grads_reduced(self) -> PyTree:

@@ -169,7 +169,7 @@ _ACROSS: contextvars.ContextVar[bool] = contextvars.ContextVar("zerojax_across",
 
 @contextlib.contextmanager
 def prefetching(on: bool, across_checkpoints: bool = False) -> Iterator[None]:
-  """With ``on`` (`ShardingPlan.prefetches_next_layer`), each layer's gathers run one matmul
+  """With ``on`` (`Backend.prefetches_next_layer`), each layer's gathers run one matmul
   layer ahead: forward, they wait for the input of the last layer before it that gathered a
   matrix, not for its own input (a layer reading that layer's own input waits for what that
   layer waited for: `_ahead_of`); backward, a matmul layer's re-gathers wait for the output
@@ -180,7 +180,7 @@ def prefetching(on: bool, across_checkpoints: bool = False) -> Iterator[None]:
 
   A layer whose previous matmul layer ran in another trace (the first of a block in its own
   ``nn.remat``, or the head after such blocks) cannot wait for that layer's input. With
-  ``across_checkpoints`` (`ShardingPlan.prefetches_across_checkpoints`) its gathers wait for
+  ``across_checkpoints`` (`Backend.prefetches_across_checkpoints`) its gathers wait for
   nothing and the scheduler places them, beside the block before's matmuls; without, they
   wait for its own input, with only a norm beside them."""
   with setting(_PREVIOUS, [] if on else None), setting(_ACROSS, on and across_checkpoints):

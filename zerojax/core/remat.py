@@ -165,7 +165,7 @@ def scan_remat(config: Any, per_use: bool, pipeline: Pipeline | None = None) -> 
 
 def checkpoint_model(f: Callable, plan: Any, policy: Any, layers: bool) -> Callable:
   """``f``, a whole model without scans, under ``policy`` (`remat_policy`). The checkpoint is a
-  CSE barrier only where the plan says (`ShardingPlan.model_checkpoint_prevents_cse`); the
+  CSE barrier only where the plan says (`Backend.model_checkpoint_prevents_cse`); the
   model's own checkpoints inside keep their policies under `save_all_but_gathered`, and with
   ``layers`` (re-gathered layers) a layer inside one computes as written
   (`zerojax.core.regather.inside_checkpoints`)."""
@@ -175,7 +175,7 @@ def checkpoint_model(f: Callable, plan: Any, policy: Any, layers: bool) -> Calla
     with inside_checkpoints(keep):
       return f(*args, **kwargs)
 
-  return jax.checkpoint(traced, policy=policy, prevent_cse=plan.model_checkpoint_prevents_cse)
+  return jax.checkpoint(traced, policy=policy, prevent_cse=plan.backend.model_checkpoint_prevents_cse)
 
 
 def remat_policy(config: Any, per_use: bool, blocks: bool = False):

@@ -101,8 +101,8 @@ def per_layer_reads(apply_fn: Callable, plan: Any,
     else:
       rewrite = _Rewrite(leaves, per_leaf, index, split,
                          _rows_into_matmuls(closed.jaxpr, index, split), formulation.per_use,
-                         plan.waits_by_barrier,
-                         formulation.per_use and plan.prefetches_next_layer, formulation.tables,
+                         plan.backend.waits_by_barrier,
+                         formulation.per_use and plan.backend.prefetches_next_layer, formulation.tables,
                          names)
       run = lambda ls, arrs: jax.tree.unflatten(jax.tree.structure(out_shape), eval_jaxpr(
           closed, [*ls, *arrs], rewrite))
@@ -137,11 +137,11 @@ class _Rewrite:
   split: set
   matmul: "_RowMatmuls"
   per_use: bool
-  barrier: bool  # `ShardingPlan.waits_by_barrier`
-  # `ShardingPlan.prefetches_next_layer`: a row matmul's gather waits for the operand of the
+  barrier: bool  # `Backend.waits_by_barrier`
+  # `Backend.prefetches_next_layer`: a row matmul's gather waits for the operand of the
   # row matmul before it (``previous``), not its own, so it can run beside that matmul. The
   # step then compiles with the options for rows ahead
-  # (`zerojax.core.formulation.GPU_ROWS_AHEAD_OPTIONS`).
+  # (`zerojax.core.backend.Backend.rows_ahead_options`).
   prefetch: bool = False
   tables: frozenset = frozenset()  # leaves summed whole (per use: gathered) where looked up in
   names: tuple = ()  # the leaves' paths, for warnings
@@ -395,7 +395,7 @@ class _Gather:
   rest: NamedSharding
   compute: NamedSharding
   grad: NamedSharding
-  barrier: bool = False  # how a row read for it waits (`ShardingPlan.waits_by_barrier`)
+  barrier: bool = False  # how a row read for it waits (`Backend.waits_by_barrier`)
 
   @classmethod
   def of(cls, rest: NamedSharding, compute: NamedSharding, grad: NamedSharding,

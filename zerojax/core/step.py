@@ -174,7 +174,7 @@ class ZeroStep:
     plan = self.plan
     live = plan.config.max_live_layers
     asked = (f"max_live_layers={live}" if live is not None else
-             f"max_live_layers=None: {plan.live_layers} on {plan.platform.upper()}")
+             f"max_live_layers=None: {plan.live_layers} on {plan.backend.name.upper()}")
     said = describe(asked, contexts[-1].scans) if contexts else None
     if said is not None:
       self.layers[key] = said
@@ -402,7 +402,7 @@ def _nnx_formulation(plan: ShardingPlan, ctx: context.StepContext) -> str:
     return "per use"
   if plan.formulation(None, linen=False).per_use:
     warnings.warn(
-        f"zerojax: on {plan.platform.upper()} stage 3 gathers an NNX model's parameters where "
+        f"zerojax: on {plan.backend.name.upper()} stage 3 gathers an NNX model's parameters where "
         "its layers read them only when the step differentiates with "
         "zerojax.value_and_grad(loss_fn)(model, ...); this step did not, so XLA's partitioner "
         "places the gathers and may move activations instead of weights", stacklevel=2)

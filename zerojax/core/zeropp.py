@@ -239,7 +239,7 @@ def shard_map_apply(body: Callable[[Any, tuple, dict], Any], plan: ShardingPlan,
     boxes = []
     for v, r, c, g in zip(ins, rest, comp, grad):
       boxes.append(ZeroParam(v, mesh, r, c, g, reduce_dtype, manual=how,
-                             barrier=plan.waits_by_barrier))
+                             barrier=plan.backend.waits_by_barrier))
     index = jax.lax.axis_index(axes)
     vals = [jax.random.fold_in(a, index) if k else a for a, k in zip(arrays, is_key)]
     it = iter(vals)

@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from zerojax.core.backend import for_platform
 from zerojax.runtime.weights import TensorMap
 
 __all__ = ["LlamaConfig", "Llama", "hf_mapping", "from_hf_config", "hf_config", "FAMILIES",
@@ -57,7 +58,8 @@ _FUSED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 def fused_attention(platform: str, dtype: Any, sliding_window: int | None) -> str:
   """The `LlamaConfig.attention` a model computing in ``dtype`` on ``platform`` gets by
-  default: ``'cudnn'`` on XLA:GPU in bfloat16 or float16 without a sliding window (memory
+  default: ``'cudnn'`` where the backend has a fused kernel (`Backend.fused_attention`:
+  XLA:GPU) in bfloat16 or float16 without a sliding window (memory
   linear in the sequence, as transformers' SDPA attention), else ``'xla'``.
 
   Args:
@@ -68,7 +70,8 @@ def fused_attention(platform: str, dtype: Any, sliding_window: int | None) -> st
   Returns:
     ``'cudnn'`` or ``'xla'``.
   """
-  fused = (platform == "gpu" and jnp.dtype(dtype) in _FUSED_DTYPES and sliding_window is None)
+  fused = (for_platform(platform).fused_attention and jnp.dtype(dtype) in _FUSED_DTYPES
+           and sliding_window is None)
   return "cudnn" if fused else "xla"
 
 

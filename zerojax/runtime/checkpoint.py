@@ -47,6 +47,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from orbax.checkpoint import checkpoint_managers as cm
 
+from zerojax.core.backend import for_platform
 from zerojax.core.config import ZeroConfig
 from zerojax.core.create import state_initializer
 from zerojax.core.plan import ShardingPlan, path_str, state_fields
@@ -288,7 +289,8 @@ def _checksums(item: PyTree) -> dict[str, list[int]]:
   out: dict[str, list[int]] = {}
   dev = [(p, x) for p, x in flat if isinstance(x, jax.Array)]
   host = [(p, x) for p, x in flat if not isinstance(x, jax.Array)]
-  on_cpu = all(d.platform == "cpu" for _, x in dev for d in x.sharding.device_set)
+  on_cpu = all(for_platform(d.platform).device_memory_is_host
+               for _, x in dev for d in x.sharding.device_set)
   if dev and on_cpu:
     # CPU "device" memory is host memory: hashing the shards in numpy costs no compilation.
     sums = [_shard_checksum(x) for _, x in dev]

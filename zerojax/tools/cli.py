@@ -184,7 +184,8 @@ def _model_options(args, config) -> tuple[list, int, str]:
   else:
     _shapes_only()
   options, psi = estimate.preset_options(args.model, config, n)
-  t = config.persistence_threshold()  # the estimate's devices are simulated CPUs
+  from zerojax.core import backend  # lazy: JAX
+  t = backend.CPU.persistence_threshold(config)  # the estimate's devices are simulated CPUs
   kept = (f"leaves below param_persistence_threshold={t:,} elements or with no dimension "
           f"divisible by {n} stay replicated" if t else
           f"every leaf with a dimension divisible by {n} is sharded (the others stay "
@@ -354,7 +355,8 @@ def _partitioner_gathers(config) -> bool:
   if not config.shards_params or config.gather != "auto" or config.per_use_settings:
     return False
   import jax  # lazy: JAX
-  return jax.devices()[0].platform == "cpu"
+  from zerojax.core import backend
+  return not backend.for_platform(jax.devices()[0].platform).gathers_per_use
 
 
 def _compile_note(args, n: int) -> str | None:

@@ -99,7 +99,7 @@ def nothing_sharded_note(plan: Any) -> str | None:
   counts: dict[str, int] = {}
   for lp in plan.leaves:
     counts[lp.reason] = counts.get(lp.reason, 0) + 1
-  f, t = axis_size(plan.mesh, "fsdp"), plan.config.persistence_threshold(plan.platform)
+  f, t = axis_size(plan.mesh, "fsdp"), plan.backend.persistence_threshold(plan.config)
   largest = max(math.prod(lp.shape) for lp in plan.leaves)
   why = {"threshold": f"below param_persistence_threshold={t:,} elements (largest leaf: "
                       f"{largest:,})",

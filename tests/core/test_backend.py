@@ -1,0 +1,116 @@
+"""The backend policy: one frozen object per compiler holds every platform decision, the plan
+reads it, and a plan made with another backend follows that one."""
+
+import dataclasses
+import pathlib
+import re
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import zerojax
+from zerojax.core import backend
+from zerojax.core.pipeline import OneAhead
+
+
+def _params():
+  # A stacked (scanned) kernel, a matrix and a small bias.
+  return {"layers": jax.ShapeDtypeStruct((4, 64, 256), jnp.float32),
+          "w": jax.ShapeDtypeStruct((128, 512), jnp.float32),
+          "b": jax.ShapeDtypeStruct((512,), jnp.float32)}
+
+
+def _plan(config, **kw):
+  mesh = zerojax.make_mesh(config)
+  return zerojax.ShardingPlan.create(config, mesh, _params(), optax.adam(1e-3), **kw)
+
+
+def test_a_plan_takes_its_devices_backend_once():
+  plan = _plan(zerojax.ZeroConfig(stage=3))
+  assert plan.backend is backend.CPU
+  assert plan.live_layers == 1 and plan.pipeline is None
+
+
+def test_a_plan_made_with_another_backend_follows_it_everywhere():
+  config = zerojax.ZeroConfig(stage=3)
+  cpu, gpu, tpu = (_plan(config, backend=b) for b in (backend.CPU, backend.GPU, backend.TPU))
+  # Leaf rule: at stage 3 GPU shards a stacked kernel's first dimension past the layer axis,
+  # CPU its largest; TPU keeps leaves under 4096 elements whole.
+  assert cpu.leaves[1].sharded == jax.sharding.PartitionSpec(None, None, "fsdp")
+  assert gpu.leaves[1].sharded == jax.sharding.PartitionSpec(None, "fsdp", None)
+  assert [lp.reason for lp in tpu.leaves] == ["threshold", "sharded", "sharded"]
+  assert [lp.reason for lp in cpu.leaves] == ["sharded"] * 3
+  # Live layers, and with two of them the scanned layers run one ahead.
+  assert (cpu.live_layers, gpu.live_layers, tpu.live_layers) == (1, 2, 1)
+  assert gpu.pipeline is not None and cpu.pipeline is None is tpu.pipeline
+  # Compiler options.
+  assert cpu.compiler_options == {"xla_disable_hlo_passes": "cpu-all-reduce-combiner"}
+  assert tpu.compiler_options == {"xla_tpu_enable_ici_ag_pipelining": True}
+  assert "xla_gpu_enable_latency_hiding_scheduler" in gpu.compiler_options
+  # The optimizer state mirrors its parameter's plan under each backend.
+  for plan in (cpu, gpu, tpu):
+    mu = [spec for path, _, _, spec in plan.opt_leaves if path.endswith("mu/layers")
+          or "mu" in path and "layers" in path]
+    assert mu and all(s == plan.leaves[1].sharded for s in mu), (plan.backend.name, mu)
+
+
+def test_a_changed_backend_changes_only_what_it_names():
+  config = zerojax.ZeroConfig(stage=3)
+  one = dataclasses.replace(backend.GPU, live_layers=1)
+  plan = _plan(config, backend=one)
+  assert plan.live_layers == 1 and plan.pipeline is None
+  assert plan.leaves == _plan(config, backend=backend.GPU).leaves
+  # The config's own setting wins over the backend's default.
+  assert _plan(zerojax.ZeroConfig(stage=3, max_live_layers=2), backend=one).live_layers == 2
+
+
+def test_pipelined_options_take_the_largest_layers_collectives():
+  config = zerojax.ZeroConfig(stage=3)
+  gpu = backend.GPU
+  opts = gpu.options(config, pipelined=OneAhead(8 << 20, 1 << 20))
+  assert opts[gpu.gather_combine_option] == 8 << 20
+  assert opts[gpu.reduce_combine_option] == 1 << 20
+  # Smaller than the default threshold: the default stays.
+  small = gpu.options(config, pipelined=OneAhead(4096, 512))
+  assert small[gpu.gather_combine_option] == gpu.pipelined_options[gpu.gather_combine_option]
+  # The loops hold each collective one ahead already: no double buffering on top.
+  assert not any("double_buffering" in k for k in opts)
+  with pytest.raises(TypeError, match=r"^pipelined=True is invalid"):
+    gpu.options(config, pipelined=True)
+
+
+def test_stage_0_on_cpu_compiles_with_no_options_and_stages_1_to_3_keep_each_reduction():
+  for stage in range(4):
+    opts = backend.CPU.options(zerojax.ZeroConfig(stage=stage))
+    assert opts == (None if stage == 0 else
+                    {"xla_disable_hlo_passes": "cpu-all-reduce-combiner"})
+
+
+@pytest.mark.parametrize("name,want", [("gpu", backend.GPU), ("cuda", backend.GPU),
+                                       ("rocm", backend.GPU), ("tpu", backend.TPU),
+                                       ("cpu", backend.CPU)])
+def test_platform_names(name, want):
+  assert backend.for_platform(name) is want
+
+
+def test_bad_input_is_one_line_naming_the_value():
+  with pytest.raises(ValueError, match=r"^platform='metal' is invalid: one of \['cpu', 'gpu', "
+                     r"'tpu'\]"):
+    backend.for_platform("metal")
+  with pytest.raises(ValueError, match=r"^Backend.live_layers=0 is invalid: an int >= 1$"):
+    dataclasses.replace(backend.GPU, live_layers=0)
+  with pytest.raises(ValueError, match="pipelined_options needs"):
+    dataclasses.replace(backend.GPU, reduce_combine_option=None)
+
+
+def test_no_platform_comparison_outside_the_backend_policy():
+  # Every decision that depends on the compiler is read from a Backend.
+  pkg = pathlib.Path(zerojax.__file__).parent
+  pattern = re.compile(r"platform\s*(==|!=)|platform\s+(not\s+)?in\s*[(\[{]|"
+                       r"==\s*[\"'](cpu|gpu|tpu)[\"']")
+  found = [f"{f.relative_to(pkg)}:{i}: {line.strip()}"
+           for f in sorted(pkg.rglob("*.py")) if f.name != "backend.py"
+           for i, line in enumerate(f.read_text().splitlines(), 1) if pattern.search(line)]
+  assert found == []

@@ -1,0 +1,268 @@
+"""`Backend`: every decision that depends on the compiler, as data.
+
+A `zerojax.ShardingPlan` holds shardings and memory kinds. What differs between XLA:CPU,
+XLA:GPU and XLA:TPU (how a gather waits for its input, whether layers are fetched ahead, how
+many gathered layers may be live, the XLA options a stage needs, which leaves stay whole) is
+one frozen `Backend`, chosen once per plan from its devices (`for_platform`) or passed to
+`zerojax.ShardingPlan.create` to override. The reasons and measurements behind each value are
+in ``docs/design.md`` and BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from zerojax._compat import xla_gpu_options
+from zerojax.core.mesh import platform as mesh_platform
+from zerojax.core.pipeline import OneAhead
+
+__all__ = ["Backend", "CPU", "GPU", "TPU", "BACKENDS", "for_platform", "for_mesh"]
+
+
+def _same(options: dict[str, Any]) -> dict[str, Any]:
+  return options
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+  """The compiler-dependent decisions of a plan.
+
+  Attributes:
+    name: the platform, as JAX names it (``'cpu'``, ``'gpu'``, ``'tpu'``).
+    waits_by_barrier: a layer's gathers wait for its input by an optimization barrier
+      (`zerojax.core.gather.after`); otherwise by a summed scalar of it, for compilers that
+      remove barriers before they schedule.
+    prefetches_next_layer: in a model without scans, each layer's gathers wait for the
+      previous matmul layer's input, so they can run beside its matmuls
+      (`zerojax.core.regather.prefetching`).
+    prefetches_across_checkpoints: under ``prefetches_next_layer``, a layer whose previous
+      matmul layer ran in another checkpoint gathers unordered rather than after its own input.
+    model_checkpoint_prevents_cse: zerojax's checkpoint around a whole model without scans is a
+      CSE barrier (``jax.checkpoint(prevent_cse=...)``).
+    live_layers: how many gathered scanned layers may be live at once at stage 3 when
+      ``max_live_layers`` is None.
+    pipelines_layers: scanned layers may run one ahead (`zerojax.core.pipeline`) when two are
+      live.
+    gathers_per_use: ``gather='auto'`` at stage 3 gathers every model per use; otherwise only an
+      unscanned linen model without its own remat is, and XLA's partitioner gathers the rest.
+    finds_tables: at stages 2-3, a model's lookup tables are found and their gradients summed
+      whole before they are sharded (`zerojax.core.formulation.lookup_tables`).
+    shards_leading_dim: at stage 3, leaves of three or more dimensions shard their first
+      dimension of at least a quarter the largest's size (`zerojax.core.leaves`).
+    small_leaf_elements: the ``param_persistence_threshold`` a setting that gathers per use
+      resolves ``None`` to.
+    keeps_small_leaves_at_stage3: stage 3 resolves ``param_persistence_threshold=None`` to
+      ``small_leaf_elements`` too.
+    fused_attention: Llama attention in bfloat16 or float16 uses cuDNN's fused kernel by
+      default (`zerojax.models.llama.fused_attention`).
+    device_memory_is_host: device memory is host memory, so arrays can be read in place.
+    compiler_options: XLA options every step on this compiler gets (None: none).
+    sharded_optimizer_options: the options instead at stages 1-3, when set.
+    layers_ahead_options: added for a model whose layers gathered one matmul layer ahead.
+    layers_ahead_in_checkpoints_options: added instead when some of those layers ran inside the
+      model's own checkpoints.
+    rows_ahead_options: added for a pure function whose row matmuls gathered one ahead.
+    pipelined_options: the options instead for a step whose scanned layers ran one ahead; its
+      combine thresholds are raised to the largest layer's collectives.
+    gather_combine_option: the option naming the all-gather combine threshold in bytes.
+    reduce_combine_option: the option naming the reduce-scatter combine threshold in bytes.
+    flags_variable: the environment variable where a user sets this compiler's flags; a flag
+      set there wins over the options here.
+    release_options: maps options to what the installed JAX release's compiler takes.
+  """
+
+  name: str
+  waits_by_barrier: bool = True
+  prefetches_next_layer: bool = True
+  prefetches_across_checkpoints: bool = False
+  model_checkpoint_prevents_cse: bool = False
+  live_layers: int = 1
+  pipelines_layers: bool = True
+  gathers_per_use: bool = True
+  finds_tables: bool = True
+  shards_leading_dim: bool = False
+  small_leaf_elements: int = 4096
+  keeps_small_leaves_at_stage3: bool = False
+  fused_attention: bool = False
+  device_memory_is_host: bool = False
+  compiler_options: Mapping[str, Any] | None = None
+  sharded_optimizer_options: Mapping[str, Any] | None = None
+  layers_ahead_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  layers_ahead_in_checkpoints_options: Mapping[str, Any] = dataclasses.field(
+      default_factory=dict)
+  rows_ahead_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  pipelined_options: Mapping[str, Any] | None = None
+  gather_combine_option: str | None = None
+  reduce_combine_option: str | None = None
+  flags_variable: str | None = None
+  release_options: Callable[[dict[str, Any]], dict[str, Any]] = _same
+
+  def __post_init__(self):
+    if not isinstance(self.live_layers, int) or self.live_layers < 1:
+      raise ValueError(f"Backend.live_layers={self.live_layers!r} is invalid: an int >= 1")
+    if self.pipelined_options is not None and not (self.gather_combine_option
+                                                   and self.reduce_combine_option):
+      raise ValueError(f"Backend {self.name!r}: pipelined_options needs gather_combine_option "
+                       "and reduce_combine_option")
+
+  def persistence_threshold(self, config: Any) -> int:
+    """``config.param_persistence_threshold``, with ``None`` resolved for this compiler.
+
+    Args:
+      config: a `zerojax.ZeroConfig`.
+
+    Returns:
+      The element count below which a leaf stays whole: the field when set; else
+      ``small_leaf_elements`` where a setting gathers per use (or at stage 3 with
+      ``keeps_small_leaves_at_stage3``), and 0 otherwise.
+    """
+    if config.param_persistence_threshold is not None:
+      return config.param_persistence_threshold
+    keeps = config.per_use_settings or (self.keeps_small_leaves_at_stage3
+                                        and config.shards_params)
+    return self.small_leaf_elements if keeps else 0
+
+  def default_live_layers(self, config: Any) -> int:
+    """``config.max_live_layers``, or this compiler's `live_layers` where it is None."""
+    return config.max_live_layers if config.max_live_layers is not None else self.live_layers
+
+  def options(self, config: Any, layers_ahead: bool = False, pipelined: Any = None,
+              in_checkpoints: bool = False, rows_ahead: bool = False
+              ) -> dict[str, Any] | None:
+    """The XLA options a step compiles with on this compiler.
+
+    Args:
+      config: the step's `zerojax.ZeroConfig`.
+      layers_ahead: the model (no scans) gathered its layers one matmul layer ahead.
+      pipelined: for a step whose scanned layers ran one ahead, the largest layer's
+        `zerojax.core.pipeline.OneAhead`; else None.
+      in_checkpoints: some of the layers gathered ahead ran inside the model's own checkpoints.
+      rows_ahead: a pure function's row matmuls gathered one ahead.
+
+    Returns:
+      The options, each option the user set in `flags_variable` left out, or None for none.
+
+    Raises:
+      TypeError: ``pipelined`` is neither None nor a ``OneAhead``.
+    """
+    if pipelined is not None and not isinstance(pipelined, OneAhead):
+      raise TypeError(f"pipelined={pipelined!r} is invalid: the largest scanned layer's "
+                      "zerojax.core.pipeline.OneAhead(gathered, reduced) bytes, or None")
+    if config.shards_opt_state and self.sharded_optimizer_options is not None:
+      return dict(self.sharded_optimizer_options)
+    if self.compiler_options is None:
+      return None
+    if pipelined is not None and self.pipelined_options is not None:
+      base = self.pipelined_options
+      out = {**base,
+             self.gather_combine_option: max(pipelined.gathered,
+                                             base.get(self.gather_combine_option, 0)),
+             self.reduce_combine_option: pipelined.reduced}
+    elif rows_ahead and not layers_ahead:
+      out = {**self.compiler_options, **self.rows_ahead_options}
+    elif layers_ahead:
+      out = {**self.compiler_options, **(self.layers_ahead_in_checkpoints_options
+                                         if in_checkpoints else self.layers_ahead_options)}
+    else:
+      out = dict(self.compiler_options)
+    out = self.release_options(out)
+    user = set(re.findall(r"--(xla_\w+)", os.environ.get(self.flags_variable or "", "")))
+    return {k: v for k, v in out.items() if k not in user} or None
+
+
+CPU = Backend(
+    name="cpu",
+    # XLA:CPU removes optimization barriers before it schedules and runs nothing beside a
+    # collective: fetching ahead would only hold a second layer.
+    waits_by_barrier=False,
+    prefetches_next_layer=False,
+    model_checkpoint_prevents_cse=True,
+    gathers_per_use=False,
+    finds_tables=False,
+    device_memory_is_host=True,
+    # Stages 1-3: each gradient is reduced as soon as it exists; XLA:CPU's combiner would hold
+    # them all to the end of the backward pass, and it has no size threshold.
+    sharded_optimizer_options={"xla_disable_hlo_passes": "cpu-all-reduce-combiner"},
+)
+
+_GPU_DEFAULT = {"xla_gpu_enable_latency_hiding_scheduler": True,
+                "xla_gpu_enable_pipelined_all_gather": True,
+                "xla_gpu_enable_pipelined_reduce_scatter": True,
+                "xla_gpu_enable_while_loop_double_buffering": True,
+                "xla_gpu_reduce_scatter_combine_threshold_bytes": 1,
+                "xla_gpu_all_gather_combine_threshold_bytes": 1 << 20}
+_GPU_LAYERS_AHEAD = {"xla_gpu_enable_analytical_latency_estimator": True,
+                     "xla_gpu_experimental_parallel_collective_overlap_limit": 8,
+                     "xla_gpu_experimental_collective_start_as_early_as_possible": True}
+
+GPU = Backend(
+    name="gpu",
+    prefetches_across_checkpoints=True,
+    live_layers=2,  # the next layer's gather beside the current layer's compute
+    shards_leading_dim=True,
+    fused_attention=True,
+    compiler_options=_GPU_DEFAULT,
+    layers_ahead_options=_GPU_LAYERS_AHEAD,
+    # Inside a model's own checkpoints, starting collectives early held more re-gathers at once.
+    layers_ahead_in_checkpoints_options={
+        "xla_gpu_enable_analytical_latency_estimator": True,
+        "xla_gpu_experimental_parallel_collective_overlap_limit": 32},
+    rows_ahead_options={"xla_gpu_experimental_parallel_collective_overlap_limit": 5},
+    # The loops already hold each collective an iteration ahead: XLA's own pipelining and
+    # double buffering would move them once more.
+    pipelined_options={"xla_gpu_enable_latency_hiding_scheduler": True,
+                       "xla_gpu_enable_analytical_latency_estimator": True,
+                       "xla_gpu_reduce_scatter_combine_threshold_bytes": 1,
+                       "xla_gpu_all_gather_combine_threshold_bytes": 1 << 20},
+    gather_combine_option="xla_gpu_all_gather_combine_threshold_bytes",
+    reduce_combine_option="xla_gpu_reduce_scatter_combine_threshold_bytes",
+    flags_variable="XLA_FLAGS",
+    release_options=xla_gpu_options,
+)
+
+TPU = Backend(
+    name="tpu",
+    # ICI all-gather pipelining already issues a scanned layer's gather an iteration ahead.
+    pipelines_layers=False,
+    keeps_small_leaves_at_stage3=True,
+    compiler_options={"xla_tpu_enable_ici_ag_pipelining": True},
+    flags_variable="LIBTPU_INIT_ARGS",
+)
+
+BACKENDS: Mapping[str, Backend] = {b.name: b for b in (CPU, GPU, TPU)}
+
+
+def for_platform(platform: str) -> Backend:
+  """The `Backend` of a platform.
+
+  Args:
+    platform: a JAX platform name (``jax.Device.platform``); ``'cuda'`` and ``'rocm'`` name
+      XLA:GPU.
+
+  Returns:
+    `CPU`, `GPU` or `TPU`.
+
+  Raises:
+    ValueError: the platform is none of these.
+  """
+  name = "gpu" if platform in ("cuda", "rocm") else platform
+  if name not in BACKENDS:
+    raise ValueError(f"platform={platform!r} is invalid: one of {sorted(BACKENDS)} "
+                     "(or 'cuda', 'rocm')")
+  return BACKENDS[name]
+
+
+def for_mesh(mesh: Any) -> Backend:
+  """The `Backend` of a mesh's devices (an abstract mesh's abstract device; without one, `CPU`).
+
+  Args:
+    mesh: a ``jax.sharding.Mesh`` or ``AbstractMesh``.
+
+  Returns:
+    `CPU`, `GPU` or `TPU`.
+  """
+  return for_platform(mesh_platform(mesh))
