@@ -109,7 +109,7 @@ class Estimate:
 
 
 def num_params(tree: Any) -> int:
-  """Parameters (elements) in a tree of arrays, ``ShapeDtypeStruct``s or Flax-boxed leaves.
+  """Parameters (elements) in a tree of arrays, ``ShapeDtypeStruct`` objects or Flax-boxed leaves.
 
   The one count zerojax prints: run headers, ``zerojax plan``/``estimate`` and
   `ShardingPlan.table` all count the leaves of the real tree.
