@@ -12,9 +12,9 @@ Measure
 Compile for a TPU or GPU pod
   `compile_for_topology` compiles the real train step of a `ZeroConfig` and a Flax module for a
   TPU slice (``'v5e:8x8'``, with libtpu: ``pip install "zerojax[tpu]"``) or a GPU pod
-  (``'h100:8'``) on any machine, from abstract state. XLA:TPU reports HBM and ``pinned_host``
-  bytes apart and refuses a step that does not fit the chip; `gather_schedule` reads from its
-  schedule which all-gathers run beside computation. (Config files and GPT preset names are
+  (``'h100:8'``) on any machine, from abstract state, and reports HBM and ``pinned_host``
+  bytes apart; `gather_schedule` reads from its schedule which all-gathers run beside
+  computation. (Config files and GPT preset names are
   resolved above this layer: `zerojax.memory.compile_for_topology` takes them.)
 """
 
@@ -64,7 +64,15 @@ __all__ = ["PAPER_K", "paper_bytes", "Estimate", "num_params", "estimate", "Meas
 
 @dataclasses.dataclass(frozen=True)
 class Measured:
-  """Per-device bytes of a compiled step, from XLA's memory analysis and HLO."""
+  """Per-device bytes of a compiled step, from XLA's memory analysis and HLO.
+
+  Attributes:
+    argument: bytes of the step's arguments.
+    output: bytes of its outputs.
+    alias: bytes of outputs that reuse (alias) a donated argument.
+    temp: bytes of temporaries.
+    collectives: bytes per device per step by collective kind (see `collective_bytes`).
+  """
 
   argument: int
   output: int
@@ -79,11 +87,19 @@ class Measured:
 
   @property
   def collective_total(self) -> int:
+    """Bytes per device per step of all collectives together."""
     return sum(self.collectives.values())
 
 
 def measure(compiled: Any) -> Measured:
-  """Measures a ``jax.stages.Compiled`` step (e.g. ``step.lower(state, batch).compile()``)."""
+  """Measures a compiled step's memory and collective bytes per device.
+
+  Args:
+    compiled: a ``jax.stages.Compiled`` (e.g. ``step.lower(state, batch).compile()``).
+
+  Returns:
+    The `Measured` bytes.
+  """
   ma = compiled.memory_analysis()
   return Measured(int(ma.argument_size_in_bytes), int(ma.output_size_in_bytes),
                   int(ma.alias_size_in_bytes), int(ma.temp_size_in_bytes),
@@ -119,14 +135,20 @@ def collective_bytes(hlo_text: str) -> dict[str, int]:
 
   * all-gather: its result size (each device ends with the whole tensor);
   * reduce-scatter: its operand size;
-  * all-reduce: twice its operand size (a reduce-scatter plus an all-gather). XLA's CPU
-    backend lowers reduce-scatter as all-reduce followed by a slice, so on CPU a stage-2
-    gradient reduce-scatter shows up here as all-reduce at twice its ideal volume;
+  * all-reduce: twice its operand size (a reduce-scatter plus an all-gather);
   * all-to-all, collective-permute: their result size.
 
   Each op counts once per execution where it is issued (see `collective_bytes_by_dtype`):
-  inside a ``while`` body once per iteration, by the loop's known trip count or, where XLA
-  prints none (XLA:TPU), the one its counter gives (`_trip_from_condition`).
+  inside a ``while`` body once per iteration, by the loop's known trip count or, where the
+  HLO prints none, the one its counter gives (`_trip_from_condition`). How each backend's
+  HLO shows these ops is in ``docs/design.md``.
+
+  Args:
+    hlo_text: ``compiled.as_text()``.
+
+  Returns:
+    ``{kind: bytes}`` for all-gather, reduce-scatter, all-reduce, all-to-all and
+    collective-permute (0 where absent).
   """
   out = {k: 0 for k in _KINDS}
   for (kind, _), b in collective_bytes_by_dtype(hlo_text).items():
@@ -473,6 +495,17 @@ class GatherSchedule:
   collectives are asynchronous (a start and a done with other instructions between) and
   which computations are issued while one is in flight. It does not tell how long either
   takes, so whether a transfer is fully hidden is a question for a profile on real chips.
+
+  Attributes:
+    total: bytes (each collective once, loop bodies once per iteration).
+    asynchronous: bytes issued as start/done pairs the runtime may overlap.
+    overlapped: asynchronous bytes with at least one computation scheduled between start
+      and done.
+    synchronous: blocking bytes: one op, or a pair the compiler marks ``is_sync``.
+    pairs: asynchronous collectives in the program text (not weighted by loop trips).
+    overlapped_pairs: those of them with a computation between start and done.
+    overlapped_matmul: asynchronous bytes with a matrix multiplication between start and done.
+    kind: the collective kind, ``'all-gather'`` or ``'reduce-scatter'``.
   """
 
   total: int  # bytes (each collective once, loop bodies once per iteration)
@@ -486,6 +519,7 @@ class GatherSchedule:
 
   @property
   def overlapped_share(self) -> float:
+    """Share of the bytes issued asynchronously with a computation between start and done."""
     return self.overlapped / self.total if self.total else 0.0
 
   @property
@@ -523,22 +557,27 @@ def _matmul_finder(comps: dict[str, list[str]]):
 
 def collective_schedule(hlo_text: str, kind: str = "all-gather",
                         scope: str | None = None) -> GatherSchedule:
-  """Reads the schedule of a compiled step's HLO (``compiled.as_text()``) for one kind of
-  collective (``'all-gather'`` or ``'reduce-scatter'``).
+  """Reads the schedule of a compiled step's HLO for one kind of collective.
 
-  XLA:GPU issues an asynchronous collective as ``<kind>-start`` / ``<kind>-done`` (paired by
-  the done's operand); pairs whose backend config says ``"is_sync": true`` run synchronously
-  and count as blocking whatever sits between them. XLA:TPU issues one as an
-  ``async-collective-start`` fusion, optional continuation fusions (``async_collective_fusion``:
-  computation that runs while the collective progresses, e.g. a matmul over the chunks
-  already received) and an ``async-collective-done`` (paired by channel id). A done scheduled
-  before its start in a loop body means the collective for the next iteration is issued in
-  this one (pipelined across the back edge); then the instructions after the start and before
-  the done, around the back edge, are what runs beside it. Any fusion or other computation
-  that is not itself a collective counts as compute; `GatherSchedule.matmul_share` counts only
-  matrix multiplications. Bytes follow `collective_bytes`. ``scope``: only collectives whose
-  metadata ``op_name`` contains it (a ``jax.named_scope``, e.g. the scanned layers' own,
-  `zerojax.core.pipeline.LAYERS_SCOPE`).
+  Each collective is issued synchronously or as an asynchronous start/done pair; a pair
+  counts as overlapped when a computation is scheduled between its start and its done
+  (around a loop's back edge where the done comes first: the collective for the next
+  iteration is issued in this one). Any fusion or other computation that is not itself a
+  collective counts as compute; `GatherSchedule.matmul_share` counts only matrix
+  multiplications. Bytes follow `collective_bytes`. The XLA:GPU and XLA:TPU forms it reads
+  are described in ``docs/design.md``.
+
+  Args:
+    hlo_text: ``compiled.as_text()`` of a scheduled (compiled) step.
+    kind: ``'all-gather'`` or ``'reduce-scatter'``.
+    scope: count only collectives whose metadata ``op_name`` contains it (a
+      ``jax.named_scope``, e.g. the scanned layers' own, `zerojax.core.pipeline.LAYERS_SCOPE`).
+
+  Returns:
+    The `GatherSchedule` of ``kind``.
+
+  Raises:
+    ValueError: ``kind`` is neither ``'all-gather'`` nor ``'reduce-scatter'``.
   """
   if kind not in ("all-gather", "reduce-scatter"):
     raise ValueError(f"kind={kind!r} is invalid: 'all-gather' or 'reduce-scatter'")
@@ -599,7 +638,14 @@ def _collectives(comps: dict[str, list[str]], callee: str) -> list[tuple[str, st
 
 
 def gather_schedule(hlo_text: str) -> GatherSchedule:
-  """`collective_schedule` of the all-gathers."""
+  """`collective_schedule` of the all-gathers.
+
+  Args:
+    hlo_text: ``compiled.as_text()`` of a scheduled (compiled) step.
+
+  Returns:
+    The `GatherSchedule` of the all-gathers.
+  """
   return collective_schedule(hlo_text, "all-gather")
 
 
@@ -677,10 +723,18 @@ def _iota(dims: list[int], perm: list[int] | None) -> np.ndarray:
 
 
 def replica_groups(line: str) -> list[frozenset[int]] | None:
-  """The device groups of one collective in an HLO line, in any of the forms XLA prints:
-  ``mesh['a'=4,'b'=2], device_ids=(...) {'a'}``, ``[G,S]<=[dims]T(perm)`` or ``{{0,1},{2,3}}``.
-  Group members are partition ids (positions in the mesh's flattened device array); ``None``
-  when the line names no groups."""
+  """The device groups of one collective in an HLO line.
+
+  Reads any of the forms XLA prints: ``mesh['a'=4,'b'=2], device_ids=(...) {'a'}``,
+  ``[G,S]<=[dims]T(perm)`` or ``{{0,1},{2,3}}``.
+
+  Args:
+    line: one HLO instruction line.
+
+  Returns:
+    The groups as frozensets of partition ids (positions in the mesh's flattened device
+    array); ``None`` when the line names no groups.
+  """
   m = re.search(r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\(([^)]*\)?)\))?\s*\{([^}]*)\}",
                 line)
   if m:
@@ -710,8 +764,15 @@ def replica_groups(line: str) -> list[frozenset[int]] | None:
 
 
 def reductions(hlo_text: str) -> list[tuple[str, list[frozenset[int]] | None, int]]:
-  """``(kind, replica groups, bytes)`` of every all-reduce and reduce-scatter in a compiled
-  step's HLO (``compiled.as_text()``), in program order; bytes are the collective's result."""
+  """Every all-reduce and reduce-scatter of a compiled step, in program order.
+
+  Args:
+    hlo_text: ``compiled.as_text()``.
+
+  Returns:
+    ``(kind, replica groups, bytes)`` per collective (groups as `replica_groups` gives them);
+    bytes are the collective's result.
+  """
   out = []
   for line in hlo_text.splitlines():
     m = re.search(r"=\s*(.*?)\s(all-reduce|reduce-scatter)(?:-start)?\(", line)
@@ -787,7 +848,15 @@ def activation_collectives(hlo_text: str, plan: Any) -> dict[tuple[str, str, str
   of one element (a loss, a norm) is neither, nor is a collective under zerojax's own ZeRO++
   scopes (`_zerojax_own`: quantised weights, their scales, gradient chunks). What is left
   moves the model's activations: the partitioner chose to reshard them instead of gathering a
-  weight."""
+  weight.
+
+  Args:
+    hlo_text: ``compiled.as_text()``.
+    plan: the step's `ShardingPlan` (its leaves' shapes and at-rest shards).
+
+  Returns:
+    ``{(kind, 'dtype[shape]', op): bytes per step}`` of the collectives left.
+  """
   # (shapes, element counts) a parameter's collective has; shards only for permutes.
   known = {k: (p, {math.prod(x) for x in p})
            for k, p in ((False, _param_shapes(plan)), (True, _param_shapes(plan, shards=True)))}
@@ -840,7 +909,14 @@ def textbook_bytes(plan: Any) -> int:
   compute dtype and reduce-scatters its gradient once (3 psi); stages 1-2 reduce-scatter the
   gradient and all-gather the updated parameters (2 psi); stage 0 all-reduces it (2 psi).
   Gradients count in ``reduce_dtype``, else the compute dtype; stage 1-2 gathers move the
-  parameters' own dtype (they rest replicated in it)."""
+  parameters' own dtype (they rest replicated in it).
+
+  Args:
+    plan: the `ShardingPlan` (its config's stage and dtypes, its leaves).
+
+  Returns:
+    Bytes per step.
+  """
   cfg = plan.config
   cd = np.dtype(cfg.compute_dtype).itemsize
   rd = np.dtype(cfg.reduce_dtype).itemsize if cfg.reduce_dtype else cd
@@ -889,6 +965,16 @@ def tpu_topology(name: str) -> Any:
 
   Needs ``libtpu`` (``pip install "zerojax[tpu]"``) but no TPU: the devices it describes can
   only be compiled for. CPU stays JAX's default backend.
+
+  Args:
+    name: ``GENERATION:SHAPE`` with generation ``v4``, ``v5e``, ``v5p`` or ``v6e``.
+
+  Returns:
+    The topology description; its ``devices`` are the slice's devices.
+
+  Raises:
+    ValueError: ``name`` is not such a slice, or libtpu cannot describe it.
+    ImportError: libtpu is not installed.
   """
   if not isinstance(name, str) or not _TOPOLOGY.match(name):
     raise ValueError(f"topology={name!r} is invalid: a TPU slice GENERATION:SHAPE with "
@@ -945,6 +1031,10 @@ def hbm_available(device: Any, *, measure: bool = False) -> int:
 
   Returns:
     Bytes per device.
+
+  Raises:
+    RuntimeError: the compiler's message did not state the available HBM, or it accepted
+      the oversized probe program.
   """
   kind = device.device_kind
   if not measure:
@@ -979,11 +1069,45 @@ def _oom_bytes(message: str) -> tuple[int, int] | None:
 
 @dataclasses.dataclass(frozen=True)
 class TopologyCompile:
-  """One train step compiled ahead of time for a TPU topology; bytes are per device.
+  """One train step compiled ahead of time for a TPU or GPU topology; bytes are per device.
 
   ``measured`` is None when the compiler did not produce the step: for lack of HBM
   (``required`` holds the bytes it said the step needs) or because the compiler itself failed
   (``compiler_failed``; ``required`` is None). ``error`` holds its message either way.
+
+  Attributes:
+    topology: the topology name compiled for.
+    device_kind: the devices' kind.
+    num_devices: the devices of the topology.
+    chip_hbm: documented HBM per chip (`HBM_PER_CHIP`, or the GPU's memory).
+    hbm_available: what one program may use per device (`hbm_available`; on GPU the JAX
+      client's share of ``chip_hbm``).
+    estimate: `estimate` of the same tree, dtypes and plan.
+    compile_seconds: how long the compile took.
+    measured: HBM argument, output, alias and temp bytes and collective bytes, or ``None``.
+    host_argument: ``pinned_host`` argument bytes, as the compiler reports them.
+    host_output: ``pinned_host`` output bytes.
+    host_temp: ``pinned_host`` temporary bytes.
+    batch_bytes: the batch's share of the arguments.
+    error: the compiler's message when it did not produce the step.
+    required: the bytes the compiler said the step needs, when it refused it for memory.
+    formulation: how the step gathers parameters (`ZeroStep.formulation`).
+    remat: where the config's remat acted (`ZeroStep.remat`).
+    layers: whether scanned layers ran one ahead (`ZeroStep.layers`).
+    layer_gathers: the schedule of the scanned layers' own all-gathers.
+    layer_scatters: the schedule of the scanned layers' own reduce-scatters.
+    memory_fraction: GPU only: the share of device memory the JAX client allocates from.
+    suggestion: what would fit, when the step does not.
+    textbook: `textbook_bytes` of the plan.
+    gathers: `collective_schedule` of the all-gathers.
+    scatters: `collective_schedule` of the reduce-scatters.
+    activations: `activation_collectives` of the step.
+    step_time: the step time predicted from the schedule at published peaks
+      (`zerojax.runtime.step_time.StepTime`), with a predictor.
+    step_time_ceiling: the same with matmuls at their measured ceiling, where one is
+      published.
+    compiled: the ``jax.stages.Compiled`` step.
+    plan: the `ShardingPlan` over the topology's devices.
   """
 
   topology: str
@@ -1007,7 +1131,7 @@ class TopologyCompile:
   layer_gathers: GatherSchedule | None = None
   layer_scatters: GatherSchedule | None = None
   # GPU only: the share of device memory the JAX client allocates from (`hbm_available` is
-  # that share of `chip_hbm`); XLA:GPU compiles steps that do not fit, so the verdict is ours.
+  # that share of `chip_hbm`); the GPU compiler does not refuse a step, so the verdict is ours.
   memory_fraction: float | None = None
   suggestion: str | None = None  # what would fit, when the step does not
   textbook: int | None = None  # `textbook_bytes` of the plan
@@ -1037,7 +1161,11 @@ class TopologyCompile:
     return None if self.measured is None else self.measured.argument - self.batch_bytes
 
   def table(self) -> str:
-    """The report `zerojax compile` prints."""
+    """The report ``zerojax compile`` prints.
+
+    Returns:
+      Multi-line text: memory, collectives, predicted step time and the verdict.
+    """
     lines = self._head()
     if self.compiler_failed:
       return "\n".join(lines + [
@@ -1153,14 +1281,31 @@ def _fmt(b: float) -> str:
 
 
 def next_token_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
-  """Mean next-token cross entropy in fp32 (`zerojax.models.loss_fn` is this function)."""
+  """Mean next-token cross entropy in fp32 (`zerojax.models.loss_fn` is this function).
+
+  Args:
+    logits: ``[..., vocab]`` logits.
+    targets: integer targets shaped as ``logits`` without its last dimension.
+
+  Returns:
+    The mean cross entropy, a float32 scalar.
+  """
   logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
   return -jnp.take_along_axis(logp, targets[..., None], axis=-1).mean()
 
 
 def lm_train_step(state: Any, batch: Any) -> tuple[Any, dict[str, Any]]:
-  """The next-token step `compile_for_topology` compiles by default (``batch['x']`` tokens,
-  ``batch['y']`` targets), with `zerojax.value_and_grad` as `zerojax train` uses."""
+  """The next-token step `compile_for_topology` compiles by default.
+
+  It differentiates with `zerojax.value_and_grad`, as ``zerojax train`` does.
+
+  Args:
+    state: a linen train state.
+    batch: ``{'x': tokens, 'y': targets}``.
+
+  Returns:
+    ``(new_state, {'loss': loss})``.
+  """
   def lf(params, batch):
     return next_token_loss(state.apply_fn({"params": params}, batch["x"]), batch["y"])
   loss, grads = value_and_grad(lf)(state.params, batch)
@@ -1169,7 +1314,16 @@ def lm_train_step(state: Any, batch: Any) -> tuple[Any, dict[str, Any]]:
 
 def nnx_lm_train_step(model: Any, optimizer: Any, batch: Any) -> dict[str, Any]:
   """`lm_train_step` for an NNX model and its ``nnx.Optimizer`` (as ``zerojax finetune``
-  trains one)."""
+  trains one).
+
+  Args:
+    model: the NNX model, updated in place.
+    optimizer: its ``nnx.Optimizer``, updated in place.
+    batch: ``{'x': tokens, 'y': targets}``.
+
+  Returns:
+    ``{'loss': loss}``.
+  """
   loss, grads = value_and_grad(lambda m, b: next_token_loss(m(b["x"]), b["y"]))(model, batch)
   optimizer.update(model, grads)
   return {"loss": loss}
@@ -1186,8 +1340,8 @@ def compile_for_topology(config: ZeroConfig, model: Any, batch: Any,
   machine.
 
   State and batch are abstract (``jax.eval_shape``): nothing is allocated. The compiler
-  reports per-device HBM (arguments, outputs, temp) and ``pinned_host`` bytes separately.
-  XLA:TPU refuses a step that does not fit the chip; XLA:GPU compiles it anyway, so for GPUs
+  reports per-device HBM (arguments, outputs, temp) and ``pinned_host`` bytes separately. A
+  TPU compile refuses a step that does not fit the chip; for GPUs, whose compiler does not,
   the peak is compared with the memory the JAX GPU client will allocate from
   (``memory_fraction`` of the device, `zerojax.runtime.gpu.usable_memory`). Either outcome is
   returned, with what would fit when the step does not. (`zerojax.memory.compile_for_topology`
@@ -1218,6 +1372,13 @@ def compile_for_topology(config: ZeroConfig, model: Any, batch: Any,
   Returns:
     The `TopologyCompile`; ``step_time`` holds the step time predicted from the compiled
     schedule, with a ``predictor``.
+
+  Raises:
+    TypeError: ``config`` is not a `ZeroConfig`, or ``model`` is neither a linen module nor
+      a callable.
+    ValueError: ``topology`` is not a known TPU slice or GPU pod, ``batch`` is an invalid
+      ``(rows, seq_len)``, or a linen model has no ``init_args`` and no ``batch['x']``.
+    ImportError: a TPU topology without libtpu installed.
   """
   linen = isinstance(model, nn.Module)
   if not isinstance(config, ZeroConfig) or not (linen or callable(model)):

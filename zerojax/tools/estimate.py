@@ -377,11 +377,31 @@ def preset_model(model: Any, config: ZeroConfig, seq_len: Any = None,
 
 def compile_for_topology(config: ZeroConfig | str | os.PathLike, model: Any, batch: Any,
                          topology: str, **kwargs: Any) -> memory.TopologyCompile:
-  """`zerojax.runtime.memory.compile_for_topology` for a config given as a `ZeroConfig` or the
-  path of a zerojax or DeepSpeed config file, and a model given as a Flax linen module or a
-  GPT preset name (``zerojax.models.PRESETS``; compute dtype from ``config.compute_dtype``,
-  position table as long as ``batch``'s sequence). ``kwargs``: that function's (``tx``,
-  ``train_step``, ``init_args``, ``compiler_options``, ``memory_fraction``)."""
+  """Compiles the real train step for a TPU or GPU topology ahead of time, on any machine.
+
+  `zerojax.runtime.memory.compile_for_topology`, with a config file and a model name accepted
+  as well. A Hugging Face preset compiles as ``zerojax finetune`` trains it: the NNX model, its
+  scanned layers gathered per use.
+
+  Args:
+    config: a `ZeroConfig`, or the path of a zerojax or DeepSpeed config file.
+    model: a Flax linen module, a function making an NNX module, or a preset name
+      (``zerojax.models.PRESETS`` or a Hugging Face preset; compute dtype from
+      ``config.compute_dtype``, position table as long as ``batch``'s sequence).
+    batch: ``(rows, seq_len)`` for a token model, or a pytree of ``jax.ShapeDtypeStruct``.
+    topology: a TPU slice such as ``'v5e:8x8'`` or a GPU pod such as ``'h100:8'``.
+    **kwargs: that function's keyword arguments (``tx``, ``train_step``, ``init_args``,
+      ``compiler_options``, ``memory_fraction``, ``model_flops``, ``predictor``); the
+      predictor defaults to `zerojax.runtime.step_time.predict_compiled`.
+
+  Returns:
+    The `zerojax.runtime.memory.TopologyCompile`.
+
+  Raises:
+    ValueError: an unknown model name, or an invalid topology or batch.
+    ConfigError: the config file is invalid, or the sequence is longer than the preset's
+      position table.
+  """
   if not isinstance(config, ZeroConfig):
     config = load_config(config, apply_xla_flags=False).config
   seq_len = batch[1] if isinstance(batch, tuple) and len(batch) == 2 else None
