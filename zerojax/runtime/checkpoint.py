@@ -183,7 +183,15 @@ def _mix(v, idx, xp):
 
 
 def leaf_checksum(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """Two ``uint32`` checksums of a (possibly sharded) array; traceable, sharding-independent."""
+  """Two ``uint32`` checksums of a (possibly sharded) array; traceable, sharding-independent.
+
+  Args:
+    x: the array.
+
+  Returns:
+    ``(s1, s2)``, two ``uint32`` scalars; the same for the same values however ``x`` is
+    sharded, and the same as `numpy_checksum` of its host copy.
+  """
   v = _words_jax(x)
   shape = v.shape
   idx = jnp.zeros(shape, jnp.uint32)
@@ -245,7 +253,14 @@ def _np_partial_checksum(x: np.ndarray, start: Sequence[int], global_shape: Sequ
 
 
 def numpy_checksum(x: np.ndarray) -> tuple[int, int]:
-  """`leaf_checksum` of a host array, in numpy (same numbers)."""
+  """`leaf_checksum` of a host array, in numpy (same numbers).
+
+  Args:
+    x: the host array.
+
+  Returns:
+    ``(s1, s2)`` as Python ints.
+  """
   x = np.asarray(x)
   return _np_partial_checksum(x, (0,) * x.ndim, x.shape)
 
@@ -1148,8 +1163,24 @@ def abstract_train_state(model: Any, tx: Any, rng: jax.Array, *init_args: Any,
                          ) -> tuple[Any, ShardingPlan]:
   """The restore target of `zerojax.create_train_state`, without allocating anything.
 
-  Returns ``(abstract_state, plan)``: a train state of ``ShapeDtypeStruct`` leaves carrying
-  the plan's shardings, and the plan. Pass both to `Checkpointer.restore`.
+  Args:
+    model: the linen module.
+    tx: the optax transformation.
+    rng: a random key (only its shape matters).
+    *init_args: example inputs for ``model.init``.
+    config: the zerojax configuration.
+    mesh: the device mesh; default ``make_mesh(config)``.
+    state_cls: the train-state class; default `zerojax.ZeroTrainState`.
+    **init_kwargs: keyword arguments for ``model.init``.
+
+  Returns:
+    ``(abstract_state, plan)``: a train state of ``jax.ShapeDtypeStruct`` leaves carrying the
+    plan's shardings, and the plan. Pass both to `Checkpointer.restore`.
+
+  Raises:
+    ValueError: ``model.init`` makes no ``'params'``.
+    TypeError: a parameter leaf is not floating point.
+    ConfigError: ``config``'s batch sizes are inconsistent, or the plan cannot be made.
   """
   _, plan, abstract = state_initializer(model, tx, rng, *init_args, config=config, mesh=mesh,
                                         state_cls=state_cls, **init_kwargs)

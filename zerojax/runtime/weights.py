@@ -101,8 +101,17 @@ def checkpoint_index(paths_or_dir: str | os.PathLike | Sequence[str | os.PathLik
                      ) -> dict[str, tuple[str, tuple[int, ...], str]]:
   """``{tensor name: (file, shape, dtype name)}`` of a checkpoint, from the headers only.
 
-  Accepts a directory (with ``model.safetensors.index.json``, or its ``*.safetensors``
-  files), one ``.safetensors`` file, an index file, or a list of files.
+  Args:
+    paths_or_dir: a directory (with ``model.safetensors.index.json``, or its
+      ``*.safetensors`` files), one ``.safetensors`` file, an index file, or a list of files.
+
+  Returns:
+    ``{tensor name: (file, shape, dtype name)}``.
+
+  Raises:
+    WeightsError: a path does not exist or is not a readable safetensors file, a directory
+      holds none, an index lacks its ``weight_map`` or names missing files, a tensor is in two
+      files, or a tensor's dtype is not supported.
   """
   if isinstance(paths_or_dir, (str, os.PathLike)):
     p = os.fspath(paths_or_dir)
@@ -319,7 +328,7 @@ def load_safetensors(paths_or_dir: str | os.PathLike | Sequence[str | os.PathLik
       `zerojax.create_train_state` initialise from the model.
 
   Returns:
-    a tree shaped like ``plan.params`` of `jax.Array` on the plan's shardings.
+    A tree shaped like ``plan.params`` of ``jax.Array`` on the plan's shardings.
 
   Raises:
     WeightsError: a leaf's tensor is missing, has another shape or dtype, a leaf has no
@@ -335,6 +344,13 @@ class SafetensorsSource:
 
   Pass it as ``params=`` to `zerojax.create_train_state` or `zerojax.create_nnx`: they plan the
   model first, then each leaf is read straight into its shards.
+
+  Attributes:
+    paths: the checkpoint, as ``paths_or_dir`` of `load_safetensors`.
+    mapping: ``{leaf path: TensorMap or name}``, or ``None`` for names by leaf path.
+    allow_extra: which unused checkpoint tensors to ignore (see `load_safetensors`).
+    cast: whether to convert tensors whose dtype differs from the leaf's.
+    skip: a regex of leaf paths not to load.
   """
 
   paths: Any
@@ -344,7 +360,17 @@ class SafetensorsSource:
   skip: str | None = None
 
   def load(self, plan: Any) -> Any:
-    """The tree of `load_safetensors` for ``plan``."""
+    """Reads the checkpoint into ``plan.params``' shardings.
+
+    Args:
+      plan: the `zerojax.ShardingPlan`.
+
+    Returns:
+      The tree of `load_safetensors` for ``plan``.
+
+    Raises:
+      WeightsError: as `load_safetensors`.
+    """
     index = checkpoint_index(self.paths)
     where = repr(os.fspath(self.paths) if isinstance(self.paths, (str, os.PathLike))
                  else [os.fspath(p) for p in self.paths])
@@ -367,7 +393,18 @@ class SafetensorsSource:
 def safetensors_source(paths_or_dir: Any, mapping: Mapping[str, TensorMap | str] | None = None,
                        *, allow_extra: bool | Sequence[str] = False, cast: bool = False,
                        skip: str | None = None) -> SafetensorsSource:
-  """A lazy `SafetensorsSource` (arguments as `load_safetensors`) for ``params=``."""
+  """A lazy `SafetensorsSource` for ``params=``; nothing is read until the plan exists.
+
+  Args:
+    paths_or_dir: the checkpoint, as in `load_safetensors`.
+    mapping: as in `load_safetensors`.
+    allow_extra: as in `load_safetensors`.
+    cast: as in `load_safetensors`.
+    skip: as in `load_safetensors`.
+
+  Returns:
+    The `SafetensorsSource`.
+  """
   return SafetensorsSource(paths_or_dir, mapping, allow_extra, cast, skip)
 
 
@@ -390,6 +427,11 @@ def save_hf(leaves: Iterable[tuple[str, Callable[[], np.ndarray], tuple[int, ...
 
   Returns:
     ``{"path", "num_tensors", "bytes"}``.
+
+  Raises:
+    WeightsError: a leaf has no mapping entry or a dtype safetensors cannot store, two leaves
+      map to one name, or a loaded leaf has another shape than declared.
+    TypeError: a mapping value is neither a `TensorMap` nor a name.
   """
   leaves = [l for l in leaves if skip is None or not re.search(skip, l[0])]
   maps = _resolve_mapping(mapping, [l[0] for l in leaves])
