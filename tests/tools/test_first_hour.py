@@ -223,9 +223,19 @@ def test_text_batches_refuses_the_method_and_takes_the_plans_batch_sharding():
   b = next(TextBatches(tokens, 16, 8, sharding=plan.batch()))
   assert b["x"].shape == (16, 8) and b["x"].sharding == plan.batch()
   assert b["x"].sharding == plan.batch({"x": b["x"]})["x"]
-  from zerojax.runtime import data
-  assert "plan.batch()" in data.TextBatches.__doc__
-  assert "from ``plan.batch``)" not in data.TextBatches.__doc__
+  # What its docstring says of ``sharding``: with plan.batch() the batches are global
+  # jax.Arrays of the rows that sharding=None gives as numpy arrays (this process's rows: all
+  # of them here), and batch i depends only on (seed, i), so ``step=i`` starts at it.
+  host = TextBatches(tokens, 16, 8)
+  first = next(host)
+  assert isinstance(b["x"], jax.Array) and isinstance(first["x"], np.ndarray)
+  for k in ("x", "y"):
+    np.testing.assert_array_equal(np.asarray(b[k]), first[k])
+  third = [next(host) for _ in range(2)][-1]
+  assert not np.array_equal(third["x"], first["x"])
+  resumed = next(TextBatches(tokens, 16, 8, sharding=plan.batch(), step=2))
+  for k in ("x", "y"):
+    np.testing.assert_array_equal(np.asarray(resumed[k]), third[k])
 
 
 # -- 6. import and --help start nothing -------------------------------------------------------
