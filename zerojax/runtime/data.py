@@ -18,7 +18,17 @@ VOCAB_SIZE = 256  # bytes
 
 
 def load_bytes(path: str | os.PathLike) -> np.ndarray:
-  """The file's bytes as int32 tokens."""
+  """The file's bytes as int32 tokens.
+
+  Args:
+    path: the corpus file.
+
+  Returns:
+    A 1-D int32 array, one token per byte.
+
+  Raises:
+    ValueError: the file has fewer than two bytes.
+  """
   with open(path, "rb") as f:
     data = np.frombuffer(f.read(), dtype=np.uint8)
   if data.size < 2:
@@ -33,6 +43,13 @@ def process_rows(sharding: jax.sharding.Sharding, global_batch: int) -> np.ndarr
   the distinct row blocks of this process's devices, by position. With one process, all rows.
   A loader that reads only these rows feeds exactly its own slice of the global batch, however
   the mesh orders devices across processes.
+
+  Args:
+    sharding: the sharding of the batch's rows (e.g. ``plan.batch()``).
+    global_batch: rows of the global batch.
+
+  Returns:
+    The row indices, an int64 array.
   """
   index_map = sharding.addressable_devices_indices_map((global_batch,))
   blocks = set()
@@ -54,7 +71,7 @@ class TextBatches:
     seed: shuffling seed; batch ``i`` depends only on ``(seed, i)``.
     sharding: a ``jax.sharding.Sharding`` of the batch's rows: ``plan.batch()`` (the plan's
       data-parallel sharding of a leading dimension; ``plan.batch(tree)`` gives one per leaf of
-      a batch tree). With it, batches are global ``jax.Array``s built from this process's rows
+      a batch tree). With it, batches are global ``jax.Array`` values built from this process's rows
       only; ``None``: numpy arrays of this process's rows.
     step: the position (batch index) to start from.
 
@@ -89,6 +106,15 @@ class TextBatches:
     self.seed, self.sharding, self.step = seed, sharding, step
 
   def global_rows(self, step: int) -> np.ndarray:
+    """Every row of one global batch, as every process computes it.
+
+    Args:
+      step: the batch index.
+
+    Returns:
+      ``[global_batch, seq_len + 1]`` tokens: ``x`` is a row without its last token, ``y``
+      without its first.
+    """
     rng = np.random.default_rng([self.seed, step])
     starts = rng.integers(0, self.tokens.size - self.seq_len - 1, self.global_batch)
     return np.stack([self.tokens[s:s + self.seq_len + 1] for s in starts])
@@ -98,6 +124,15 @@ class TextBatches:
 
     With a sharding, exactly the rows its devices hold (see `process_rows`); without one, a
     contiguous block of ``global_batch / process_count`` rows.
+
+    Args:
+      step: the batch index.
+
+    Returns:
+      ``[rows, seq_len + 1]`` tokens of this process.
+
+    Raises:
+      ValueError: without a sharding, the global batch does not divide by the process count.
     """
     if self.sharding is not None:
       return self.global_rows(step)[process_rows(self.sharding, self.global_batch)]

@@ -150,11 +150,13 @@ class ChatTemplate:
 
     Args:
       messages: ``[{"role", "content", ...}]``.
-      add_generation_prompt, tools, documents: as ``apply_chat_template``'s.
+      add_generation_prompt: as ``apply_chat_template``'s.
+      tools: as ``apply_chat_template``'s.
+      documents: as ``apply_chat_template``'s.
       record: where the conversation comes from (``file:line``), for error messages.
 
     Returns:
-      the `Rendered` text and its ``{% generation %}`` spans.
+      The `Rendered` text and its ``{% generation %}`` spans.
 
     Raises:
       TemplateRenderError: the template raised (``raise_exception``) or failed; the message
@@ -180,13 +182,38 @@ class ChatTemplate:
     return Rendered("".join(chunks), tuple(rec["spans"]))
 
   def roles(self) -> set[str]:
-    """The quoted words of the template: the roles it names (``'ipython'``, ``"tool"``)."""
+    """The roles the template names.
+
+    Returns:
+      The quoted words of the template (``'ipython'``, ``"tool"``, ...).
+    """
     return set(re.findall(r"""['"]([A-Za-z_][\w-]*)['"]""", self.source))
 
 
 class Tokenizer:
-  """The few things training needs from a tokenizer: ``encode`` (ids and character offsets),
-  ``eos_id``, ``pad_id`` and ``render_chat`` (the checkpoint's chat template)."""
+  """The few things training needs from a tokenizer.
+
+  These are ``encode`` (ids and character offsets), ``eos_id``, ``pad_id`` and ``render_chat``
+  (the checkpoint's chat template). It reads ``tokenizer.json`` with ``tokenizers``, else the
+  directory with ``transformers.AutoTokenizer`` offline.
+
+  Args:
+    model_dir: the checkpoint directory.
+
+  Attributes:
+    dir: the checkpoint directory.
+    chat_template: the chat template text, or ``None``.
+    special: the special tokens' texts (``bos_token``, ``eos_token``, ``pad_token``,
+      ``unk_token``).
+    vocab_size: the tokenizer's vocabulary size.
+    eos_id: the end-of-sequence id (from the config files where the tokenizer has none), or
+      ``None``.
+    pad_id: the padding id: the pad token's, else ``eos_id``, else 0.
+
+  Raises:
+    ValueError: without ``tokenizer.json``, ``transformers`` cannot read the directory
+      offline.
+  """
 
   def __init__(self, model_dir: str | os.PathLike):
     self.dir = os.fspath(model_dir)
@@ -235,8 +262,19 @@ class Tokenizer:
     self._template = None
 
   def encode(self, text: str, special: bool = True) -> tuple[list[int], list[tuple[int, int]]]:
-    """Token ids and each token's ``(start, end)`` character span (``special``: the
-    tokenizer's own added tokens, e.g. a BOS, as ``from_pretrained`` adds them)."""
+    """Token ids and each token's character span.
+
+    Args:
+      text: the text to encode.
+      special: add the tokenizer's own added tokens (e.g. a BOS), as ``from_pretrained``
+        adds them.
+
+    Returns:
+      ``(ids, offsets)``: the token ids and each token's ``(start, end)`` character span.
+
+    Raises:
+      ValueError: a slow (Python) tokenizer, which gives no character offsets.
+    """
     if self._tok is not None:
       enc = self._tok.encode(text, add_special_tokens=special)
       return list(enc.ids), list(enc.offsets)
@@ -247,12 +285,25 @@ class Tokenizer:
     return list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
 
   def decode(self, ids: Sequence[int]) -> str:
+    """The text of token ids, special tokens included.
+
+    Args:
+      ids: token ids.
+
+    Returns:
+      The decoded text.
+    """
     return (self._tok.decode(list(ids), skip_special_tokens=False) if self._tok is not None
             else self._hf.decode(list(ids)))
 
   @property
   def template(self) -> ChatTemplate:
-    """The checkpoint's `ChatTemplate` (compiled on first use)."""
+    """The checkpoint's `ChatTemplate` (compiled on first use).
+
+    Raises:
+      ValueError: the checkpoint has no chat template.
+      TemplateRenderError: the template is not valid jinja2.
+    """
     if not self.chat_template:
       raise ValueError(f"tokenizer in {self.dir!r} has no chat_template (tokenizer_config.json "
                        "or chat_template.jinja); chat data {\"messages\": [...]} needs one, or "
@@ -263,9 +314,22 @@ class Tokenizer:
 
   def render_chat(self, messages: list[dict], add_generation_prompt: bool = False,
                   record: str = "") -> str:
-    """The chat template applied to ``messages``, as transformers'
-    ``apply_chat_template(..., tokenize=False)`` renders it (``record``: where the
-    conversation comes from, for errors)."""
+    """The chat template applied to ``messages``.
+
+    Rendered as transformers' ``apply_chat_template(..., tokenize=False)`` renders it.
+
+    Args:
+      messages: ``[{"role", "content", ...}]``.
+      add_generation_prompt: end with the prompt for the assistant's next turn.
+      record: where the conversation comes from, for errors.
+
+    Returns:
+      The rendered text.
+
+    Raises:
+      ValueError: the checkpoint has no chat template.
+      TemplateRenderError: the template failed on ``messages``.
+    """
     return self.template.render(messages, add_generation_prompt=add_generation_prompt,
                                 record=record).text
 
@@ -284,7 +348,18 @@ def _config_eos(model_dir: str) -> int | None:
 
 
 def load_tokenizer(model_dir: str | os.PathLike) -> Tokenizer:
-  """The checkpoint directory's own tokenizer (nothing is downloaded)."""
+  """The checkpoint directory's own tokenizer (nothing is downloaded).
+
+  Args:
+    model_dir: the Hugging Face checkpoint directory.
+
+  Returns:
+    Its `Tokenizer`.
+
+  Raises:
+    FileNotFoundError: ``model_dir`` is not a directory.
+    ValueError: the directory's tokenizer cannot be read offline.
+  """
   if not os.path.isdir(model_dir):
     raise FileNotFoundError(f"tokenizer: model directory {os.fspath(model_dir)!r} does not exist")
   return Tokenizer(model_dir)
@@ -301,8 +376,15 @@ _RECORD_FIELDS = ("text", "messages", "conversations")
 
 
 class Documents(list):
-  """`read_documents`' list of documents; ``where[i]`` is document ``i``'s ``file:line`` (or
-  ``file row n``)."""
+  """The list of documents `read_documents` returns, with where each came from.
+
+  Args:
+    docs: the documents.
+    where: per document, its ``file:line`` (or ``file row n``).
+
+  Attributes:
+    where: ``where[i]`` is document ``i``'s ``file:line`` (or ``file row n``).
+  """
 
   def __init__(self, docs=(), where=()):
     super().__init__(docs)
@@ -359,7 +441,20 @@ def _check_doc(doc: Any, where: str) -> dict:
 def read_documents(path: str | os.PathLike) -> list[dict]:
   """The documents of a local data file: ``.jsonl``/``.json`` (one JSON object per line),
   ``.parquet`` (a ``text`` or ``messages`` column) or ``.txt`` (documents separated by a
-  blank line). Each is ``{"text": str}`` or ``{"messages": [{"role", "content"}, ...]}``."""
+  blank line). Each is ``{"text": str}`` or ``{"messages": [{"role", "content"}, ...]}``.
+
+  Args:
+    path: the data file.
+
+  Returns:
+    A `Documents` list of those dicts (ShareGPT ``conversations`` become ``messages``).
+
+  Raises:
+    FileNotFoundError: ``path`` is not a file.
+    ValueError: a line is not a JSON object or not a valid document, a Parquet file lacks
+      exactly one of the text or messages columns, the extension is not read, or the file
+      holds no documents.
+  """
   path = os.fspath(path)
   if not os.path.isfile(path):
     raise FileNotFoundError(f"data file {path!r} does not exist")
@@ -482,7 +577,12 @@ def tokenize_documents(tok: Tokenizer, docs: Sequence[dict], where: str = "data"
       contribute no token to the loss.
 
   Returns:
-    one ``(ids, mask)`` per document of two tokens or more.
+    One ``(ids, mask)`` per document of two tokens or more.
+
+  Raises:
+    ValueError: no document has two tokens or more, a chat document has a role the template
+      does not know or does not render turn by turn, or the checkpoint has no chat template
+      for chat documents.
   """
   out = []
   wheres = getattr(docs, "where", None) or [f"{where} document {n}" for n in range(len(docs))]
@@ -509,8 +609,17 @@ def tokenize_documents(tok: Tokenizer, docs: Sequence[dict], where: str = "data"
 
 @dataclasses.dataclass
 class Rows:
-  """Training rows: ``x`` input ids, ``y`` next-token targets, ``mask`` (1: a target that
-  counts in the loss), ``segment_ids`` (0: padding) and ``positions``, each ``(n, seq_len)``."""
+  """Training rows, each array ``(n, seq_len)``.
+
+  Attributes:
+    x: input ids.
+    y: next-token targets.
+    mask: 1 for a target that counts in the loss.
+    segment_ids: the document of each token within its row (0: padding).
+    positions: each token's position within its document.
+    truncated: documents cut at ``seq_len`` (padded rows only).
+    no_loss: chat records whose assistant turns count no token.
+  """
 
   x: np.ndarray
   y: np.ndarray
@@ -524,6 +633,14 @@ class Rows:
     return len(self.x)
 
   def take(self, idx: np.ndarray) -> dict[str, np.ndarray]:
+    """Some rows as a batch.
+
+    Args:
+      idx: row indices.
+
+    Returns:
+      ``{'x', 'y', 'mask', 'segment_ids', 'positions'}`` of those rows.
+    """
     return {f: getattr(self, f)[idx] for f in FIELDS}
 
 
@@ -536,7 +653,16 @@ def _pairs(docs):
 def pack(docs: Sequence[tuple[np.ndarray, np.ndarray]], seq_len: int, pad_id: int) -> Rows:
   """Documents one after another, cut into rows of ``seq_len`` (a document may continue in the
   next row, its positions continuing); each row numbers its documents 1, 2, ... in
-  ``segment_ids``, the last row is padded (segment 0, mask 0)."""
+  ``segment_ids``, the last row is padded (segment 0, mask 0).
+
+  Args:
+    docs: ``(ids, loss mask)`` per document (`tokenize_documents`).
+    seq_len: tokens per row.
+    pad_id: the padding token id.
+
+  Returns:
+    The packed `Rows`.
+  """
   xs, ys, ms, docid, pos = [], [], [], [], []
   for k, (x, y, m) in enumerate(_pairs(docs)):
     xs.append(x), ys.append(y), ms.append(m)
@@ -558,7 +684,16 @@ def pack(docs: Sequence[tuple[np.ndarray, np.ndarray]], seq_len: int, pad_id: in
 
 
 def pad(docs: Sequence[tuple[np.ndarray, np.ndarray]], seq_len: int, pad_id: int) -> Rows:
-  """One document per row, cut at ``seq_len`` (counted in ``truncated``) and padded."""
+  """One document per row, cut at ``seq_len`` (counted in ``truncated``) and padded.
+
+  Args:
+    docs: ``(ids, loss mask)`` per document (`tokenize_documents`).
+    seq_len: tokens per row.
+    pad_id: the padding token id.
+
+  Returns:
+    The padded `Rows`, one per document.
+  """
   n = len(docs)
   rows = Rows(np.full((n, seq_len), pad_id, np.int32), np.full((n, seq_len), pad_id, np.int32),
               np.zeros((n, seq_len), np.int32), np.zeros((n, seq_len), np.int32),
@@ -574,7 +709,23 @@ def pad(docs: Sequence[tuple[np.ndarray, np.ndarray]], seq_len: int, pad_id: int
 
 def build_rows(path: str | os.PathLike, tok: Tokenizer, seq_len: int, packing: str = "pack"
                ) -> Rows:
-  """`read_documents` -> `tokenize_documents` -> `pack` or `pad` (``packing``)."""
+  """`read_documents`, then `tokenize_documents`, then `pack` or `pad`.
+
+  Args:
+    path: the data file.
+    tok: the checkpoint's `Tokenizer`.
+    seq_len: tokens per row.
+    packing: ``'pack'`` (documents packed into rows, kept apart by segment ids) or ``'pad'``
+      (one document per row).
+
+  Returns:
+    The `Rows`, with ``no_loss`` set.
+
+  Raises:
+    ValueError: an invalid ``packing`` or ``seq_len``, no token counts in the loss, or an
+      error of `read_documents` or `tokenize_documents`.
+    FileNotFoundError: ``path`` does not exist.
+  """
   if packing not in ("pack", "pad"):
     raise ValueError(f"packing={packing!r} is invalid: 'pack' (documents packed into rows, "
                      "kept apart by segment ids) or 'pad' (one document per row)")
@@ -601,6 +752,13 @@ class Batches:
   ``sharding``: the plan's batch sharding (``plan.batch()``); each process takes only its
   own rows (`zerojax.runtime.data.process_rows`) and the global arrays are assembled from
   them. ``step`` (the position) is plain data, saved with a checkpoint.
+
+  Args:
+    rows: the training `Rows`.
+    global_batch: rows per step over all processes.
+    seed: the shuffling seed.
+    sharding: the plan's batch sharding, or ``None`` for numpy arrays of every row.
+    step: the position (batch index) to start from.
   """
 
   def __init__(self, rows: Rows, global_batch: int, seed: int = 0, sharding: Any = None,
@@ -614,7 +772,15 @@ class Batches:
       self._local = process_rows(sharding, global_batch)
 
   def batch(self, step: int) -> dict:
-    """Batch ``step``: this process's rows of it, and ``loss_norm`` (see `loss_norm`)."""
+    """One batch, by position.
+
+    Args:
+      step: the batch index.
+
+    Returns:
+      This process's rows of batch ``step`` (global arrays with a sharding) and a
+      ``loss_norm`` column (see `loss_norm`).
+    """
     idx = np.asarray(self._index[step])
     return _to_global(self.rows, idx, self._local, self.sharding, self.global_batch,
                       loss_norm(self.rows.mask[idx], self.global_batch))
@@ -633,7 +799,15 @@ def loss_norm(mask: np.ndarray, global_batch: int) -> float:
   loss ``sum(ce * mask * loss_norm) / rows`` over any part of the batch (a micro-batch, one
   device's rows) averages, over the parts, to the global batch's per-token mean. Gradient
   accumulation then equals the full batch (as the HF Trainer normalises by the tokens of the
-  whole accumulated batch), where a mean per micro-batch would weight short ones more."""
+  whole accumulated batch), where a mean per micro-batch would weight short ones more.
+
+  Args:
+    mask: the loss mask of the whole global batch.
+    global_batch: its rows.
+
+  Returns:
+    ``global_batch`` over the number of counted targets (at least 1).
+  """
   return global_batch / max(float(np.sum(mask)), 1.0)
 
 
@@ -651,8 +825,16 @@ def _to_global(rows: Rows, idx: np.ndarray, local, sharding, global_batch: int,
 
 
 def eval_batches(rows: Rows, global_batch: int, sharding: Any = None) -> list[dict]:
-  """Every row of ``rows`` once, in order, in batches of ``global_batch`` (the last filled
-  with masked-out rows)."""
+  """Every row of ``rows`` once, in order, in batches of ``global_batch``.
+
+  Args:
+    rows: the evaluation `Rows`.
+    global_batch: rows per batch; the last batch is filled with masked-out rows.
+    sharding: the plan's batch sharding, or ``None`` for numpy arrays.
+
+  Returns:
+    The batches, as `Batches.batch` gives them but without ``loss_norm``.
+  """
   local = None
   if sharding is not None:
     local = process_rows(sharding, global_batch)
