@@ -101,6 +101,20 @@ def load_config(path: str | os.PathLike | None, overrides: Sequence[str] = (), *
   each choice is a note. With ``for_training`` (a run is about to start), an ``"auto"`` that
   nothing resolves is a `ConfigError` naming the key and how to set it; without (planning,
   showing a config), it stays a note and the `ZeroConfig` keeps its default there.
+
+  Args:
+    path: the YAML or JSON config file, or ``None`` for the defaults.
+    overrides: ``KEY=VALUE`` settings applied over the file (config fields or training
+      options).
+    apply_xla_flags: add the XLA flags of DeepSpeed keys to ``XLA_FLAGS``.
+    for_training: a run is about to start: an unresolved DeepSpeed ``"auto"`` is an error.
+
+  Returns:
+    The `LoadedConfig`: the `ZeroConfig`, the training options, notes and XLA flags.
+
+  Raises:
+    ConfigError: the file cannot be read or parsed, a key or override is unknown or invalid
+      (the message names a close match), or an ``"auto"`` is unresolved for training.
   """
   d: dict[str, Any] = {}
   if path is not None:

@@ -121,7 +121,20 @@ def _loss(logits, batch):
 
 
 def finetune_task(fo: FinetuneOptions, opts: Any, config: Any) -> Task:
-  """The `zerojax.tools.train.Task` of a fine-tuning run: the model, its data and evaluation."""
+  """The `zerojax.tools.train.Task` of a fine-tuning run: the model, its data and evaluation.
+
+  Args:
+    fo: the `FinetuneOptions` (checkpoint directory, data, LoRA, evaluation).
+    opts: the run's `zerojax.tools.options.TrainOptions` (``seq_len``, ``seed``).
+    config: the run's `ZeroConfig` (its compute and parameter dtypes).
+
+  Returns:
+    The `Task`, ready for `zerojax.tools.train.train`.
+
+  Raises:
+    ConfigError: ``seq_len`` exceeds the checkpoint's ``max_position_embeddings``.
+    ValueError: the data cannot be read or tokenized (see `zerojax.data.build_rows`).
+  """
   base = llama.from_hf_config(fo.model_dir)
   cfg = llama.from_hf_config(fo.model_dir, remat=fo.remat, lora_rank=fo.lora,
                              lora_alpha=float(fo.lora_alpha), lora_targets=fo.lora_targets,
@@ -347,10 +360,25 @@ def finetune(fo: FinetuneOptions, config_path: str | None = None,
              overrides: Sequence[str] = (), *, progress: bool | None = None,
              resume: bool | None = None, overwrite: bool = False, hooks: Sequence[Any] = ()
              ) -> dict:
-  """Runs a fine-tuning (see the module's docstring); returns ``{"result", "export"}``
-  (`zerojax.tools.train.TrainResult`, the export's summary or None). ``hooks``: extra
-  `zerojax.tools.train.Hook`s for the loop; ``progress``/``resume``/``overwrite`` as the
-  command's ``--no-progress``/``--no-resume``/``--overwrite``."""
+  """Runs a fine-tuning (see the module's docstring), then exports the result.
+
+  Args:
+    fo: the `FinetuneOptions`.
+    config_path: a zerojax or DeepSpeed config file, or ``None`` for the defaults.
+    overrides: ``KEY=VALUE`` settings over the file.
+    progress: ``False`` as the command's ``--no-progress``; ``None`` keeps the options'.
+    resume: ``False`` as ``--no-resume``; ``None`` keeps the options'.
+    overwrite: as ``--overwrite``.
+    hooks: extra `zerojax.tools.train.Hook` objects for the loop.
+
+  Returns:
+    ``{"result": TrainResult, "export": the export's summary or None}``.
+
+  Raises:
+    ConfigError: the config or overrides are invalid, set ``corpus`` or ``init_from``
+      (fine-tuning reads the checkpoint and ``fo.data``), or ask for
+      ``nonfinite_grads='skip'`` where fine-tuning cannot honour it.
+  """
   distributed.initialize()  # under a launcher: its process group, before any device is used
   loaded = _load_with_defaults(fo, config_path, list(overrides))
   train_opts = dict(loaded.train)
@@ -506,7 +534,17 @@ def _deepspeed_sets(config_path: str) -> set[str]:
 
 
 def run(args) -> int:
-  """The ``zerojax finetune`` command (`zerojax.tools.cli`)."""
+  """The ``zerojax finetune`` command (`zerojax.tools.cli`).
+
+  Args:
+    args: the parsed command-line arguments.
+
+  Returns:
+    The exit status: 0 when the run trained, 1 when it recorded no step.
+
+  Raises:
+    ConfigError: no ``--data``, or an error of `finetune`.
+  """
   if args.data is None:
     raise ConfigError("zerojax finetune needs --data FILE (a .jsonl, .parquet or .txt file)")
   fo = FinetuneOptions(
