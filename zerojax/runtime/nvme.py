@@ -250,6 +250,14 @@ def chunked_transformation(tx: Any, params: PyTree, *, probe_steps: int = 3,
   which must agree bit for bit (and with optax to rounding). A failure is traced to the first
   member of the chain that fails alone.
 
+  Args:
+    tx: the optax transformation.
+    params: the parameter tree (arrays or shapes) whose structure the probe copies.
+    probe_steps: how many steps the probe runs.
+
+  Returns:
+    The `ChunkedTransformation` the NVMe update runs piece by piece.
+
   Raises:
     NotChunkableError: naming the first transformation whose update is not elementwise.
   """
@@ -414,9 +422,13 @@ def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
 
 
 def capture_gradients() -> optax.GradientTransformation:
-  """The device step's optimizer: its state keeps the reduced gradient (in the optimizer's
-  sharded layout) and its global norm; its updates are ``-0.0``, which leave every parameter's
-  bits as they were."""
+  """The device step's optimizer, which only keeps the gradient for the host.
+
+  Returns:
+    An ``optax.GradientTransformation`` whose state keeps the reduced gradient (in the
+    optimizer's sharded layout) and its global norm, and whose updates are ``-0.0``, which
+    leave every parameter's bits as they were.
+  """
 
   def init(params):
     return {"grads": jax.tree.map(jnp.zeros_like, params),
@@ -431,15 +443,27 @@ def capture_gradients() -> optax.GradientTransformation:
 
 
 def device_config(config: ZeroConfig) -> ZeroConfig:
-  """The config of the device part: the same run with the optimizer state nowhere."""
+  """The config of the device part: the same run with the optimizer state nowhere.
+
+  Args:
+    config: the run's config, with the optimizer state on NVMe.
+
+  Returns:
+    ``config`` without optimizer offload, for the device step's plan.
+  """
   return config.replace(offload_optimizer=False, nvme_path=None)
 
 
 @struct.dataclass
 class NnxView:
   """An NNX ``(model, optimizer)`` pair from `create_nnx` as `NvmeOptimizer` reads a linen
-  train state: the trained parameters, the captured gradient (``opt_state``) and the step, as
-  plain arrays (no copies)."""
+  train state, as plain arrays (no copies).
+
+  Attributes:
+    step: the optimizer's step count.
+    params: the trained parameters.
+    opt_state: the captured gradient (the device optimizer's state).
+  """
 
   step: Any
   params: Any
@@ -447,6 +471,15 @@ class NnxView:
 
   @classmethod
   def of(cls, model: Any, optimizer: Any) -> "NnxView":
+    """The view of an NNX pair.
+
+    Args:
+      model: the NNX model from `create_nnx`.
+      optimizer: its device ``nnx.Optimizer``.
+
+    Returns:
+      The `NnxView` of their step, trained parameters and captured gradient.
+    """
     return cls(step=optimizer.step[...],
                params=nnx.as_pure(nnx.state(model, optimizer.wrt)),
                opt_state=nnx.as_pure(optimizer.opt_state))
@@ -1025,8 +1058,27 @@ def create_train_state(model: Any, tx: Any, rng: jax.Array, *init_args: Any,
   first generation of files, unless a committed state is already there (a resumed run: its
   step must match the train state's, see `NvmeOptimizer.check_resume`) or ``overwrite``.
 
+  Args:
+    model: the linen module.
+    tx: the optax transformation whose state goes to the files (it must be elementwise).
+    rng: the init's random key.
+    *init_args: example inputs for ``model.init``.
+    config: a `ZeroConfig` with ``offload_optimizer='nvme'`` and ``nvme_path``.
+    mesh: the device mesh; default ``make_mesh(config)``.
+    state_cls: the train-state class; default `zerojax.ZeroTrainState`.
+    params: existing parameters instead of the model's init.
+    overwrite: replace a committed state in ``nvme_path`` instead of resuming it.
+    **init_kwargs: keyword arguments for ``model.init``.
+
   Returns:
     ``(state, plan, nvme)``: the device state, the device part's plan, the `NvmeOptimizer`.
+
+  Raises:
+    ConfigError: ``config`` does not put the optimizer on NVMe, or ``model`` is not a linen
+      module (use `create_nnx`).
+    NotChunkableError: ``tx``'s update is not elementwise.
+    NvmePathError: ``nvme_path`` is unusable (not writable, too little space).
+    NvmeStateError: a committed state's step does not match the train state's.
   """
   _check_config(config, "create_train_state")
   if isinstance(model, nnx.Module) or not hasattr(model, "init"):
@@ -1050,8 +1102,23 @@ def create_nnx(model_fn: Callable[[], Any], tx: Any, *, config: ZeroConfig,
   with `create_train_state`. Step with ``opt.step(train_step)``, the same
   ``train_step(model, optimizer, batch)`` as in memory.
 
+  Args:
+    model_fn: a no-argument function returning the ``nnx.Module``.
+    tx: the optax transformation whose state goes to the files (it must be elementwise).
+    config: a `ZeroConfig` with ``offload_optimizer='nvme'`` and ``nvme_path``.
+    mesh: the device mesh; default ``make_mesh(config)``.
+    wrt: the NNX filter of the trained parameters (``nnx.Param`` by default).
+    params: existing parameters instead of the model's init.
+    overwrite: replace a committed state in ``nvme_path`` instead of resuming it.
+
   Returns:
     ``(model, optimizer, plan, nvme)``.
+
+  Raises:
+    ConfigError: ``config`` does not put the optimizer on NVMe, or asks for loss scaling
+      this path cannot honour.
+    NotChunkableError: ``tx``'s update is not elementwise.
+    NvmePathError: ``nvme_path`` is unusable (not writable, too little space).
   """
   _check_config(config, "create_nnx")
   if config.loss_scale is not None:

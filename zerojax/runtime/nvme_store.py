@@ -155,9 +155,19 @@ def check_nvme_path(nvme_path: str, bytes_needed: int, *, in_use: int = 0) -> in
 
 @dataclasses.dataclass
 class StreamStats:
-  """What one pass over the state cost. Times are seconds; ``read_s``/``write_s`` are the
-  time the reader/writer spent in system calls (so MB/s is the disk's rate while busy),
-  ``wait_s`` the time the update waited for a chunk to arrive or a buffer to free up."""
+  """What one pass over the state cost; times are seconds.
+
+  Attributes:
+    chunks: chunks streamed.
+    bytes_read: bytes read from the files.
+    bytes_written: bytes written to the files.
+    read_s: time the reader spent in system calls (so MB/s is the disk's rate while busy).
+    write_s: time the writer spent in system calls.
+    sync_s: time spent making the written files durable.
+    update_s: time the optimizer update took.
+    wait_s: time the update waited for a chunk to arrive or a buffer to free up.
+    wall_s: the pass's wall time.
+  """
 
   chunks: int = 0
   bytes_read: int = 0
@@ -171,18 +181,26 @@ class StreamStats:
 
   @property
   def read_mb_s(self) -> float:
+    """Read rate in MiB/s while reading (``nan`` without reads)."""
     return self.bytes_read / 2**20 / self.read_s if self.read_s else float("nan")
 
   @property
   def write_mb_s(self) -> float:
+    """Write rate in MiB/s while writing and syncing (``nan`` without writes)."""
     t = self.write_s + self.sync_s
     return self.bytes_written / 2**20 / t if t else float("nan")
 
   def add(self, other: "StreamStats") -> None:
+    """Adds another pass's figures to these, field by field.
+
+    Args:
+      other: the other pass's `StreamStats`.
+    """
     for f in dataclasses.fields(self):
       setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
   def summary(self) -> str:
+    """One line: chunks, bytes and rates, sync, update, wait and wall times."""
     return (f"{self.chunks} chunks: read {self.bytes_read / 2**20:.1f} MiB at "
             f"{self.read_mb_s:.0f} MB/s, wrote {self.bytes_written / 2**20:.1f} MiB at "
             f"{self.write_mb_s:.0f} MB/s (sync {self.sync_s:.3f} s), update {self.update_s:.3f} s,"
