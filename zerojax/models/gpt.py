@@ -25,6 +25,25 @@ __all__ = ["GPTConfig", "PRESETS", "Block", "GPT", "loss_fn", "nnx_gpt"]
 
 @dataclasses.dataclass(frozen=True)
 class GPTConfig:
+  """The architecture of `GPT` (and `nnx_gpt`).
+
+  Attributes:
+    vocab_size: tokens in the vocabulary.
+    seq_len: the longest sequence (rows of the position table).
+    num_layers: decoder blocks.
+    num_heads: attention heads.
+    d_model: the model width.
+    mlp_ratio: the MLP's hidden width over ``d_model``.
+    scan: stack the blocks with ``nn.scan`` (a leading layer axis on every block parameter).
+    remat: ``nn.remat`` around each block (the user's own remat).
+    dtype: the compute dtype; ``None`` follows the parameters and inputs, which zerojax casts
+      to ``ZeroConfig.compute_dtype`` where the model reads them.
+    param_dtype: the parameters' dtype.
+    tensor_parallel: Megatron-style partitioning metadata: the qkv and fc kernels split their
+      output dimension over the ``tensor`` mesh axis, proj and out their input dimension
+      (values unchanged; only the metadata zerojax's plan reads differs).
+  """
+
   vocab_size: int = 256
   seq_len: int = 64
   num_layers: int = 2
@@ -44,10 +63,15 @@ class GPTConfig:
 
   @property
   def head_dim(self) -> int:
+    """The per-head size, ``d_model // num_heads``."""
     return self.d_model // self.num_heads
 
   def num_params(self) -> int:
-    """Parameters of `GPT` with this config, counted from its (abstract) parameter tree."""
+    """Parameters of `GPT` with this config, counted from its (abstract) parameter tree.
+
+    Returns:
+      The number of parameters.
+    """
     tokens = jax.ShapeDtypeStruct((1, self.seq_len), jnp.int32)
     return num_params(jax.eval_shape(lambda t: GPT(self).init(jax.random.key(0), t), tokens))
 
@@ -102,6 +126,12 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
+  """The GPT decoder in linen: ``tokens (B, T) int -> logits (B, T, vocab) float32``.
+
+  Attributes:
+    cfg: the `GPTConfig`.
+  """
+
   cfg: GPTConfig
 
   @nn.compact
@@ -132,7 +162,15 @@ loss_fn = next_token_loss  # mean next-token cross entropy in fp32, as `zerojax 
 
 
 def nnx_gpt(cfg: GPTConfig, rngs: Any):
-  """The same architecture as an ``nnx.Module`` (unscanned blocks)."""
+  """The same architecture as an ``nnx.Module`` (unscanned blocks).
+
+  Args:
+    cfg: the `GPTConfig` (``scan`` and ``remat`` do not apply).
+    rngs: the ``nnx.Rngs`` of the initialisation.
+
+  Returns:
+    The initialised ``nnx.Module``, called as ``model(tokens)`` for float32 logits.
+  """
 
   class NBlock(nnx.Module):
     def __init__(self, rngs):

@@ -77,7 +77,37 @@ def fused_attention(platform: str, dtype: Any, sliding_window: int | None) -> st
 
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
-  """The architecture; field names follow Hugging Face's ``LlamaConfig``."""
+  """The architecture; field names follow Hugging Face's ``LlamaConfig``.
+
+  The fields not listed below are Hugging Face's, with its meaning.
+
+  Attributes:
+    model_type: the Hugging Face family, one of ``FAMILIES`` (``'llama'``, ``'qwen2'``,
+      ``'qwen3'``, ``'mistral'``).
+    head_dim: per-head size; ``None`` is ``hidden_size // num_attention_heads``.
+    rope_llama3: Llama 3.1 rope scaling ``(factor, low_freq_factor, high_freq_factor,
+      original_max_position_embeddings)``; ``None`` is the default rotary embedding.
+    qkv_bias: biases on ``q_proj``, ``k_proj`` and ``v_proj``.
+    o_bias: a bias on ``o_proj``.
+    mlp_bias: biases on ``gate_proj``, ``up_proj`` and ``down_proj``.
+    qk_norm: Qwen3's RMSNorm of each query and key head before the rotary embedding.
+    sliding_window: query ``i`` sees keys ``i - sliding_window < j <= i`` (on the layers
+      ``layer_types`` names, every layer when it is ``None``).
+    layer_types: ``'full_attention'`` or ``'sliding_attention'`` per layer.
+    dtype: the compute dtype.
+    param_dtype: the parameters' dtype.
+    remat: ``jax.checkpoint`` around each scanned layer.
+    attention: ``'xla'`` (the scores materialised, as transformers' eager attention) or
+      ``'cudnn'`` (``jax.nn.dot_product_attention``'s fused kernel: GPU only, bfloat16 or
+      float16, no sliding window, no packed segments; memory linear in the sequence).
+    lora_rank: LoRA adapters' rank (0: none).
+    lora_alpha: LoRA's scale numerator (the adapters are scaled by ``lora_alpha / rank``).
+    lora_targets: the projections that get adapters.
+
+  Raises:
+    ValueError: a field is out of range, or the fields are inconsistent with each other or
+      with ``model_type``'s family (so that an export reads back as this model).
+  """
 
   model_type: str = "llama"  # the Hugging Face family: one of FAMILIES
   vocab_size: int = 256
@@ -179,16 +209,22 @@ class LlamaConfig:
 
   @property
   def hd(self) -> int:
+    """The per-head size: ``head_dim``, else ``hidden_size // num_attention_heads``."""
     return self.head_dim or self.hidden_size // self.num_attention_heads
 
   def layer_windows(self) -> tuple[int, ...]:
-    """Each layer's attention window (0: full causal attention)."""
+    """Each layer's attention window.
+
+    Returns:
+      One window per layer; 0 is full causal attention.
+    """
     if self.sliding_window is None:
       return (0,) * self.num_hidden_layers
     types = self.layer_types or ("sliding_attention",) * self.num_hidden_layers
     return tuple(self.sliding_window if t == "sliding_attention" else 0 for t in types)
 
   def num_params(self) -> int:
+    """Parameters of the base model with this config (no LoRA adapters), counted from shapes."""
     d, i, hd = self.hidden_size, self.intermediate_size, self.hd
     q, kv = self.num_attention_heads * hd, self.num_key_value_heads * hd
     layer = 2 * d + d * q + 2 * d * kv + q * d + 3 * d * i
@@ -359,7 +395,21 @@ def segment_positions(segment_ids):
 
 
 class Llama(nnx.Module):
-  """Llama causal LM: ``tokens (B, T) int -> logits (B, T, vocab) float32``."""
+  """Llama causal LM: ``tokens (B, T) int -> logits (B, T, vocab) float32``.
+
+  The decoder layers are stacked (a leading layer axis) and run under ``jax.lax.scan``.
+
+  Args:
+    cfg: the `LlamaConfig`.
+    rngs: the ``nnx.Rngs`` of the initialisation.
+
+  Attributes:
+    cfg: the `LlamaConfig`.
+    embed_tokens: the token embedding.
+    layers: the stacked decoder layers.
+    norm: the final RMSNorm.
+    lm_head: the output projection, ``None`` with tied embeddings.
+  """
 
   def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
     self.cfg = cfg
@@ -379,8 +429,17 @@ class Llama(nnx.Module):
         cfg.hidden_size, cfg.vocab_size, dataclasses.replace(cfg, lora_rank=0), False, rngs)
 
   def __call__(self, tokens, segment_ids=None, positions=None):
-    """``segment_ids`` ``(B, T)`` (packed rows): attention stays within a segment, and
-    positions restart at each segment unless ``positions`` ``(B, T)`` are given."""
+    """The logits of a batch of token rows.
+
+    Args:
+      tokens: ``(B, T)`` integer token ids.
+      segment_ids: ``(B, T)`` for packed rows: attention stays within a segment (0 is
+        padding).
+      positions: ``(B, T)`` token positions; by default they restart at each segment.
+
+    Returns:
+      ``(B, T, vocab)`` float32 logits.
+    """
     cfg = self.cfg
     x = self.embed_tokens(tokens).astype(cfg.dtype)
     if segment_ids is not None and positions is None:
