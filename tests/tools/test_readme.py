@@ -17,7 +17,7 @@ import zerojax
 from zerojax.core import plan as plan_mod
 from tests import helpers
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
 
 
