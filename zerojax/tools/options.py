@@ -156,12 +156,27 @@ def check_scheduler(params: Mapping[str, Any], key: str = "scheduler.params.{}")
 
 
 def apply_deepspeed_train(opts: TrainOptions, train: Mapping[str, Any]) -> TrainOptions:
-  """Folds a `DeepSpeedMapping.train` dict (optimizer, scheduler, ...) into ``opts``."""
+  """Folds a `DeepSpeedMapping.train` dict (optimizer, scheduler, ...) into ``opts``.
+
+  Args:
+    opts: the training options.
+    train: the DeepSpeed mapping's training settings.
+
+  Returns:
+    A copy of ``opts`` with those settings applied.
+  """
   return dataclasses.replace(opts, **deepspeed_train_fields(train))
 
 
 def deepspeed_train_fields(train: Mapping[str, Any]) -> dict[str, Any]:
-  """`TrainOptions` fields of a `DeepSpeedMapping.train` dict."""
+  """`TrainOptions` fields of a `DeepSpeedMapping.train` dict.
+
+  Args:
+    train: the DeepSpeed mapping's training settings (optimizer, scheduler, ...).
+
+  Returns:
+    ``{field: value}`` of the `TrainOptions` they set.
+  """
   changes: dict[str, Any] = {}
   o = train.get("optimizer")
   if o:

@@ -78,6 +78,9 @@ def setup_cpu_devices(n: int) -> None:
   """Simulates ``n`` CPU devices if JAX has not started yet and none were asked for.
 
   Only the CPU backend reads the setting, so it is harmless on accelerators.
+
+  Args:
+    n: the number of CPU devices.
   """
   if backends_initialized():
     return
@@ -92,6 +95,13 @@ def nothing_sharded_note(plan: Any) -> str | None:
   Such a run is plain data parallelism whatever its stage says; the line names the cause
   (leaves below ``param_persistence_threshold``, no dimension divisible by the ``fsdp`` size,
   an ``fsdp`` axis of size 1) and what to change.
+
+  Args:
+    plan: the run's `ShardingPlan`.
+
+  Returns:
+    One line naming the cause and the fix, or ``None`` when the plan shards a leaf (or its
+    stage is 0).
   """
   if not plan.config.shards_opt_state or not plan.leaves or any(
       lp.is_sharded for lp in plan.leaves):
@@ -306,7 +316,8 @@ class Hook:
   ``after_step(step, state, flush)`` runs after each step is dispatched (``flush()`` fetches
   the metrics of the steps still on the device and hands them to every hook first);
   ``on_records(records, previous_step)`` receives the records fetched since
-  ``previous_step``; ``close()`` runs once at the end, also after an error.
+  ``previous_step``; ``close()`` runs once at the end, also after an error. Subclass it and
+  override what you need; the defaults do nothing.
   """
 
   def after_step(self, step: int, state: Any, flush: Callable[[], None]) -> None:
@@ -320,7 +331,11 @@ class Hook:
 
 
 class WriteMetrics(Hook):
-  """``metrics.jsonl`` and the TensorBoard run (`MetricsWriter`)."""
+  """``metrics.jsonl`` and the TensorBoard run (`MetricsWriter`).
+
+  Args:
+    writer: the run's `MetricsWriter`.
+  """
 
   def __init__(self, writer: MetricsWriter):
     self.writer = writer
@@ -339,7 +354,16 @@ class ProgressBar(Hook):
   of every step after this run's first over the time since the first finished; the final line
   prints the same number). Without ``tokens_per_step``, tokens/s is the latest step's own.
   Its ETA is the steps left at the pace since the run's first step finished: compilation is
-  not in it (tqdm's own ETA would count it)."""
+  not in it (tqdm's own ETA would count it).
+
+  Args:
+    total: the run's last step.
+    initial: the step it starts from (a resumed run's).
+    tokens_per_step: tokens in one step's global batch.
+
+  Raises:
+    ImportError: ``tqdm`` is not installed.
+  """
 
   def __init__(self, total: int, initial: int, tokens_per_step: float | None = None):
     tqdm = require("tqdm.auto", "the progress bar (progress=False goes without)").tqdm
@@ -412,7 +436,18 @@ class LogLines(Hook):
 class SaveCheckpoints(Hook):
   """An asynchronous checkpoint every ``every`` steps and at the last step; with ``optimizer``
   (an NVMe run's `zerojax.runtime.nvme.NvmeOptimizer`) a synchronous one through its
-  ``save_checkpoint``, which snapshots the optimizer-state files beside it."""
+  ``save_checkpoint``, which snapshots the optimizer-state files beside it.
+
+  Args:
+    checkpointer: the `zerojax.checkpoint.Checkpointer`.
+    every: steps between checkpoints; ``None`` saves only at the last step.
+    last: the run's last step.
+    rng: the run's random key, saved with the state.
+    data: returns the data loader's position, saved with the state.
+    item: what to save of the state (default the state itself).
+    model: the model description saved beside the state.
+    optimizer: an NVMe run's `zerojax.runtime.nvme.NvmeOptimizer`.
+  """
 
   def __init__(self, checkpointer: Any, every: int | None, last: int, rng: Any,
                data: Callable[[], dict], item: Callable[[Any], Any] | None = None,
@@ -438,7 +473,15 @@ class SaveCheckpoints(Hook):
 
 @dataclasses.dataclass
 class TrainResult:
-  """What `train` returns."""
+  """What `train` returns.
+
+  Attributes:
+    state: the final train state.
+    plan: the run's `ShardingPlan`.
+    history: the per-step metric records, as ``metrics.jsonl`` holds them.
+    out_dir: the run's output directory.
+    files: the files written, by kind (e.g. ``'metrics'``, ``'plot'``).
+  """
 
   state: Any
   plan: Any
@@ -604,8 +647,15 @@ def _nvme_resume_error(opts: TrainOptions, config: ZeroConfig, step: int,
 
 
 def resolve_config(config: ZeroConfig, opts: TrainOptions) -> ZeroConfig:
-  """The run's final config: ``opts.batch`` rows per step where the config sets no batch
-  size. Everything a run decides about its config is decided here, before the mesh exists."""
+  """The run's final config, decided before the mesh exists.
+
+  Args:
+    config: the configuration as loaded.
+    opts: the training options.
+
+  Returns:
+    ``config`` with ``opts.batch`` rows per step where it sets no batch size.
+  """
   if (config.train_batch_size, config.micro_batch_per_device) == (None, None):
     return config.replace(train_batch_size=opts.batch)
   return config
@@ -617,10 +667,21 @@ def train(config: ZeroConfig, opts: TrainOptions | None = None, *,
   """Trains the GPT preset ``opts.model`` on ``opts.corpus`` with ZeRO ``config``, or
   ``task``'s model on its data (`Task`).
 
-  ``hooks`` run after the loop's own (metrics files, progress bar, checkpoints); see `Hook`.
+  Args:
+    config: the ZeRO configuration.
+    opts: the training options; default ``TrainOptions()``.
+    xla_notes: lines about XLA settings to print in the run's header.
+    hooks: `Hook` objects run after the loop's own (metrics files, progress bar,
+      checkpoints).
+    task: the model and data to train instead of the GPT preset on ``opts.corpus``.
 
   Returns:
-    a `TrainResult` with the final state, the plan, the per-step metrics and the files written.
+    A `TrainResult` with the final state, the plan, the per-step metrics and the files written.
+
+  Raises:
+    TypeError: a hook is not a `Hook`.
+    ConfigError: the options or config are invalid for the run, or a resumed run's options
+      differ from the checkpoint's.
   """
   opts = opts or TrainOptions()
   user_hooks = list(hooks)

@@ -22,17 +22,34 @@ __all__ = ["is_main_process", "log", "require", "EventWriter", "read_run_events"
 
 
 def is_main_process() -> bool:
+  """Whether this is process 0, the one that writes files and logs."""
   return jax.process_index() == 0
 
 
 def log(*args: Any, **kwargs: Any) -> None:
-  """``print`` on process 0 only (multi-host logs stay readable)."""
+  """``print`` on process 0 only (multi-host logs stay readable).
+
+  Args:
+    *args: as ``print``'s.
+    **kwargs: as ``print``'s.
+  """
   if is_main_process():
     print(*args, **kwargs, flush=True)
 
 
 def require(module: str, what: str) -> Any:
-  """``import module``, or an error that names the extra that installs it."""
+  """``import module``, or an error that names the extra that installs it.
+
+  Args:
+    module: the module's name.
+    what: what needs it, for the message.
+
+  Returns:
+    The imported module.
+
+  Raises:
+    ImportError: the module is not installed.
+  """
   try:
     return importlib.import_module(module)
   except ImportError as e:
@@ -41,7 +58,16 @@ def require(module: str, what: str) -> Any:
 
 
 class EventWriter:
-  """Scalar summaries in a TensorBoard event file, written by ``tensorboardX``."""
+  """Scalar summaries in a TensorBoard event file, written by ``tensorboardX``.
+
+  Args:
+    logdir: the TensorBoard run directory (created if needed).
+    purge_step: a resumed run's first step: TensorBoard drops the earlier files' events from
+      there on.
+
+  Raises:
+    ImportError: ``tensorboardX`` is not installed.
+  """
 
   def __init__(self, logdir: str | os.PathLike, purge_step: int | None = None):
     tbx = require("tensorboardX", "writing TensorBoard event files")
@@ -76,7 +102,14 @@ def _event_files(logdir: str | os.PathLike) -> list[str]:
 def read_run_events(logdir: str | os.PathLike) -> list[tuple[int, str, float]]:
   """``(step, tag, value)`` of a TensorBoard run directory, as TensorBoard shows it: its event
   files in order, where a ``SessionLog START`` at step ``s`` (a resumed run) drops the earlier
-  files' events from step ``s`` on."""
+  files' events from step ``s`` on.
+
+  Args:
+    logdir: the TensorBoard run directory.
+
+  Returns:
+    ``(step, tag, value)`` per scalar.
+  """
   out: list[tuple[int, str, float]] = []
   files = sorted(_event_files(logdir), key=lambda f: (int(f.split(".")[3]), f))
   for f in files:
@@ -89,8 +122,14 @@ def read_run_events(logdir: str | os.PathLike) -> list[tuple[int, str, float]]:
 
 
 def read_events(path: str | os.PathLike) -> list[tuple[int, str, float]]:
-  """``(step, tag, value)`` of every scalar in one event file (both CRCs of every record are
-  checked)."""
+  """Every scalar in one TensorBoard event file (both CRCs of every record are checked).
+
+  Args:
+    path: the event file.
+
+  Returns:
+    ``(step, tag, value)`` per scalar, in file order.
+  """
   return _scalars(_events(path))
 
 
@@ -179,14 +218,31 @@ class MetricsWriter:
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict]:
+  """The records of a JSON-lines file (``metrics.jsonl``).
+
+  Args:
+    path: the file.
+
+  Returns:
+    One dict per non-empty line.
+  """
   with open(path) as f:
     return [json.loads(line) for line in f if line.strip()]
 
 
 def plot_loss(records: Iterable[Mapping[str, Any]], png_path: str | os.PathLike,
               title: str = "zerojax training loss") -> str:
-  """Draws the loss curve of ``records`` (``step``/``loss``) to a PNG, with the evaluation
-  loss (``eval_loss``) as a second curve where records carry one; returns its path."""
+  """Draws the loss curve of ``records`` to a PNG.
+
+  Args:
+    records: metric records with ``step`` and ``loss`` (and ``eval_loss`` where evaluated,
+      drawn as a second curve).
+    png_path: the image to write.
+    title: the plot's title.
+
+  Returns:
+    ``png_path`` as a string.
+  """
   matplotlib = require("matplotlib", "the loss plot")
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # optional: the train extra (`require` named it)
@@ -217,7 +273,12 @@ def throughput(records: Iterable[Mapping[str, Any]], tokens_per_step: float) -> 
   the device to the last's (`StepClock`'s ``elapsed_sec``). The first step is left out: it
   carries compilation and warm-up. ``None`` with fewer than two timed steps.
 
-  ``records`` are one process's run, in step order (a resumed run's ``elapsed_sec`` restarts).
+  Args:
+    records: one process's run, in step order (a resumed run's ``elapsed_sec`` restarts).
+    tokens_per_step: tokens in one step's global batch.
+
+  Returns:
+    Tokens per second, or ``None`` with fewer than two timed steps.
   """
   recs = [r for r in records if r.get("elapsed_sec") is not None]
   if len(recs) < 2:

@@ -27,13 +27,28 @@ __all__ = ["flat_params", "save_weights", "infer_model", "load_weights"]
 
 
 def flat_params(params: Any) -> dict[str, Any]:
-  """``{'blocks/qkv/kernel': leaf, ...}``: the tree flattened with ``/``-joined keys."""
+  """A parameter tree flattened with ``/``-joined keys.
+
+  Args:
+    params: the parameter tree.
+
+  Returns:
+    ``{'blocks/qkv/kernel': leaf, ...}``.
+  """
   flat, _ = jax.tree_util.tree_flatten_with_path(params)
   return {path_str(kp): x for kp, x in flat}
 
 
 def save_weights(path: str | os.PathLike, params: Any) -> str:
-  """Writes parameters to a ``.npz`` keyed by ``/``-joined paths (process 0 only)."""
+  """Writes parameters to a ``.npz`` keyed by ``/``-joined paths (process 0 only).
+
+  Args:
+    path: the ``.npz`` file.
+    params: the parameter tree (sharded arrays are gathered).
+
+  Returns:
+    ``path`` as a string.
+  """
   arrays = {k: np.asarray(jax.device_get(
       multihost_utils.process_allgather(v, tiled=True)
       if jax.process_count() > 1 else v)) for k, v in flat_params(params).items()}
@@ -73,6 +88,12 @@ def infer_model(path: str | os.PathLike) -> tuple[str, int]:
   shape (at vocabulary `zerojax.runtime.data.VOCAB_SIZE`) except the position table's length, which
   gives ``seq_len``.
 
+  Args:
+    path: a ``.npz`` of weights or a checkpoint directory.
+
+  Returns:
+    ``(preset, seq_len)``.
+
   Raises:
     ConfigError: naming ``path`` when no preset matches, or when it holds no parameters.
   """
@@ -103,6 +124,18 @@ def load_weights(path: str | os.PathLike, params: Any, shardings: Any) -> Any:
   ``path`` is a ``.npz`` (keys are leaf paths, with or without a leading ``params/``) or a
   checkpoint directory, consolidated through ``zerojax.tools.export.export`` into a temporary file.
   Errors name ``path`` (the checkpoint, not the temporary file).
+
+  Args:
+    path: a ``.npz`` or a checkpoint directory.
+    params: the parameter tree (or its shapes) whose structure the weights fill.
+    shardings: the shardings to place each leaf with.
+
+  Returns:
+    The loaded parameter tree.
+
+  Raises:
+    KeyError: the weights lack parameters of the model.
+    ValueError: a weight's shape differs from the model's.
   """
   path = os.fspath(path)
   if os.path.isdir(path):

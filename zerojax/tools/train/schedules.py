@@ -17,7 +17,15 @@ __all__ = ["make_schedule", "stretch_schedule", "run_schedule", "depends_on_step
 
 
 def make_schedule(opts: TrainOptions, total_steps: int) -> Callable:
-  """The learning-rate schedule of ``opts`` (or of its DeepSpeed ``scheduler``)."""
+  """The learning-rate schedule of ``opts`` (or of its DeepSpeed ``scheduler``).
+
+  Args:
+    opts: the run's options (``lr``, ``warmup``, ``decay``, ``scheduler``).
+    total_steps: the steps the schedule spans.
+
+  Returns:
+    An optax schedule, ``step -> learning rate``.
+  """
   s = opts.scheduler
   if s:
     name = s["name"]
@@ -123,6 +131,9 @@ def make_optimizer(opts: TrainOptions, lengths: Sequence[tuple[int, int]] = ()):
   Args:
     opts: the run's options.
     lengths: the run's lengths when it was resumed with another ``steps`` (`run_schedule`).
+
+  Returns:
+    ``(tx, schedule)``: the optax optimizer and its learning-rate schedule.
   """
   sched = run_schedule(opts, lengths)
   o = opts.optimizer
