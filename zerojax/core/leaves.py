@@ -35,7 +35,18 @@ PyTree = Any
 
 @dataclasses.dataclass(frozen=True)
 class LeafPlan:
-  """The plan of one parameter leaf."""
+  """The plan of one parameter leaf.
+
+  Attributes:
+    path: the leaf's ``/``-joined path.
+    shape: its shape.
+    dtype: its dtype.
+    sharded: the at-rest layout (a ``PartitionSpec``) when this kind of state is sharded.
+    gathered: the compute layout: ``fsdp`` removed, tensor axes kept.
+    reason: why the leaf is (not) sharded: ``'sharded'``, ``'threshold'``,
+      ``'indivisible'``, ``'rule'``, ...
+    trainable: ``False`` for a frozen leaf (no gradient, no optimizer state, still sharded).
+  """
 
   path: str
   shape: tuple[int, ...]
