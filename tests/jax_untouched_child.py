@@ -37,7 +37,7 @@ def run_zerojax_steps(model, x) -> dict:
   import optax
   import zerojax
   from zerojax import _compat
-  out = {}
+  out, live = {}, {}
   for stage in (0, 3):
     config = zerojax.ZeroConfig(stage=stage, param_persistence_threshold=0)
     state, plan = zerojax.create_train_state(model, optax.adam(1e-2), jax.random.key(0), x,
@@ -45,6 +45,10 @@ def run_zerojax_steps(model, x) -> dict:
 
     @zerojax.zero_step(plan)
     def step(state, batch):
+      # While the step traces, zerojax's interceptors are in place.
+      live.update(scan=jax.lax.scan is not _compat.ORIGINAL_SCAN,
+                  apply=nn.Module.apply is not _compat.ORIGINAL_LINEN_APPLY,
+                  remat_rule=not _compat.remat_rule_is_jaxs())
       # The model's own apply, called by the step (zerojax intercepts it inside the step).
       loss, grads = jax.value_and_grad(lambda p: model.apply({"params": p}, batch))(state.params)
       return state.apply_gradients(grads=grads), {"loss": loss}
@@ -52,8 +56,11 @@ def run_zerojax_steps(model, x) -> dict:
     for _ in range(2):
       state, metrics = step(state, x)
     out[f"zerojax_loss_stage{stage}"] = float(metrics["loss"])
+  # After the steps, nothing of JAX's or Flax's is replaced: the objects are their own.
+  out["live"] = live
   out["hooks"] = {"scan": jax.lax.scan is not _compat.ORIGINAL_SCAN,
-                  "apply": nn.Module.apply is not _compat.ORIGINAL_LINEN_APPLY}
+                  "apply": nn.Module.apply is not _compat.ORIGINAL_LINEN_APPLY,
+                  "remat_rule": not _compat.remat_rule_is_jaxs()}
   return out
 
 

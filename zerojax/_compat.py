@@ -21,9 +21,9 @@ from flax import linen as nn
 
 __all__ = ["JAX_VERSION", "xla_gpu_options", "ORIGINAL_SCAN", "REMAT_PRIMITIVE_NAMES", "name_p", "sharding_constraint_p",
            "jaxpr_has_primitive", "subjaxprs", "eval_jaxpr", "var_uses", "bind_dot_general",
-           "install_scan_hook", "ORIGINAL_LINEN_APPLY", "install_linen_apply_hook",
+           "scan_hook", "ORIGINAL_LINEN_APPLY", "linen_apply_hook", "remat_rule_is_jaxs",
            "backends_initialized", "distributed_state", "detect_cluster",
-           "keeps_nested_policies", "install_nested_remat_rule", "checkpoint_trace"]
+           "keeps_nested_policies", "nested_remat_rule", "checkpoint_trace"]
 
 # The installed JAX release as (major, minor, patch), for the per-release paths below.
 JAX_VERSION: tuple[int, ...] = tuple(int(p) for p in re.findall(r"\d+", jax.__version__)[:3])
@@ -66,35 +66,70 @@ def xla_gpu_options(options: dict[str, Any]) -> dict[str, Any]:
   return out
 
 
-# ``jax.lax.scan`` as JAX defines it, captured before zerojax installs its per-thread dispatcher
-# (`install_scan_hook`); zerojax's own loops call this one directly.
+# ``jax.lax.scan`` and ``flax.linen.Module.apply`` as JAX and Flax define them; zerojax's own
+# loops and the dispatchers below call these directly.
 ORIGINAL_SCAN = jax.lax.scan
-_scan_hook_lock = threading.Lock()
-
-
-def install_scan_hook(dispatch: Callable[..., Any]) -> None:
-  """Replaces ``jax.lax.scan``, once per process, with ``dispatch`` (same signature), which must
-  call `ORIGINAL_SCAN` itself. JAX has no hook for rewriting scan bodies; code that bound
-  ``scan`` before zerojax was imported (``from jax.lax import scan``) is not reached."""
-  with _scan_hook_lock:
-    if jax.lax.scan is not dispatch:
-      functools.update_wrapper(dispatch, ORIGINAL_SCAN)
-      jax.lax.scan = dispatch
-
-
-# ``flax.linen.Module.apply`` as Flax defines it (see `install_linen_apply_hook`).
 ORIGINAL_LINEN_APPLY = nn.Module.apply
 
+_held_lock = threading.Lock()
+_held_counts: dict[str, int] = {}
+_held_saved: dict[str, Any] = {}
 
-def install_linen_apply_hook(dispatch: Callable[..., Any]) -> None:
-  """Replaces ``flax.linen.Module.apply``, once per process, with ``dispatch`` (same signature,
-  calling `ORIGINAL_LINEN_APPLY` itself). Flax has no hook for the variables a model is
-  applied to; a method bound before the hook (``state.apply_fn = model.apply``) keeps
-  Flax's own."""
-  with _scan_hook_lock:
-    if nn.Module.apply is not dispatch:
-      functools.update_wrapper(dispatch, ORIGINAL_LINEN_APPLY)
-      nn.Module.apply = dispatch
+
+@contextlib.contextmanager
+def _held(key: str, install: Callable[[], Any], restore: Callable[[Any], None]) -> Iterator[None]:
+  """Installs a replacement while at least one zerojax step trace (in any thread) is inside the
+  block, and puts back what was there when the last one leaves."""
+  with _held_lock:
+    if _held_counts.get(key, 0) == 0:
+      _held_saved[key] = install()
+    _held_counts[key] = _held_counts.get(key, 0) + 1
+  try:
+    yield
+  finally:
+    with _held_lock:
+      _held_counts[key] -= 1
+      if _held_counts[key] == 0:
+        restore(_held_saved.pop(key))
+
+
+def scan_hook(dispatch: Callable[..., Any]) -> contextlib.AbstractContextManager[None]:
+  """While a step traces inside the block, ``jax.lax.scan`` is ``dispatch`` (same signature;
+  it calls `ORIGINAL_SCAN` itself). JAX has no hook for rewriting scan bodies. Outside every
+  such block ``jax.lax.scan`` is JAX's own object again.
+
+  Args:
+    dispatch: the replacement; outside zerojax's per-thread settings it must behave as
+      `ORIGINAL_SCAN`, since another thread may call it while the block is open.
+
+  Returns:
+    A context manager.
+  """
+  def install():
+    saved = jax.lax.scan
+    jax.lax.scan = functools.update_wrapper(dispatch, ORIGINAL_SCAN)
+    return saved
+  return _held("scan", install, lambda saved: setattr(jax.lax, "scan", saved))
+
+
+def linen_apply_hook(dispatch: Callable[..., Any]) -> contextlib.AbstractContextManager[None]:
+  """While a step traces inside the block, ``flax.linen.Module.apply`` is ``dispatch`` (same
+  signature, calling `ORIGINAL_LINEN_APPLY` itself). Flax has no hook for the variables a
+  model is applied to; a method bound before the block (``state.apply_fn = model.apply``)
+  keeps Flax's own. Outside every such block ``Module.apply`` is Flax's own object again.
+
+  Args:
+    dispatch: the replacement; outside zerojax's per-thread settings it must behave as
+      `ORIGINAL_LINEN_APPLY`.
+
+  Returns:
+    A context manager.
+  """
+  def install():
+    saved = nn.Module.apply
+    nn.Module.apply = functools.update_wrapper(dispatch, ORIGINAL_LINEN_APPLY)
+    return saved
+  return _held("linen_apply", install, lambda saved: setattr(nn.Module, "apply", saved))
 
 
 def var_uses(jaxpr: Any) -> dict[Any, list[tuple[Any, int]]]:
@@ -166,6 +201,9 @@ INTERNALS: dict[str, str | None] = {}
 _FOUND: dict[str, Any] = {}
 for _name, _paths in INTERNAL_PATHS.items():
   _FOUND[_name], INTERNALS[_name] = _lookup(_paths)
+# JAX's own partial-evaluation rule for checkpoints, as this JAX installed it.
+_JAX_REMAT_RULE = (None if _FOUND["partial_eval_rules"] is None or _FOUND["remat_p"] is None
+                   else _FOUND["partial_eval_rules"].get(_FOUND["remat_p"]))
 
 # The primitives the stage-3 remat policy looks at (the policy API hands it primitives): without
 # them gathered weights would silently be kept, so a release that moves them fails here.
@@ -261,7 +299,7 @@ def keeps_nested_policies(policy: Callable[..., Any]) -> Callable[..., Any]:
   ``nn.remat`` blocks and save every activation inside them. With the mark, a nested
   checkpoint is split as it would be at top level: its residuals follow its policy, and its
   outputs are computed once, forward (JAX's rule recomputes them in the backward part).
-  Requires `install_nested_remat_rule`; the rule leaves unmarked policies to JAX."""
+  Takes effect inside `nested_remat_rule`; the rule leaves unmarked policies to JAX."""
   policy._zerojax_keeps_nested = True  # type: ignore[attr-defined]
   return policy
 
@@ -317,24 +355,36 @@ def checkpoint_trace() -> Any | None:
   return get_opaque_trace_state()
 
 
-_nested_rule_lock = threading.Lock()
+def nested_remat_rule() -> contextlib.AbstractContextManager[None]:
+  """While a step traces inside the block, JAX's partial-evaluation rule for checkpoints is the
+  one `keeps_nested_policies` needs (it defers to JAX's own for every unmarked policy); outside
+  every such block the rule table holds JAX's own rule again. Where this JAX keeps checkpoints
+  elsewhere the block changes nothing (nested checkpoints then follow the outermost policy,
+  JAX's own behaviour).
 
-
-def install_nested_remat_rule() -> bool:
-  """Installs, once per process, the partial-evaluation rule `keeps_nested_policies` needs;
-  ``False`` where this JAX keeps checkpoints elsewhere (nested checkpoints then follow the
-  outermost policy, JAX's own behaviour)."""
+  Returns:
+    A context manager.
+  """
   rules, remat_p = _FOUND["partial_eval_rules"], _FOUND["remat_p"]
   needed = ("partial_eval_jaxpr_custom", "dce_jaxpr", "new_jaxpr_eqn", "eqn_effects",
             "core_var", "nothing_saveable")
   if rules is None or remat_p is None or any(_FOUND[n] is None for n in needed):
-    return False  # pragma: no cover - depends on the installed JAX
-  with _nested_rule_lock:
-    if not getattr(rules.get(remat_p), "_zerojax", False):
-      rule = _nested_remat_rule(rules[remat_p])
-      rule._zerojax = True  # type: ignore[attr-defined]
-      rules[remat_p] = rule
-  return True
+    return contextlib.nullcontext()  # pragma: no cover - depends on the installed JAX
+
+  def install():
+    saved = rules[remat_p]
+    rules[remat_p] = _nested_remat_rule(saved)
+    return saved
+
+  def restore(saved):
+    rules[remat_p] = saved
+  return _held("remat_rule", install, restore)
+
+
+def remat_rule_is_jaxs() -> bool:
+  """Whether JAX's rule table holds JAX's own partial-evaluation rule for checkpoints."""
+  rules, remat_p = _FOUND["partial_eval_rules"], _FOUND["remat_p"]
+  return rules is None or remat_p is None or rules.get(remat_p) is _JAX_REMAT_RULE
 
 
 def _self_check() -> None:

@@ -59,7 +59,8 @@ def _option_sets():
   return {k: _compat.xla_gpu_options(v) for k, v in sets.items()}
 
 
-@pytest.mark.parametrize("name", ["default", "layers_ahead", "pipelined", "rows_ahead"])
+@pytest.mark.parametrize("name", ["default", "layers_ahead", "in_checkpoints", "pipelined",
+                                  "rows_ahead"])
 def test_this_release_takes_every_default_gpu_option(name):
   # XLA validates option names and values against its DebugOptions whatever the backend: a
   # refused option fails this CPU compile as it would fail a GPU one.
@@ -81,8 +82,10 @@ def _child(*args):
 def test_jax_outside_a_zerojax_step_computes_as_jax_does():
   plain = _child()
   after = _child("zerojax")
-  # The zerojax steps did trace through its scan and linen interceptors (so they were live).
-  assert after.pop("hooks") == {"scan": True, "apply": True}
+  # The zerojax steps traced with its scan, linen and checkpoint interceptors in place, and
+  # after them JAX's and Flax's objects are their own again.
+  assert after.pop("live") == {"scan": True, "apply": True, "remat_rule": True}
+  assert after.pop("hooks") == {"scan": False, "apply": False, "remat_rule": False}
   losses = {k: after.pop(k) for k in list(after) if k.startswith("zerojax_loss")}
   assert all(map(jnp.isfinite, losses.values()))
   assert after.keys() == plain.keys()

@@ -10,6 +10,7 @@ import optax
 import pytest
 
 import zerojax
+from zerojax import _compat
 from zerojax.core import backend, gather
 
 
@@ -433,15 +434,19 @@ def test_a_models_own_checkpoints_keep_their_policy_inside_the_whole_model_one(c
                   for m in re.findall(r"^\w+\[([\d,]*)\]", capsys.readouterr().out, re.M))
 
   top = lambda x, w: model(x, w, True)
-  # x, w, the two later blocks' inputs and the loss's 2x: what the model alone saves.
-  assert shapes(outer(True)) == shapes(top) == [(8, 16)] * 4 + [(16, 64)]
-  assert (8, 64) in shapes(outer(False))  # without nested checkpoints: save all but w
-  flops = lambda f: jax.jit(jax.grad(f, argnums=(0, 1))).lower(x, w).compile().cost_analysis()[
-      "flops"]
-  assert flops(outer(True)) <= flops(top) * 1.01  # each block re-run once, as the model asks
-  for a, b in zip(jax.grad(outer(True), argnums=(0, 1))(x, w),
-                  jax.grad(top, argnums=(0, 1))(x, w)):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6)
+  # Outside a zerojax step JAX's own rule applies: the outermost policy, inside the blocks too.
+  assert (8, 64) in shapes(outer(True))
+  with _compat.nested_remat_rule():  # as while a step traces
+    # x, w, the two later blocks' inputs and the loss's 2x: what the model alone saves.
+    assert shapes(outer(True)) == shapes(top) == [(8, 16)] * 4 + [(16, 64)]
+    assert (8, 64) in shapes(outer(False))  # without nested checkpoints: save all but w
+    flops = lambda f: jax.jit(jax.grad(f, argnums=(0, 1))).lower(
+        x, w).compile().cost_analysis()["flops"]
+    assert flops(outer(True)) <= flops(top) * 1.01  # each block re-run once, as asked
+    for a, b in zip(jax.grad(outer(True), argnums=(0, 1))(x, w),
+                    jax.grad(top, argnums=(0, 1))(x, w)):
+      np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6)
+  assert _compat.remat_rule_is_jaxs()
 
 
 def _nnx_loop_losses(stage, steps=3, own_remat=True, **config_kw):

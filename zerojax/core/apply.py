@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from zerojax._compat import ORIGINAL_LINEN_APPLY, install_linen_apply_hook
+from zerojax._compat import ORIGINAL_LINEN_APPLY, linen_apply_hook
 from zerojax.core import context
 from zerojax.core.blocks import checkpointed_blocks, recording, repeated_blocks
 from zerojax.core.config import ConfigError
@@ -197,13 +197,13 @@ def linen_applies(plan: ShardingPlan) -> Iterator[_Applies]:
   (a linen model the step calls itself rather than through ``state.apply_fn``) runs as
   `ModelApply` does, so it reaches its parameters as the plan's formulation says (per use on
   TPU and GPU) and in the compute dtype. Other calls run as Flax's own."""
-  install_linen_apply_hook(_dispatch_apply)
   applies = _Applies(plan)
-  token = _APPLIES.set(applies)
-  try:
-    yield applies
-  finally:
-    _APPLIES.reset(token)
+  with linen_apply_hook(_dispatch_apply):
+    token = _APPLIES.set(applies)
+    try:
+      yield applies
+    finally:
+      _APPLIES.reset(token)
 
 
 def _dispatch_apply(module, variables, *args, **kwargs):

@@ -3,7 +3,7 @@
 Remat must act inside each scanned layer: remat around a scan recomputes all of its residuals
 in one extra pass and stacks them, which would bring back every layer's gathered weights at
 once. So every ``jax.lax.scan`` traced inside a zerojax step goes through a dispatcher
-(installed by `zerojax._compat.install_scan_hook`) that wraps its body as `ScanRemat` says;
+(`zerojax._compat.scan_hook`, held only while a step traces) that wraps its body as `ScanRemat` says;
 other threads, and code outside a step, get JAX's own scan.
 """
 
@@ -17,8 +17,8 @@ from typing import Any, Callable, Iterator
 import jax
 import jax.numpy as jnp
 
-from zerojax._compat import (ORIGINAL_SCAN, REMAT_PRIMITIVE_NAMES, install_nested_remat_rule,
-                             install_scan_hook, jaxpr_has_primitive, keeps_nested_policies,
+from zerojax._compat import (ORIGINAL_SCAN, REMAT_PRIMITIVE_NAMES, nested_remat_rule,
+                             scan_hook, jaxpr_has_primitive, keeps_nested_policies,
                              name_p, sharding_constraint_p)
 from zerojax.core.gather import BACKWARD, GATHERED, setting
 from zerojax.core.pipeline import Declined, Pipeline, pipelined_scan
@@ -82,9 +82,6 @@ def save_all_but_gathered(prim, *_, **params) -> bool:
   if prim.name == "device_put":
     return False  # an offloaded layer's shard, brought to the device: fetch it again
   return prim is not sharding_constraint_p
-
-
-install_nested_remat_rule()
 
 
 def _only_resharding(jaxpr: Any) -> bool:
@@ -253,7 +250,7 @@ def scanned_layers(rs: ScanRemat | None) -> Iterator[list]:
   """Applies ``rs`` to every scan traced in this thread (and context) inside the block. Yields
   the list of what became of each scan given a pipeline: a `zerojax.core.pipeline.OneAhead`
   where its layers ran one ahead, else the reason they could not."""
-  install_scan_hook(_dispatch_scan)
   outcomes: list = []
-  with setting(_SCAN, rs), setting(_OUTCOMES, outcomes):
+  with (scan_hook(_dispatch_scan), nested_remat_rule(), setting(_SCAN, rs),
+        setting(_OUTCOMES, outcomes)):
     yield outcomes
