@@ -114,3 +114,26 @@ def test_no_platform_comparison_outside_the_backend_policy():
            for f in sorted(pkg.rglob("*.py")) if f.name != "backend.py"
            for i, line in enumerate(f.read_text().splitlines(), 1) if pattern.search(line)]
   assert found == []
+
+
+def test_create_train_state_and_create_nnx_take_a_backend():
+  import flax.linen as nn
+  from flax import nnx
+
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nn.Dense(512)(x)
+
+  config = zerojax.ZeroConfig(stage=3)
+  tpu_like = dataclasses.replace(backend.CPU, name="cpu-keeping-small-leaves",
+                                 keeps_small_leaves_at_stage3=True)
+  _, plan = zerojax.create_train_state(Net(), optax.sgd(0.1), jax.random.key(0),
+                                       jnp.ones((8, 64)), config=config, backend=tpu_like)
+  assert plan.backend is tpu_like
+  assert {lp.path.rsplit("/", 1)[-1]: lp.reason for lp in plan.leaves} == {
+      "bias": "threshold", "kernel": "sharded"}
+  _, _, nplan = zerojax.create_nnx(lambda: nnx.Linear(64, 512, rngs=nnx.Rngs(0)),
+                                   optax.sgd(0.1), config=config, backend=tpu_like)
+  assert nplan.backend is tpu_like and sorted(lp.reason for lp in nplan.leaves) == [
+      "sharded", "threshold"]

@@ -15,6 +15,7 @@ from flax.training import train_state as ts
 from flax import nnx
 
 from zerojax.core import budget
+from zerojax.core.backend import Backend
 from zerojax.core.config import ZeroConfig
 from zerojax.core.dtypes import cast, cast_shapes
 from zerojax.core.mesh import make_mesh
@@ -30,7 +31,8 @@ PyTree = Any
 
 def create_train_state(model: Any, tx: Any, rng: jax.Array, *init_args: Any,
                        config: ZeroConfig, mesh: jax.sharding.Mesh | None = None,
-                       state_cls: type | None = None, params: Any = None, **init_kwargs: Any
+                       state_cls: type | None = None, params: Any = None,
+                       backend: Backend | None = None, **init_kwargs: Any
                        ) -> tuple[ts.TrainState, ShardingPlan]:
   """Initialises a linen model's train state directly in its sharded layout.
 
@@ -51,6 +53,8 @@ def create_train_state(model: Any, tx: Any, rng: jax.Array, *init_args: Any,
     mesh: the device mesh; default ``make_mesh(config)``.
     state_cls: the train-state class; default `ZeroTrainState`.
     params: existing parameters instead of the model's init: see `existing_params`.
+    backend: the compiler-dependent decisions (`zerojax.core.backend.Backend`); default the
+      mesh's devices'.
     **init_kwargs: keyword arguments for ``model.init``.
 
   Returns:
@@ -64,7 +68,8 @@ def create_train_state(model: Any, tx: Any, rng: jax.Array, *init_args: Any,
     DeviceMemoryError: the sharded state does not fit in the devices' memory.
   """
   make_state, plan, abstract = state_initializer(model, tx, rng, *init_args, config=config,
-                                                 mesh=mesh, state_cls=state_cls, **init_kwargs)
+                                                 mesh=mesh, state_cls=state_cls,
+                                                 backend=backend, **init_kwargs)
   # A state too big for the devices fails here, named, not as RESOURCE_EXHAUSTED in the init.
   budget.check_state_fits(plan, params=getattr(abstract, "params", None), tx=tx)
   if params is not None:
@@ -75,7 +80,8 @@ def create_train_state(model: Any, tx: Any, rng: jax.Array, *init_args: Any,
 
 def state_initializer(model: Any, tx: Any, rng: jax.Array, *init_args: Any,
                       config: ZeroConfig, mesh: jax.sharding.Mesh | None = None,
-                      state_cls: type | None = None, **init_kwargs: Any):
+                      state_cls: type | None = None, backend: Backend | None = None,
+                      **init_kwargs: Any):
   """The pieces `create_train_state` and a checkpoint restore target share; allocates nothing.
 
   Args:
@@ -86,6 +92,7 @@ def state_initializer(model: Any, tx: Any, rng: jax.Array, *init_args: Any,
     config: the zerojax configuration.
     mesh: the device mesh; default ``make_mesh(config)``.
     state_cls: the train-state class; default `ZeroTrainState`.
+    backend: the compiler-dependent decisions; default the mesh's devices'.
     **init_kwargs: keyword arguments for ``model.init``.
 
   Returns:
@@ -128,7 +135,7 @@ def state_initializer(model: Any, tx: Any, rng: jax.Array, *init_args: Any,
         "train step differentiates every leaf of 'params' and jax.grad takes only float (or "
         "complex) leaves. Keep integer or boolean state in another collection (e.g. "
         "self.variable('state', ...)) or a constant, or make the leaf float")
-  plan = ShardingPlan.create(config, mesh, cast_shapes(boxed, pdtype), tx)
+  plan = ShardingPlan.create(config, mesh, cast_shapes(boxed, pdtype), tx, backend=backend)
   plan.accumulation_steps  # inconsistent batch sizes fail here
 
   def make_state(rng, *args):
@@ -164,7 +171,7 @@ def abstract_nnx(model_fn: Callable[[], Any], tx: Any, *, config: ZeroConfig,
   return model, optimizer, plan
 
 
-def _nnx_layout(model_fn, tx, config, mesh, wrt):
+def _nnx_layout(model_fn, tx, config, mesh, wrt, backend=None):
   """``(graphdef, abstract state, shardings, plan)`` of an NNX model and its optimizer."""
   wrt = nnx.Param if wrt is None else wrt
 
@@ -176,13 +183,14 @@ def _nnx_layout(model_fn, tx, config, mesh, wrt):
     abs_model, abs_opt = nnx.eval_shape(build)
   planned, trainable = _nnx_planned(abs_model, wrt)
   plan = ShardingPlan.create(config, mesh, planned, opt_state=_nnx_values(abs_opt.opt_state),
-                             trainable=trainable)
+                             trainable=trainable, backend=backend)
   graphdef, abs_state = nnx.split((abs_model, abs_opt))
   return graphdef, abs_state, plan.nnx_state(abs_state), plan
 
 
 def create_nnx(model_fn: Callable[[], Any], tx: Any, *, config: ZeroConfig,
-               mesh: jax.sharding.Mesh | None = None, wrt: Any = None, params: Any = None):
+               mesh: jax.sharding.Mesh | None = None, wrt: Any = None, params: Any = None,
+               backend: Backend | None = None):
   """Builds an NNX ``(model, optimizer)`` directly in its sharded layout.
 
   Args:
@@ -196,6 +204,8 @@ def create_nnx(model_fn: Callable[[], Any], tx: Any, *, config: ZeroConfig,
       are planned and sharded like the rest, but get no optimizer state (and no gradient when
       the step differentiates with the same filter); ``plan.table()`` marks them.
     params: existing parameters instead of the model's init: see `existing_params`.
+    backend: the compiler-dependent decisions (`zerojax.core.backend.Backend`); default the
+      mesh's devices'.
 
   Returns:
     ``(model, optimizer, plan)``; with ``config.loss_scale`` set, the optimizer carries the
@@ -212,7 +222,7 @@ def create_nnx(model_fn: Callable[[], Any], tx: Any, *, config: ZeroConfig,
     model = model_fn()
     return model, nnx.Optimizer(model, tx, wrt=wrt)
 
-  graphdef, _, shardings, plan = _nnx_layout(model_fn, tx, config, mesh, wrt)
+  graphdef, _, shardings, plan = _nnx_layout(model_fn, tx, config, mesh, wrt, backend)
   if params is not None:
     with jax.set_mesh(mesh):
       model, optimizer = nnx.merge(graphdef, _nnx_from_params(
