@@ -176,9 +176,11 @@ def test_public_modules_export_what_they_name():
 _INTERNAL = re.compile(r"\bzerojax\.(core|runtime|tools)\b")
 
 
+# docs/design.md is the design notes: it names the layers' modules on purpose.
 @pytest.mark.parametrize("path", ["README.md", *sorted(
     str(p.relative_to(ROOT)) for p in [*(ROOT / "docs").glob("*.md"),
-                                       *(ROOT / "examples").glob("*.py")])])
+                                       *(ROOT / "examples").glob("*.py")]
+    if p.name != "design.md")])
 def test_documentation_names_only_public_modules(path):
   """README, docs and examples import `zerojax` and its public modules, never a layer."""
   lines = [f"{i}: {line.strip()}" for i, line in
