@@ -1011,30 +1011,47 @@ def test_gpu_nnx_step_records_its_formulation_and_warns_when_not_boxed():
 
 
 def test_gpu_compiler_options_yield_to_xla_flags(monkeypatch):
-  # zerojax's per-compile GPU options are defaults: a flag in XLA_FLAGS (the user's, or the
-  # DeepSpeed mapping's reduce_bucket_size / overlap_comm) is left to XLA_FLAGS.
+  # zerojax's per-compile GPU options are defaults, and a per-compile option overrides
+  # XLA_FLAGS: so each flag set there (the user's, or the DeepSpeed mapping's bucket sizes and
+  # overlap_comm) is left out, and only that one, in every set of options a step compiles with.
   from zerojax.core.backend import GPU
+  from zerojax.core.pipeline import OneAhead
+  from zerojax.tools.deepspeed import map_deepspeed
   config = zerojax.ZeroConfig(stage=3)
-  monkeypatch.delenv("XLA_FLAGS", raising=False)
-  assert GPU.options(config) == _compat.xla_gpu_options(dict(GPU.compiler_options))
-  assert GPU.options(config)["xla_gpu_reduce_scatter_combine_threshold_bytes"] == 1
-  monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_reduce_scatter_combine_threshold_bytes=4194304 "
-                     "--xla_gpu_enable_latency_hiding_scheduler=false")
-  opts = GPU.options(config)
-  assert "xla_gpu_reduce_scatter_combine_threshold_bytes" not in opts
-  assert "xla_gpu_enable_latency_hiding_scheduler" not in opts
-  assert (opts["xla_gpu_enable_pipelined_all_gather"] is True if OLD_XLA else
-          opts["xla_gpu_pipeline_all_gather"] == "COLLECTIVE_PIPELINING_MODE_ON")
-  monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_experimental_parallel_collective_overlap_limit=1")
-  opts = GPU.options(config, layers_ahead=True)
-  assert opts.get("xla_gpu_enable_analytical_latency_estimator") is (True if OLD_XLA else None)
-  assert "xla_gpu_experimental_parallel_collective_overlap_limit" not in opts
+  mapped = map_deepspeed({"zero_optimization": {
+      "stage": 3, "reduce_bucket_size": 5e8, "allgather_bucket_size": 5e8, "overlap_comm": True}})
+  env = {}
+  mapped.apply_xla_flags(env)
+  deepspeed_flags = set(re.findall(r"--(xla_\w+)", env["XLA_FLAGS"]))
+  ways = [{}, {"layers_ahead": True}, {"layers_ahead": True, "in_checkpoints": True},
+          {"rows_ahead": True}, {"pipelined": OneAhead(gathered=1 << 22, reduced=1 << 19)}]
+  for kw in ways:
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    defaults = GPU.options(config, **kw)
+    assert defaults and deepspeed_flags & set(defaults), kw
+    for name in defaults:
+      monkeypatch.setenv("XLA_FLAGS", f"--{name}=0")
+      assert GPU.options(config, **kw) == {k: v for k, v in defaults.items() if k != name}, name
+    monkeypatch.setenv("XLA_FLAGS", env["XLA_FLAGS"])
+    assert GPU.options(config, **kw) == {
+        k: v for k, v in defaults.items() if k not in deepspeed_flags}, kw
 
 
 def test_tpu_compiler_options_yield_to_libtpu_init_args(monkeypatch):
+  # On TPU a user sets the compiler's flags in LIBTPU_INIT_ARGS: each one set there is left
+  # out, all of them leave no options, and XLA_FLAGS changes nothing.
   from zerojax.core.backend import TPU
   config = zerojax.ZeroConfig(stage=3)
   monkeypatch.delenv("LIBTPU_INIT_ARGS", raising=False)
-  assert TPU.options(config) == {"xla_tpu_enable_ici_ag_pipelining": True}
-  monkeypatch.setenv("LIBTPU_INIT_ARGS", "--xla_tpu_enable_ici_ag_pipelining=false")
+  monkeypatch.delenv("XLA_FLAGS", raising=False)
+  defaults = TPU.options(config)
+  assert defaults
+  for name in defaults:
+    monkeypatch.setenv("LIBTPU_INIT_ARGS", f"--{name}=false")
+    assert (TPU.options(config) or {}) == {k: v for k, v in defaults.items() if k != name}
+  every = " ".join(f"--{name}=false" for name in defaults)
+  monkeypatch.setenv("LIBTPU_INIT_ARGS", every)
   assert TPU.options(config) is None
+  monkeypatch.delenv("LIBTPU_INIT_ARGS")
+  monkeypatch.setenv("XLA_FLAGS", every)
+  assert TPU.options(config) == defaults
