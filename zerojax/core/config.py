@@ -25,7 +25,12 @@ __all__ = ["ConfigError", "did_you_mean", "unknown_key_error", "ZeroConfig", "in
 
 
 class ConfigError(ValueError):
-  """A `ZeroConfig` field holds a value zerojax does not allow."""
+  """A setting zerojax does not allow.
+
+  Raised by `ZeroConfig` for a field whose value is not allowed (the message names the field,
+  the value and what is allowed), and by config files and mappings that cannot be read as one
+  (unknown keys, inconsistent batch sizes, a file that is not a mapping).
+  """
 
 
 def _fail(field: str, value: Any, allowed: str) -> None:
@@ -33,15 +38,34 @@ def _fail(field: str, value: Any, allowed: str) -> None:
 
 
 def did_you_mean(key: str, allowed: Any) -> str:
-  """`` (did you mean 'stage'?)`` for the closest allowed key, or ``''`` if none is close."""
+  """The suggestion for a mistyped key.
+
+  Args:
+    key: the unknown key.
+    allowed: the keys allowed there.
+
+  Returns:
+    `` (did you mean 'stage'?)`` for the closest allowed key, or ``''`` if none is close.
+  """
   close = difflib.get_close_matches(str(key), [str(a) for a in allowed], n=1, cutoff=0.6)
   return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def unknown_key_error(what: str, unknown: Any, allowed: Any, where: str = "",
                       allowed_text: str = "allowed keys are") -> ConfigError:
-  """The error for keys outside ``allowed``: names the first (``where`` it is), suggests the
-  closest allowed key and lists them all."""
+  """The error for keys outside ``allowed``.
+
+  Args:
+    what: the message's start, e.g. ``'ZeroConfig has no field'``.
+    unknown: the unknown keys (at least one).
+    allowed: the keys allowed there.
+    where: where the first unknown key is, appended to it.
+    allowed_text: the words before the list of allowed keys.
+
+  Returns:
+    A `ConfigError` (not raised) that names the first unknown key, suggests the closest allowed
+    key, names the other unknown keys and lists the allowed ones.
+  """
   unknown = sorted(unknown, key=str)
   more = f" (unknown keys: {unknown})" if len(unknown) > 1 else ""
   return ConfigError(f"{what} {unknown[0]!r}{where}{did_you_mean(unknown[0], allowed)}{more}; "
@@ -50,95 +74,50 @@ def unknown_key_error(what: str, unknown: Any, allowed: Any, where: str = "",
 
 @dataclasses.dataclass(frozen=True)
 class ZeroConfig:
-  """Settings of a zerojax run.
+  """Settings of a zerojax run, validated when constructed.
+
+  Each field's behaviour in full, and why the defaults are what they are: docs/design.md,
+  "Settings (`ZeroConfig`)".
 
   Attributes:
-    stage: ZeRO stage. 0 = plain data parallel, 1 = shard optimizer state, 2 = also gradients,
-      3 = also parameters (gathered per layer just in time).
+    stage: ZeRO stage: 0 data parallel, 1 shards the optimizer state, 2 also gradients, 3 also
+      parameters (gathered per layer just in time). Default 3.
     mesh_shape: device-mesh shape; one entry may be -1 to take the remaining devices.
-    mesh_axes: names of the mesh axes, a subset of ``('replica', 'fsdp', 'tensor')``. Stages
-      shard over ``fsdp``; ``replica`` is plain data parallelism across groups (HSDP);
-      ``tensor`` is placed by the model's Flax partitioning metadata.
+    mesh_axes: subset of ``('replica', 'fsdp', 'tensor')``: stages shard over ``fsdp``,
+      ``replica`` is data parallel across groups (HSDP), ``tensor`` follows Flax metadata.
     param_persistence_threshold: leaves with fewer elements stay replicated (DeepSpeed's
-      ``stage3_param_persistence_threshold``). ``None`` (default): 4096 where zerojax gathers
-      each parameter itself (``gather='explicit'``, ``reduce_dtype``, ``offload_params``), since
-      a separate collective per bias costs more than it saves, and at stage 3 on TPU;
-      otherwise 0, every divisible leaf sharded: under XLA's partitioner replicated biases
-      only change its strategy and add temp, and so they do per use on XLA:GPU (BENCHMARKS.md).
-      See `zerojax.core.backend.Backend.persistence_threshold`.
+      ``stage3_param_persistence_threshold``). ``None`` (default): the backend's
+      (`zerojax.core.backend.Backend.persistence_threshold`): 4096 where zerojax gathers each
+      parameter itself or at stage 3 on TPU, else 0.
     param_dtype: dtype of the master parameters and optimizer state.
-    compute_dtype: dtype the model computes in (set on Flax modules that leave ``dtype``
-      unset, an ``nnx.Embed`` whose ``dtype`` is its table's included).
+    compute_dtype: dtype the model computes in, set on Flax modules that leave ``dtype`` unset.
     reduce_dtype: dtype of the gradient reduction; ``None`` keeps the gradient's dtype.
-    offload_optimizer: keep the optimizer state in ``pinned_host`` memory (stages 1-3), or,
-      with ``'nvme'``, in files under ``nvme_path`` (ZeRO-Infinity): the step's gradient shards
-      come to the host and each process streams its optimizer state through a pipelined,
-      chunked optax update there (`zerojax.runtime.nvme`).
+    offload_optimizer: ``False`` (default), ``True`` (optimizer state in ``pinned_host``
+      memory, stages 1-3) or ``'nvme'`` (in files under ``nvme_path``, ZeRO-Infinity).
     offload_params: keep stage-3 parameters in ``pinned_host`` memory.
-    offload_fallback: what to do when the backend has no ``pinned_host``: ``'error'`` or
-      ``'warn'`` (warn and keep the state on device).
-    optimizer_on_host: run the optimizer update itself on the host (needs offload_optimizer).
-    nvme_path: directory of the optimizer-state files (``offload_optimizer='nvme'``); each
-      process writes under ``<nvme_path>/zerojax-nvme/process-<i>``.
-    nvme_chunk_size: parameters per chunk of the streamed update (DeepSpeed's
-      ``sub_group_size``); host memory holds ``nvme_buffer_count`` chunks of optimizer state.
-    nvme_buffer_count: chunk buffers in the pool (DeepSpeed's ``buffer_count``); 3 let the read
-      of chunk i+1, the update of chunk i and the write of chunk i-1 run at once.
+    offload_fallback: without ``pinned_host``: ``'error'`` (default) or ``'warn'`` (warn and
+      keep the state on device).
+    optimizer_on_host: run the optimizer update on the host (needs ``offload_optimizer``).
+    nvme_path: directory of the optimizer-state files (``offload_optimizer='nvme'``).
+    nvme_chunk_size: parameters per chunk of the streamed update (``sub_group_size``).
+    nvme_buffer_count: chunk buffers held in host memory (``buffer_count``).
     nvme_pipeline_read: read the next chunks while the current one updates (``pipeline_read``).
     nvme_pipeline_write: write updated chunks in the background (``pipeline_write``).
-    remat: rematerialisation of the user's scanned layers: ``'auto'`` (default: a scanned
-      layer the model does not rematerialise itself gets ``nothing_saveable``, so no layer's
-      gathered weights outlive it; ``nn.remat`` layers are left as written), ``'none'`` (as
-      written), ``'full'`` (nothing saveable), ``'dots'`` (dots saveable) or ``'offload'``
-      (named residuals go to host memory, see ``remat_offload_names``). A linen or NNX model
-      without scans gets the named policy on each of its blocks (the shallowest modules of one
-      class that one parent calls two or more of, `zerojax.core.blocks`), as
-      ``nn.remat(Block)`` would; a pure function, or a model whose modules do not repeat, is
-      checkpointed whole, which re-runs its whole forward pass at once and saves little.
+    remat: rematerialisation policy for the model's layers: ``'auto'`` (default), ``'none'``,
+      ``'full'``, ``'dots'`` or ``'offload'`` (see ``remat_offload_names``).
     remat_offload_names: ``checkpoint_name`` names offloaded by ``remat='offload'``.
-    gather: how a sharded parameter reaches the layer that reads it. ``'auto'`` (default): the
-      plan's shardings on the step's inputs, outputs and gradients, and XLA's partitioner
-      (GSPMD) inserts the gathers and reduce-scatters where the model uses each weight, as
-      hand-written JAX FSDP does; nothing inside the model is touched, so any model works
-      (linen, NNX, plain pytrees, however it is called). Except at stage 3 for linen models
-      called through ``state.apply_fn`` on TPU and GPU (whose partitioner moves activations
-      instead of weights) and unscanned ones without remat on CPU: those gather per use, as
-      ``'explicit'`` does, decided before compiling. ``'explicit'``: zerojax gathers each
-      parameter where a linen layer reads it (``state.apply_fn``) and reduce-scatters its
-      gradient there, which ``offload_params`` (per-layer fetch from host) and
-      ``reduce_dtype`` (the dtype of that reduction) need and so switch on.
-    max_live_layers: stage 3, scanned layers: how many gathered layers may be live at once.
-      1 gathers each layer inside its own iteration. 2 runs scanned layers one ahead where
-      zerojax gathers per use (`zerojax.core.pipeline`): each layer's weights are gathered
-      beside the previous layer's compute and each gradient is reduce-scattered beside the
-      next layer's, at one more layer of gathered weights and of unreduced gradient (elsewhere
-      2 unrolls the scan by two). ``None`` (default): 2 on XLA:GPU, 1 on XLA:TPU (its ICI
-      all-gather pipelining issues the gathers an iteration ahead) and XLA:CPU (nothing runs
-      beside a collective there). Unscanned layers gather one matmul layer ahead on TPU and
-      GPU whatever this says (`zerojax.core.regather`).
-    quantize_weights: ZeRO++ qwZ, stage 3: ``'int8'`` (or ``'int4'``) moves each parameter
-      all-gather (the forward gather and, unless ``quantize_weights_backward=False``, the
-      backward pass's re-gather) as block-quantised values plus one float32 scale per block,
-      dequantised to the compute dtype after the gather; the master parameters and the
-      optimizer update stay in ``param_dtype``. ``None`` (default): off. Like
-      ``quantize_gradients``, it runs the model per device on its batch shard inside
-      ``jax.shard_map`` with zerojax's own collectives (a linen model called through
-      ``state.apply_fn``; no ``tensor`` axis, no ``offload_params``).
-    quantize_weights_backward: whether the backward pass's re-gather of each layer's weights
-      is quantised like the forward gather. ``None`` (default): the same as
-      ``quantize_weights`` (quantised whenever it is set, as DeepSpeed's qwZ quantises every
-      parameter all-gather, the backward pass's fetches included); ``True``: quantised (needs
-      ``quantize_weights``); ``False``: the backward re-gather moves full-precision weights
-      (compute dtype; more bytes, no quantisation noise in the backward pass), and each
-      scanned layer is then re-run whole in its backward pass. `quantizes_backward` is the
-      resolved value.
-    quantize_gradients: ZeRO++ qgZ, stages 2-3: ``'int8'`` (or ``'int4'``) reduces each
-      gradient by quantising the chunk every other device owns per block, exchanging them in
-      one all-to-all, then dequantising and summing in float32 on the owner; the result has
-      the reduce-scatter's layout. ``None`` (default): off. ZeRO++'s own choice is int8
-      weights and int4 gradients; int4 weights cost more loss (BENCHMARKS.md, ZeRO++).
-    quantize_block_size: elements per scale of both (default 256, even). Each shard or chunk
-      is blocked on its own and its last block zero-padded (the plan's table shows padding).
+    gather: how a sharded parameter reaches its layer: ``'auto'`` (default: XLA's partitioner
+      inserts the collectives; zerojax gathers per use where that is better) or
+      ``'explicit'`` (zerojax gathers per use; ``offload_params`` and ``reduce_dtype`` need it).
+    max_live_layers: stage 3, scanned layers: gathered layers live at once, 1 or 2 (one ahead).
+      ``None`` (default): 2 on XLA:GPU, 1 on XLA:TPU and XLA:CPU.
+    quantize_weights: ZeRO++ qwZ, stage 3: ``'int8'`` or ``'int4'`` parameter all-gathers;
+      ``None`` (default): off.
+    quantize_weights_backward: whether the backward re-gather is quantised too; ``None``
+      (default): whenever ``quantize_weights`` is set (resolved: `quantizes_backward`).
+    quantize_gradients: ZeRO++ qgZ, stages 2-3: ``'int8'`` or ``'int4'`` gradient
+      reductions; ``None`` (default): off.
+    quantize_block_size: elements per scale of both quantisations (default 256, even).
     train_batch_size: global batch per optimizer step.
     micro_batch_per_device: batch per device per micro-step.
     gradient_accumulation_steps: micro-steps per optimizer step.
@@ -148,18 +127,12 @@ class ZeroConfig:
     loss_scale_window: good steps before the scale doubles.
     hysteresis: overflowing steps tolerated before the scale halves.
     min_loss_scale: the scale never falls below this.
-    nonfinite_grads: what a step whose gradient has a NaN or infinity does (DeepSpeed has no
-      such key). ``'halt'``: the step reports it (``overflow`` in its metrics) and
-      `zerojax.tools.train` stops there with `zerojax.tools.train.NonFiniteGradientsError`, naming the
-      last good checkpoint; it costs no memory. ``'skip'``: params and optimizer state stay
-      unchanged (bit-identical) and ``skipped_steps`` counts the step, as an fp16 overflow;
-      keeping the old state beside the new one costs one optimizer state of temporaries at
-      stage 0 (its shard at stages 1-3). ``'ignore'``: the update is applied (the parameters
-      become NaN). ``'auto'`` (default): ``'skip'`` with loss scaling (an overflowing step is
-      how the scale is found, so only ``'skip'`` is allowed there), else ``'halt'``.
-    rules: user overrides ``((regex, partition_spec), ...)``; the first regex that matches a
-      leaf's path (``'params/layers/mlp/kernel'``) fixes its spec, e.g.
-      ``(("embed", (None, "fsdp")),)``.
+    nonfinite_grads: a step whose gradient has a NaN or infinity: ``'halt'`` (stop training),
+      ``'skip'`` (leave the state bit-identical), ``'ignore'`` (apply the update) or
+      ``'auto'`` (default: ``'skip'`` with loss scaling, the only value allowed there, else
+      ``'halt'``).
+    rules: user overrides ``((regex, partition_spec), ...)``; the first regex matching a
+      leaf's path (``'params/layers/mlp/kernel'``) fixes its spec.
   """
 
   stage: int = 3
@@ -277,14 +250,35 @@ class ZeroConfig:
   # -- derived values -----------------------------------------------------------------------
 
   def resolved_mesh_shape(self, num_devices: int) -> tuple[int, ...]:
-    """The mesh shape with -1 replaced, checked against ``num_devices``."""
+    """The mesh shape with -1 replaced, checked against ``num_devices``.
+
+    Args:
+      num_devices: the devices the mesh spans.
+
+    Returns:
+      ``mesh_shape`` with its -1 entry replaced by the remaining devices.
+
+    Raises:
+      ConfigError: the sizes do not divide, or do not multiply to, ``num_devices``.
+    """
     return _resolve_shape(self.mesh_shape, num_devices, self.mesh_axes)
 
   def batch_sizes(self, data_parallel_size: int) -> tuple[int, int, int]:
     """``(train_batch_size, micro_batch_per_device, gradient_accumulation_steps)``.
 
     DeepSpeed's rule ``train = micro × accumulation × data_parallel``: any two given fix the
-    third; all three given must agree.
+    third; all three given must agree. ``gradient_accumulation_steps`` unset is 1 unless both
+    others are given.
+
+    Args:
+      data_parallel_size: devices the batch is split over (``replica`` × ``fsdp``).
+
+    Returns:
+      ``(train_batch_size, micro_batch_per_device, gradient_accumulation_steps)``, all set.
+
+    Raises:
+      ConfigError: neither ``train_batch_size`` nor ``micro_batch_per_device`` is set, or the
+        sizes do not satisfy the rule.
     """
     t, m, g = self.train_batch_size, self.micro_batch_per_device, self.gradient_accumulation_steps
     dp = data_parallel_size
@@ -309,7 +303,17 @@ class ZeroConfig:
     return t, m, g
 
   def replace(self, **changes: Any) -> "ZeroConfig":
-    """A copy with ``changes``; an unknown field is a `ConfigError` with a suggestion."""
+    """A copy with some fields changed, validated again.
+
+    Args:
+      **changes: the fields to change and their new values.
+
+    Returns:
+      The new `ZeroConfig`.
+
+    Raises:
+      ConfigError: a field is unknown (with a suggestion) or a new value is not allowed.
+    """
     unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
     if unknown:
       raise unknown_key_error("ZeroConfig has no field", unknown,
@@ -319,6 +323,11 @@ class ZeroConfig:
   # -- I/O ------------------------------------------------------------------------------------
 
   def to_dict(self) -> dict[str, Any]:
+    """The fields as plain JSON/YAML values.
+
+    Returns:
+      A mapping of every field to its value, tuples as lists, that `from_dict` reads back.
+    """
     d = dataclasses.asdict(self)
     d["mesh_shape"], d["mesh_axes"] = list(self.mesh_shape), list(self.mesh_axes)
     d["remat_offload_names"] = list(self.remat_offload_names)
@@ -327,6 +336,19 @@ class ZeroConfig:
 
   @classmethod
   def from_dict(cls, d: Mapping[str, Any]) -> "ZeroConfig":
+    """A config from a mapping of fields (zerojax format).
+
+    Args:
+      d: field names to values; fields left out keep their defaults.
+
+    Returns:
+      The validated `ZeroConfig`.
+
+    Raises:
+      ConfigError: ``d`` is not a mapping, is a DeepSpeed config or has a ``train`` section
+        (both are read by `zerojax.load_config`), has an unknown key, or holds a value not
+        allowed.
+    """
     if not isinstance(d, Mapping):
       raise ConfigError(f"a ZeroConfig must be a mapping of fields, got {type(d).__name__}")
     if "zero_optimization" in d:
@@ -348,8 +370,17 @@ class ZeroConfig:
   def from_file(cls, path: str | os.PathLike, *, allow_empty: bool = False) -> "ZeroConfig":
     """Loads a ``.json``, ``.yaml`` or ``.yml`` file (zerojax or DeepSpeed format).
 
-    An empty file is an error unless ``allow_empty`` (then it means the defaults). Errors in
-    the file's contents name the file.
+    Args:
+      path: the file.
+      allow_empty: an empty file means the defaults instead of an error.
+
+    Returns:
+      The validated `ZeroConfig`.
+
+    Raises:
+      FileNotFoundError: the file does not exist.
+      ConfigError: naming the file, when it cannot be read as a config (see
+        `read_config_file`) or its contents are not allowed (see `from_dict`).
     """
     d = read_config_file(path, allow_empty=allow_empty)
     with in_file(path):
@@ -358,7 +389,15 @@ class ZeroConfig:
 
 @contextlib.contextmanager
 def in_file(path: str | os.PathLike | None) -> Iterator[None]:
-  """Prefixes a `ConfigError` raised inside with ``config file 'PATH': `` (once)."""
+  """Names a config file in the errors raised while its contents are read.
+
+  Args:
+    path: the file; ``None`` leaves errors as they are.
+
+  Yields:
+    Nothing; a `ConfigError` raised inside is raised again prefixed ``config file 'PATH': ``
+    (once: a message that already names the file is left as it is).
+  """
   try:
     yield
   except ConfigError as e:
@@ -369,6 +408,13 @@ def in_file(path: str | os.PathLike | None) -> Iterator[None]:
 
 def read_config_file(path: str | os.PathLike, *, allow_empty: bool = False) -> dict[str, Any]:
   """The mapping in a ``.json``, ``.yaml`` or ``.yml`` config file.
+
+  Args:
+    path: the file.
+    allow_empty: an empty file is ``{}`` instead of an error.
+
+  Returns:
+    The file's top-level mapping.
 
   Raises:
     FileNotFoundError: the file does not exist.

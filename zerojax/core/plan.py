@@ -163,14 +163,17 @@ class ShardingPlan:
 
   @property
   def replicated(self) -> NamedSharding:
+    """The `NamedSharding` that replicates a value on every device of the mesh."""
     return NamedSharding(self.mesh, P())
 
   @property
   def data_axes(self) -> tuple[str, ...]:
+    """The mesh axes the batch is split over (``replica`` and ``fsdp``, those the mesh has)."""
     return data_axes(self.mesh)
 
   @property
   def data_parallel_size(self) -> int:
+    """The number of batch shards: the product of the `data_axes`' sizes."""
     return math.prod(axis_size(self.mesh, a) for a in self.data_axes)
 
   @property
@@ -196,8 +199,17 @@ class ShardingPlan:
     ``plan.batch()``: the ``NamedSharding`` of a batch's rows, as a data loader takes it
     (``TextBatches(..., sharding=plan.batch())``). ``plan.batch(tree)``: one sharding per leaf
     of a batch pytree (arrays or ``jax.ShapeDtypeStruct``s; scalars replicated), for
-    ``jax.device_put`` or ``in_shardings``; a leading dimension that does not divide by the
-    data-parallel size is an error naming the leaf.
+    ``jax.device_put`` or ``in_shardings``.
+
+    Args:
+      batch: a batch pytree, or ``None`` for the sharding of a batch's rows.
+
+    Returns:
+      A `NamedSharding` (``batch`` None), else a tree of them shaped like ``batch``.
+
+    Raises:
+      ConfigError: a leaf's leading dimension does not divide by the data-parallel size (the
+        message names the leaf).
     """
     dp, spec = self.data_parallel_size, P(self.data_axes)
     if batch is None:
@@ -219,8 +231,16 @@ class ShardingPlan:
     """Shardings for a train state: ``.params`` and ``.opt_state`` from the plan, the rest
     (step counter, RNG keys, loss scale, ...) replicated.
 
-    Works for ``flax.training.train_state.TrainState`` and any subclass or flax struct with
-    ``params``/``opt_state`` fields, and for a dict with those keys (a checkpoint item).
+    Args:
+      state: a ``flax.training.train_state.TrainState``, any subclass or flax struct with
+        ``params``/``opt_state`` fields, or a dict with those keys (a checkpoint item).
+
+    Returns:
+      The same kind of object as ``state``, each field replaced by its shardings.
+
+    Raises:
+      ValueError: ``state`` has ``opt_state`` but the plan was made without an optimizer.
+      TypeError: ``state`` is neither a flax struct dataclass nor a dict.
     """
     changes = {}
     for name, value in state_fields(state).items():
@@ -239,7 +259,18 @@ class ShardingPlan:
     take the plan's parameter shardings and the optimizer's ``opt_state`` variables the plan's
     optimizer-state shardings, both in tree order (the plan was made from the same trees;
     shapes are checked leaf for leaf); everything else (step counters, RNG state, batch
-    statistics) is replicated."""
+    statistics) is replicated.
+
+    Args:
+      state: ``nnx.state((model, optimizer))``.
+
+    Returns:
+      An ``nnx.State`` of `NamedSharding`s shaped like ``state``.
+
+    Raises:
+      TypeError: ``state`` is not an ``nnx.State``.
+      ValueError: its parameters or optimizer state are not the trees the plan was made for.
+    """
     if not isinstance(state, nnx.State):
       raise TypeError(f"nnx_state: state must be nnx.state((model, optimizer)), an nnx.State; "
                       f"got {type(state).__name__}")
@@ -323,9 +354,16 @@ class ShardingPlan:
 
   def formulation(self, jaxpr: Any, linen: bool = True,
                   blocks: frozenset[tuple] = frozenset()) -> fm.Formulation:
-    """How a model traced as ``jaxpr`` (a linen model's, with the ``blocks`` that trace found,
-    else a plain function's or, with ``jaxpr`` None, an NNX model's) reaches its parameters on
-    this plan's target (`zerojax.core.formulation.choose`)."""
+    """How a traced model reaches its parameters on this plan's target.
+
+    Args:
+      jaxpr: the model's trace; ``None`` for an NNX model.
+      linen: whether the trace is a linen model's (else a plain function's).
+      blocks: the repeated blocks the linen trace found.
+
+    Returns:
+      The `zerojax.core.formulation.Formulation` that `zerojax.core.formulation.choose` picks.
+    """
     return fm.choose(self, jaxpr, linen, blocks)
 
   @property
@@ -338,11 +376,19 @@ class ShardingPlan:
   def compiler_options_for(self, layers_ahead: bool, pipelined: Any = None,
                            in_checkpoints: bool = False, rows_ahead: bool = False
                            ) -> dict[str, Any] | None:
-    """XLA options the stage needs on this backend for a step whose model's layers did
-    (``layers_ahead``; ``in_checkpoints``: some inside the model's own checkpoints) or did not
-    gather one matmul layer ahead, and whose scanned layers ran one ahead (``pipelined``: the
-    largest layer's `zerojax.core.pipeline.OneAhead`) or not (None), and whose pure
-    function's row matmuls gathered one ahead (``rows_ahead``) (`Backend.options`)."""
+    """XLA options the stage needs on this backend for a step as its trace found it.
+
+    Args:
+      layers_ahead: whether the model's layers gathered one matmul layer ahead.
+      pipelined: the largest scanned layer's `zerojax.core.pipeline.OneAhead` when scanned
+        layers ran one ahead, else ``None``.
+      in_checkpoints: whether some of the layers gathered ahead are inside the model's own
+        checkpoints.
+      rows_ahead: whether a pure function's row matmuls gathered one ahead.
+
+    Returns:
+      The per-compile options (`Backend.options`), or ``None`` for none.
+    """
     return self.backend.options(self.config, layers_ahead, pipelined, in_checkpoints,
                                 rows_ahead)
 
@@ -363,7 +409,11 @@ class ShardingPlan:
     shard each device sends (qwZ), or each chunk it sends to its owner (qgZ), is blocked on its
     own and its last block zero-padded; a leaf smaller than a block is one padded block. This
     counts a leaf gathered whole; a stacked leaf that ``nn.scan`` gathers one layer at a time
-    is blocked per layer (the compiled HLO's s8 bytes say what moved)."""
+    is blocked per layer (the compiled HLO's s8 bytes say what moved).
+
+    Returns:
+      One dict per parameter leaf, in tree order; empty where nothing is quantised.
+    """
     c = self.config
     bs, n = c.quantize_block_size, axis_size(self.mesh, "fsdp")
     out = []
@@ -380,7 +430,13 @@ class ShardingPlan:
   # -- reporting ------------------------------------------------------------------------------
 
   def bytes_per_device(self) -> dict[str, int]:
-    """Per-device bytes of params, grads and optimizer state, split device/host resident."""
+    """Per-device bytes of the training state.
+
+    Returns:
+      ``{"params", "grads", "opt_state", "params_host", "opt_state_host"}``: bytes per device
+      resident in device memory, and those of params and optimizer state in host memory (a
+      frozen leaf has no gradient).
+    """
     out = {"params": 0, "grads": 0, "opt_state": 0, "params_host": 0, "opt_state_host": 0}
     for lp, ps, gs in zip(self.leaves, jax.tree.leaves(self.params),
                           jax.tree.leaves(self.grads)):
@@ -395,7 +451,11 @@ class ShardingPlan:
     return out
 
   def unsharded_bytes(self) -> dict[str, int]:
-    """Bytes of parameter leaves left replicated over ``fsdp``, by reason."""
+    """Bytes of parameter leaves left replicated over ``fsdp``.
+
+    Returns:
+      ``{reason: bytes}`` (`LeafPlan.reason`), the leaves' whole sizes.
+    """
     out: dict[str, int] = {}
     for lp in self.leaves:
       if not lp.is_sharded:
@@ -418,8 +478,17 @@ _warned_nothing_to_shard = False
 
 
 def state_fields(state: PyTree) -> dict[str, Any]:
-  """The pytree fields of a train state (a flax.struct dataclass) as a dict; a dict (a
-  checkpoint item) as it is."""
+  """The pytree fields of a train state.
+
+  Args:
+    state: a flax.struct dataclass train state, or a dict (a checkpoint item).
+
+  Returns:
+    ``{field name: value}`` of its pytree fields; a dict as it is (copied).
+
+  Raises:
+    TypeError: ``state`` is neither.
+  """
   if isinstance(state, Mapping):
     return dict(state)
   if dataclasses.is_dataclass(state) and not isinstance(state, type):
