@@ -28,19 +28,23 @@ __all__ = ["Formulation", "choose", "remat_applied", "lookup_tables", "finds_tab
 
 class Formulation(NamedTuple):
   """The formulation chosen for one model, read by every way a model runs (linen, NNX, a pure
-  function):
+  function).
 
-  * ``per_use``: gathered per use (boxes), or by the compiler;
-  * ``has_scan``: the model scans its layers (then each layer's remat is applied inside the
-    scan, `zerojax.core.remat.scanned_layers`);
-  * ``tables``: its lookup tables (`lookup_tables`: parameter leaves, in tree order, whose
-    gradient is summed whole);
-  * ``checkpoint``: the ``jax.checkpoint`` policy around a model without scans
-    (`zerojax.core.remat.remat_policy`), or None for none;
-  * ``layers``: that model's layers each re-gather their weights after their input, and again
-    after their output's cotangent (`zerojax.core.regather`): per use with sharded parameters;
-  * ``blocks``: the paths of a linen or NNX model's blocks (no scans), each checkpointed with
-    ``block_policy``, the policy ``remat`` names (`zerojax.core.blocks`).
+  Attributes:
+    per_use: gathered per use (boxes); False: by the compiler.
+    has_scan: the model scans its layers (then each layer's remat is applied inside the scan,
+      `zerojax.core.remat.scanned_layers`).
+    tables: its lookup tables (`lookup_tables`: indices of parameter leaves, in tree order,
+      whose gradient is summed whole).
+    checkpoint: the ``jax.checkpoint`` policy around a model without scans
+      (`zerojax.core.remat.remat_policy`), or None for none.
+    layers: that model's layers each re-gather their weights after their input, and again
+      after their output's cotangent (`zerojax.core.regather`): per use with sharded
+      parameters.
+    blocks: the paths of a linen or NNX model's blocks (no scans), each checkpointed with
+      ``block_policy``.
+    block_policy: the policy ``remat`` names, for each of ``blocks`` (`zerojax.core.blocks`),
+      or None without blocks.
   """
   per_use: bool
   has_scan: bool
@@ -86,8 +90,16 @@ def choose(plan: Any, jaxpr: Any, linen: bool = True,
 
 
 def remat_applied(config: Any, chosen: Formulation | None) -> str:
-  """Where ``config.remat`` acted in a step whose model got ``chosen`` (as `zerojax compile`
-  and `ZeroStep.remat` report it)."""
+  """Where ``config.remat`` acted in a step, as `zerojax compile` and `ZeroStep.remat` report it.
+
+  Args:
+    config: the run's `zerojax.ZeroConfig`.
+    chosen: the model's `Formulation`, or None where the model was not traced for one.
+
+  Returns:
+    One line, e.g. ``"remat='auto': inside each scanned layer the model does not rematerialise
+    itself"``.
+  """
   r = f"remat={config.remat!r}"
   if chosen is None:
     # Untraced (an NNX model at stages 0-1, or without per-use gathers): zerojax's
@@ -154,14 +166,29 @@ def lookup_tables(plan: Any, jaxpr: Any) -> frozenset[int]:
 
 
 def finds_tables(plan: Any) -> bool:
-  """Whether `lookup_tables` can find any on ``plan``: gradients sharded (stages 2-3) on a
-  backend that finds tables (`zerojax.core.backend.Backend.finds_tables`)."""
+  """Whether `lookup_tables` can find any on ``plan``.
+
+  Args:
+    plan: the `zerojax.ShardingPlan`.
+
+  Returns:
+    True where gradients are sharded (stages 2-3) on a backend that finds tables
+    (`zerojax.core.backend.Backend.finds_tables`).
+  """
   return plan.config.shards_grads and plan.backend.finds_tables
 
 
 def needs_trace(plan: Any, untraced: Formulation) -> bool:
-  """Whether a model whose formulation without a trace is ``untraced`` must be traced for it:
-  it gathers per use, is checkpointed, or may look rows up in tables (`finds_tables`)."""
+  """Whether a model must be traced for its formulation.
+
+  Args:
+    plan: the `zerojax.ShardingPlan`.
+    untraced: the model's formulation without a trace.
+
+  Returns:
+    True where it gathers per use, is checkpointed, or may look rows up in tables
+    (`finds_tables`).
+  """
   return untraced.per_use or untraced.checkpoint is not None or finds_tables(plan)
 
 

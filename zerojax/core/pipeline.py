@@ -3,12 +3,9 @@ computes, and each layer's gradient is reduce-scattered while the layer after it
 backward pass) computes. This is the ZeRO-3 schedule with a prefetch of one layer
 (``max_live_layers=2``, DeepSpeed's ``stage3_prefetch_bucket_size``).
 
-Left to XLA, a scanned layer gathers its weights inside its own iteration: the collective
-pipeliner can move the forward gathers an iteration ahead, but in the backward pass the
-layer's checkpoint orders its re-gathers after the incoming cotangent, and a layer's last
-gradient is produced after its last matmul, so nothing is left to run beside either. Here
-zerojax writes the scan's VJP itself, per device inside ``jax.shard_map`` with its own
-collectives:
+Left to XLA, a scanned layer's backward re-gathers and last reduce-scatter have nothing to run
+beside (docs/design.md, "Scanned layers one ahead"). Here zerojax writes the scan's VJP itself,
+per device inside ``jax.shard_map`` with its own collectives:
 
 * forward, iteration i runs layer i and gathers layer i+1 (in the compute dtype); each layer
   keeps only its input for the backward pass, as ``nn.remat`` does;
@@ -17,13 +14,12 @@ collectives:
   before in the compute (or ``reduce_dtype``) dtype.
 
 A layer's weights are gathered, and its gradients reduced, one collective per weight, each
-into a buffer of its own; XLA:GPU's combiners join them into one collective of each kind per
-layer (`OneAhead` gives the sizes).
+into a buffer of its own; `OneAhead` gives the sizes the compiler may combine them up to.
 
 Each iteration's two collectives depend on nothing the iteration computes, so the scheduler
 can issue them beside its matmuls. Running per device is only right for a layer that computes
 each batch row on its own; `zerojax.core.batchwise` checks that from the layer's trace, and a
-scan that fails it (or has settings this does not cover) runs as before, with the reason
+scan that fails it (or has settings this does not cover) runs as written, with the reason
 recorded (`Declined`).
 """
 
@@ -55,12 +51,13 @@ LAYERS_SCOPE = "zerojax_layers"
 class Pipeline:
   """How a plan runs scanned layers one ahead (`zerojax.core.plan.ShardingPlan.pipeline`).
 
-  * ``mesh``: the plan's mesh;
-  * ``rows``: the mesh axes the batch rows are split over (the plan's data axes);
-  * ``fsdp``: the axis parameters are sharded over;
-  * ``reduce_dtype``: the dtype gradients are reduce-scattered in (None: the compute dtype);
-  * ``own_policies``: a layer whose own ``jax.checkpoint`` policy saves residuals keeps it
-    (``remat='auto'``), so it is not run one ahead, which re-runs each layer whole.
+  Attributes:
+    mesh: the plan's mesh.
+    rows: the mesh axes the batch rows are split over (the plan's data axes).
+    fsdp: the axis parameters are sharded over.
+    reduce_dtype: the dtype gradients are reduce-scattered in (None: the compute dtype).
+    own_policies: a layer whose own ``jax.checkpoint`` policy saves residuals keeps it
+      (``remat='auto'``), so it is not run one ahead, which re-runs each layer whole.
   """
 
   mesh: Any
@@ -71,15 +68,21 @@ class Pipeline:
 
   @property
   def shards(self) -> int:
+    """The size of the ``fsdp`` axis: the shards of each parameter."""
     return int(self.mesh.shape[self.fsdp])
 
   @property
   def row_shards(self) -> int:
+    """The devices the batch rows are split over: the product of the ``rows`` axes' sizes."""
     return math.prod(int(self.mesh.shape[a]) for a in self.rows)
 
 
 class Declined(NamedTuple):
-  """A scan that runs as written, and why it could not run one ahead."""
+  """A scan that runs as written, and why it could not run one ahead.
+
+  Attributes:
+    reason: why, as `describe` reports it (`NOT_LAYERS` for a scan of no sharded parameters).
+  """
   reason: str
 
 
@@ -88,10 +91,15 @@ NOT_LAYERS = "no sharded parameters are scanned"
 
 
 def describe(asked: str, outcomes: list) -> str | None:
-  """What became of a step's scanned layers (``outcomes``: `Declined` reasons, `OneAhead` for
-  a scan run one ahead) under the setting ``asked`` (e.g. ``"max_live_layers=2"``), as
-  `zerojax compile` and ``ZeroStep.layers`` say it; ``None`` where the step scanned no
-  layers."""
+  """What became of a step's scanned layers, as `zerojax compile` and ``ZeroStep.layers`` say it.
+
+  Args:
+    asked: the setting that asked for layers one ahead, e.g. ``"max_live_layers=2"``.
+    outcomes: per scan, its `Declined` reason or, for a scan run one ahead, its `OneAhead`.
+
+  Returns:
+    One line, or ``None`` where the step scanned no layers.
+  """
   reasons = [o for o in outcomes if o != NOT_LAYERS]
   if not reasons:
     return None
@@ -153,10 +161,15 @@ def _leaf(pos: int, box: ZeroParam, pl: Pipeline) -> _Leaf | str:
 
 
 class OneAhead(NamedTuple):
-  """A scan whose layers ran one ahead, and what its largest layer's collectives move per
-  device: its gathered weights (``gathered`` bytes) and its share of the reduced gradient
-  (``reduced`` bytes). XLA:GPU's combiners join a layer's per-weight collectives into one of
-  each kind up to these sizes (`zerojax.core.backend.Backend.options`)."""
+  """A scan whose layers ran one ahead, and what its largest layer's collectives move per device.
+
+  The compiler options combine a layer's per-weight collectives into one of each kind up to
+  these sizes (`zerojax.core.backend.Backend.options`).
+
+  Attributes:
+    gathered: bytes of the layer's gathered weights.
+    reduced: bytes of this device's share of the layer's reduced gradient.
+  """
   gathered: int
   reduced: int
 
@@ -193,9 +206,21 @@ def _layer_bytes(flat: list, sharded: list[_Leaf], pl: Pipeline) -> OneAhead:
 
 def pipelined_scan(pl: Pipeline, f: Callable, init: Any, xs: Any, length: int | None,
                    **kwargs: Any) -> tuple[Any, OneAhead] | Declined:
-  """``(jax.lax.scan(f, init, xs, length, **kwargs), OneAhead(...))`` with the layers one ahead
-  (module doc), or `Declined` where they cannot be. ``f`` must not itself be routed through
-  zerojax's scan hook (the caller strips it)."""
+  """``jax.lax.scan`` with the layers one ahead (module doc), where they can be.
+
+  Args:
+    pl: the plan's `Pipeline`.
+    f: the scan body, ``f(carry, x) -> (carry, y)``; it must not itself be routed through
+      zerojax's scan hook (the caller strips it).
+    init: the initial carry (rows of the batch).
+    xs: the scanned inputs, the layers' parameters boxed (`zerojax.core.gather.ZeroParam`).
+    length: the number of layers, or None to take it from ``xs``.
+    **kwargs: ``jax.lax.scan``'s other arguments.
+
+  Returns:
+    ``(jax.lax.scan(f, init, xs, length, **kwargs), OneAhead(...))``, or `Declined` with the
+    reason the layers cannot run one ahead (nothing was emitted then).
+  """
   if kwargs.get("reverse") or kwargs.get("_split_transpose"):
     return Declined("a reversed scan")
   flat, treedef = jax.tree.flatten(xs, is_leaf=_is_box)
@@ -333,9 +358,8 @@ def _scan_fn(layer: Callable, sharded: list[_Leaf], pl: Pipeline, n: int,
   before the loop; iteration i reduce-scatters layer i+1's gradient, re-gathers layer i-1 once
   that reduce-scatter is done (so the two take turns beside the layer's matmuls rather than
   one waiting for the other at its end), and runs layer i; layer 0 runs after the loop. So
-  each layer is gathered once in each pass and reduced once, ZeRO-3's count. (A backward loop
-  holding every layer compiles the layer twice fewer, but its first iteration reduce-scatters
-  zeros and its last re-gathers layer 0 unused: 2/(3n) of the textbook volume.)
+  each layer is gathered once in each pass and reduced once, ZeRO-3's count (why the first and
+  last layers run outside the loop: docs/design.md, "Scanned layers one ahead").
   """
   axis = pl.fsdp
   gather_slice = lambda sl: _gather(sl, sharded, axis)

@@ -42,30 +42,35 @@ def _row_read(eqn: Any, index: dict[Any, int]) -> tuple[int, int] | None:
 
 def per_layer_reads(apply_fn: Callable, plan: Any,
                     chosen: Callable[[Any], None] | None = None) -> Callable:
-  """A pure-function model ``apply_fn(params, ...)`` whose stacked parameters are read one
-  layer at a time (``params["w"][i]`` in a Python loop), with each row's gradient reduced where
-  it is made (``apply_fn`` itself at stage 1, which reduces once after the backward pass).
+  """A pure-function model whose stacked parameters are read a row at a time, with each row's
+  gradient reduced where it is made.
 
-  Autodiff turns every ``w[i]`` into a zero-padded full-size cotangent and sums them at the end
-  of the backward pass, and XLA keeps all the padded copies for one fused sum. Here the model is
-  traced once and each ``w[i]`` of a leaf read that way at least twice is threaded from read to
-  read (`_read_row`), so each row's cotangent is put in the gradient's layout as it is made and
-  added into one gradient in place.
+  The model is traced once and each ``w[i]`` of a leaf read that way at least twice is threaded
+  from read to read (`_read_row`), so each row's cotangent is put in the gradient's layout as it
+  is made and added into one gradient in place, not summed from zero-padded full-size
+  cotangents at the end of the backward pass. A row that only feeds one matmul
+  (``x @ params["w"][i]``) is sliced only once the matmul's other operand exists, is not kept,
+  and is sliced again once the matmul's output cotangent exists (`_row_dot`); at stage 3 the
+  partitioner then gathers one row, not the whole stack. Every other equation runs as written,
+  so values are unchanged.
 
-  A row that only feeds one matmul (``x @ params["w"][i]``) goes further (`_row_dot`): a slice
-  of a stacked array is a copy, which XLA:CPU issues early and keeps for the backward pass.
-  The row is sliced only once the matmul's other operand exists, is not kept, and is sliced
-  again once the matmul's output cotangent exists; at stage 3 the partitioner then gathers one
-  row, not the whole stack. Every other equation runs as written, so values are unchanged.
-
-  Per use (`ShardingPlan.formulation`: stage 3 on TPU and GPU) every matmul
-  that reads a sharded parameter, or a row of one, gathers it there and re-gathers it in the
-  backward pass, as linen models' boxes do (`zerojax.core.gather`); left to itself XLA's
-  partitioner would move the layer's activations instead. A lookup into a table
+  Per use (`ShardingPlan.formulation`: stage 3 on TPU and GPU) every matmul that reads a
+  sharded parameter, or a row of one, gathers it there and re-gathers it in the backward pass,
+  as linen models' boxes do (`zerojax.core.gather`). A lookup into a table
   (``params["wte"][tokens]``, `zerojax.core.formulation.lookup_tables`) has that use's gradient
-  summed whole before it is sharded, at stages 2-3, and per use gathers the table for it.
-  The model runs under the formulation's checkpoint (`Formulation.checkpoint`), as a linen
-  model without scans does. ``chosen`` is told the formulation.
+  summed whole before it is sharded, at stages 2-3, and per use gathers the table for it. The
+  model runs under the formulation's checkpoint (`Formulation.checkpoint`), as a linen model
+  without scans does. Why: docs/design.md, "Row reads".
+
+  Args:
+    apply_fn: the model, ``apply_fn(params, ...)``, reading rows as ``params["w"][i]`` in a
+      Python loop.
+    plan: the run's `zerojax.ShardingPlan`.
+    chosen: called with the model's `zerojax.core.formulation.Formulation` once it is traced.
+
+  Returns:
+    A function with ``apply_fn``'s signature and values; ``apply_fn`` itself at stage 1
+    without a checkpoint, which reduces the gradient once after the backward pass.
   """
   treedef = jax.tree.structure(plan.params)
   names = tuple(path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(plan.params)[0])
@@ -291,8 +296,7 @@ def _row(w: jax.Array, i: int, operand: jax.Array, gathered: Any, grad: NamedSha
   """``w[i]``, sliced only once ``operand`` (an array the caller is about to use it with)
   exists: the index waits for ``operand`` (`after`), which orders one scalar rather than a
   pass over the row. A row gathered per use waits as the plan says (``gathered.barrier``); one
-  read where it is (stage 2) always waits for a summed scalar: a barrier there cost XLA:TPU
-  the stage-2 gradient bound on a stacked-weight model."""
+  read where it is (stage 2) always waits for a summed scalar (docs/design.md, "Row reads")."""
   barrier = gathered is not None and gathered.barrier
   i = after(jnp.asarray(i, jnp.int32), token_of(operand, barrier))
   return jax.lax.dynamic_index_in_dim(w, i, axis=0, keepdims=False)
@@ -319,11 +323,8 @@ def _row_dot(w: jax.Array, other: jax.Array, wait: jax.Array, i: int, pos: int, 
   cotangent exists (under prefetch, the next row matmul's: ``link``, a pair of `_Link`). Per use (``gathered``), the row is gathered for the matmul, both
   times, and only its shard is ever saved.
 
-  Except the first read's row, which is saved: its re-slice would feed only the cotangent of
-  ``other``, which the update of ``w`` need not wait for, so XLA:CPU kept the donated ``w``
-  alive past its update by copying the whole stack. Saving one row per leaf instead leaves
-  every read of ``w`` ordered before its update by data dependency (ordering that re-slice
-  through a token instead cost XLA:TPU more temp).
+  Except the first read's row, which is saved, so that every read of ``w`` is ordered before
+  its update by data dependency (docs/design.md, "Row reads").
   """
   use = gathered or (lambda r: r)
   return dot(use(_row(w, i, wait, gathered, grad)), other, pos), w
@@ -424,8 +425,8 @@ def _gathered_dot(eqn: Any, invals: list, index: dict[Any, int], per_leaf: list)
 def _gathered_lookup(eqn: Any, invals: list, layouts: tuple) -> list:
   """A lookup into a table (its ``gather``) whose gradient is sharded: the table is gathered
   for it (stage 3) and this use's gradient summed whole before it is sharded, as a linen
-  table's box does. Left to the partitioner, each device would look up in its own rows and
-  reduce the batch's activations, or gather every device's cotangent rows and token ids."""
+  table's box does, so no device moves the batch's activations (docs/design.md, "Row
+  reads")."""
   rest, grad, compute = (_bare(s) for s in layouts)
   table = checkpoint_name(gather(invals[0], rest, compute, grad, None, True), GATHERED)
   return [eqn.primitive.bind(table, *invals[1:], **eqn.params)]
