@@ -40,17 +40,29 @@ DEFAULT_MEMORY_FRACTION = 0.75
 
 @dataclasses.dataclass(frozen=True)
 class GpuSpec:
-  """One GPU model: its target-config file and the memory XLA sees on it."""
+  """One GPU model: its target-config file, the memory XLA sees on it and its published peaks.
 
-  name: str  # the topology prefix, e.g. "h100"
-  asset: str  # file under zerojax/assets/gpu
-  device_kind: str  # what XLA reports as the device kind
-  memory: int  # device_memory_size in the target config, bytes
-  # Published peaks, per GPU, for `zerojax.runtime.step_time` (0: not known). Dense tensor-core
-  # FLOP/s (the datasheets print bf16 and tf32 "with sparsity", twice these); fp32 without
-  # tensor cores; bytes/s of HBM; NVLink per direction (datasheets print both directions
-  # summed); and the network across hosts per GPU per direction: the reference system's NIC
-  # per GPU (a cloud VM may have less, e.g. GCP A3 High: 100 Gb/s per GPU).
+  The peaks, per GPU, are for `zerojax.runtime.step_time`; 0 means not known.
+
+  Attributes:
+    name: the topology prefix, e.g. ``"h100"``.
+    asset: the target-config file under ``zerojax/assets/gpu``.
+    device_kind: what XLA reports as the device kind.
+    memory: ``device_memory_size`` in the target config, bytes.
+    bf16_flops: dense bf16 tensor-core FLOP/s (datasheets print bf16 and tf32 "with
+      sparsity", twice these).
+    tf32_flops: dense tf32 tensor-core FLOP/s.
+    fp32_flops: fp32 FLOP/s without tensor cores.
+    hbm_bandwidth: HBM bytes/s.
+    nvlink_bandwidth: NVLink bytes/s per direction (datasheets print both directions summed).
+    network_bandwidth: bytes/s across hosts per GPU per direction: the reference system's NIC
+      per GPU (a cloud VM may have less, e.g. GCP A3 High: 100 Gb/s per GPU).
+  """
+
+  name: str
+  asset: str
+  device_kind: str
+  memory: int
   bf16_flops: float = 0.0
   tf32_flops: float = 0.0
   fp32_flops: float = 0.0
@@ -82,13 +94,31 @@ _NAME = re.compile(r"^([a-z0-9\-]+):(?:(\d+)x)?(\d+)$")
 
 
 def is_gpu_topology(name: Any) -> bool:
-  """Whether ``name`` names a GPU model zerojax describes (``'h100:8'``); TPU names are not."""
+  """Whether ``name`` is a GPU topology name.
+
+  Args:
+    name: anything; a topology name is a string such as ``'h100:8'``.
+
+  Returns:
+    True where it names a GPU model zerojax describes (`GPUS`); TPU names are not.
+  """
   m = _NAME.match(name) if isinstance(name, str) else None
   return m is not None and m.group(1) in GPUS
 
 
 def parse_gpu_topology(name: str) -> tuple[GpuSpec, int, int]:
-  """``(spec, hosts, devices per host)`` of a GPU topology name."""
+  """The GPU model and shape a GPU topology name gives.
+
+  Args:
+    name: ``GPU:DEVICES`` or ``GPU:HOSTSxDEVICES``, e.g. ``'h100:2x8'``.
+
+  Returns:
+    ``(spec, hosts, devices per host)``.
+
+  Raises:
+    ValueError: ``name`` is no GPU topology, or has fewer than one host or other than 1-8
+      devices per host.
+  """
   m = _NAME.match(name) if isinstance(name, str) else None
   if m is None or m.group(1) not in GPUS:
     raise ValueError(f"topology={name!r} is not a GPU topology: GPU:DEVICES or "
@@ -102,14 +132,28 @@ def parse_gpu_topology(name: str) -> tuple[GpuSpec, int, int]:
 
 
 def target_config(gpu: str) -> str:
-  """The ``GpuTargetConfig`` text proto of ``gpu`` (a key of `GPUS`), from package data."""
+  """The ``GpuTargetConfig`` text proto of a GPU model, from package data.
+
+  Args:
+    gpu: a key of `GPUS`, e.g. ``'h100'``.
+
+  Returns:
+    The text proto.
+
+  Raises:
+    ValueError: ``gpu`` is not a key of `GPUS`.
+  """
   if gpu not in GPUS:
     raise ValueError(f"gpu={gpu!r} is unknown; known GPUs are {sorted(GPUS)}")
   return (importlib.resources.files("zerojax") / "assets" / "gpu" / GPUS[gpu].asset).read_text()
 
 
 def cuda_plugin() -> str | None:
-  """The module of the installed JAX CUDA plugin (`CUDA_PLUGINS`, CUDA 13 first), or None."""
+  """The installed JAX CUDA plugin.
+
+  Returns:
+    Its module name (a key of `CUDA_PLUGINS`, CUDA 13 first), or None where none is installed.
+  """
   for module in CUDA_PLUGINS:
     try:
       if importlib.util.find_spec(module) is not None:
@@ -121,7 +165,11 @@ def cuda_plugin() -> str | None:
 
 def cuda_install_line() -> str:
   """The command that installs the CUDA plugin matching the installed JAX exactly (plugins
-  are released in lockstep with jaxlib, and a newer one would upgrade JAX)."""
+  are released in lockstep with jaxlib, and a newer one would upgrade JAX).
+
+  Returns:
+    The ``pip install`` lines for CUDA 13 and CUDA 12.
+  """
   v = jax.__version__
   return f'pip install "jax[cuda13]=={v}" (CUDA 13), or pip install "jax[cuda12]=={v}" (CUDA 12)'
 
@@ -186,8 +234,15 @@ def gpu_topology(name: str) -> Any:
 
 
 def memory_fraction() -> float:
-  """The share of device memory the JAX GPU client will allocate from: the environment's
-  ``XLA_PYTHON_CLIENT_MEM_FRACTION``, else JAX's default 0.75."""
+  """The share of device memory the JAX GPU client will allocate from.
+
+  Returns:
+    The environment's ``XLA_PYTHON_CLIENT_MEM_FRACTION``, else JAX's default 0.75
+    (`DEFAULT_MEMORY_FRACTION`).
+
+  Raises:
+    ValueError: the variable is set to anything but a number in (0, 1].
+  """
   raw = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
   if raw is None:
     return DEFAULT_MEMORY_FRACTION
@@ -201,7 +256,18 @@ def memory_fraction() -> float:
 
 
 def usable_memory(spec: GpuSpec, fraction: float | None = None) -> int:
-  """Bytes of one GPU the JAX client lets a program use: ``fraction`` of its memory."""
+  """Bytes of one GPU the JAX client lets a program use.
+
+  Args:
+    spec: the GPU model.
+    fraction: the share of its memory; None: `memory_fraction`.
+
+  Returns:
+    ``fraction`` of ``spec.memory``, in bytes.
+
+  Raises:
+    ValueError: ``fraction`` (or the environment's) is not a number in (0, 1].
+  """
   f = memory_fraction() if fraction is None else fraction
   if not isinstance(f, (int, float)) or isinstance(f, bool) or not 0 < f <= 1:
     raise ValueError(f"memory_fraction={fraction!r} is invalid: a number in (0, 1]")

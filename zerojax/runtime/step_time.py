@@ -40,14 +40,23 @@ __all__ = ["DeviceRates", "device_rates", "OpCost", "op_costs", "StepTime", "pre
 
 @dataclasses.dataclass(frozen=True)
 class DeviceRates:
-  """What a prediction needs of one device: published peaks, bytes/s per direction."""
+  """What a prediction needs of one device: published peaks, bytes/s per direction.
+
+  Attributes:
+    name: the device, e.g. ``'NVIDIA H100 80GB HBM3'`` or ``'TPU v5e'``.
+    flops: peak dense FLOP/s by peak class (``'bf16'``, ``'tf32'``, ``'f32'``).
+    hbm_bandwidth: HBM bytes/s.
+    link_bandwidth: bytes/s within a host (NVLink) or a TPU slice (ICI).
+    network_bandwidth: bytes/s per device across hosts (GPU); a TPU slice has no second tier.
+    per_host: devices per host, where partition ids are host-major.
+  """
 
   name: str
-  flops: dict  # peak class ('bf16', 'tf32', 'f32') -> peak dense FLOP/s
+  flops: dict
   hbm_bandwidth: float
-  link_bandwidth: float  # within a host (NVLink) or a TPU slice (ICI)
-  network_bandwidth: float  # per device across hosts (GPU); a TPU slice has no second tier
-  per_host: int  # devices per host, where partition ids are host-major
+  link_bandwidth: float
+  network_bandwidth: float
+  per_host: int
 
   @property
   def peak(self) -> float:
@@ -63,6 +72,9 @@ def device_rates(topology: str) -> DeviceRates:
 
   Returns:
     The device's `DeviceRates`.
+
+  Raises:
+    ValueError: a GPU topology name is malformed, or a TPU generation has no published rates.
   """
   if gpu.is_gpu_topology(topology):
     spec, _, per_host = gpu.parse_gpu_topology(topology)
@@ -76,7 +88,7 @@ def device_rates(topology: str) -> DeviceRates:
                      f"{sorted(gpu.GPUS) + sorted(mem.PEAK_FLOPS_PER_CHIP)}")
   peak = mem.PEAK_FLOPS_PER_CHIP[gen]
   ici = mem.ICI_BANDWIDTH_PER_CHIP[gen]
-  # XLA:TPU's default precision runs an f32 matmul as one bf16 pass on the MXU.
+  # f32 matmuls at the bf16 peak: XLA:TPU's default precision runs them as one bf16 MXU pass.
   return DeviceRates(f"TPU {gen}", {"bf16": peak, "tf32": peak, "f32": peak},
                      mem.HBM_BANDWIDTH_PER_CHIP[gen], ici, ici, 1 << 30)
 
@@ -309,10 +321,18 @@ class _Module:
 
 @dataclasses.dataclass(frozen=True)
 class OpCost:
-  """One scheduled instruction's roofline: FLOPs, HBM bytes and the seconds they take."""
+  """One scheduled instruction's roofline: FLOPs, HBM bytes and the seconds they take.
+
+  Attributes:
+    name: the instruction's name in the HLO.
+    kind: ``'matmul'``, ``'attention'`` (compute-bound) or ``'memory'`` (bandwidth-bound).
+    flops: its matmul FLOPs.
+    bytes: the HBM bytes it reads and writes.
+    seconds: the larger of its FLOPs' and its bytes' time at the device's peaks.
+  """
 
   name: str
-  kind: str  # 'matmul', 'attention' (compute-bound), 'memory' (bandwidth-bound)
+  kind: str
   flops: float
   bytes: float
   seconds: float
@@ -610,46 +630,71 @@ class _Schedule:
 
 @dataclasses.dataclass(frozen=True)
 class StepTime:
-  """A step's predicted time on its target, per device; seconds unless named otherwise."""
+  """A step's predicted time on its target, per device; seconds unless named otherwise.
+
+  Attributes:
+    device: the device's name (`DeviceRates.name`).
+    num_devices: devices the step spans.
+    seconds: the step: compute plus exposed communication.
+    compute_seconds: the compute stream's busy time.
+    exposed_comm_seconds: time compute waits on collectives.
+    comm_seconds: all collectives' time, hidden or not.
+    flops: matmul FLOPs each device executes (rematerialisation included).
+    hbm_bytes: HBM bytes each device reads and writes.
+    peak_flops: bf16 peak per device.
+    by_kind: compute seconds by ``'matmul'``, ``'attention'`` (compute-bound), ``'memory'``.
+    by_link: communication seconds by ``'link'`` (NVLink / ICI), ``'network'``.
+    tokens: tokens per step, all devices, or None.
+    model_flops: model FLOPs per step, all devices (`model_flops`), or None.
+    unknown_trips: loops whose trip count was not known, each counted once.
+  """
 
   device: str
   num_devices: int
-  seconds: float  # the step: compute plus exposed communication
-  compute_seconds: float  # the compute stream's busy time
-  exposed_comm_seconds: float  # time compute waits on collectives
-  comm_seconds: float  # all collectives' time, hidden or not
-  flops: float  # matmul FLOPs each device executes (rematerialisation included)
+  seconds: float
+  compute_seconds: float
+  exposed_comm_seconds: float
+  comm_seconds: float
+  flops: float
   hbm_bytes: float
-  peak_flops: float  # bf16 peak per device
-  by_kind: dict  # compute seconds: 'matmul', 'attention' (compute-bound), 'memory'
-  by_link: dict  # communication seconds: 'link' (NVLink / ICI), 'network'
-  tokens: int | None = None  # per step, all devices
-  model_flops: float | None = None  # per step, all devices (`model_flops`)
-  unknown_trips: int = 0  # loops whose trip count was not known: counted once
+  peak_flops: float
+  by_kind: dict
+  by_link: dict
+  tokens: int | None = None
+  model_flops: float | None = None
+  unknown_trips: int = 0
 
   @property
   def tokens_per_second(self) -> float | None:
+    """Tokens per second over all devices, or None without ``tokens``."""
     return self.tokens / self.seconds if self.tokens and self.seconds else None
 
   @property
   def tokens_per_second_per_device(self) -> float | None:
+    """`tokens_per_second` per device, or None."""
     t = self.tokens_per_second
     return t / self.num_devices if t is not None else None
 
   @property
   def model_flops_per_second_per_device(self) -> float | None:
+    """Model FLOPs per second per device, or None without ``model_flops``."""
     if not self.model_flops or not self.seconds:
       return None
     return self.model_flops / self.num_devices / self.seconds
 
   @property
   def mfu(self) -> float | None:
-    """Model FLOPs per second per device over the device's bf16 peak."""
+    """Model FLOPs per second per device over the device's bf16 peak, or None."""
     f = self.model_flops_per_second_per_device
     return f / self.peak_flops if f is not None and self.peak_flops else None
 
   def lines(self) -> list[str]:
-    """What `zerojax compile` prints."""
+    """What `zerojax compile` prints.
+
+    Returns:
+      The prediction as lines of text: the step, tokens/s and MFU where known, compute,
+      communication and loops of unknown trip count.
+    """
     k = self.by_kind
     head = (f"predicted step {self.seconds * 1e3:,.1f} ms on {self.device} at published peaks "
             "(a lower bound: kernels below peak and launch gaps come on top)")
@@ -696,6 +741,9 @@ def predict_step_time(hlo_text: str, rates: DeviceRates | str, *, num_devices: i
 
   Returns:
     The `StepTime`.
+
+  Raises:
+    ValueError: ``hlo_text`` has no ENTRY computation, or ``rates`` names an unknown topology.
   """
   if isinstance(rates, str):
     rates = device_rates(rates)
@@ -731,8 +779,15 @@ def model_flops(num_params: int, tokens: int, *, layers: int = 0, heads: int = 0
 
 
 def attention_shape(model: Any) -> dict[str, int] | None:
-  """``{'layers', 'heads', 'head_dim'}`` read from a Flax module's config (``cfg`` or
-  ``config``, in zerojax's GPT, Hugging Face or the benchmarks' field names), or None."""
+  """Attention's shape, read from a Flax module's config.
+
+  Args:
+    model: a module with a ``cfg`` or ``config`` in zerojax's GPT, Hugging Face or the
+      benchmarks' field names.
+
+  Returns:
+    ``{'layers', 'heads', 'head_dim'}``, or None where the config does not give all three.
+  """
   cfg = getattr(model, "cfg", None) or getattr(model, "config", None)
   if cfg is None:
     return None
