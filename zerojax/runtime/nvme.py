@@ -83,7 +83,11 @@ METRICS = {"nvme_read_mb_s": "read_mb_s", "nvme_write_mb_s": "write_mb_s",
 
 
 class NotChunkableError(ConfigError):
-  """The optax transformation's update is not elementwise: it cannot run chunk by chunk."""
+  """The optax transformation's update is not elementwise: it cannot run chunk by chunk.
+
+  Raised by `chunked_transformation` (and so by `create_train_state` and `create_nnx`); the
+  message names the first member of the chain that fails alone.
+  """
 
 
 # -- which transformations stream ---------------------------------------------------------------
@@ -153,10 +157,8 @@ def _host_update(update: Callable, init: Callable | None, seen: list[str]
   return (lambda u, s, p, norm: update(u, s, p)), [(name, init, update)]
 
 
-# The chunk update runs on (chunk, one-element pad): with two parameter leaves XLA:CPU computes a
-# transformation's scalar terms (Adam's bias corrections) once and shares them, as it does for a
-# model's many leaves; on a single leaf it fuses them into the elementwise loop, which rounds
-# differently from the in-memory update (BENCHMARKS.md).
+# The chunk update runs on (chunk, one-element pad), so that it rounds as the in-memory update
+# does (docs/design.md, "NVMe update").
 _PAD = 1
 
 
@@ -195,12 +197,29 @@ class ChunkedTransformation:
             [x for x, k in zip(leaves, self.kinds) if k == "shared"])
 
   def init(self, params: jax.Array) -> tuple[list, list]:
-    """``(chunk leaves, shared leaves)`` of ``tx.init`` on a 1-D chunk."""
+    """The optimizer state of one chunk, fresh.
+
+    Args:
+      params: a 1-D chunk of parameters.
+
+    Returns:
+      ``(chunk leaves, shared leaves)`` of ``tx.init`` on it.
+    """
     return self._split(self.tx.init(self._pair(params)))
 
   def update(self, grads, params, per, shared, norm):
-    """``(new params, new chunk leaves, new shared leaves, the pad's results)`` of one
-    chunk."""
+    """The optax update of one chunk.
+
+    Args:
+      grads: the chunk's reduced gradient, 1-D.
+      params: the chunk's parameters, 1-D.
+      per: its ``'chunk'`` state leaves.
+      shared: the ``'shared'`` state leaves.
+      norm: the gradient's global norm (computed on the devices).
+
+    Returns:
+      ``(new params, new chunk leaves, new shared leaves, the pad's results)``.
+    """
     pair = self._pair(params)
     fresh = jax.tree.leaves(self.tx.init(pair))  # only the pad's leaves survive XLA's DCE
     per, shared, leaves = iter(per), iter(shared), []
@@ -301,10 +320,9 @@ def chunked_transformation(tx: Any, params: PyTree, *, probe_steps: int = 3,
 
 def _row_pieces(shape: tuple[int, ...], max_elems: int) -> list[tuple[int, int]]:
   """``(first row, last row + 1)`` pieces of an array of ``shape``, each at most ``max_elems``
-  elements (at least one row). A piece keeps the array's trailing dimensions: XLA:CPU
-  vectorises an elementwise loop along them, and rounds a fused multiply-add differently in
-  the vector body and the scalar remainder, so an element must sit at the same place in its
-  row as in the in-memory update to get the same bits."""
+  elements (at least one row). A piece keeps the array's trailing dimensions, so an element
+  sits at the same place in its row as in the in-memory update and gets the same bits
+  (docs/design.md, "NVMe update")."""
   if not shape:
     return [(0, 1)]
   row = int(np.prod(shape[1:], dtype=np.int64))
@@ -672,7 +690,16 @@ class NvmeOptimizer:
 
   def initialize(self, state: Any, *, overwrite: bool = False) -> None:
     """Writes the optimizer state of ``state.params`` (``tx.init``, piece by piece) as the
-    first generation. An existing state is kept unless ``overwrite`` (see `check_resume`)."""
+    first generation.
+
+    Args:
+      state: the device train state.
+      overwrite: replace an existing committed state; otherwise it is kept (see
+        `check_resume`).
+
+    Raises:
+      NvmeStateError: there are no parameters to keep optimizer state for.
+    """
     if self.store.exists and not overwrite:
       return
     if self.size == 0:
@@ -696,8 +723,15 @@ class NvmeOptimizer:
     self.store.write_initial(fill, self.bounds, shared, step=int(getattr(state, "step", 0)))
 
   def check_resume(self, state: Any) -> None:
-    """Refuses a state whose step is not the step of the committed optimizer state (a
-    restored checkpoint needs its NVMe snapshot, `restore_checkpoint`)."""
+    """Refuses a state whose step is not the step of the committed optimizer state.
+
+    Args:
+      state: the train state (or `NnxView`) about to be stepped.
+
+    Raises:
+      NvmeStateError: the steps differ (a restored checkpoint needs its NVMe snapshot,
+        `restore_checkpoint`).
+    """
     step = int(getattr(state, "step", 0))
     if self.store.step != step:
       raise NvmeStateError(
@@ -707,9 +741,18 @@ class NvmeOptimizer:
           "the optimizer state afresh")
 
   def update(self, state: Any) -> Any:
-    """The host part of a step: ``state`` after the device part (its ``opt_state`` holds the
-    reduced gradient) -> the state with updated parameters. The optimizer state on disk moves
-    to the next generation."""
+    """The host part of a step. The optimizer state on disk moves to the next generation.
+
+    Args:
+      state: the state after the device part (its ``opt_state`` holds the reduced gradient).
+
+    Returns:
+      The state with updated parameters.
+
+    Raises:
+      NvmeStateError: the transformation's shared state differs between pieces (it is not
+        elementwise).
+    """
     return self._update([state])
 
   def _finish_segment(self, k: int, new: "_HostSegments", *old: "_HostSegments"
@@ -804,7 +847,11 @@ class NvmeOptimizer:
     """The committed optimizer state as the optax state tree ``tx.init(params)`` makes, laid
     out as this run's optimizer shards (replicated scalars): what an in-memory or host-offload
     run holds, e.g. to save it with `zerojax.runtime.checkpoint.Checkpointer` or continue in
-    memory. It needs memory for the whole state of this process."""
+    memory. It needs memory for the whole state of this process.
+
+    Returns:
+      The optax state tree, on this run's devices.
+    """
     treedef, positions = self._full_positions()
     streamed = self.chunked.streamed
     shared = self.store.shared()
@@ -825,8 +872,16 @@ class NvmeOptimizer:
     return jax.tree.unflatten(treedef, leaves)
 
   def load_opt_state(self, opt_state: PyTree, step: int) -> None:
-    """Writes an optax state tree (from an in-memory or host-offload run, or a checkpoint of
-    one; any sharding) as the committed generation at ``step``."""
+    """Writes an optax state tree as the committed generation at ``step``.
+
+    Args:
+      opt_state: the state, from an in-memory or host-offload run or a checkpoint of one, in
+        any sharding.
+      step: the step it belongs to.
+
+    Raises:
+      NvmeStateError: its structure is not the one this run's transformation makes.
+    """
     treedef, positions = self._full_positions()
     leaves, got = jax.tree.flatten(opt_state)
     if got != treedef:
@@ -861,8 +916,17 @@ class NvmeOptimizer:
     (`restore_checkpoint`), so a process killed in between leaves the previous one. Snapshots
     whose orbax step was deleted by retention are removed.
 
+    Args:
+      checkpointer: the `zerojax.runtime.checkpoint.Checkpointer`.
+      state: the train state, after the host update.
+      **save_kw: passed on to ``checkpointer.save``.
+
     Returns:
-      the step saved.
+      The step saved.
+
+    Raises:
+      NvmeStateError: the optimizer state is not at ``state.step`` (save after the host
+        update, as `step` does).
     """
     step = int(state.step)
     snap = self._snapshot_dir(checkpointer.directory, step)
@@ -882,7 +946,14 @@ class NvmeOptimizer:
     return step
 
   def checkpoint_steps(self, checkpointer: Any) -> list[int]:
-    """Steps with a complete checkpoint: orbax's and the optimizer state's files."""
+    """Steps with a complete checkpoint: orbax's and the optimizer state's files.
+
+    Args:
+      checkpointer: the `zerojax.runtime.checkpoint.Checkpointer`.
+
+    Returns:
+      The steps, in orbax's order.
+    """
     return [s for s in checkpointer.all_steps()
             if os.path.exists(os.path.join(self._snapshot_dir(checkpointer.directory, s),
                                            "manifest.json"))]
@@ -1017,7 +1088,16 @@ class NvmeOptimizer:
     `update` on the host. Called as ``step(state, batch, ...) -> (state, metrics)``, or, for
     an NNX pair from `create_nnx`, ``step(model, optimizer, batch, ...) -> metrics`` (the
     model's parameters are updated in place, as under ``nnx.jit``). Metrics gain ``nvme_*``
-    timings of the host part."""
+    timings of the host part.
+
+    Args:
+      train_step: the user's train step, as for `zerojax.zero_step`.
+      donate: donate the state's buffers to the device step.
+
+    Returns:
+      The NVMe step. Its first call refuses a state whose step is not the committed optimizer
+      state's (`check_resume`).
+    """
     device_step = zero_step(self.plan, donate=donate)(train_step)
     checked: list[bool] = []
 

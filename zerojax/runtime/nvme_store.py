@@ -114,14 +114,30 @@ class NvmeSnapshotDamagedError(NvmeError):
 
 
 def process_dir(nvme_path: str, process_index: int) -> str:
-  """This process's directory under ``nvme_path``."""
+  """A process's directory under ``nvme_path``.
+
+  Args:
+    nvme_path: the run's ``nvme_path``.
+    process_index: the JAX process index.
+
+  Returns:
+    ``<nvme_path>/zerojax-nvme/process-<process_index>``.
+  """
   return os.path.join(nvme_path, "zerojax-nvme", f"process-{process_index}")
 
 
 def check_nvme_path(nvme_path: str, bytes_needed: int, *, in_use: int = 0) -> int:
   """Checks, before step 1, that ``nvme_path`` exists, is a writable directory and has room
   for ``bytes_needed`` more bytes (``in_use``: bytes of this store already on that disk, which
-  count as room since the store rewrites them). Returns the free bytes.
+  count as room since the store rewrites them).
+
+  Args:
+    nvme_path: the directory.
+    bytes_needed: bytes of room this process's optimizer state needs there.
+    in_use: bytes of this store already on that disk.
+
+  Returns:
+    The free bytes.
 
   Raises:
     NvmePathError: naming the host, the path, the bytes needed and the bytes free.
@@ -298,10 +314,12 @@ class NvmeStore:
 
   @property
   def exists(self) -> bool:
+    """Whether a committed generation is there."""
     return self.manifest is not None
 
   @property
   def step(self) -> int | None:
+    """The step of the committed generation, or None without one."""
     return None if self.manifest is None else int(self.manifest["step"])
 
   def shared(self) -> list[np.ndarray]:
@@ -389,8 +407,17 @@ class NvmeStore:
   def write_initial(self, fill: Callable[[int, int], Sequence[np.ndarray]],
                     bounds: Sequence[tuple[int, int]], shared: Sequence[np.ndarray],
                     step: int = 0) -> None:
-    """Writes and commits a whole new generation, chunk by chunk (``bounds``: each chunk's
-    ``(start, stop)``): ``fill(start, stop)`` returns each leaf's values there."""
+    """Writes and commits a whole new generation, chunk by chunk.
+
+    Args:
+      fill: ``fill(start, stop)`` returns each leaf's values in ``[start, stop)``.
+      bounds: each chunk's ``(start, stop)``.
+      shared: the shared (non-per-element) state leaves.
+      step: the step the generation belongs to.
+
+    Raises:
+      NvmeDiskFullError: the disk filled up (the committed generation is intact).
+    """
     g = 0 if self.manifest is None else self.manifest["generation"] + 1
     d, fds = self._open_new(g)
     crcs: list[list[int]] = [[] for _ in self.leaves]
@@ -414,7 +441,16 @@ class NvmeStore:
       raise
 
   def read(self, k: int, start: int = 0, stop: int | None = None) -> np.ndarray:
-    """Leaf ``k``'s committed values in ``[start, stop)`` (a copy in memory)."""
+    """Leaf ``k``'s committed values.
+
+    Args:
+      k: the leaf's index in `leaves`.
+      start: the first element.
+      stop: the element after the last; None: the end.
+
+    Returns:
+      The values in ``[start, stop)``, a copy in memory.
+    """
     stop = self.size if stop is None else stop
     dtype = self.leaves[k][1]
     out = np.empty(stop - start, dtype)
@@ -436,7 +472,24 @@ class NvmeStore:
     vectors in order) of the committed generation is read into a pooled buffer,
     ``update(i, arrays)`` changes chunk ``i`` in place, and it is written to the next
     generation, which is then committed with ``shared()`` and ``step``. If anything fails
-    (or the process dies) before the commit, the committed generation is untouched."""
+    (or the process dies) before the commit, the committed generation is untouched.
+
+    Args:
+      update: ``update(i, arrays)`` changes chunk ``i``'s leaf arrays in place.
+      bounds: each chunk's ``(start, stop)``, covering the vectors in order.
+      buffer_count: chunk buffers in the pool.
+      pipeline_read: read the next chunks while one updates.
+      pipeline_write: write updated chunks in a background thread.
+      shared: returns the new shared state leaves, called once all chunks are updated.
+      step: the step of the new generation.
+
+    Returns:
+      The pass's `StreamStats`.
+
+    Raises:
+      NvmeStateError: there is no committed generation to update.
+      NvmeDiskFullError: the disk filled up (the committed generation is intact).
+    """
     if self.manifest is None:
       raise NvmeStateError(f"{self.directory}: no committed optimizer state to update")
     stats = StreamStats()
@@ -491,7 +544,14 @@ class NvmeStore:
   def snapshot(self, dest: str) -> None:
     """Copies the committed generation into ``dest`` (created; must not exist), as hard links
     where ``dest`` is on the same file system: a committed generation's files are never
-    written again, so a link is a copy."""
+    written again, so a link is a copy.
+
+    Args:
+      dest: the snapshot's directory, which must not exist.
+
+    Raises:
+      NvmeStateError: there is no committed generation.
+    """
     if self.manifest is None:
       raise NvmeStateError(f"{self.directory}: no committed optimizer state to snapshot")
     src = self._gen_dir(self.manifest["generation"])
@@ -511,14 +571,14 @@ class NvmeStore:
 
   def verify_snapshot(self, src: str) -> dict:
     """Reads the snapshot in ``src`` back against its manifest: every file there, of the size
-    written, and each chunk with the CRC-32 recorded when it was written (a snapshot written
-    before chunk checksums were recorded: sizes only). It reads the whole state once.
+    written, and each chunk with the CRC-32 recorded when it was written (a manifest without
+    chunk checksums: sizes only). It reads the whole state once.
 
     Args:
       src: the snapshot's directory (`snapshot`'s ``dest``).
 
     Returns:
-      the snapshot's manifest.
+      The snapshot's manifest.
 
     Raises:
       NvmeSnapshotDamagedError: a file is missing, truncated or corrupted, or the manifest
