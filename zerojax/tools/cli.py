@@ -51,7 +51,17 @@ _COUNTS = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
 
 
 def parse_bytes(text: str) -> float:
-  """``'16GB'`` -> 16e9, ``'80GiB'`` -> 80 * 2**30, ``'1.5e10'`` -> 1.5e10."""
+  """A byte size as the command line writes it.
+
+  Args:
+    text: e.g. ``'16GB'`` (16e9), ``'80GiB'`` (80 * 2**30) or ``'1.5e10'``.
+
+  Returns:
+    The bytes.
+
+  Raises:
+    argparse.ArgumentTypeError: ``text`` is not a byte size.
+  """
   m = re.fullmatch(r"\s*([0-9.]+(?:e[+-]?\d+)?)\s*([a-zA-Z]*)\s*", str(text))
   if not m or m.group(2).lower() not in _UNITS:
     raise argparse.ArgumentTypeError(
@@ -60,7 +70,17 @@ def parse_bytes(text: str) -> float:
 
 
 def parse_count(text: str) -> float:
-  """``'7.5e9'``, ``'7.5B'``, ``'89M'`` -> a parameter count."""
+  """A parameter count as the command line writes it.
+
+  Args:
+    text: e.g. ``'7.5e9'``, ``'7.5B'`` or ``'89M'``.
+
+  Returns:
+    The count.
+
+  Raises:
+    argparse.ArgumentTypeError: ``text`` is not a parameter count.
+  """
   m = re.fullmatch(r"\s*([0-9.]+(?:e[+-]?\d+)?)\s*([a-zA-Z]?)\s*", str(text))
   if not m or m.group(2).lower() not in _COUNTS:
     raise argparse.ArgumentTypeError(f"{text!r} is not a parameter count; use e.g. 7.5e9, "
@@ -83,6 +103,14 @@ def _join_process_group() -> None:
 
 
 def cmd_train(args) -> int:
+  """``zerojax train``: trains the GPT example from a config plus overrides.
+
+  Args:
+    args: the parsed command line.
+
+  Returns:
+    The exit status (1 where no step ran).
+  """
   _join_process_group()
   loaded = load_config(args.config, args.overrides)
   from zerojax.tools import train as zt  # lazy: JAX
@@ -102,6 +130,14 @@ def cmd_train(args) -> int:
 
 
 def cmd_finetune(args) -> int:
+  """``zerojax finetune``: fine-tunes a model (`zerojax.tools.finetune.run`).
+
+  Args:
+    args: the parsed command line.
+
+  Returns:
+    The exit status.
+  """
   _join_process_group()
   from zerojax.tools import finetune  # lazy: JAX
   return finetune.run(args)
@@ -120,6 +156,14 @@ def _shapes_only() -> None:
 
 
 def cmd_plan(args) -> int:
+  """``zerojax plan``: prints the sharding table for a model and config.
+
+  Args:
+    args: the parsed command line.
+
+  Returns:
+    The exit status.
+  """
   loaded = load_config(args.config, args.overrides, apply_xla_flags=False,
                        for_training=False)
   from zerojax.tools import estimate, train as zt  # lazy: JAX
@@ -139,6 +183,14 @@ def cmd_plan(args) -> int:
 
 
 def cmd_estimate(args) -> int:
+  """``zerojax estimate``: prints the model-state memory per device at each stage.
+
+  Args:
+    args: the parsed command line.
+
+  Returns:
+    The exit status.
+  """
   if (args.params is None) == (args.model is None):
     raise ConfigError("estimate needs exactly one of --params N (the ZeRO paper's assumptions) "
                       "or --model PRESET (real shapes and dtypes)")
@@ -223,10 +275,8 @@ def _compiled_peak(args, config, per_use: dict[str, int]):
     p = estimate.step_peak(args.model, cfg, batch, args.seq)
     if not _partitioner_gathers(cfg):
       return p
-    # XLA:CPU's partitioner (gather='auto' there) may move activations instead of a weight
-    # sharded along a matmul's contracting dimension (e.g. an LM head whose vocabulary divides
-    # by no device count gets whole-batch logits on every device). zerojax's own per-use
-    # gathers (what accelerators get by default) may need less: the lower one is kept.
+    # zerojax's own per-use gathers may need less than XLA:CPU's partitioner: the lower one is
+    # kept (docs/design.md, "zerojax estimate --fit").
     q = estimate.step_peak(args.model, cfg.replace(gather="explicit"), batch, args.seq)
     if q >= p:
       return p, f"gather=explicit would need {estimate.fmt_bytes(q)}"
@@ -282,6 +332,14 @@ def _print_fit(args, options, fit, extra_flags, compile_note) -> int:
 
 
 def cmd_compile(args) -> int:
+  """``zerojax compile``: compiles the step for a TPU or GPU pod and reports whether it fits.
+
+  Args:
+    args: the parsed command line.
+
+  Returns:
+    The exit status.
+  """
   loaded = load_config(args.config, args.overrides, apply_xla_flags=False,
                        for_training=False)
   from zerojax.tools import estimate  # lazy: JAX
@@ -372,6 +430,14 @@ def _compile_note(args, n: int) -> str | None:
 
 
 def cmd_config(args) -> int:
+  """``zerojax config``: prints what a (DeepSpeed) config maps to, as JSON.
+
+  Args:
+    args: the parsed command line.
+
+  Returns:
+    The exit status.
+  """
   loaded = load_config(args.config, args.overrides, apply_xla_flags=False,
                        for_training=False)
   print(json.dumps({"zerojax": loaded.config.to_dict(), "train": loaded.train}, indent=1,
@@ -440,6 +506,14 @@ def _one_line_message(e: BaseException) -> str:
 
 
 def cmd_export(argv: list[str]) -> int:
+  """``zerojax export``: writes a checkpoint's parameters out (`zerojax.tools.export`).
+
+  Args:
+    argv: the arguments after ``export``, which its own parser reads.
+
+  Returns:
+    The exit status.
+  """
   from zerojax.tools import export  # lazy: JAX
   rc = int(export.main(argv, prog=f"{PROG} export") or 0)
   # export.main answers a missing, damaged or mismatched checkpoint (the input) with 1; every
@@ -451,8 +525,11 @@ def cmd_export(argv: list[str]) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-  """The ``zerojax`` parser: one subcommand per job (``export`` and ``launch`` parse their own
-  arguments)."""
+  """The ``zerojax`` parser.
+
+  Returns:
+    The parser, one subcommand per job (``export`` and ``launch`` parse their own arguments).
+  """
   fmt = argparse.RawDescriptionHelpFormatter
   p = argparse.ArgumentParser(
       prog=PROG, formatter_class=fmt,
@@ -710,6 +787,18 @@ def _train_options_help() -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+  """The ``zerojax`` command.
+
+  Input the user can fix (a bad config or file, a full disk, processes that disagree) is one
+  line on stderr, not a traceback, unless ``--debug`` or ``ZEROJAX_DEBUG=1``.
+
+  Args:
+    argv: the arguments after the program name; None: ``sys.argv[1:]``.
+
+  Returns:
+    The exit status: the command's, ``EXIT_INPUT`` for input the user can fix, 2 without a
+    command.
+  """
   argv, debug = _debug_flag(list(sys.argv[1:] if argv is None else argv))
   if argv and argv[0] == "export":  # its own parser lives in zerojax.tools.export
     return cmd_export(argv[1:])

@@ -87,8 +87,11 @@ class DeepSpeedMapping:
   unresolved: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
   def require_resolved(self) -> None:
-    """Raises `ConfigError` naming every ``"auto"`` key nothing gave a value, and how to set
-    each (a run must not start on values nobody chose)."""
+    """Refuses ``"auto"`` values nothing resolved: a run must not start on values nobody chose.
+
+    Raises:
+      ConfigError: naming every ``"auto"`` key nothing gave a value, and how to set each.
+    """
     if self.unresolved:
       raise ConfigError(
           f"DeepSpeed config: {len(self.unresolved)} 'auto' value(s) the run gives no value "
@@ -98,8 +101,15 @@ class DeepSpeedMapping:
   def apply_xla_flags(self, environ: "os._Environ | dict | None" = None) -> list[str]:
     """Appends `xla_flags` to ``XLA_FLAGS`` (flags the user already set win).
 
-    Returns the flags actually added. Call it before JAX initialises its backend; afterwards
-    XLA has already read ``XLA_FLAGS`` and the flags have no effect (a warning says so).
+    Call it before JAX initialises its backend; afterwards XLA has already read ``XLA_FLAGS``
+    and the flags have no effect (a warning says so).
+
+    Args:
+      environ: the environment to change; None: ``os.environ``, and a warning where the JAX
+        backend has already started.
+
+    Returns:
+      The flags actually added.
     """
     env = os.environ if environ is None else environ
     current = env.get("XLA_FLAGS", "")
@@ -115,7 +125,11 @@ class DeepSpeedMapping:
     return added
 
   def summary(self) -> str:
-    """Human-readable account of what was set."""
+    """A human-readable account of what was set.
+
+    Returns:
+      Lines of text: the stage, the XLA flags set and the notes.
+    """
     lines = [f"DeepSpeed config -> ZeroConfig(stage={self.config.stage}, ...)"]
     if self.xla_flags:
       lines.append("XLA flags set:")
@@ -127,8 +141,19 @@ class DeepSpeedMapping:
 
 
 def from_deepspeed(d: Mapping[str, Any], given: Mapping[str, Any] | None = None) -> ZeroConfig:
-  """The `ZeroConfig` of a DeepSpeed config dict (see `map_deepspeed` for flags, notes and
-  ``given``); an ``"auto"`` nothing resolves is an error (`DeepSpeedMapping.require_resolved`)."""
+  """The `ZeroConfig` of a DeepSpeed config dict (`map_deepspeed` gives flags and notes too).
+
+  Args:
+    d: the DeepSpeed config.
+    given: the settings the run was given, for ``"auto"`` values (see `map_deepspeed`).
+
+  Returns:
+    The `ZeroConfig`.
+
+  Raises:
+    ConfigError: as `map_deepspeed`, and for an ``"auto"`` nothing resolves
+      (`DeepSpeedMapping.require_resolved`).
+  """
   m = map_deepspeed(d, given)
   m.require_resolved()
   return m.config
@@ -137,7 +162,16 @@ def from_deepspeed(d: Mapping[str, Any], given: Mapping[str, Any] | None = None)
 def load_deepspeed(path: str | os.PathLike) -> DeepSpeedMapping:
   """`map_deepspeed` of a ``.json`` (or ``.yaml``) DeepSpeed config file.
 
-  Errors name the file (see `zerojax.core.config.read_config_file` for what the reader refuses).
+  Args:
+    path: the file.
+
+  Returns:
+    Its `DeepSpeedMapping`.
+
+  Raises:
+    FileNotFoundError: the file does not exist.
+    ConfigError: naming the file, when the reader refuses it
+      (`zerojax.core.config.read_config_file`) or `map_deepspeed` does.
   """
   d = read_config_file(path)
   with in_file(path):
@@ -145,7 +179,14 @@ def load_deepspeed(path: str | os.PathLike) -> DeepSpeedMapping:
 
 
 def is_deepspeed(d: Mapping[str, Any]) -> bool:
-  """Whether a config dict is in DeepSpeed format (it has ``zero_optimization``)."""
+  """Whether a config dict is in DeepSpeed format.
+
+  Args:
+    d: the config, any value.
+
+  Returns:
+    True where ``d`` is a mapping with ``zero_optimization``.
+  """
   return isinstance(d, Mapping) and "zero_optimization" in d
 
 
@@ -290,6 +331,13 @@ def map_deepspeed(d: Mapping[str, Any],
   the run's own (the optimizer's betas, eps and weight decay, ``warmup_steps``, ``steps``,
   ``batch``). A note per key says what was chosen and why; what nothing resolves is listed in
   `DeepSpeedMapping.unresolved` (the learning rate, precision and clipping have no default).
+
+  Args:
+    d: the DeepSpeed config.
+    given: the settings the run was given, by `TrainOptions` or `ZeroConfig` field name.
+
+  Returns:
+    The `DeepSpeedMapping`.
 
   Raises:
     ConfigError: for an unknown key (named), an unsupported value such as ``device: nvme``
