@@ -186,3 +186,11 @@ def test_documentation_names_only_public_modules(path):
   lines = [f"{i}: {line.strip()}" for i, line in
            enumerate((ROOT / path).read_text().splitlines(), 1) if _INTERNAL.search(line)]
   assert not lines, f"{path} names the internal layers:\n" + "\n".join(lines)
+
+
+def test_ambient_state_is_one_record_in_one_context_variable():
+  # What code called from a traced step reads without being handed it is the fields of
+  # `zerojax.core.context.Tracing`, in one context variable; no module keeps its own.
+  found = {str(f.relative_to(PKG)): f.read_text().count("ContextVar(")
+           for f in sorted(PKG.rglob("*.py")) if "ContextVar(" in f.read_text()}
+  assert found == {"core/context.py": 1}

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 import functools
 import warnings
@@ -20,7 +19,8 @@ from zerojax.core.blocks import checkpointed_blocks, recording, repeated_blocks
 from zerojax.core.config import ConfigError
 from zerojax.core.dtypes import compute_dtype_of, to_compute
 from zerojax.core.formulation import Formulation
-from zerojax.core.gather import ZeroParam, box_params, setting
+from zerojax.core.context import setting, tracing
+from zerojax.core.gather import ZeroParam, box_params
 from zerojax.core.plan import ShardingPlan
 from zerojax.core.regather import prefetching, regather_layers
 from zerojax.core.remat import block_policy, checkpoint_model
@@ -50,7 +50,7 @@ class ModelApply:
     self._warned = False
 
   def __call__(self, variables: Any, *args: Any, **kwargs: Any) -> Any:
-    with setting(_IN_MODEL, True):  # the model's own apply is not routed again
+    with setting(in_model=True):  # the model's own apply is not routed again
       return self._call(variables, *args, **kwargs)
 
   def _call(self, variables: Any, *args: Any, **kwargs: Any) -> Any:
@@ -183,12 +183,6 @@ class _Applies:
     return chosen[0] if chosen else None
 
 
-_APPLIES: contextvars.ContextVar[_Applies | None] = contextvars.ContextVar(
-    "zerojax_linen_applies", default=None)
-# Set while a `ModelApply` runs: a ``state.apply_fn`` bound to the hooked ``Module.apply`` (a
-# state created after the hook was installed) must not be wrapped a second time.
-_IN_MODEL: contextvars.ContextVar[bool] = contextvars.ContextVar("zerojax_in_model",
-                                                                 default=False)
 
 
 @contextlib.contextmanager
@@ -198,18 +192,16 @@ def linen_applies(plan: ShardingPlan) -> Iterator[_Applies]:
   `ModelApply` does, so it reaches its parameters as the plan's formulation says (per use on
   TPU and GPU) and in the compute dtype. Other calls run as Flax's own."""
   applies = _Applies(plan)
-  with linen_apply_hook(_dispatch_apply):
-    token = _APPLIES.set(applies)
-    try:
-      yield applies
-    finally:
-      _APPLIES.reset(token)
+  with linen_apply_hook(_dispatch_apply), setting(linen_applies=applies):
+    yield applies
 
 
 def _dispatch_apply(module, variables, *args, **kwargs):
-  applies = _APPLIES.get()
+  # `Tracing.in_model`: a ``state.apply_fn`` bound to the hooked ``Module.apply`` (a state
+  # created inside a step) is not wrapped a second time.
+  applies = tracing().linen_applies
   params = variables.get("params") if hasattr(variables, "get") else None
-  if (applies is None or params is None or _IN_MODEL.get()
+  if (applies is None or params is None or tracing().in_model
       or jax.tree.structure(params) != jax.tree.structure(applies.plan.params)):
     return ORIGINAL_LINEN_APPLY(module, variables, *args, **kwargs)
   if id(module) not in applies.by_module:  # the module is kept, so its id stays its own

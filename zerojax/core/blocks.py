@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import contextvars
 import warnings
 from typing import Any, Hashable, Iterator
 
@@ -27,7 +26,8 @@ from flax import errors as flax_errors
 from flax import linen as nn
 from flax import nnx
 
-from zerojax.core.gather import ZeroParam, setting
+from zerojax.core.context import setting, tracing
+from zerojax.core.gather import ZeroParam
 from zerojax.core.regather import array_args
 
 __all__ = ["recording", "repeated_blocks", "checkpointed_blocks", "nnx_blocks",
@@ -72,11 +72,6 @@ def repeated_blocks(calls: dict[Path, type]) -> frozenset[Path]:
   return frozenset()
 
 
-# Set while a block runs under its checkpoint: its own modules are not wrapped again.
-_IN_BLOCK: contextvars.ContextVar[bool] = contextvars.ContextVar("zerojax_in_block",
-                                                                default=False)
-
-
 @contextlib.contextmanager
 def checkpointed_blocks(paths: frozenset[Path], policy: Any) -> Iterator[None]:
   """Inside the block, each call of a linen module at one of ``paths`` runs under
@@ -87,7 +82,7 @@ def checkpointed_blocks(paths: frozenset[Path], policy: Any) -> Iterator[None]:
   def intercept(next_fun, args, kwargs, context):
     module, method = context.module, context.method_name
     scope = module.scope
-    if (_IN_BLOCK.get() or scope is None or tuple(scope.path) not in paths
+    if (tracing().in_block or scope is None or tuple(scope.path) not in paths
         or method == "setup" or (method.startswith("_") and method != "__call__")):
       return next_fun(*args, **kwargs)
     variables = module.variables
@@ -108,7 +103,7 @@ def checkpointed_blocks(paths: frozenset[Path], policy: Any) -> Iterator[None]:
       params = jax.tree.unflatten(treedef, [b.replace(value=v) if isinstance(b, ZeroParam)
                                             else v for b, v in zip(boxes, values)])
       a, kw = rebuild(arrays)
-      with setting(_IN_BLOCK, True):
+      with setting(in_block=True):
         out = unbound.apply({"params": params}, *a, method=method, rngs=keys or None, **kw)
       # A block may return Python values beside its arrays (``(x, None, 3)``); only arrays
       # leave a checkpoint, so the rest is put back in place after it.

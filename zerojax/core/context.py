@@ -7,6 +7,10 @@ was called, so the step can refuse a configuration that the user's code silently
 ``gradient_accumulation_steps=4`` with a plain ``jax.value_and_grad``).
 
 Outside a traced zerojax step there is no context and ``current()`` returns ``None``.
+
+Everything code called from a traced step reads without being handed it is one frozen record,
+`Tracing`, in one context variable: `tracing` reads it and `setting` changes fields of it for a
+block. A reader finds every such setting here, with what sets it and what reads it.
 """
 
 from __future__ import annotations
@@ -16,10 +20,7 @@ import contextvars
 import dataclasses
 from typing import Any, Iterator
 
-__all__ = ["StepContext", "current", "active"]
-
-_ACTIVE: contextvars.ContextVar["StepContext | None"] = contextvars.ContextVar(
-    "zerojax_step", default=None)
+__all__ = ["StepContext", "Tracing", "tracing", "setting", "current", "active"]
 
 
 @dataclasses.dataclass
@@ -66,15 +67,93 @@ class StepContext:
   scans: list = dataclasses.field(default_factory=list)
 
 
+@dataclasses.dataclass(frozen=True)
+class Tracing:
+  """What code called from a traced zerojax step reads without being handed it.
+
+  Attributes:
+    step: the step being traced (`active`), or None outside one.
+    scan: how each ``jax.lax.scan`` traced here wraps its body
+      (`zerojax.core.remat.scanned_layers`), or None: as written.
+    scan_outcomes: the list `zerojax.core.remat.scanned_layers` collects what became of each
+      scan into, or None.
+    linen_applies: the linen models a step applies itself (`zerojax.core.apply.linen_applies`),
+      or None.
+    in_model: a `zerojax.core.apply.ModelApply` is running (its model's own ``apply`` is not
+      routed again).
+    in_block: a checkpointed block runs (`zerojax.core.blocks`); blocks inside it run as
+      written.
+    in_layer: a layer's re-gathering call runs (`zerojax.core.regather`); its sub-layers run
+      as written.
+    model_trace: the trace of the model whose layers re-gather (`zerojax.core.regather`), or
+      None.
+    previous: the layers gathered one matmul layer ahead link through this list
+      (`zerojax.core.regather.prefetching`), or None: each layer waits for its own input.
+    across_checkpoints: layers gathered ahead across the model's own checkpoints gather
+      unordered (`zerojax.core.regather.prefetching`).
+    wait_for: the token a layer's gathers wait for (`zerojax.core.gather.token_of`), or None.
+    in_backward: a layer's backward pass re-runs it (`zerojax.core.regather`,
+      `zerojax.core.remat.recompute_in_backward`): a quantised re-gather may then move full
+      precision weights (``quantize_weights_backward=False``).
+  """
+
+  step: "StepContext | None" = None
+  scan: Any = None
+  scan_outcomes: list | None = None
+  linen_applies: Any = None
+  in_model: bool = False
+  in_block: bool = False
+  in_layer: bool = False
+  model_trace: Any = None
+  previous: list | None = None
+  across_checkpoints: bool = False
+  wait_for: Any = None
+  in_backward: bool = False
+
+
+_TRACING: contextvars.ContextVar[Tracing] = contextvars.ContextVar("zerojax_tracing",
+                                                                   default=Tracing())
+
+
+def tracing() -> Tracing:
+  """The `Tracing` record of this thread and context."""
+  return _TRACING.get()
+
+
+@contextlib.contextmanager
+def setting(**changes: Any) -> Iterator[Tracing]:
+  """Inside the block, `tracing` returns the record with ``changes``; after it, as before.
+
+  Args:
+    **changes: `Tracing` fields and their values.
+
+  Yields:
+    The changed record.
+
+  Raises:
+    TypeError: a name is not a `Tracing` field.
+  """
+  token = _TRACING.set(dataclasses.replace(_TRACING.get(), **changes))
+  try:
+    yield _TRACING.get()
+  finally:
+    _TRACING.reset(token)
+
+
 def current() -> StepContext | None:
   """The context of the zerojax step being traced, or ``None``."""
-  return _ACTIVE.get()
+  return _TRACING.get().step
 
 
 @contextlib.contextmanager
 def active(ctx: StepContext) -> Iterator[StepContext]:
-  token = _ACTIVE.set(ctx)
-  try:
+  """Makes ``ctx`` the step being traced inside the block (`current`).
+
+  Args:
+    ctx: the step's context.
+
+  Yields:
+    ``ctx``.
+  """
+  with setting(step=ctx):
     yield ctx
-  finally:
-    _ACTIVE.reset(token)

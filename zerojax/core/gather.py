@@ -12,7 +12,6 @@ pass (`zerojax.core.remat`). Which models are boxed is decided in `zerojax.core.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 import functools
 from typing import Any, Iterator
@@ -24,10 +23,11 @@ from flax.core import meta
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from zerojax.core.context import tracing
 from zerojax.core.dtypes import compute_dtype_of, reduce_dtype_of
 from zerojax.core.memory_kinds import HOST
 
-__all__ = ["GATHERED", "AFTER", "BACKWARD", "setting", "zerojax_gather", "gather", "fetch",
+__all__ = ["GATHERED", "zerojax_gather", "gather", "fetch",
            "after", "token_of", "ZeroParam", "box_params"]
 
 
@@ -72,26 +72,6 @@ zerojax_gather.defvjp(_gather_fwd, _gather_bwd)
 def fetch(w: jax.Array, device: NamedSharding) -> jax.Array:
   """Host -> device copy of an offloaded shard (its gradient goes back to host memory)."""
   return jax.device_put(w, device)
-
-
-# The token (`token_of`) a layer's gathers must wait for (see `regather_layers`); None outside one.
-AFTER: contextvars.ContextVar[Any] = contextvars.ContextVar("zerojax_after", default=None)
-
-
-# Set while a layer's backward pass re-runs it (`regather_layers`, `recompute_in_backward`): the
-# quantised formulation's re-gather then moves full-precision weights if the config's
-# ``quantizes_backward`` is false (``quantize_weights_backward=False``).
-BACKWARD: contextvars.ContextVar[bool] = contextvars.ContextVar("zerojax_backward",
-                                                                 default=False)
-
-
-@contextlib.contextmanager
-def setting(var: contextvars.ContextVar, value: Any) -> Iterator[None]:
-  token = var.set(value)
-  try:
-    yield
-  finally:
-    var.reset(token)
 
 
 def after(w: jax.Array, token: jax.Array | None) -> jax.Array:
@@ -166,7 +146,7 @@ class ZeroParam(struct.PyTreeNode, meta.AxisMetadata):
     if self.compute_dtype is not None and jnp.issubdtype(v.dtype, jnp.floating):
       v = v.astype(self.compute_dtype)
     if self.at_rest != self.compute:
-      v = after(v, AFTER.get())
+      v = after(v, tracing().wait_for)
     out = gather(v, ns(self.at_rest), ns(self.compute), ns(self.grad), self.reduce_dtype,
                  self.lookup)
     return checkpoint_name(out, GATHERED)

@@ -7,7 +7,6 @@ ahead: `prefetching`).
 from __future__ import annotations
 
 import contextlib
-import contextvars
 from typing import Any, Callable, Iterator
 
 import jax
@@ -20,18 +19,11 @@ from jax.extend.core import get_opaque_trace_state
 
 from zerojax._compat import checkpoint_trace
 from zerojax.core import context
-from zerojax.core.gather import AFTER, BACKWARD, ZeroParam, setting, token_of
+from zerojax.core.context import setting, tracing
+from zerojax.core.gather import ZeroParam, token_of
 
 __all__ = ["regather_layers", "regather_nnx_layers", "prefetching", "inside_checkpoints",
            "array_args"]
-
-
-# Set while a layer runs inside `regather_layers`, so its own module call is not wrapped again.
-_IN_LAYER: contextvars.ContextVar[bool] = contextvars.ContextVar("zerojax_in_layer", default=False)
-
-# `inside_checkpoints`: the trace the model itself runs in; None outside it.
-_MODEL_TRACE: contextvars.ContextVar[Any] = contextvars.ContextVar("zerojax_model_trace",
-                                                                   default=None)
 
 
 @contextlib.contextmanager
@@ -42,12 +34,12 @@ def inside_checkpoints(on: bool) -> Iterator[None]:
   for its input, and the checkpoint's re-run of the forward pass gathers again for the
   backward pass, which uses those weights. A custom VJP there would gather a third time (its
   own backward re-gather): four collectives per weight instead of ZeRO-3's three."""
-  with setting(_MODEL_TRACE, get_opaque_trace_state() if on else None):
+  with setting(model_trace=get_opaque_trace_state() if on else None):
     yield
 
 
 def _in_own_checkpoint() -> bool:
-  model = _MODEL_TRACE.get()
+  model = tracing().model_trace
   return model is not None and (trace := checkpoint_trace()) is not None and trace != model
 
 
@@ -56,13 +48,13 @@ def _checkpointed(call: Callable[[], Any], arrays: list, boxes: list) -> Any:
   its gathers wait for its input (under `prefetching`, the previous matmul layer's in the same
   checkpoint, `_ahead_of`); the checkpoint's re-run orders them again in the backward pass."""
   wait = arrays
-  if (held := _PREVIOUS.get()) is not None:
+  if (held := tracing().previous) is not None:
     wait = _ahead_of(held[0] if held else None, arrays)
     if _has_matrix(boxes):
       held[:] = [_Previous(arrays, wait, [])]
       if (ctx := context.current()) is not None:
         ctx.layers_ahead = ctx.layers_in_checkpoints = True
-  with setting(_IN_LAYER, True), setting(AFTER, token_of(wait, boxes[0].barrier)):
+  with setting(in_layer=True, wait_for=token_of(wait, boxes[0].barrier)):
     return call()
 
 
@@ -90,7 +82,7 @@ def regather_layers(next_fun: Callable, args: tuple, kwargs: dict,
   schedule; XLA drops what the recomputed forward does not feed.
   """
   module, method = context.module, context.method_name
-  if (_IN_LAYER.get() or method == "setup" or (method.startswith("_") and method != "__call__")
+  if (tracing().in_layer or method == "setup" or (method.startswith("_") and method != "__call__")
       or module.scope is None or module.scope.mutable):
     return next_fun(*args, **kwargs)
   variables = module.variables
@@ -109,7 +101,7 @@ def regather_layers(next_fun: Callable, args: tuple, kwargs: dict,
   def run(shards, arrays, token):
     a, kw = rebuild(arrays)
     boxed = {n: b.replace(value=v) for n, b, v in zip(names, boxes, shards)}
-    with setting(_IN_LAYER, True), setting(AFTER, token):
+    with setting(in_layer=True, wait_for=token):
       return unbound.apply({"params": boxed}, *a, method=method, **kw)
 
   try:
@@ -153,18 +145,12 @@ def _ahead_of(previous: _Previous | None, arrays: list) -> list:
     return arrays
   before = previous.input_here()
   if before is None:  # another trace
-    return [] if _ACROSS.get() else arrays
+    return [] if tracing().across_checkpoints else arrays
   if not before:
     return arrays
   if len(before) == len(arrays) and all(a is b for a, b in zip(before, arrays)):
     return previous.waited
   return before
-
-
-# Inside `prefetching`: the `_Previous` layer ([] before one), and its ``across_checkpoints``.
-_PREVIOUS: contextvars.ContextVar[list | None] = contextvars.ContextVar("zerojax_previous",
-                                                                       default=None)
-_ACROSS: contextvars.ContextVar[bool] = contextvars.ContextVar("zerojax_across", default=False)
 
 
 @contextlib.contextmanager
@@ -183,7 +169,8 @@ def prefetching(on: bool, across_checkpoints: bool = False) -> Iterator[None]:
   ``across_checkpoints`` (`Backend.prefetches_across_checkpoints`) its gathers wait for
   nothing and the scheduler places them, beside the block before's matmuls; without, they
   wait for its own input, with only a norm beside them."""
-  with setting(_PREVIOUS, [] if on else None), setting(_ACROSS, on and across_checkpoints):
+  # Inside: the `_Previous` layer ([] before one) links the layers, in `Tracing.previous`.
+  with setting(previous=[] if on else None, across_checkpoints=on and across_checkpoints):
     yield
 
 
@@ -209,7 +196,7 @@ def _layer(run: Callable, shards: list, arrays: list, barrier: bool, matrix: boo
   after its first float argument exists (`prefetching`: the previous matmul layer's), keeps the
   shards and arguments as residuals, and whose backward pass re-gathers after the output's
   cotangent exists (`prefetching`: the next matmul layer's) and differentiates ``run`` again."""
-  held = _PREVIOUS.get()
+  held = tracing().previous
   ahead = held is not None  # `prefetching`
   if token_of(arrays, True) is None:
     held = None
@@ -261,7 +248,7 @@ def _layer(run: Callable, shards: list, arrays: list, barrier: bool, matrix: boo
       # The previous matmul layer may re-gather once this one's backward pass begins; not
       # behind the last one, whose own re-gather (often the largest, a head's) runs then.
       previous.cotangent, previous.cotangent_trace = ct, trace
-    with setting(BACKWARD, True):
+    with setting(in_backward=True):
       _, vjp = jax.vjp(lambda s, a: run(s, a, token), shards, arrays)
       d_shards, d_arrays = vjp(ct)
       return d_shards, d_arrays, None, None  # the wait and their shards only order
@@ -309,7 +296,7 @@ def _layer_class(cls: type) -> type:
 
 def _nnx_layer_call(self: Any, *args: Any, **kwargs: Any) -> Any:
   call = type(self).__mro__[1].__call__
-  if _IN_LAYER.get():
+  if tracing().in_layer:
     return call(self, *args, **kwargs)
   graphdef, state = nnx.split(self)
   shards, state_def = jax.tree.flatten(state)
@@ -322,7 +309,7 @@ def _nnx_layer_call(self: Any, *args: Any, **kwargs: Any) -> Any:
   def run(shards, arrays, token):
     a, kw = rebuild(arrays)
     layer = nnx.merge(graphdef, jax.tree.unflatten(state_def, shards))
-    with setting(_IN_LAYER, True), setting(AFTER, token):
+    with setting(in_layer=True, wait_for=token):
       out = call(layer, *a, **kw)
     if {p for p, _ in nnx.to_flat_state(nnx.state(layer))} != paths:
       raise _WritesState

@@ -10,7 +10,6 @@ other threads, and code outside a step, get JAX's own scan.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 from typing import Any, Callable, Iterator
 
@@ -20,7 +19,8 @@ import jax.numpy as jnp
 from zerojax._compat import (ORIGINAL_SCAN, REMAT_PRIMITIVE_NAMES, nested_remat_rule,
                              scan_hook, jaxpr_has_primitive, keeps_nested_policies,
                              name_p, sharding_constraint_p)
-from zerojax.core.gather import BACKWARD, GATHERED, setting
+from zerojax.core.context import setting, tracing
+from zerojax.core.gather import GATHERED
 from zerojax.core.pipeline import Declined, Pipeline, pipelined_scan
 from zerojax.core.regather import inside_checkpoints
 
@@ -30,7 +30,7 @@ __all__ = ["ScanRemat", "scan_remat", "remat_policy", "checkpoint_model", "save_
 
 def recompute_in_backward(f: Callable) -> Callable:
   """``f`` (a scan body ``(carry, x) -> (carry, y)``) keeping only its inputs for the backward
-  pass, which re-runs it as traced with `BACKWARD` set (so a quantised formulation may
+  pass, which re-runs it as traced with `Tracing.in_backward` set (so a quantised formulation may
   re-gather in full precision); as ``jax.checkpoint`` with ``nothing_saveable``, but with the
   re-run marked."""
 
@@ -39,7 +39,7 @@ def recompute_in_backward(f: Callable) -> Callable:
     # one is only evaluated in the backward pass.
     # (closure_convert caches its trace by function: each trace gets a function of its own)
     forward, consts = jax.closure_convert(lambda c, a: f(c, a), carry, x)
-    with setting(BACKWARD, True):
+    with setting(in_backward=True):
       backward, bconsts = jax.closure_convert(lambda c, a: f(c, a), carry, x)
 
     @jax.custom_vjp
@@ -193,16 +193,13 @@ def block_policy(config: Any):
   return None
 
 
-_SCAN: contextvars.ContextVar[ScanRemat | None] = contextvars.ContextVar(
-    "zerojax_scan_remat", default=None)
-
 
 def _body_rematerialises(f: Callable, init: Any, xs: Any) -> bool:
   """Whether a scan body already applies ``jax.checkpoint`` (e.g. ``nn.scan(nn.remat(B))``)."""
   spec = lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
   x0 = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x)[1:], jnp.result_type(x)), xs)
   try:
-    with setting(_SCAN, None):
+    with setting(scan=None):
       jaxpr = jax.make_jaxpr(f)(jax.tree.map(spec, init), x0)
   except Exception:  # a body we cannot trace on its own: leave it as the user wrote it
     return True
@@ -210,12 +207,12 @@ def _body_rematerialises(f: Callable, init: Any, xs: Any) -> bool:
 
 
 def _dispatch_scan(f, init, xs=None, length=None, **kwargs):
-  rs = _SCAN.get()
+  rs = tracing().scan
   if rs is None:
     return ORIGINAL_SCAN(f, init, xs, length, **kwargs)
   if rs.pipeline is not None:
     def as_written(c, x):  # the layer's own body: scans inside it are not routed again
-      with setting(_SCAN, None):
+      with setting(scan=None):
         return f(c, x)
     out = pipelined_scan(rs.pipeline, as_written, init, xs, length, **kwargs)
     if not isinstance(out, Declined):
@@ -234,13 +231,9 @@ def _dispatch_scan(f, init, xs=None, length=None, **kwargs):
   return ORIGINAL_SCAN(f, init, xs, length, **kwargs)
 
 
-# What became of each scan a step traced with a pipeline (`scanned_layers` collects them).
-_OUTCOMES: contextvars.ContextVar[list | None] = contextvars.ContextVar(
-    "zerojax_scan_outcomes", default=None)
-
 
 def _record(outcome: Any) -> None:
-  outcomes = _OUTCOMES.get()
+  outcomes = tracing().scan_outcomes
   if outcomes is not None:
     outcomes.append(outcome)
 
@@ -251,6 +244,6 @@ def scanned_layers(rs: ScanRemat | None) -> Iterator[list]:
   the list of what became of each scan given a pipeline: a `zerojax.core.pipeline.OneAhead`
   where its layers ran one ahead, else the reason they could not."""
   outcomes: list = []
-  with (scan_hook(_dispatch_scan), nested_remat_rule(), setting(_SCAN, rs),
-        setting(_OUTCOMES, outcomes)):
+  with scan_hook(_dispatch_scan), nested_remat_rule(), setting(scan=rs,
+                                                                scan_outcomes=outcomes):
     yield outcomes

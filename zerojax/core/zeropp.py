@@ -31,7 +31,8 @@ from jax.sharding import PartitionSpec as P
 from zerojax.core import quantize as q
 from zerojax.core.config import ConfigError
 from zerojax.core.dtypes import reduce_dtype_of, to_compute
-from zerojax.core.gather import AFTER, BACKWARD, GATHERED, ZeroParam, after
+from zerojax.core.context import tracing
+from zerojax.core.gather import GATHERED, ZeroParam, after
 from zerojax.core.plan import ShardingPlan
 
 __all__ = ["explain", "manual_gather", "shard_map_apply"]
@@ -76,9 +77,9 @@ class ManualGather:
       if grad_dim != rest_dim:
         raise ValueError(f"zerojax: a parameter sharded at rest as {box.at_rest} needs its "
                          f"gradient sharded on the same dimension, not {box.grad}")
-      backward = BACKWARD.get()
+      backward = tracing().in_backward
       quantize = self.weights if (self.weights_backward or not backward) else None
-      v = after(box.value, AFTER.get())
+      v = after(box.value, tracing().wait_for)
       if quantize is None:  # full precision is the compute dtype, as the forward pass computed
         v = to_compute(v, self.compute_dtype or box.compute_dtype)
       # Named so that HLO metadata tells the forward gather from the backward re-gather.
