@@ -30,6 +30,7 @@ _EXPORTS = {
     "DEFAULT_CORPUS": "zerojax.tools.options",
     "export": "zerojax.tools.export",
     "make_mesh": "zerojax.core.mesh",
+    "Backend": "zerojax.core.backend",
     "LeafPlan": "zerojax.core.plan",
     "ShardingPlan": "zerojax.core.plan",
     "value_and_grad": "zerojax.core.grad",
@@ -46,13 +47,14 @@ _SUBMODULES = ("models", "memory", "checkpoint", "weights", "data", "train", "fi
                "distributed", "nvme", "core", "runtime", "tools")
 
 __all__ = [
-    "ConfigError", "ZeroConfig", "make_mesh", "LeafPlan", "ShardingPlan", "create_nnx",
+    "ConfigError", "ZeroConfig", "make_mesh", "Backend", "LeafPlan", "ShardingPlan", "create_nnx",
     "create_train_state", "zero_step", "ZeroStep", "value_and_grad", "ZeroTrainState",
     "StepSettings", "load_config", "DEFAULT_CORPUS", "export", "master_weights",
     "MasterWeightsState",
 ]
 
 if TYPE_CHECKING:  # what type checkers and IDEs see; at run time `__getattr__` imports these
+  from zerojax.core.backend import Backend
   from zerojax.core.config import ConfigError, ZeroConfig
   from zerojax.core.grad import value_and_grad
   from zerojax.core.master import MasterWeightsState, master_weights
