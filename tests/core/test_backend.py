@@ -137,3 +137,10 @@ def test_create_train_state_and_create_nnx_take_a_backend():
                                    optax.sgd(0.1), config=config, backend=tpu_like)
   assert nplan.backend is tpu_like and sorted(lp.reason for lp in nplan.leaves) == [
       "sharded", "threshold"]
+
+
+def test_per_use_by_default_from_the_backends_stage():
+  on = lambda b, stage: b.per_use_at(zerojax.ZeroConfig(stage=stage))
+  assert [on(backend.GPU, s) for s in range(4)] == [False, False, True, True]
+  assert [on(backend.TPU, s) for s in range(4)] == [False, False, False, True]
+  assert [on(backend.CPU, s) for s in range(4)] == [False] * 4

@@ -47,8 +47,10 @@ class Backend:
       ``max_live_layers`` is None.
     pipelines_layers: scanned layers may run one ahead (`zerojax.core.pipeline`) when two are
       live.
-    gathers_per_use: ``gather='auto'`` at stage 3 gathers every model per use; otherwise only an
-      unscanned linen model without its own remat is, and XLA's partitioner gathers the rest.
+    per_use_from_stage: from this stage on, ``gather='auto'`` gathers every model per use (at
+      stage 2 each parameter is read in place and its gradient reduce-scattered where the layer's
+      backward pass makes it); None: only an unscanned linen model without its own remat is, at
+      stage 3, and XLA's partitioner gathers the rest.
     finds_tables: at stages 2-3, a model's lookup tables are found and their gradients summed
       whole before they are sharded (`zerojax.core.formulation.lookup_tables`).
     shards_leading_dim: at stage 3, leaves of three or more dimensions shard their first
@@ -82,7 +84,7 @@ class Backend:
   model_checkpoint_prevents_cse: bool = False
   live_layers: int = 1
   pipelines_layers: bool = True
-  gathers_per_use: bool = True
+  per_use_from_stage: int | None = 3
   finds_tables: bool = True
   shards_leading_dim: bool = False
   small_leaf_elements: int = 4096
@@ -125,6 +127,11 @@ class Backend:
     keeps = config.per_use_settings or (self.keeps_small_leaves_at_stage3
                                         and config.shards_params)
     return self.small_leaf_elements if keeps else 0
+
+  def per_use_at(self, config: Any) -> bool:
+    """Whether ``gather='auto'`` gathers every model per use at ``config.stage``
+    (`per_use_from_stage`)."""
+    return self.per_use_from_stage is not None and config.stage >= self.per_use_from_stage
 
   def default_live_layers(self, config: Any) -> int:
     """``config.max_live_layers``, or this compiler's `live_layers` where it is None."""
@@ -181,7 +188,7 @@ CPU = Backend(
     waits_by_barrier=False,
     prefetches_next_layer=False,
     model_checkpoint_prevents_cse=True,
-    gathers_per_use=False,
+    per_use_from_stage=None,
     finds_tables=False,
     device_memory_is_host=True,
     # Stages 1-3: each gradient is reduced as soon as it exists; XLA:CPU's combiner would hold
@@ -203,6 +210,8 @@ GPU = Backend(
     name="gpu",
     prefetches_across_checkpoints=True,
     live_layers=2,  # the next layer's gather beside the current layer's compute
+    # Stage 2 per use: each layer's gradient is reduce-scattered inside the backward scan.
+    per_use_from_stage=2,
     shards_leading_dim=True,
     fused_attention=True,
     compiler_options=_GPU_DEFAULT,

@@ -60,9 +60,9 @@ def choose(plan: Any, jaxpr: Any, linen: bool = True,
   """How a model reaches its parameters on ``plan``'s target, decided before it compiles.
 
   A setting that acts at each use (`ShardingPlan.gathers_per_use`) always gathers per use.
-  Otherwise ``gather='auto'`` at stage 3 gathers per use where the backend says so
-  (`zerojax.core.backend.Backend.gathers_per_use`), and elsewhere only an unscanned linen
-  model with ``remat='auto'`` and no checkpoints of its own. With ``remat='full'``,
+  Otherwise ``gather='auto'`` gathers per use from the stage the backend names
+  (`zerojax.core.backend.Backend.per_use_from_stage`), and elsewhere, at stage 3, only an
+  unscanned linen model with ``remat='auto'`` and no checkpoints of its own. With ``remat='full'``,
   ``'dots'`` or ``'offload'`` and repeated ``blocks``, the named policy goes on each block;
   without blocks, on the whole model.
 
@@ -123,13 +123,11 @@ def remat_applied(config: Any, chosen: Formulation | None) -> str:
 
 def _per_use_by_default(plan: Any, has_scan: bool, remats: bool, linen: bool) -> bool:
   """Whether ``gather='auto'`` gathers per use for this model and target (see `choose`)."""
-  if plan.config.gather != "auto" or not plan.params_sharded:
+  if plan.config.gather != "auto" or not any(lp.is_sharded for lp in plan.leaves):
     return False
-  if not any(lp.is_sharded for lp in plan.leaves):
-    return False
-  if plan.backend.gathers_per_use:
+  if plan.backend.per_use_at(plan.config):
     return True
-  if not linen:
+  if not linen or not plan.params_sharded:
     return False
   # Left to the partitioner, an unscanned model may keep every layer's gathered weights for the
   # backward pass; per use bounds that to one layer whatever the shapes.

@@ -414,7 +414,7 @@ def _partitioner_gathers(config) -> bool:
     return False
   import jax  # lazy: JAX
   from zerojax.core import backend
-  return not backend.for_platform(jax.devices()[0].platform).gathers_per_use
+  return not backend.for_platform(jax.devices()[0].platform).per_use_at(config)
 
 
 def _compile_note(args, n: int) -> str | None:
