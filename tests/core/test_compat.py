@@ -79,6 +79,7 @@ def _child(*args):
   return json.loads(r.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_jax_outside_a_zerojax_step_computes_as_jax_does():
   plain = _child()
   after = _child("zerojax")

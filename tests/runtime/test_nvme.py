@@ -396,6 +396,7 @@ def _unique_bytes() -> int:
   return sum(seen.values())
 
 
+@pytest.mark.slow
 def test_nvme_master_weights_on_disk_and_one_parameter_copy(tmp_path, monkeypatch):
   """ZeRO-Infinity's accounting: bf16 parameters and gradient shards on the devices, the
   float32 master, mu and nu (12 bytes per parameter) on disk, bit-identical to the same

@@ -43,7 +43,9 @@ def _finetune(base, out, *args, capsys, config=()):
   return printed.out, _records(out)
 
 
-@pytest.mark.parametrize("lora", [4, 0], ids=["lora", "full"])
+# LoRA stays in the fast subset; the full fine-tune runs with the slow tests.
+@pytest.mark.parametrize("lora", [4, pytest.param(0, marks=pytest.mark.slow)],
+                         ids=["lora", "full"])
 def test_fp16_with_accumulation_equals_the_doubled_micro_batch(base, tmp_path, capsys, lora):
   """fp16 with gradient_accumulation_steps=2 (the zerojax overrides) gives the losses of
   accumulation 1 with the doubled micro-batch (DeepSpeed's fp16 section): one global batch,
@@ -113,6 +115,7 @@ def _deepspeed_rule(overflowed, scale, window=2):
   return out
 
 
+@pytest.mark.slow
 def test_fp16_overflows_skip_steps_and_resume_at_the_scale_reached(base, tmp_path, capsys):
   """Overflowing steps are skipped and the scale moves by DeepSpeed's rule; a run stopped after
   the checkpoint of step 3 and resumed goes on at the scale, counters and losses of the run

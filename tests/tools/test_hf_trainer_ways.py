@@ -143,6 +143,7 @@ def _lora_losses(d, out, *overrides):
                                                        got["result"].history]
 
 
+@pytest.mark.slow
 def test_lora_with_gradient_accumulation_equals_the_full_batch(fp32_dir, tmp_path):
   """The standard HF LoRA recipe (adapters + gradient_accumulation_steps) trains, and each
   step's loss and gradient norm are the full batch's to float rounding."""
@@ -155,6 +156,7 @@ def test_lora_with_gradient_accumulation_equals_the_full_batch(fp32_dir, tmp_pat
   np.testing.assert_allclose(gn_acc, gn_full, rtol=2e-5)
 
 
+@pytest.mark.slow
 def test_lora_gradient_with_accumulation_and_loss_scale_equals_the_full_batch(fp32_dir):
   """`zerojax.value_and_grad(wrt=nnx.LoRAParam)`: the adapters' gradient only, the same with 2
   micro-batches and a static loss scale as from the full batch."""

@@ -212,6 +212,7 @@ def test_train_cli_resume_flags():
     zt.TrainOptions(resume="no")
 
 
+@pytest.mark.slow
 def test_resume_with_more_steps_continues_the_schedule(tmp_path, monkeypatch, capsys):
   """#52: a cosine run resumed with another ``steps`` goes on from the rate it had: no jump
   back up, no early end; the note names the old and the new curve."""
@@ -252,6 +253,7 @@ def test_resume_with_more_steps_continues_the_schedule(tmp_path, monkeypatch, ca
   assert "on resume at step" not in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_resume_after_the_end_holds_the_final_rate(tmp_path, capsys):
   config = ZeroConfig(stage=2)
   opts = zt.TrainOptions(out_dir=str(tmp_path), checkpoint_dir=str(tmp_path / "ck"),

@@ -81,6 +81,7 @@ def test_user_errors_are_one_line_and_a_traceback_with_debug(monkeypatch, capsys
     cli.main(["config", "x.json"])
 
 
+@pytest.mark.slow
 def test_missing_nvme_path_is_one_line_exit_2_and_a_traceback_with_debug(tmp_path):
   args = ["train", *TINY, "steps=2", "offload_optimizer=nvme", f"out_dir={tmp_path / 'o'}",
           f"nvme_path={tmp_path / 'absent'}"]
