@@ -93,6 +93,16 @@ def _held(key: str, install: Callable[[], Any], restore: Callable[[Any], None]) 
         restore(_held_saved.pop(key))
 
 
+def _attribute_held(key: str, owner: Any, name: str, dispatch: Callable[..., Any],
+                    original: Callable[..., Any]) -> contextlib.AbstractContextManager[None]:
+  """`_held` for ``owner.name``: ``dispatch`` (wrapped to look like ``original``) while held."""
+  def install():
+    saved = getattr(owner, name)
+    setattr(owner, name, functools.update_wrapper(dispatch, original))
+    return saved
+  return _held(key, install, lambda saved: setattr(owner, name, saved))
+
+
 def scan_hook(dispatch: Callable[..., Any]) -> contextlib.AbstractContextManager[None]:
   """While a step traces inside the block, ``jax.lax.scan`` is ``dispatch`` (same signature;
   it calls `ORIGINAL_SCAN` itself). JAX has no hook for rewriting scan bodies. Outside every
@@ -105,11 +115,7 @@ def scan_hook(dispatch: Callable[..., Any]) -> contextlib.AbstractContextManager
   Returns:
     A context manager.
   """
-  def install():
-    saved = jax.lax.scan
-    jax.lax.scan = functools.update_wrapper(dispatch, ORIGINAL_SCAN)
-    return saved
-  return _held("scan", install, lambda saved: setattr(jax.lax, "scan", saved))
+  return _attribute_held("scan", jax.lax, "scan", dispatch, ORIGINAL_SCAN)
 
 
 def linen_apply_hook(dispatch: Callable[..., Any]) -> contextlib.AbstractContextManager[None]:
@@ -125,11 +131,7 @@ def linen_apply_hook(dispatch: Callable[..., Any]) -> contextlib.AbstractContext
   Returns:
     A context manager.
   """
-  def install():
-    saved = nn.Module.apply
-    nn.Module.apply = functools.update_wrapper(dispatch, ORIGINAL_LINEN_APPLY)
-    return saved
-  return _held("linen_apply", install, lambda saved: setattr(nn.Module, "apply", saved))
+  return _attribute_held("linen_apply", nn.Module, "apply", dispatch, ORIGINAL_LINEN_APPLY)
 
 
 def var_uses(jaxpr: Any) -> dict[Any, list[tuple[Any, int]]]:
