@@ -144,3 +144,8 @@ def test_per_use_by_default_from_the_backends_stage():
   assert [on(backend.GPU, s) for s in range(4)] == [False, False, True, True]
   assert [on(backend.TPU, s) for s in range(4)] == [False, False, False, True]
   assert [on(backend.CPU, s) for s in range(4)] == [False] * 4
+
+
+def test_a_backend_that_is_not_one_is_one_line():
+  with pytest.raises(TypeError, match=r"^backend='gpu' is invalid: a zerojax.Backend or None"):
+    _plan(zerojax.ZeroConfig(stage=3), backend="gpu")

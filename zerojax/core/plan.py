@@ -124,6 +124,7 @@ class ShardingPlan:
     Raises:
       ConfigError: the mesh has no ``fsdp`` axis, a rule or partitioning metadata names a
         dimension that does not divide, or offload asks for a memory the devices lack.
+      TypeError: ``backend`` is not a `zerojax.Backend`.
     """
     if "fsdp" not in mesh.axis_names:
       raise ConfigError(f"mesh axes {mesh.axis_names} have no 'fsdp' axis to shard over")
@@ -131,6 +132,9 @@ class ShardingPlan:
     meta_specs = metadata_specs(params, mesh)
     params = unbox(params)
     paths, flat, treedef = flatten(params)
+    if backend is not None and not isinstance(backend, Backend):
+      raise TypeError(f"backend={backend!r} is invalid: a zerojax.Backend or None (the mesh's "
+                      "devices')")
     backend = backend if backend is not None else for_mesh(mesh)
     leaves = tuple(plan_leaf(config, mesh, p, x, meta_specs.get(p), backend)
                    for p, x in zip(paths, flat))
