@@ -389,6 +389,23 @@ def test_peer_watch_names_a_dead_process_at_once(capfd):
   assert exits == {0: peers.EXIT_PEER_GONE, 1: peers.EXIT_PEER_GONE}
 
 
+def test_peer_watch_settle_tells_an_echo_of_a_death_from_an_own_error(capfd):
+  # A collective with a killed peer fails about when the peer's connection closes; the
+  # exception hook settles first, so the death is what the survivor reports.
+  ws, exits = _watches(2)
+  t0 = time.monotonic()
+  assert ws[1].settle(0.2) is False and time.monotonic() - t0 >= 0.2  # nobody died
+  ws[0]._exiting = True  # process 0 is killed: its connections close without a goodbye
+  for c in list(ws[0]._conns.values()):
+    c.shutdown(socket.SHUT_RDWR)
+  assert ws[1].settle(5.0) is True
+  assert exits == {1: peers.EXIT_PEER_GONE}
+  assert "zerojax: process 0 of 2 (the coordinator) is gone" in capfd.readouterr().err
+  ws2, exits2 = _watches(2)
+  ws2[0].failed()  # a peer's own error is no death: settle does not wait for its grace
+  assert ws2[1].settle(0.2) is False
+
+
 def test_peer_watch_takes_a_goodbye_for_no_death(capfd):
   ws, exits = _watches(2)
   ws[1].done()

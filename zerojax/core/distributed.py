@@ -416,6 +416,8 @@ def _install_exit_on_error(pid: int, nproc: int) -> None:
   def hook(kind, value, tb):
     try:
       if (watch := peers.current()) is not None:
+        if watch.settle():  # a peer died; this error is its echo. The watch ends this
+          time.sleep(peers.FAILURE_GRACE + 5.0)  # process naming it; this is a backstop.
         watch.failed()  # the others stop too, after a grace to print their own error
       previous(kind, value, tb)
       if isinstance(value, ProcessMismatchError):

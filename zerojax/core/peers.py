@@ -34,11 +34,15 @@ from typing import Any, Callable
 from zerojax.core.coordinator import split_address
 from zerojax.core.launch_env import ENV_PEER_WATCH, first_line
 
-__all__ = ["FAILURE_GRACE", "EXIT_PEER_GONE", "PeerWatch", "start", "current"]
+__all__ = ["FAILURE_GRACE", "DEATH_SETTLE", "EXIT_PEER_GONE", "PeerWatch", "start", "current"]
 
 # Seconds a survivor gives its own main thread to report the same error as a peer that
 # stopped on one, before it stops itself naming that peer.
 FAILURE_GRACE = 3.0
+# Seconds a process about to report its own error first gives the watch to find a dead peer:
+# a collective with a killed peer fails (Gloo: "Connection reset by peer") about when the
+# peer's watch connection closes, and the death, not that error, is what to report.
+DEATH_SETTLE = 2.0
 # The exit status of a process ended by the watch (a peer is gone; nothing here failed).
 EXIT_PEER_GONE = 1
 
@@ -67,6 +71,7 @@ class PeerWatch:
     self._said: dict[int, str] = {}  # process -> 'DONE' or 'FAIL' (process 0's record)
     self._left: set[int] = set()  # process 0: the processes whose connection closed
     self._exiting = False  # this process ends by itself: the watch no longer acts
+    self._dying = False  # the watch found a dead peer and is ending this process
     self._server: socket.socket | None = None
     self._token = ""
     self._sel = selectors.DefaultSelector()
@@ -127,6 +132,23 @@ class PeerWatch:
     stop after `FAILURE_GRACE`; the watch no longer ends this process itself."""
     self._exiting = True
     self._say("FAIL")
+
+  def settle(self, timeout: float = DEATH_SETTLE) -> bool:
+    """Waits at most ``timeout`` s for the watch to find another process dead.
+
+    Call it before reporting an error that a peer's death may have caused.
+
+    Args:
+      timeout: seconds to wait.
+
+    Returns:
+      ``True`` when the watch found a death and is ending this process itself, naming the
+      dead process; ``False`` when no death was seen (the error is this process's own).
+    """
+    deadline = time.monotonic() + timeout
+    while not self._dying and time.monotonic() < deadline:
+      time.sleep(0.01)
+    return self._dying
 
   def wait_for_others_to_leave(self, timeout: float = FAILURE_GRACE + 2.0) -> None:
     """Process 0, exiting on its own error: waits (at most ``timeout`` s) until every other
@@ -251,6 +273,7 @@ class PeerWatch:
       if self._exiting:
         return
       self._exiting = True
+      self._dying = not failed
     who = f"process {i} of {self.nproc}" + (" (the coordinator)" if i == 0 else "")
     if failed:
       what = f"{who} stopped on an error (its own output names it); process {self.pid} stops too"
