@@ -72,6 +72,7 @@ class PeerWatch:
     self._left: set[int] = set()  # process 0: the processes whose connection closed
     self._exiting = False  # this process ends by itself: the watch no longer acts
     self._dying = False  # the watch found a dead peer and is ending this process
+    self._heard_failure = False  # a peer said it stopped on an error of its own
     self._server: socket.socket | None = None
     self._token = ""
     self._sel = selectors.DefaultSelector()
@@ -143,10 +144,11 @@ class PeerWatch:
 
     Returns:
       ``True`` when the watch found a death and is ending this process itself, naming the
-      dead process; ``False`` when no death was seen (the error is this process's own).
+      dead process; ``False`` when no death was seen (the error is this process's own), or
+      at once when a peer said it stopped on an error (this one may be the same).
     """
     deadline = time.monotonic() + timeout
-    while not self._dying and time.monotonic() < deadline:
+    while not (self._dying or self._heard_failure) and time.monotonic() < deadline:
       time.sleep(0.01)
     return self._dying
 
@@ -266,6 +268,7 @@ class PeerWatch:
     """Process ``i`` is gone: ends this process, at once for a death, after `FAILURE_GRACE`
     for a failure (the main thread may be reporting the same error)."""
     if failed:
+      self._heard_failure = True
       time.sleep(FAILURE_GRACE)
     if self._exiting:
       return
