@@ -154,10 +154,17 @@ def _previous_run(out_dir: str) -> tuple[dict | None, list[dict]]:
   return run, records
 
 
-def _prepare_run(opts: TrainOptions, config: ZeroConfig) -> _RunDirs:
+def _this_run(opts: TrainOptions, config: ZeroConfig) -> dict[str, Any]:
+  """What ``run.json`` records of this run, as JSON values: ``{'config': ..., 'options': ...}``.
+  Read once; a previous run's ``run.json`` is compared with it."""
+  return json.loads(json.dumps({"config": config.to_dict(),
+                                "options": dataclasses.asdict(opts)}))
+
+
+def _prepare_run(opts: TrainOptions, this: dict[str, Any]) -> _RunDirs:
   """Decides whether this run resumes, starts beside a previous one or overwrites it, and
   arranges ``out_dir`` and ``checkpoint_dir`` for it (process 0 moves or deletes files; every
-  process decides from the same files before anything changes)."""
+  process decides from the same files before anything changes). ``this`` is `_this_run`."""
   out_dir, ckdir = opts.out_dir, opts.checkpoint_dir
   latest = None
   if ckdir and os.path.isdir(ckdir):
@@ -175,7 +182,7 @@ def _prepare_run(opts: TrainOptions, config: ZeroConfig) -> _RunDirs:
                  + (f" and its checkpoints in {ckdir!r}" if ckdir else ""))
     run, records, latest = None, [], None
   elif opts.resume and latest is not None:
-    notes += _resume_notes(opts, config, run, latest)
+    notes += _resume_notes(opts, this, run, latest)
     run_id = (run or {}).get("run_id") or _new_run_id()
     notes.append(f"resuming from checkpoint step {latest} in {ckdir!r} (run {run_id}; "
                  "--no-resume or --overwrite for a new run)")
@@ -188,7 +195,7 @@ def _prepare_run(opts: TrainOptions, config: ZeroConfig) -> _RunDirs:
         "(drop --no-resume), delete it with --overwrite (overwrite=true), or choose another "
         "checkpoint_dir")
   elif records:
-    notes.append(_move_metrics_aside(opts, run, records, config))
+    notes.append(_move_metrics_aside(opts, run, records, this))
   run_id, n = _new_run_id(), 1
   base = run_id
   while os.path.exists(os.path.join(out_dir, "tb", run_id)) or (
@@ -226,14 +233,13 @@ def _length_note(opts: TrainOptions, dirs: _RunDirs, sched: Any) -> str | None:
              else ""))
 
 
-def _resume_notes(opts: TrainOptions, config: ZeroConfig, run: dict | None,
+def _resume_notes(opts: TrainOptions, this: dict[str, Any], run: dict | None,
                   latest: int) -> list[str]:
   """Refuses to resume a run with other training options; notes a changed `ZeroConfig` (the
   checkpoint restores into the new plan)."""
   if run is None:
     return []
-  old = run.get("options", {})
-  new = json.loads(json.dumps(dataclasses.asdict(opts)))
+  old, new = run.get("options", {}), this["options"]
   diff = sorted(k for k in set(old) | set(new)
                 if k not in _RESUMABLE_CHANGES and old.get(k) != new.get(k))
   if diff:
@@ -243,7 +249,7 @@ def _resume_notes(opts: TrainOptions, config: ZeroConfig, run: dict | None,
         f"training options than this one ({what}); resuming it would mix two runs. Pass "
         "--no-resume (resume=false) with another checkpoint_dir to start a new run, or "
         "--overwrite (overwrite=true) to delete the old one first")
-  old_cfg, new_cfg = run.get("config") or {}, json.loads(json.dumps(config.to_dict()))
+  old_cfg, new_cfg = run.get("config") or {}, this["config"]
   changed = sorted(k for k in set(old_cfg) | set(new_cfg) if old_cfg.get(k) != new_cfg.get(k))
   old_opt, new_opt = old_cfg.get("offload_optimizer"), new_cfg.get("offload_optimizer")
   if "offload_optimizer" in changed and "nvme" in (old_opt, new_opt):
@@ -261,14 +267,13 @@ def _resume_notes(opts: TrainOptions, config: ZeroConfig, run: dict | None,
 
 
 def _move_metrics_aside(opts: TrainOptions, run: dict | None, records: list[dict],
-                        config: ZeroConfig) -> str:
+                        this: dict[str, Any]) -> str:
   """A previous run's metrics without a checkpoint: refused when resuming, else moved aside
   (``--no-resume``); returns the note saying where. The same command stopped before its first
   checkpoint (killed, or failed) is not another run: it starts again from step 1."""
   out_dir, ckdir = opts.out_dir, opts.checkpoint_dir
-  again = bool(ckdir) and run is not None and run.get("options") == json.loads(json.dumps(
-      dataclasses.asdict(opts))) and run.get("config") == json.loads(json.dumps(
-          config.to_dict()))
+  again = bool(ckdir) and run is not None and all(
+      run.get(k) == this[k] for k in ("options", "config"))
   if opts.resume and not again:
     steps = f"steps {records[0].get('step')}..{records[-1].get('step')}"
     raise ConfigError(
@@ -709,7 +714,8 @@ def _train(config: ZeroConfig, opts: TrainOptions, xla_notes: Iterable[str],
         f"ZeroConfig.offload_optimizer='nvme' is not supported by the {task.name!r} task: it "
         "keeps its optimizer state in memory (zerojax train's GPT task streams it from "
         "nvme_path); use offload_optimizer=true (pinned host memory) or false here")
-  dirs = _prepare_run(opts, config)
+  this = _this_run(opts, config)
+  dirs = _prepare_run(opts, this)
   tx, sched = make_optimizer(opts, dirs.lengths)
   note = _length_note(opts, dirs, sched)
   if note:
@@ -724,7 +730,8 @@ def _train(config: ZeroConfig, opts: TrainOptions, xla_notes: Iterable[str],
     if dirs.resume_step != first:
       dirs.notes.append(f"checkpoint step {first} cannot be read back (moved aside): resumed "
                         f"from step {dirs.resume_step} instead")
-  _log_start(config, mesh, plan, task, state, list(xla_notes) + dirs.notes)
+  # From here on the plan carries the config: everything below reads it there.
+  _log_start(plan, task, state, list(xla_notes) + dirs.notes)
   train_step = task.make_step(plan)
   batches = task.batches(plan, plan.batch_sizes[0], data_step)
   compiled_peak = None
@@ -733,7 +740,7 @@ def _train(config: ZeroConfig, opts: TrainOptions, xla_notes: Iterable[str],
   writer = MetricsWriter(opts.out_dir, tensorboard=opts.tensorboard, tb_dir=dirs.tb_dir,
                          resume_after=dirs.resume_step)
   if is_main_process():
-    _write_run_json(opts, config, dirs)
+    _write_run_json(opts, this, dirs)
   hooks = [WriteMetrics(writer)]
   tokens_per_step = plan.batch_sizes[0] * task.seq_len
   bar = None
@@ -744,11 +751,11 @@ def _train(config: ZeroConfig, opts: TrainOptions, xla_notes: Iterable[str],
     hooks.append(LogLines(opts.steps, opts.log_every, tokens_per_step, task.num_params(state),
                           list(plan.mesh.devices.flat), lambda: compiled_peak,
                           bar.write if bar is not None else log))
-  records = _Records(config, sched, tokens_per_step, writer.previous, start, hooks)
+  records = _Records(plan.config, sched, tokens_per_step, writer.previous, start, hooks)
   ckpt = None
   try:
     if opts.checkpoint_dir:
-      ckpt = Checkpointer(opts.checkpoint_dir, config=config)
+      ckpt = Checkpointer(opts.checkpoint_dir, config=plan.config)
       hooks.append(SaveCheckpoints(ckpt, opts.checkpoint_every, opts.steps, rng,
                                    lambda: {"batches_step": batches.step}, task.save_item,
                                    task.checkpoint_model, optimizer=task.optimizer))
@@ -758,13 +765,13 @@ def _train(config: ZeroConfig, opts: TrainOptions, xla_notes: Iterable[str],
     records.clock.close()
     for h in hooks:
       h.close()  # the checkpoint hook waits for the pending save
-  files = _finish(opts, config, task, state, records, writer, ckpt, tokens_per_step)
+  files = _finish(opts, plan.config.label, task, state, records, writer, ckpt, tokens_per_step)
   return TrainResult(state, plan, records.history, opts.out_dir, files)
 
 
-def _log_start(config: ZeroConfig, mesh: Any, plan: Any, task: Task, state: Any,
-               notes: list[str]) -> None:
+def _log_start(plan: Any, task: Task, state: Any, notes: list[str]) -> None:
   """The run's first lines: devices, mesh and stage; the model and its batch; the notes."""
+  config, mesh = plan.config, plan.mesh
   total, micro, accum = plan.batch_sizes  # rows per optimizer step, split into micro-batches
   log(f"zerojax: {jax.device_count()} x {jax.devices()[0].platform} devices, "
       f"{jax.process_count()} process(es), mesh {dict(mesh.shape)}, {config.label}")
@@ -797,7 +804,7 @@ def _show_plan(plan: Any, task: Task, train_step: Any, state: Any, batches: Any,
   return None
 
 
-def _write_run_json(opts: TrainOptions, config: ZeroConfig, dirs: _RunDirs) -> None:
+def _write_run_json(opts: TrainOptions, this: dict[str, Any], dirs: _RunDirs) -> None:
   run_json = os.path.join(opts.out_dir, "run.json")
   resumes = []
   if dirs.resume_step is not None and os.path.isfile(run_json):
@@ -805,8 +812,7 @@ def _write_run_json(opts: TrainOptions, config: ZeroConfig, dirs: _RunDirs) -> N
       resumes = json.load(f).get("resumed_from", [])
     resumes.append(dirs.resume_step)
   with open(run_json, "w") as f:
-    json.dump({"run_id": dirs.run_id, "config": config.to_dict(),
-               "options": dataclasses.asdict(opts), "resumed_from": resumes,
+    json.dump({"run_id": dirs.run_id, **this, "resumed_from": resumes,
                "lengths": dirs.lengths}, f, indent=1)
 
 
@@ -906,7 +912,7 @@ class _Records:
     return rec
 
 
-def _finish(opts: TrainOptions, config: ZeroConfig, task: Task, state: Any, records: _Records,
+def _finish(opts: TrainOptions, label: str, task: Task, state: Any, records: _Records,
             writer: MetricsWriter, ckpt: Any, tokens_per_step: int) -> dict[str, str]:
   """Writes the weights and the loss plot, logs the summary; returns the files written."""
   out_dir, history = opts.out_dir, records.history
@@ -919,7 +925,7 @@ def _finish(opts: TrainOptions, config: ZeroConfig, task: Task, state: Any, reco
     files["checkpoint"] = opts.checkpoint_dir
   if opts.plot and is_main_process() and history:
     files["loss_png"] = plot_loss(history, os.path.join(out_dir, "loss.png"),
-                                  f"{task.name}, {config.label}, {jax.device_count()} devices")
+                                  f"{task.name}, {label}, {jax.device_count()} devices")
   if history:
     first, last = history[0], history[-1]
     nan = float("nan")
