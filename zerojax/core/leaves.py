@@ -24,7 +24,7 @@ from flax.core import meta
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from zerojax.core.config import ConfigError, ZeroConfig
-from zerojax.core.backend import Backend, for_mesh
+from zerojax.core.backend import Backend
 from zerojax.core.mesh import axis_size
 
 __all__ = ["LeafPlan", "plan_leaf", "opt_param_index", "plan_opt_state", "metadata_specs",
@@ -66,8 +66,7 @@ class LeafPlan:
 
 
 def plan_leaf(config: ZeroConfig, mesh: Mesh, path: str, x: Any,
-              meta_spec: tuple | None, backend: Backend | None = None) -> LeafPlan:
-  backend = backend if backend is not None else for_mesh(mesh)
+              meta_spec: tuple | None, backend: Backend) -> LeafPlan:
   shape, dtype = tuple(x.shape), x.dtype
   base, reason = None, None
   for regex, spec in config.rules:
@@ -153,7 +152,7 @@ def opt_param_index(tx: Any, opt_state: PyTree, params: PyTree,
                for i, (_, x) in zip(found, flat))
 
 
-def plan_opt_state(config, mesh, opt_state, leaves, opt_param, kind, backend=None):
+def plan_opt_state(config, mesh, opt_state, leaves, opt_param, kind, backend):
   """Optimizer-state shardings: mirror a parameter's plan where the leaf mirrors a parameter."""
   flat, treedef = jax.tree_util.tree_flatten_with_path(opt_state)
   specs, infos = [], []

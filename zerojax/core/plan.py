@@ -128,14 +128,14 @@ class ShardingPlan:
     """
     if "fsdp" not in mesh.axis_names:
       raise ConfigError(f"mesh axes {mesh.axis_names} have no 'fsdp' axis to shard over")
+    if backend is not None and not isinstance(backend, Backend):
+      raise TypeError(f"backend={backend!r} is invalid: a zerojax.Backend or None (the mesh's "
+                      "devices')")
+    backend = backend if backend is not None else for_mesh(mesh)  # decided once, here
     param_kind, opt_kind = memory_kinds(config, mesh)
     meta_specs = metadata_specs(params, mesh)
     params = unbox(params)
     paths, flat, treedef = flatten(params)
-    if backend is not None and not isinstance(backend, Backend):
-      raise TypeError(f"backend={backend!r} is invalid: a zerojax.Backend or None (the mesh's "
-                      "devices')")
-    backend = backend if backend is not None else for_mesh(mesh)
     leaves = tuple(plan_leaf(config, mesh, p, x, meta_specs.get(p), backend)
                    for p, x in zip(paths, flat))
     if trainable is not None:
