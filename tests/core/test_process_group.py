@@ -399,7 +399,8 @@ def test_peer_watch_settle_tells_an_echo_of_a_death_from_an_own_error(capfd):
   for c in list(ws[0]._conns.values()):
     c.shutdown(socket.SHUT_RDWR)
   assert ws[1].settle(5.0) is True
-  assert exits == {1: peers.EXIT_PEER_GONE}
+  # settle answers once the watch has decided; it ends the process just after, naming process 0
+  assert _until(lambda: exits == {1: peers.EXIT_PEER_GONE})
   assert "zerojax: process 0 of 2 (the coordinator) is gone" in capfd.readouterr().err
   ws2, exits2 = _watches(2)
   ws2[0].failed()  # a peer's own error is no death: settle stops waiting when it hears it
