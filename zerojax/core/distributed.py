@@ -416,8 +416,10 @@ def _install_exit_on_error(pid: int, nproc: int) -> None:
   def hook(kind, value, tb):
     try:
       if (watch := peers.current()) is not None:
-        if watch.settle():  # a peer died; this error is its echo. The watch ends this
-          time.sleep(peers.FAILURE_GRACE + 5.0)  # process naming it; this is a backstop.
+        # A peer that died makes this error its echo: the watch then ends this process,
+        # naming that peer, and the sleep only backs it up.
+        if watch.settle():
+          time.sleep(peers.FAILURE_GRACE + 5.0)
         watch.failed()  # the others stop too, after a grace to print their own error
       previous(kind, value, tb)
       if isinstance(value, ProcessMismatchError):
