@@ -98,7 +98,7 @@ def _zerojax(cfg, topology, batch, **config):
   import zerojax
   from benchmarks.decoder import Decoder, zerojax_step
   from zerojax.runtime import memory, step_time
-  zc = zerojax.ZeroConfig(compute_dtype="bfloat16", **config)
+  zc = zerojax.ZeroConfig.from_flat(dict(compute_dtype="bfloat16", **config))
   return memory.compile_for_topology(zc, Decoder(cfg), batch, topology, train_step=zerojax_step,
                                      predictor=step_time.predict_compiled)
 

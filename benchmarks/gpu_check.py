@@ -269,7 +269,7 @@ def _sync(state):
 
 def _zero_config(spec: dict, **kw):
   import zerojax
-  return zerojax.ZeroConfig(compute_dtype="bfloat16", **kw)
+  return zerojax.ZeroConfig.from_flat(dict(compute_dtype="bfloat16", **kw))
 
 
 def _speed_numbers(s: Shapes, rows: int, step_s: float, peak: float | None) -> dict:

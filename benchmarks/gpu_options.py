@@ -49,7 +49,7 @@ def main() -> None:
   print("| options | temp MiB | collectives MiB | all-gather ops | all-gather async / with matmul "
         "| reduce-scatter ops | reduce-scatter with matmul | compile s |\n|---|---|---|---|---|---|---|---|")
   for name, opts in VARIANTS:
-    zc = zerojax.ZeroConfig(stage=3, compute_dtype="bfloat16")
+    zc = zerojax.ZeroConfig(stage=3, precision=zerojax.Precision(compute="bfloat16"))
     r = memory.compile_for_topology(zc, Decoder(ISSUE_LLAMA), (16, 1024), "h100:8",
                                     train_step=zerojax_step,
                                     compiler_options={**GPU.compiler_options, **opts})

@@ -53,7 +53,7 @@ def main(argv=None) -> int:
     cfg = dataclasses.replace(base, scan=scan)
     cells = []
     for stage, extra in variants:
-      zc = zerojax.ZeroConfig(stage=stage, param_persistence_threshold=64, **extra)
+      zc = zerojax.ZeroConfig.from_flat(dict(stage=stage, param_persistence_threshold=64, **extra))
       state, plan = zerojax.create_train_state(GPT(cfg), tx, jax.random.key(0),
                                                jnp.asarray(batch["x"]), config=zc)
       m = measure(zerojax.zero_step(plan)(train_step).lower(state, batch).compile())

@@ -88,7 +88,7 @@ def main(argv=None) -> int:
                  (3, {"offload_optimizer": True, "offload_params": True})]
   rows = []
   for stage, extra in variants:
-    zc = zerojax.ZeroConfig(stage=stage, remat=args.remat, **extra)
+    zc = zerojax.ZeroConfig.from_flat(dict(stage=stage, remat=args.remat, **extra))
     est = estimate(abstract, tx, config=zc, num_devices=n)
     state, plan = zerojax.create_train_state(model, tx, jax.random.key(0), batch["x"], config=zc)
     step = zerojax.zero_step(plan)(train_step)

@@ -101,19 +101,19 @@ def child(args: argparse.Namespace) -> dict:
   base = zerojax.ZeroConfig(stage=args.stage)
   if args.master:  # ZeRO-Infinity's accounting: bf16 on the devices, 12 bytes/param on disk
     tx = zerojax.master_weights(tx)
-    base = base.replace(param_dtype="bfloat16", compute_dtype="bfloat16")
+    base = base.replace(precision=zerojax.Precision(param="bfloat16", compute="bfloat16"))
   x = jnp.asarray(data[0]["x"])
   out: dict = {"mode": args.mode}
   if args.mode == "nvme":
-    config = base.replace(offload_optimizer="nvme", nvme_path=args.nvme_path,
-                          nvme_chunk_size=args.chunk, nvme_buffer_count=args.buffers)
+    config = base.replace(offload=zerojax.NvmeOffload(args.nvme_path, chunk_size=args.chunk,
+                                                      buffer_count=args.buffers))
     state, plan, opt = nvme.create_train_state(GPT(cfg), tx, jax.random.key(0), x,
                                                config=config, overwrite=True)
     step = opt.step(train_step)
     out["state_bytes"] = opt.state_bytes
     out["chunks"] = len(opt.bounds)
   else:
-    config = base.replace(offload_optimizer=args.mode == "host")
+    config = base.replace(offload=zerojax.HostOffload() if args.mode == "host" else None)
     state, plan = zerojax.create_train_state(GPT(cfg), tx, jax.random.key(0), x, config=config)
     step = zerojax.zero_step(plan)(train_step)
   out["params"] = int(sum(np.size(p) for p in jax.tree.leaves(state.params)))

@@ -111,8 +111,8 @@ def run_jobs(jobs, n_jobs):
 
 def base_config(**kw):
   import zerojax
-  return zerojax.ZeroConfig(param_dtype="float32", compute_dtype="bfloat16", remat="full",
-                            **kw)
+  return zerojax.ZeroConfig.from_flat(dict(param_dtype="float32", compute_dtype="bfloat16",
+                                          remat="full", **kw))
 
 
 def verdict(r) -> str:

@@ -117,7 +117,7 @@ def bytes_part(args):
   batch = {"x": tokens[:, :-1], "y": tokens[:, 1:]}
   rows, steps = {}, {}
   for name, kw in VARIANTS.items():
-    zc = zerojax.ZeroConfig(stage=3, remat="full", **kw)
+    zc = zerojax.ZeroConfig.from_flat(dict(stage=3, remat="full", **kw))
     if args.tpu:  # ahead of time for a TPU slice: bytes only, nothing runs
       r = compile_for_topology(zc, model, (args.batch, cfg.seq_len), args.tpu, tx=tx)
       if r.compiled is None:
@@ -174,7 +174,7 @@ def loss_part(args, out_png):
   from zerojax.tools.train import TrainOptions, train
   curves = {}
   for name in CURVES:
-    zc = zerojax.ZeroConfig(stage=3, **VARIANTS[name])
+    zc = zerojax.ZeroConfig.from_flat(dict(stage=3, **VARIANTS[name]))
     with tempfile.TemporaryDirectory() as d:
       opts = TrainOptions(model="tiny", steps=args.steps, out_dir=d, progress=False,
                           tensorboard=False, plot=False, log_every=10)
@@ -297,7 +297,7 @@ def gpu_part(args):
   from zerojax.runtime.memory import collective_bytes_by_dtype, compile_for_topology
   rows = {}
   for name, kw in GPU_VARIANTS.items():
-    zc = zerojax.ZeroConfig(stage=3, compute_dtype="bfloat16", **kw)
+    zc = zerojax.ZeroConfig.from_flat(dict(stage=3, compute_dtype="bfloat16", **kw))
     r = compile_for_topology(zc, Decoder(ISSUE_LLAMA), (16, 1024), args.gpu,
                              train_step=zerojax_step)
     if r.compiled is None:

@@ -134,8 +134,8 @@ def main(argv=None) -> int:
   cfg = llama.from_hf_config(model_dir, lora_rank=args.lora, lora_alpha=args.lora_alpha,
                              lora_targets=targets, remat=True)
   offload = not args.no_offload and args.stage == 3
-  config = zerojax.ZeroConfig(stage=args.stage, offload_optimizer=offload,
-                              offload_params=offload)
+  config = zerojax.ZeroConfig(stage=args.stage,
+                              offload=zerojax.HostOffload(params=True) if offload else None)
   tx = make_optimizer(args.lr, args.steps)
   wrt = nnx.LoRAParam if args.lora else nnx.Param
   make = lambda: llama.Llama(cfg, nnx.Rngs(0))

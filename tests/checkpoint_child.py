@@ -20,7 +20,7 @@ def resume(a):
   from zerojax.models import GPT
   from tests import helpers
 
-  zc = zerojax.ZeroConfig(**a["config"])
+  zc = zerojax.ZeroConfig.from_flat(a["config"])
   data = helpers.batches(helpers.TINY, a["total"])
   target, plan = abstract_train_state(GPT(helpers.TINY), helpers.make_tx(), jax.random.key(0),
                                       jnp.asarray(data[0]["x"]), config=zc)

@@ -114,7 +114,8 @@ def reference_run(cfg: GPTConfig, steps: int = STEPS) -> Run:
 def zero_run(cfg: GPTConfig, stage: int, steps: int = STEPS, **config_kw) -> Run:
   model = GPT(cfg)
   data = batches(cfg, steps)
-  zc = zerojax.ZeroConfig(stage=stage, param_persistence_threshold=THRESHOLD, **config_kw)
+  zc = zerojax.ZeroConfig.from_flat(dict(stage=stage, param_persistence_threshold=THRESHOLD,
+                                         **config_kw))
   state, plan = zerojax.create_train_state(model, make_tx(), jax.random.key(0),
                                            jnp.asarray(data[0]["x"]), config=zc)
   step = zerojax.zero_step(plan)(train_step)

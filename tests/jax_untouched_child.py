@@ -39,7 +39,7 @@ def run_zerojax_steps(model, x) -> dict:
   from zerojax import _compat
   out, live = {}, {}
   for stage in (0, 3):
-    config = zerojax.ZeroConfig(stage=stage, param_persistence_threshold=0)
+    config = zerojax.ZeroConfig(stage=stage, gather=zerojax.Gather(persistence_threshold=0))
     state, plan = zerojax.create_train_state(model, optax.adam(1e-2), jax.random.key(0), x,
                                              config=config)
 

@@ -208,7 +208,7 @@ def zero_runner(pattern: str, size: Size, stage: int, mesh=None, **config_kw) ->
   import jax.numpy as jnp
   import numpy as np
   import zerojax
-  config = zerojax.ZeroConfig(stage=stage, **config_kw)
+  config = zerojax.ZeroConfig.from_flat(dict(stage=stage, **config_kw))
   data = batches(size, pattern, 1)
   x0 = jnp.asarray(data[0]["x"])
   tx = make_tx()
@@ -287,7 +287,7 @@ def pytree_step(size: Size, stage: int, devices, **config_kw) -> tuple[Any, Any,
   import jax
   import zerojax
   from zerojax.core.plan import ShardingPlan
-  config = zerojax.ZeroConfig(stage=stage, **config_kw)
+  config = zerojax.ZeroConfig.from_flat(dict(stage=stage, **config_kw))
   mesh = zerojax.make_mesh(config, devices=list(devices))
   tx = make_tx()
   init = jax.eval_shape(lambda: pytree_init(size, jax.random.key(0)))
@@ -337,7 +337,7 @@ def target_zero(pattern: str, size: Size, stage: int, devices, **config_kw
     step, state, batch, plan = pytree_step(size, stage, devices, **config_kw)
     compiled, secs = timed_compile(lambda: step.lower(state, batch).compile())
     return compiled, plan, secs
-  config = zerojax.ZeroConfig(stage=stage, **config_kw)
+  config = zerojax.ZeroConfig.from_flat(dict(stage=stage, **config_kw))
   mesh = zerojax.make_mesh(config, devices=list(devices))
   data = batches(size, pattern, 1)[0]
   tx = make_tx()
@@ -595,8 +595,8 @@ def lookup_lm_compiled(kind: str, stage: int, devices, lookup: str = "index"
   from zerojax.core.plan import ShardingPlan
   V, T, B = LOOKUP_LM["vocab"], LOOKUP_LM["seq"], LOOKUP_LM["rows"]
   D, L = LOOKUP_LM["d_model"], LOOKUP_LM["layers"]
-  config = zerojax.ZeroConfig(stage=stage, compute_dtype="bfloat16",
-                              param_persistence_threshold=0)
+  config = zerojax.ZeroConfig(stage=stage, precision=zerojax.Precision(compute="bfloat16"),
+                              gather=zerojax.Gather(persistence_threshold=0))
   mesh = zerojax.make_mesh(config, devices=list(devices))
   tx = optax.adamw(1e-4)
   lm_loss = lambda logits, y: optax.softmax_cross_entropy_with_integer_labels(

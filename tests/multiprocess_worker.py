@@ -57,7 +57,8 @@ def train(args) -> None:
     stage = int(stage)
     kw = ({} if kind == "flat" else
           {"mesh_shape": (2, -1), "mesh_axes": ("replica", "fsdp")})
-    zc = zerojax.ZeroConfig(stage=stage, param_persistence_threshold=helpers.THRESHOLD, **kw)
+    zc = zerojax.ZeroConfig.from_flat(dict(stage=stage,
+                                           param_persistence_threshold=helpers.THRESHOLD, **kw))
     model = GPT(cfg)
     state, plan = zerojax.create_train_state(model, helpers.make_tx(), jax.random.key(0),
                                              jnp.asarray(data[0]["x"]), config=zc)

@@ -41,7 +41,8 @@ CHUNK = 20000  # nvme_chunk_size of the runs (several chunks per process at stag
 def _config(stage: int, **kw):
   from tests import helpers
   from zerojax.core.config import ZeroConfig
-  return ZeroConfig(stage=stage, param_persistence_threshold=helpers.THRESHOLD, **kw)
+  return ZeroConfig.from_flat(dict(stage=stage, param_persistence_threshold=helpers.THRESHOLD,
+                                   **kw))
 
 
 def _feed(plan, batches: list[dict]) -> list[dict]:

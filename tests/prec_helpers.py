@@ -196,7 +196,7 @@ def bf16_run() -> Result:
 
 @functools.cache
 def fp16_reference() -> Result:
-  zc = zerojax.ZeroConfig(stage=0, **LS_CONFIG)
+  zc = zerojax.ZeroConfig.from_flat(dict(stage=0, **LS_CONFIG))
   return _low_precision_reference(FP16, LS_MULTS, zc)
 
 

@@ -32,7 +32,7 @@ def main() -> None:
   tx = optax.adamw(1e-3)
   batch = n  # one row per device
   x = jax.ShapeDtypeStruct((batch, cfg.seq_len), jnp.int32)
-  zc = zerojax.ZeroConfig(stage=3, param_persistence_threshold=0)
+  zc = zerojax.ZeroConfig(stage=3, gather=zerojax.Gather(persistence_threshold=0))
   mesh = zerojax.make_mesh(zc)
 
   params = jax.eval_shape(lambda: model.init(jax.random.key(0), x)["params"])

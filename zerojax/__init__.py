@@ -26,6 +26,14 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "ConfigError": "zerojax.core.config",
     "ZeroConfig": "zerojax.core.config",
+    "Precision": "zerojax.core.policies",
+    "HostOffload": "zerojax.core.policies",
+    "NvmeOffload": "zerojax.core.policies",
+    "Remat": "zerojax.core.policies",
+    "Gather": "zerojax.core.policies",
+    "Quantize": "zerojax.core.policies",
+    "Batch": "zerojax.core.policies",
+    "LossScale": "zerojax.core.policies",
     "load_config": "zerojax.tools.config_file",
     "DEFAULT_CORPUS": "zerojax.tools.options",
     "export": "zerojax.tools.export",
@@ -34,8 +42,8 @@ _EXPORTS = {
     "LeafPlan": "zerojax.core.plan",
     "ShardingPlan": "zerojax.core.plan",
     "value_and_grad": "zerojax.core.grad",
-    "create_nnx": "zerojax.core.create",
-    "create_train_state": "zerojax.core.create",
+    "create_nnx": "zerojax.runtime.create",
+    "create_train_state": "zerojax.runtime.create",
     "zero_step": "zerojax.core.step",
     "ZeroStep": "zerojax.core.step",
     "StepSettings": "zerojax.core.train_state",
@@ -47,20 +55,23 @@ _SUBMODULES = ("models", "memory", "checkpoint", "weights", "data", "train", "fi
                "distributed", "nvme", "core", "runtime", "tools")
 
 __all__ = [
-    "ConfigError", "ZeroConfig", "make_mesh", "Backend", "LeafPlan", "ShardingPlan", "create_nnx",
-    "create_train_state", "zero_step", "ZeroStep", "value_and_grad", "ZeroTrainState",
-    "StepSettings", "load_config", "DEFAULT_CORPUS", "export", "master_weights",
+    "ConfigError", "ZeroConfig", "Precision", "HostOffload", "NvmeOffload", "Remat", "Gather",
+    "Quantize", "Batch", "LossScale", "make_mesh", "Backend", "LeafPlan", "ShardingPlan",
+    "create_nnx", "create_train_state", "zero_step", "ZeroStep", "value_and_grad",
+    "ZeroTrainState", "StepSettings", "load_config", "DEFAULT_CORPUS", "export", "master_weights",
     "MasterWeightsState",
 ]
 
 if TYPE_CHECKING:  # what type checkers and IDEs see; at run time `__getattr__` imports these
   from zerojax.core.backend import Backend
   from zerojax.core.config import ConfigError, ZeroConfig
+  from zerojax.core.policies import (Batch, Gather, HostOffload, LossScale, NvmeOffload,
+                                     Precision, Quantize, Remat)
   from zerojax.core.grad import value_and_grad
   from zerojax.core.master import MasterWeightsState, master_weights
   from zerojax.core.mesh import make_mesh
   from zerojax.core.plan import LeafPlan, ShardingPlan
-  from zerojax.core.create import create_nnx, create_train_state
+  from zerojax.runtime.create import create_nnx, create_train_state
   from zerojax.core.step import ZeroStep, zero_step
   from zerojax.core.train_state import StepSettings, ZeroTrainState
   from zerojax.tools.config_file import load_config

@@ -40,7 +40,7 @@ LOOKUP = GPTConfig(vocab_size=8192, seq_len=256, num_layers=2, num_heads=4, d_mo
 
 
 def _compile(model=None, batch=BATCH, **kw):
-  config = zerojax.ZeroConfig(param_persistence_threshold=0, **kw)
+  config = zerojax.ZeroConfig.from_flat(dict(param_persistence_threshold=0, **kw))
   return memory.compile_for_topology(config, model or GPT(TINY), batch, TOPOLOGY)
 
 
@@ -413,7 +413,7 @@ def test_one_compile_per_step_signature():
         x = nn.relu(nn.Dense(64)(x))
       return nn.Dense(8)(x)
 
-  cfg = zerojax.ZeroConfig(stage=3, param_persistence_threshold=0)
+  cfg = zerojax.ZeroConfig(stage=3, gather=zerojax.Gather(persistence_threshold=0))
   x = jnp.ones((16, 32))
   state, plan = zerojax.create_train_state(Unscanned(), optax.adam(1e-3), jax.random.key(0), x,
                                            config=cfg)
@@ -483,7 +483,8 @@ def test_gpu_lookup_into_a_sliced_table_is_named_in_a_warning():
   import jax.numpy as jnp
   import optax
   from zerojax.core.plan import ShardingPlan
-  config = zerojax.ZeroConfig(stage=3, compute_dtype="bfloat16", param_persistence_threshold=0)
+  config = zerojax.ZeroConfig(stage=3, precision=zerojax.Precision(compute="bfloat16"),
+                              gather=zerojax.Gather(persistence_threshold=0))
   mesh = zerojax.make_mesh(config, devices=list(gpu.gpu_topology(TOPOLOGY).devices))
   tx = optax.sgd(0.1)
   params = {"wte": jax.ShapeDtypeStruct((512, 64), jnp.float32),

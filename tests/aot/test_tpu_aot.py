@@ -36,7 +36,7 @@ LOOKUP = GPTConfig(vocab_size=8192, seq_len=256, num_layers=2, num_heads=4, d_mo
 
 def _compile(model_config=TINY, batch=BATCH, **kw):
   from zerojax.models import GPT
-  config = zerojax.ZeroConfig(param_persistence_threshold=0, **kw)
+  config = zerojax.ZeroConfig.from_flat(dict(param_persistence_threshold=0, **kw))
   return memory.compile_for_topology(config, GPT(model_config), batch, TOPOLOGY)
 
 
@@ -310,7 +310,7 @@ def test_tpu_stage3_keeps_small_leaves_whole_by_default():
   from zerojax.runtime.checkpoint import abstract_train_state
 
   def reasons(devices, **kw):
-    config = zerojax.ZeroConfig(stage=3, **kw)
+    config = zerojax.ZeroConfig.from_flat(dict(stage=3, **kw))
     mesh = zerojax.make_mesh(config, devices=list(devices))
     _, plan = abstract_train_state(GPT(TINY), optax.adamw(1e-3), jax.random.key(0),
                                    jnp.zeros(BATCH, jnp.int32), config=config, mesh=mesh)

@@ -98,8 +98,8 @@ def test_accumulation_memory_analysis_stage2_saves_gradient(compiled):
 
 def test_accumulation_plain_value_and_grad_is_refused():
   # The FSDP failure mode: accumulation configured, but the step never accumulates.
-  zc = zerojax.ZeroConfig(stage=2, micro_batch_per_device=1, gradient_accumulation_steps=2,
-                          param_persistence_threshold=helpers.THRESHOLD)
+  zc = zerojax.ZeroConfig(stage=2, gather=zerojax.Gather(persistence_threshold=helpers.THRESHOLD),
+                          batch=zerojax.Batch(micro_per_device=1, accumulation_steps=2))
   x = ph.data(1)[0]
   state, plan = ph.abstract_state_and_plan(zc)
   step = zerojax.zero_step(plan)(ph.plain_step)

@@ -45,8 +45,8 @@ def test_batch_inconsistent_names_all_four_numbers(given):
 
 
 def test_batch_inconsistent_fails_at_start():
-  zc = ZeroConfig(stage=3, train_batch_size=64, micro_batch_per_device=2,
-                  gradient_accumulation_steps=3)
+  zc = ZeroConfig(stage=3,
+                  batch=zerojax.Batch(global_size=64, micro_per_device=2, accumulation_steps=3))
   with pytest.raises(ConfigError, match="gradient_accumulation_steps=3"):
     zerojax.create_train_state(ph.GPT(ph.CFG), ph.sgd(), jax.random.key(0),
                                jnp.zeros((16, ph.CFG.seq_len), jnp.int32), config=zc)
@@ -57,8 +57,8 @@ def test_batch_inconsistent_fails_at_start():
 
 
 def test_batch_global_batch_must_equal_train_batch_size():
-  zc = ZeroConfig(stage=2, train_batch_size=32, micro_batch_per_device=2,
-                  param_persistence_threshold=helpers.THRESHOLD)
+  zc = ZeroConfig(stage=2, gather=zerojax.Gather(persistence_threshold=helpers.THRESHOLD),
+                  batch=zerojax.Batch(global_size=32, micro_per_device=2))
   state, plan = ph.abstract_state_and_plan(zc)
   step = zerojax.zero_step(plan)(ph.zero_train_step)
   b = ph.data(1)[0]  # 16 rows
@@ -70,8 +70,8 @@ def test_batch_global_batch_must_equal_train_batch_size():
 
 
 def test_batch_accumulation_steps_alone_split_the_fed_batch():
-  zc = ZeroConfig(stage=2, gradient_accumulation_steps=4,
-                  param_persistence_threshold=helpers.THRESHOLD)
+  zc = ZeroConfig(stage=2, gather=zerojax.Gather(persistence_threshold=helpers.THRESHOLD),
+                  batch=zerojax.Batch(accumulation_steps=4))
   state, plan = ph.abstract_state_and_plan(zc)
   assert plan.batch_sizes is None and plan.accumulation_steps == 4
   step = zerojax.zero_step(plan)(ph.zero_train_step)

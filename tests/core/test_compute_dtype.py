@@ -31,7 +31,8 @@ def _dots(text):
 
 @pytest.mark.parametrize("stage", [1, 3])
 def test_linen_model_computes_in_bf16(stage):
-  cfg = zerojax.ZeroConfig(stage=stage, compute_dtype="bfloat16", param_persistence_threshold=0)
+  cfg = zerojax.ZeroConfig(stage=stage, precision=zerojax.Precision(compute="bfloat16"),
+                           gather=zerojax.Gather(persistence_threshold=0))
   x = jnp.ones((16, 32))
   state, plan = zerojax.create_train_state(MLP(), optax.adam(1e-3), jax.random.key(0), x,
                                            config=cfg)
@@ -62,7 +63,8 @@ def test_pytree_model_computes_in_bf16():
     return jnp.tanh(x @ params["w1"]) @ params["w2"]
 
   params = {"w1": jnp.ones((32, 64)) * 0.1, "w2": jnp.ones((64, 8)) * 0.1}
-  cfg = zerojax.ZeroConfig(stage=3, compute_dtype="bfloat16", param_persistence_threshold=0)
+  cfg = zerojax.ZeroConfig(stage=3, precision=zerojax.Precision(compute="bfloat16"),
+                           gather=zerojax.Gather(persistence_threshold=0))
   mesh = zerojax.make_mesh(cfg)
   tx = optax.sgd(0.1)
   plan = zerojax.ShardingPlan.create(cfg, mesh, params, tx)
@@ -84,7 +86,8 @@ def test_pytree_model_computes_in_bf16():
 
 
 def test_nnx_model_computes_in_bf16():
-  cfg = zerojax.ZeroConfig(stage=3, compute_dtype="bfloat16", param_persistence_threshold=0)
+  cfg = zerojax.ZeroConfig(stage=3, precision=zerojax.Precision(compute="bfloat16"),
+                           gather=zerojax.Gather(persistence_threshold=0))
 
   class Net(nnx.Module):
     def __init__(self, rngs):
@@ -116,7 +119,7 @@ def test_a_model_that_keeps_float32_everywhere_is_refused():
     def __call__(self, x):
       return nn.Dense(8, dtype=jnp.float32)(x)  # the model insists on float32
 
-  cfg = zerojax.ZeroConfig(stage=2, compute_dtype="bfloat16")
+  cfg = zerojax.ZeroConfig(stage=2, precision=zerojax.Precision(compute="bfloat16"))
   x = jnp.ones((16, 32))
   state, plan = zerojax.create_train_state(F32(), optax.sgd(0.1), jax.random.key(0), x,
                                            config=cfg)
@@ -149,8 +152,9 @@ def test_zeropp_backward_regather_in_the_compute_dtype():
                      split_rngs={"params": True}, length=2)()(x, None)
       return x
 
-  cfg = zerojax.ZeroConfig(stage=3, compute_dtype="bfloat16", quantize_weights="int8",
-                           quantize_weights_backward=False, param_persistence_threshold=0)
+  cfg = zerojax.ZeroConfig(stage=3, precision=zerojax.Precision(compute="bfloat16"),
+                           gather=zerojax.Gather(persistence_threshold=0),
+                           quantize=zerojax.Quantize(weights="int8", weights_backward=False))
   x = jnp.ones((16, 32))
   state, plan = zerojax.create_train_state(Scanned(), optax.adam(1e-3), jax.random.key(0), x,
                                            config=cfg)
@@ -168,7 +172,7 @@ def test_zeropp_backward_regather_in_the_compute_dtype():
 def test_nnx_embed_left_unset_looks_up_in_bf16():
   # nnx.Embed stores an unset dtype as its table's (float32), which started the residual
   # stream in float32 whatever compute_dtype said.
-  cfg = zerojax.ZeroConfig(stage=2, compute_dtype="bfloat16")
+  cfg = zerojax.ZeroConfig(stage=2, precision=zerojax.Precision(compute="bfloat16"))
 
   class LM(nnx.Module):
     def __init__(self, rngs):

@@ -201,7 +201,8 @@ class _Loop(nn.Module):
 
 def _loop_losses(stage, own_remat, steps=3, **config_kw):
   x = jnp.asarray(np.random.default_rng(0).normal(size=(16, 64)), jnp.float32)
-  config = zerojax.ZeroConfig(stage=stage, param_persistence_threshold=0, **config_kw)
+  config = zerojax.ZeroConfig.from_flat(dict(stage=stage, param_persistence_threshold=0,
+                                             **config_kw))
   state, plan = zerojax.create_train_state(_Loop(own_remat), optax.adam(1e-2),
                                            jax.random.key(0), x, config=config)
 
@@ -378,7 +379,8 @@ def test_named_remat_blocks_draw_from_the_model_s_rng_streams():
   x = jnp.asarray(np.random.default_rng(0).normal(size=(16, 64)), jnp.float32)
 
   def losses(stage):
-    config = zerojax.ZeroConfig(stage=stage, param_persistence_threshold=0, remat="full")
+    config = zerojax.ZeroConfig(stage=stage, gather=zerojax.Gather(persistence_threshold=0),
+                                remat="full")
     state, plan = zerojax.create_train_state(_DropoutLoop(), optax.adam(1e-2),
                                              jax.random.key(0), x, config=config)
 
@@ -468,7 +470,8 @@ def _nnx_loop_losses(stage, steps=3, own_remat=True, **config_kw):
         x = nnx.remat(lambda b, x: b(x))(b, x) if own_remat else b(x)
       return x
 
-  config = zerojax.ZeroConfig(stage=stage, param_persistence_threshold=0, **config_kw)
+  config = zerojax.ZeroConfig.from_flat(dict(stage=stage, param_persistence_threshold=0,
+                                             **config_kw))
   model, opt, plan = zerojax.create_nnx(lambda: Net(nnx.Rngs(0)), optax.adam(1e-2),
                                         config=config)
 

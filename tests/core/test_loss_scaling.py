@@ -91,7 +91,8 @@ def test_loss_scaling_learning_rate_metric():
 
 
 def test_loss_scaling_needs_zero_train_state():
-  zc = zerojax.ZeroConfig(stage=3, loss_scale=0, param_persistence_threshold=helpers.THRESHOLD)
+  zc = zerojax.ZeroConfig(stage=3, gather=zerojax.Gather(persistence_threshold=helpers.THRESHOLD),
+                          loss_scale=0)
   x = ph.data(1)[0]
   state, plan = ph.abstract_state_and_plan(zc, state_cls=train_state.TrainState)
   with pytest.raises(zerojax.ConfigError, match="loss_scale=0 needs a zerojax.ZeroTrainState"):

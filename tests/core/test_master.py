@@ -52,8 +52,9 @@ def test_master_weights_shard_with_the_optimizer_state_at_every_stage():
   cfg = helpers.TINY
   data = helpers.batches(cfg, 3)
   for stage in (1, 3):
-    zc = zerojax.ZeroConfig(stage=stage, param_dtype="bfloat16", compute_dtype="bfloat16",
-                            param_persistence_threshold=helpers.THRESHOLD)
+    zc = zerojax.ZeroConfig(stage=stage,
+                            precision=zerojax.Precision(param="bfloat16", compute="bfloat16"),
+                            gather=zerojax.Gather(persistence_threshold=helpers.THRESHOLD))
     state, plan = zerojax.create_train_state(
         GPT(cfg), zerojax.master_weights(helpers.make_tx()), jax.random.key(0),
         jnp.asarray(data[0]["x"]), config=zc)

@@ -33,7 +33,7 @@ def test_bytes_limit_reads_memory_stats():
 @pytest.fixture(scope="module")
 def stage0():
   b = helpers.batches(helpers.TINY, 1, batch=8)[0]
-  zc = zerojax.ZeroConfig(stage=0, param_persistence_threshold=helpers.THRESHOLD)
+  zc = zerojax.ZeroConfig(stage=0, gather=zerojax.Gather(persistence_threshold=helpers.THRESHOLD))
   state, plan = zerojax.create_train_state(GPT(helpers.TINY), helpers.make_tx(),
                                            jax.random.key(0), jnp.asarray(b["x"]), config=zc)
   step = zerojax.zero_step(plan)(helpers.train_step)
@@ -85,7 +85,7 @@ def test_nothing_fits_says_so(stage0):
 
 def test_create_train_state_too_big_fails_early(monkeypatch):
   b = helpers.batches(helpers.TINY, 1, batch=8)[0]
-  zc = zerojax.ZeroConfig(stage=0, param_persistence_threshold=helpers.THRESHOLD)
+  zc = zerojax.ZeroConfig(stage=0, gather=zerojax.Gather(persistence_threshold=helpers.THRESHOLD))
   plan = zerojax.ShardingPlan.create(
       zc, zerojax.make_mesh(zc),
       jax.eval_shape(lambda: GPT(helpers.TINY).init(jax.random.key(0), b["x"])["params"]),
@@ -110,7 +110,7 @@ def test_nnx_step_over_the_limit_fails_before_it_runs(monkeypatch):
   from flax import nnx
   from zerojax.models import loss_fn, nnx_gpt
   cfg = dataclasses.replace(helpers.TINY, scan=False)
-  zc = zerojax.ZeroConfig(stage=1, param_persistence_threshold=helpers.THRESHOLD)
+  zc = zerojax.ZeroConfig(stage=1, gather=zerojax.Gather(persistence_threshold=helpers.THRESHOLD))
   model, opt, plan = zerojax.create_nnx(lambda: nnx_gpt(cfg, nnx.Rngs(0)), helpers.make_tx(),
                                         config=zc)
 

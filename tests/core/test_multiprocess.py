@@ -172,7 +172,8 @@ def _restore_target(stage: int = 3):
   import jax.numpy as jnp
   from zerojax.runtime.checkpoint import abstract_train_state
   from zerojax.models import GPT
-  zc = zerojax.ZeroConfig(stage=stage, param_persistence_threshold=helpers.THRESHOLD)
+  zc = zerojax.ZeroConfig(stage=stage,
+                          gather=zerojax.Gather(persistence_threshold=helpers.THRESHOLD))
   x = jax.ShapeDtypeStruct((helpers.BATCH, helpers.TINY.seq_len), jnp.int32)
   return abstract_train_state(GPT(helpers.TINY), helpers.make_tx(), jax.random.key(1), x,
                               config=zc)
@@ -280,13 +281,15 @@ def test_multiprocess_fingerprint_fields():
   from zerojax.runtime.checkpoint import abstract_train_state
   from zerojax.models import GPT
   import jax.numpy as jnp
-  zc = zerojax.ZeroConfig(stage=3, param_persistence_threshold=helpers.THRESHOLD)
+  zc = zerojax.ZeroConfig(stage=3, gather=zerojax.Gather(persistence_threshold=helpers.THRESHOLD))
   x = jax.ShapeDtypeStruct((8, helpers.TINY.seq_len), jnp.int32)
   tx = optax.inject_hyperparams(optax.adamw)(learning_rate=1e-3)
   state, plan = abstract_train_state(GPT(helpers.TINY), tx, jax.random.key(0), x, config=zc)
   fp = agreement.fingerprint(zc, plan, tx=tx)
   assert fp["process_count"] == 1 and fp["version.jax"] == jax.__version__
-  assert {k[len("config."):] for k in fp if k.startswith("config.")} == set(zc.to_dict())
+  assert {k[len("config."):].split(".")[0] for k in fp if k.startswith("config.")} == set(
+      zc.to_dict())
+  assert fp["config.gather.persistence_threshold"] == helpers.THRESHOLD
   assert fp["plan.params/blocks/fc/kernel"].startswith("(2, 64, 256) float32 P(None, None, "
                                                        "'fsdp') device")
   assert any(k.startswith("plan.opt_state/") for k in fp)

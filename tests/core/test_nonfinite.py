@@ -102,7 +102,8 @@ def _opts(tmp_path, **kw):
 
 @pytest.mark.slow
 def test_loop_skip_warns_once_and_counts(tmp_path, capsys, nan_at_step):
-  r = zt.train(ZeroConfig(stage=2, compute_dtype="bfloat16", nonfinite_grads="skip"),
+  r = zt.train(ZeroConfig(stage=2, precision=zerojax.Precision(compute="bfloat16"),
+                          nonfinite_grads="skip"),
                _opts(tmp_path))
   out = capsys.readouterr().out
   assert out.count("WARNING") == 1
@@ -143,7 +144,8 @@ def test_halt_costs_no_memory_and_skip_costs_one_state_copy():
   b = helpers.batches(cfg, 1, batch=8)[0]
 
   def temp(policy, stage):
-    zc = ZeroConfig(stage=stage, nonfinite_grads=policy, param_persistence_threshold=64)
+    zc = ZeroConfig(stage=stage, gather=zerojax.Gather(persistence_threshold=64),
+                    nonfinite_grads=policy)
     state, plan = zerojax.create_train_state(GPT(cfg), helpers.make_tx(), jax.random.key(0),
                                              jnp.asarray(b["x"]), config=zc)
     return measure(zerojax.zero_step(plan)(helpers.train_step).lower(state, b).compile()).temp
@@ -155,6 +157,7 @@ def test_halt_costs_no_memory_and_skip_costs_one_state_copy():
 def test_loop_halt_without_checkpoints_says_so(tmp_path, nan_at_step):
   with pytest.raises(zt.NonFiniteGradientsError, match="no checkpoint was saved before it "
                      r"\(checkpoint_dir is not set\)") as e:
-    zt.train(ZeroConfig(stage=1, compute_dtype="bfloat16", nonfinite_grads="halt"),
+    zt.train(ZeroConfig(stage=1, precision=zerojax.Precision(compute="bfloat16"),
+                        nonfinite_grads="halt"),
              _opts(tmp_path))
   assert e.value.checkpoint is None

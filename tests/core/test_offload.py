@@ -132,7 +132,7 @@ def test_remat_offload_reaches_nnx_and_pure_models_without_scans(kind):
   from flax import nnx
   from jax.ad_checkpoint import checkpoint_name
   from zerojax.core.plan import ShardingPlan
-  cfg = zerojax.ZeroConfig(stage=2, remat="offload", remat_offload_names=("hidden",))
+  cfg = zerojax.ZeroConfig(stage=2, remat=zerojax.Remat("offload", offload_names=("hidden",)))
   tx, x = optax.adam(1e-3), jnp.ones((16, 32))
   if kind == "nnx":
     class Block(nnx.Module):
@@ -191,7 +191,7 @@ def test_remat_offload_reaches_nnx_and_pure_models_without_scans(kind):
 
 def test_offload_missing_pinned_host_errors_or_falls_back(monkeypatch):
   monkeypatch.setattr(memory_kinds, "supported_memory_kinds", lambda mesh: frozenset({"device"}))
-  cfg = zerojax.ZeroConfig(stage=2, offload_optimizer=True)
+  cfg = zerojax.ZeroConfig(stage=2, offload=zerojax.HostOffload())
   with pytest.raises(zerojax.ConfigError, match="no 'pinned_host' memory"):
     zerojax.ShardingPlan.create(cfg, zerojax.make_mesh(cfg), {"w": jnp.zeros((64, 64))},
                                 tx=helpers.make_tx())

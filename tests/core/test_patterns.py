@@ -237,7 +237,7 @@ class _Dropout(nn.Module):
 
 
 def test_linen_step_with_a_third_argument_is_not_taken_for_nnx():
-  cfg = zerojax.ZeroConfig(stage=3, param_persistence_threshold=1)
+  cfg = zerojax.ZeroConfig(stage=3, gather=zerojax.Gather(persistence_threshold=1))
   x = jnp.ones((16, 64))
   model = _Dropout()
   state, plan = zerojax.create_train_state(model, optax.sgd(0.1), jax.random.key(0), x,
@@ -257,7 +257,7 @@ def test_linen_step_with_a_third_argument_is_not_taken_for_nnx():
 def test_per_use_setting_through_model_apply_or_refused_at_trace_time():
   model = pt.linen_models(SIZE)["a"]
   x = jnp.ones((SIZE.rows, SIZE.d_model))
-  cfg = zerojax.ZeroConfig(stage=3, reduce_dtype="bfloat16")
+  cfg = zerojax.ZeroConfig(stage=3, precision=zerojax.Precision(reduce="bfloat16"))
   state, plan = zerojax.create_train_state(model, optax.adam(1e-3), jax.random.key(0), x,
                                            config=cfg)
 

@@ -113,8 +113,9 @@ def test_one_ahead_in_bf16_matches_gathering_per_layer():
   model, b = linen_models(SMALL)["a"], batches(SMALL, "a", 1)[0]
   moved, said, losses = {}, {}, {}
   for live in (1, 2):
-    config = zerojax.ZeroConfig(stage=3, compute_dtype="bfloat16", reduce_dtype="float32",
-                                max_live_layers=live)
+    config = zerojax.ZeroConfig(stage=3,
+                                precision=zerojax.Precision(compute="bfloat16", reduce="float32"),
+                                gather=zerojax.Gather(max_live_layers=live))
     state, plan = zerojax.create_train_state(model, optax.sgd(1.0), jax.random.key(0),
                                              jnp.asarray(b["x"]), config=config)
     before = jax.device_get(state.params)
@@ -164,7 +165,7 @@ def test_a_layer_that_mixes_rows_runs_as_written_and_says_why():
       return nn.scan(nn.remat(Block), variable_axes={"params": 0},
                      split_rngs={"params": True}, length=3)()(x, None)[0]
 
-  config = zerojax.ZeroConfig(stage=3, **PER_USE_ONE_AHEAD)
+  config = zerojax.ZeroConfig.from_flat(dict(stage=3, **PER_USE_ONE_AHEAD))
   x = jax.random.normal(jax.random.key(1), (16, 32))
   state, plan = zerojax.create_train_state(Net(), optax.sgd(0.1), jax.random.key(0), x,
                                            config=config)
@@ -203,7 +204,7 @@ def test_a_layer_that_saves_residuals_keeps_its_policy():
 
   x = jnp.ones((16, 32))
   for remat, ahead in (("auto", False), ("full", True)):
-    config = zerojax.ZeroConfig(stage=3, remat=remat, **PER_USE_ONE_AHEAD)
+    config = zerojax.ZeroConfig.from_flat(dict(stage=3, remat=remat, **PER_USE_ONE_AHEAD))
     state, plan = zerojax.create_train_state(Net(), optax.sgd(0.1), jax.random.key(0), x,
                                              config=config)
     grad = lambda s, x: jax.grad(lambda p: jnp.mean(s.apply_fn({"params": p}, x)))(s.params)
@@ -221,11 +222,11 @@ def test_a_layer_that_saves_residuals_keeps_its_policy():
 @pytest.mark.parametrize("bad", [0, -1, 1.5, "2", True])
 def test_max_live_layers_names_what_it_allows(bad):
   with pytest.raises(zerojax.ConfigError, match=r"max_live_layers.*integer >= 1, or null"):
-    zerojax.ZeroConfig(stage=3, max_live_layers=bad)
+    zerojax.ZeroConfig(stage=3, gather=zerojax.Gather(max_live_layers=bad))
 
 
 def _plan(devices, **kw):
-  config = zerojax.ZeroConfig(stage=3, **kw)
+  config = zerojax.ZeroConfig.from_flat(dict(stage=3, **kw))
   return zerojax.ShardingPlan.create(config, zerojax.make_mesh(config, devices=list(devices)),
                                      {"w": jax.ShapeDtypeStruct((4, 64, 64), "float32")})
 

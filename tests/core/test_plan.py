@@ -8,6 +8,7 @@ import pytest
 import flax.linen as nn
 from jax.sharding import PartitionSpec as P
 
+import zerojax
 from zerojax import ConfigError, ShardingPlan, ZeroConfig, make_mesh
 
 S = jax.ShapeDtypeStruct
@@ -21,7 +22,7 @@ PARAMS = {
 
 
 def plan_for(stage, params=PARAMS, tx=None, **kw):
-  cfg = ZeroConfig(stage=stage, param_persistence_threshold=128, **kw)
+  cfg = ZeroConfig.from_flat(dict(stage=stage, param_persistence_threshold=128, **kw))
   return ShardingPlan.create(cfg, make_mesh(cfg), params, tx=tx or optax.adam(1e-3))
 
 
@@ -103,7 +104,7 @@ def test_linen_partitioning_metadata_tensor_axis():
                      (64, 256))
       return x @ k
   cfg = ZeroConfig(stage=3, mesh_shape=(4, 2), mesh_axes=("fsdp", "tensor"),
-                   param_persistence_threshold=0)
+                   gather=zerojax.Gather(persistence_threshold=0))
   params = jax.eval_shape(M().init, jax.random.key(0), jnp.ones((2, 64)))["params"]
   plan = ShardingPlan.create(cfg, make_mesh(cfg), params, tx=optax.adam(1e-3))
   (lp,) = plan.leaves
@@ -114,7 +115,7 @@ def test_linen_partitioning_metadata_tensor_axis():
 def test_nnx_partitioning_metadata():
   from flax import nnx
   cfg = ZeroConfig(stage=3, mesh_shape=(4, 2), mesh_axes=("fsdp", "tensor"),
-                   param_persistence_threshold=0)
+                   gather=zerojax.Gather(persistence_threshold=0))
   mesh = make_mesh(cfg)
   with jax.set_mesh(mesh):
     lin = nnx.eval_shape(lambda: nnx.Linear(
@@ -142,7 +143,7 @@ def test_batch_sharding_and_error():
 
 def test_abstract_mesh_planning_without_devices():
   from jax.sharding import AbstractMesh, AxisType
-  cfg = ZeroConfig(stage=3, param_persistence_threshold=0)
+  cfg = ZeroConfig(stage=3, gather=zerojax.Gather(persistence_threshold=0))
   mesh = AbstractMesh((512,), ("fsdp",), axis_types=(AxisType.Auto,))
   plan = ShardingPlan.create(cfg, mesh, {"w": S((4096, 4096), jnp.float32)}, optax.adam(1e-3))
   assert plan.bytes_per_device()["params"] == 4096 * 4096 * 4 // 512
@@ -195,7 +196,7 @@ def test_nnx_state_shardings_by_variable_type_and_order():
   plan's optimizer-state shardings, the rest is replicated; another tree is refused."""
   from flax import nnx
   import zerojax
-  cfg = ZeroConfig(stage=3, param_persistence_threshold=0)
+  cfg = ZeroConfig(stage=3, gather=zerojax.Gather(persistence_threshold=0))
   model, opt, plan = zerojax.create_nnx(lambda: nnx.Linear(64, 128, rngs=nnx.Rngs(0)),
                                         optax.adam(1e-3), config=cfg)
   sh = plan.nnx_state(nnx.state((model, opt)))

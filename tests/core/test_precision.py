@@ -106,8 +106,9 @@ def test_precision_memory_estimate_counts_param_dtype():
 def test_precision_reduce_dtype_with_accumulation_stage1():
   # Stages 0-1 accumulate each device's unreduced gradient and reduce once, in reduce_dtype:
   # the traced program sums the leading data-parallel axis (8) of bf16 gradients.
-  zc = zerojax.ZeroConfig(stage=1, micro_batch_per_device=1, gradient_accumulation_steps=2,
-                          reduce_dtype="bfloat16", param_persistence_threshold=64)
+  zc = zerojax.ZeroConfig(stage=1, precision=zerojax.Precision(reduce="bfloat16"),
+                          gather=zerojax.Gather(persistence_threshold=64),
+                          batch=zerojax.Batch(micro_per_device=1, accumulation_steps=2))
   state, plan = ph.abstract_state_and_plan(zc)
   mlir = zerojax.zero_step(plan)(ph.zero_train_step).lower(state, ph.data(1)[0]).as_text()
   sums = re.findall(r"stablehlo.reduce\(%\S+ init: %\S+\) applies stablehlo.add across "

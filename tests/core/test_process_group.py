@@ -25,6 +25,7 @@ import time
 import numpy as np
 import pytest
 
+import zerojax
 from tests import helpers
 from zerojax.core import agreement, peers
 from zerojax.core import distributed as zd
@@ -214,7 +215,12 @@ def _perturbed(v):
     return [v + v[:1]] if v else [type(v)(["x"]), type(v)([("x", None)])]
   if isinstance(v, dict):
     return [{**v, "x": 1}]
-  return ["x"]  # None and anything else
+  if dataclasses.is_dataclass(v):  # a ZeroConfig policy: its first field changed
+    first = dataclasses.fields(v)[0].name
+    return [_with(v, first, w) for w in _perturbed(getattr(v, first))]
+  if v is None:  # an optional policy, or any setting left unset
+    return ["x", zerojax.HostOffload(), zerojax.Quantize(weights="int8"), zerojax.LossScale()]
+  return ["x"]
 
 
 def _with(obj, name, value):
@@ -251,7 +257,9 @@ def test_every_field_of_every_settings_class_is_compared(tmp_path):
           diff = agreement.mismatches([base, _fields_of(**args)])
         except (TypeError, ValueError):  # not a value of this field's kind: the next one
           continue
-        assert f"{prefix}{f.name}" in diff, (prefix, f.name, list(diff))
+        # a policy's fields are compared one by one: ``config.precision.param``
+        assert any(k == f"{prefix}{f.name}" or k.startswith(f"{prefix}{f.name}.")
+                   for k in diff), (prefix, f.name, list(diff))
         checked += 1
         break
   assert checked == (len(dataclasses.fields(ZeroConfig)) + len(dataclasses.fields(TrainOptions))

@@ -79,7 +79,8 @@ def nnx_reference():
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_parity_nnx(stage, nnx_reference):
-  zc = zerojax.ZeroConfig(stage=stage, param_persistence_threshold=helpers.THRESHOLD)
+  zc = zerojax.ZeroConfig(stage=stage,
+                          gather=zerojax.Gather(persistence_threshold=helpers.THRESHOLD))
   model, opt, plan = zerojax.create_nnx(lambda: nnx_gpt(NNX_CFG, nnx.Rngs(0)),
                                         helpers.make_tx(), config=zc)
   step = zerojax.zero_step(plan)(nnx_train_step)

@@ -31,7 +31,7 @@ def test_shard_map_formulation_gives_the_exact_gradient(stage, mesh):
   sink), replicated gradient (under the threshold / indivisible), and a replica axis."""
   axes = ("fsdp",) if len(mesh) == 1 else ("replica", "fsdp")
   zc = zerojax.ZeroConfig(stage=stage, mesh_shape=mesh, mesh_axes=axes,
-                          param_persistence_threshold=helpers.THRESHOLD)
+                          gather=zerojax.Gather(persistence_threshold=helpers.THRESHOLD))
   b = helpers.batches(UNSCANNED, 1)[0]
   model = GPT(UNSCANNED)
   state, plan = zerojax.create_train_state(model, helpers.make_tx(), jax.random.key(0),
@@ -209,8 +209,8 @@ def test_bad_settings_name_the_field(kw, match):
 
 
 def test_nnx_step_refuses_quantisation():
-  zc = zerojax.ZeroConfig(stage=3, quantize_weights="int8",
-                          param_persistence_threshold=helpers.THRESHOLD)
+  zc = zerojax.ZeroConfig(stage=3, gather=zerojax.Gather(persistence_threshold=helpers.THRESHOLD),
+                          quantize=zerojax.Quantize(weights="int8"))
   model, opt, plan = zerojax.create_nnx(lambda: nnx_gpt(UNSCANNED, nnx.Rngs(0)),
                                         helpers.make_tx(), config=zc)
 
@@ -224,8 +224,8 @@ def test_nnx_step_refuses_quantisation():
 
 
 def test_a_scalar_model_output_is_refused():
-  zc = zerojax.ZeroConfig(stage=3, quantize_gradients="int8",
-                          param_persistence_threshold=helpers.THRESHOLD)
+  zc = zerojax.ZeroConfig(stage=3, gather=zerojax.Gather(persistence_threshold=helpers.THRESHOLD),
+                          quantize=zerojax.Quantize(gradients="int8"))
   b = helpers.batches(helpers.TINY, 1)[0]
   state, plan = zerojax.create_train_state(GPT(helpers.TINY), optax.sgd(0.1),
                                            jax.random.key(0), jnp.asarray(b["x"]), config=zc)
@@ -250,7 +250,7 @@ def test_config_command_explains_zeropp(tmp_path, capsys):
   assert "ZeRO++ (quantised collectives):" in out
   assert "qwZ quantize_weights='int8'" in out and "qgZ quantize_gradients='int8'" in out
   assert "the backward re-gather moves int8 values too" in out  # DeepSpeed's qwZ does
-  assert '"quantize_weights_backward": null' in out
+  assert '"weights_backward": null' in out
   assert "zero_optimization.zero_quantized_weights: quantize_weights='int8'" in out
 
 
@@ -259,8 +259,9 @@ def test_bf16_compute_gets_weights_dequantised_to_bf16():
   """qwZ dequantises straight to the compute dtype; the gradient still reaches the fp32
   master weights, reduced in fp32."""
   cfg = dataclasses.replace(helpers.TINY, dtype=jnp.bfloat16)
-  zc = zerojax.ZeroConfig(stage=3, compute_dtype="bfloat16", quantize_weights="int8",
-                          param_persistence_threshold=helpers.THRESHOLD)
+  zc = zerojax.ZeroConfig(stage=3, precision=zerojax.Precision(compute="bfloat16"),
+                          gather=zerojax.Gather(persistence_threshold=helpers.THRESHOLD),
+                          quantize=zerojax.Quantize(weights="int8"))
   b = helpers.batches(cfg, 1)[0]
   state, plan = zerojax.create_train_state(GPT(cfg), helpers.make_tx(), jax.random.key(0),
                                            jnp.asarray(b["x"]), config=zc)

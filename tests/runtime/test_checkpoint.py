@@ -36,7 +36,8 @@ def run_child(mode: str, args: dict, devices: int = 8, timeout: int = 300) -> st
 
 
 def config(stage, **kw):
-  return zerojax.ZeroConfig(stage=stage, param_persistence_threshold=helpers.THRESHOLD, **kw)
+  return zerojax.ZeroConfig.from_flat(dict(stage=stage,
+                                           param_persistence_threshold=helpers.THRESHOLD, **kw))
 
 
 def first_x():
@@ -106,9 +107,9 @@ def test_checkpoint_holds_step_rng_params_opt_config_data(run):
     meta = ck.read_meta()
     target_state, plan = target(3, 8)
     state, extras = ck.restore(target_state, plan)
-  assert meta["config"] == run["config"].to_dict()
+  assert meta["config"] == run["config"].to_flat()
   assert extras.step == N and extras.data == {"next_batch": N}
-  assert extras.config == run["config"].to_dict()
+  assert extras.config == run["config"].to_flat()
   np.testing.assert_array_equal(jax.random.key_data(extras.rng),
                                 jax.random.key_data(run["rng"]))
   # the async save overlapped a donating train step and still holds the values at step N
@@ -300,7 +301,7 @@ def test_checkpoint_killed_save_leaves_last_complete(tmp_path):
   assert "2" not in os.listdir(d)
   params = {"w": jax.ShapeDtypeStruct((256, 256), jnp.float32),
             "b": jax.ShapeDtypeStruct((256,), jnp.float32)}
-  zc = zerojax.ZeroConfig(stage=3, param_persistence_threshold=1)
+  zc = zerojax.ZeroConfig(stage=3, gather=zerojax.Gather(persistence_threshold=1))
   plan = zerojax.ShardingPlan.create(zc, zerojax.make_mesh(zc), params)
   want = np.random.default_rng(0).standard_normal((256, 256), dtype=np.float32)
   with Checkpointer(d, read_only=True) as ck:  # a reader sees only the complete step
@@ -473,7 +474,7 @@ def test_checkpoint_missing_directory_and_step(run, tmp_path):
 
 def _small_params(tmp_path, steps, **kw):
   """A params-only checkpoint of a sharded 2-leaf model at each of ``steps``."""
-  zc = zerojax.ZeroConfig(stage=3, param_persistence_threshold=1)
+  zc = zerojax.ZeroConfig(stage=3, gather=zerojax.Gather(persistence_threshold=1))
   abstract = {"w": jax.ShapeDtypeStruct((256, 64), jnp.float32),  # shards > 1 KiB: not
               "b": jax.ShapeDtypeStruct((64,), jnp.float32), **kw}  # inlined in the index
   plan = zerojax.ShardingPlan.create(zc, zerojax.make_mesh(zc), abstract)
@@ -662,7 +663,7 @@ def test_checkpoint_export_and_restore_refuse_damaged_params(tmp_path, damage):
   """A checkpoint holding only parameters: any damage to its data hits a parameter, and both
   restore and export refuse it, naming the checkpoint and the leaf."""
   w = np.random.default_rng(0).standard_normal((512, 256), dtype=np.float32)
-  zc = zerojax.ZeroConfig(stage=3, param_persistence_threshold=1)
+  zc = zerojax.ZeroConfig(stage=3, gather=zerojax.Gather(persistence_threshold=1))
   params = {"w": jax.ShapeDtypeStruct(w.shape, jnp.float32)}
   plan = zerojax.ShardingPlan.create(zc, zerojax.make_mesh(zc), params)
   d = str(tmp_path / "p")

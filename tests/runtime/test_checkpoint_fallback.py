@@ -15,6 +15,7 @@ import pytest
 
 from tests import helpers
 from tests.runtime.test_checkpoint import _leaves_in_data_file
+import zerojax
 from zerojax.core.config import ZeroConfig
 from zerojax.runtime.checkpoint import (CheckpointDamagedError, Checkpointer, move_aside,
                                         resume_with_fallback)
@@ -23,7 +24,7 @@ from zerojax.tools import train as zt
 KW = dict(model="tiny", seq_len=16, batch=8, steps=6, log_every=1, lr=3e-3, warmup_steps=2,
           decay="cosine", checkpoint_every=2, progress=False, show_plan=False, plot=False,
           tensorboard=False)
-CONFIG = ZeroConfig(stage=3, param_persistence_threshold=64)
+CONFIG = ZeroConfig(stage=3, gather=zerojax.Gather(persistence_threshold=64))
 
 
 def _opts(root, **kw):
@@ -131,7 +132,7 @@ def test_restore_latest_falls_back_and_a_writer_moves_the_damaged_step_aside(tmp
   warning naming the damaged leaves; a reader leaves the files, a writer moves the step aside."""
   import jax.numpy as jnp
   import zerojax
-  zc = ZeroConfig(stage=3, param_persistence_threshold=1)
+  zc = ZeroConfig(stage=3, gather=zerojax.Gather(persistence_threshold=1))
   abstract = {"w": jax.ShapeDtypeStruct((64, 64), jnp.float32)}
   plan = zerojax.ShardingPlan.create(zc, zerojax.make_mesh(zc), abstract)
   d = str(tmp_path / "ck")

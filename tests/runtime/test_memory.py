@@ -30,7 +30,8 @@ def zerojax_train_step(state, batch):
 
 def _compile(cfg, stage, step=helpers.train_step, **kw):
   b = helpers.batches(cfg, 1, batch=8)[0]
-  zc = zerojax.ZeroConfig(stage=stage, param_persistence_threshold=helpers.THRESHOLD, **kw)
+  zc = zerojax.ZeroConfig.from_flat(dict(stage=stage,
+                                         param_persistence_threshold=helpers.THRESHOLD, **kw))
   state, plan = zerojax.create_train_state(GPT(cfg), helpers.make_tx(), jax.random.key(0),
                                            jnp.asarray(b["x"]), config=zc)
   m = measure(zerojax.zero_step(plan)(step).lower(state, b).compile())

@@ -166,7 +166,8 @@ TINY = GPTConfig(vocab_size=256, seq_len=64, num_layers=2, num_heads=4, d_model=
 @pytest.mark.slow
 @needs_gpu_compiler
 def test_gpu_stage3_one_reading_and_one_compile():
-  config = zerojax.ZeroConfig(stage=3, param_persistence_threshold=0, compute_dtype="bfloat16")
+  config = zerojax.ZeroConfig(stage=3, precision=zerojax.Precision(compute="bfloat16"),
+                              gather=zerojax.Gather(persistence_threshold=0))
   # The first compile of a process also compiles JAX's own CPU helpers (the model's RNG key).
   memory.compile_for_topology(config, GPT(TINY), (8, 64), "h100:8")
   with CompileCounter() as c:

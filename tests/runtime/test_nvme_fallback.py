@@ -7,6 +7,7 @@ moved aside, and the run goes on bit for bit as an undamaged run resumed from th
 
 from __future__ import annotations
 
+import zerojax
 import json
 import os
 import re
@@ -32,8 +33,8 @@ KW = dict(model="tiny", seq_len=16, batch=8, steps=6, log_every=1, checkpoint_ev
 def _config(root) -> ZeroConfig:
   path = root / "nvme"
   os.makedirs(path, exist_ok=True)  # nvme_path must exist (checked before step 1)
-  return ZeroConfig(stage=2, offload_optimizer="nvme", nvme_path=str(path),
-                    nvme_chunk_size=20000, nvme_buffer_count=3)
+  return ZeroConfig(stage=2,
+                    offload=zerojax.NvmeOffload(str(path), chunk_size=20000, buffer_count=3))
 
 
 def _opts(root, **kw) -> zt.TrainOptions:

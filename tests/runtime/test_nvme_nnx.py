@@ -40,7 +40,7 @@ def _runs(tmp_path, stage: int):
   """``(in-memory losses, params), (NVMe losses, params, NvmeOptimizer, nnx.Optimizer, last
   metrics)`` after `STEPS` steps of each."""
   data = helpers.batches(CFG, STEPS)
-  zc = ZeroConfig(stage=stage, param_persistence_threshold=helpers.THRESHOLD)
+  zc = ZeroConfig(stage=stage, gather=zerojax.Gather(persistence_threshold=helpers.THRESHOLD))
   model, optimizer, plan = zerojax.create_nnx(_model, helpers.make_tx(), config=zc)
   step = zerojax.zero_step(plan)(nnx_train_step)
   ref = [np.float32(step(model, optimizer, b)["loss"]) for b in data]
@@ -76,7 +76,7 @@ def test_nvme_nnx_bit_identical_to_in_memory(tmp_path, stage):
 
 
 def test_nvme_create_train_state_points_an_nnx_model_to_create_nnx(tmp_path):
-  zn = ZeroConfig(stage=3, offload_optimizer="nvme", nvme_path=str(tmp_path))
+  zn = ZeroConfig(stage=3, offload=zerojax.NvmeOffload(str(tmp_path)))
   x = np.zeros((8, CFG.seq_len), np.int32)
   with pytest.raises(ConfigError, match="zerojax.runtime.nvme.create_nnx"):
     nvme.create_train_state(_model(), helpers.make_tx(), jax.random.key(0), x, config=zn)
@@ -84,6 +84,6 @@ def test_nvme_create_train_state_points_an_nnx_model_to_create_nnx(tmp_path):
 
 
 def test_nvme_create_nnx_refuses_loss_scaling(tmp_path):
-  zn = ZeroConfig(stage=3, offload_optimizer="nvme", nvme_path=str(tmp_path), loss_scale=0)
+  zn = ZeroConfig(stage=3, offload=zerojax.NvmeOffload(str(tmp_path)), loss_scale=0)
   with pytest.raises(ConfigError, match="loss_scale"):
     nvme.create_nnx(_model, helpers.make_tx(), config=zn)

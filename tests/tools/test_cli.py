@@ -1,5 +1,6 @@
 """The `zerojax` console script (as `python -m zerojax.tools.cli`) and the examples, as subprocesses."""
 
+import zerojax
 import json
 import pathlib
 import re
@@ -108,7 +109,7 @@ def test_config_shows_deepspeed_mapping():
   assert r.returncode == 0, r.stderr
   assert "--xla_gpu_all_gather_combine_threshold_bytes=2000000000" in r.stdout
   assert "zero_optimization.contiguous_gradients:" in r.stdout
-  assert json.loads(r.stdout[:r.stdout.index("\nXLA flags")])["zerojax"]["offload_params"]
+  assert json.loads(r.stdout[:r.stdout.index("\nXLA flags")])["zerojax"]["offload"]["params"]
 
 
 @pytest.mark.slow
@@ -282,7 +283,7 @@ def test_deepspeed_typo_in_file_names_file_and_suggestion(tmp_path, capsys):
 @pytest.mark.slow
 def test_estimate_fit_uses_the_compiled_peak(capsys):
   import optax
-  cfg = ZeroConfig(param_persistence_threshold=64)
+  cfg = ZeroConfig(gather=zerojax.Gather(persistence_threshold=64))
   _, _, shapes = est.model_shapes("tiny", cfg)
   opts = {o.name: o for o in est.model_options(shapes, optax.adamw(1e-3), cfg, 8)}
   peak0 = est.step_peak("tiny", cfg.replace(stage=0), batch=8, seq=32)

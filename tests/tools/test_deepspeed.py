@@ -107,11 +107,11 @@ def test_fp16_dynamic_and_static_loss_scale():
                 "loss_scale_window": 100, "hysteresis": 3, "min_loss_scale": 2},
        "zero_optimization": {"stage": 1}}
   c = ds.from_deepspeed(d)
-  assert c.compute_dtype == "float16" and c.loss_scale == 0.0
+  assert c.compute_dtype == "float16" and c.loss_scale.scale == 0.0 and c.loss_scale.dynamic
   assert (c.initial_scale_power, c.loss_scale_window, c.hysteresis, c.min_loss_scale) == (
       12, 100, 3, 2.0)
   d["fp16"]["loss_scale"] = 128
-  assert ds.from_deepspeed(d).loss_scale == 128.0
+  assert ds.from_deepspeed(d).loss_scale.scale == 128.0
   d["fp16"]["enabled"] = False
   assert ds.from_deepspeed(d).loss_scale is None
 
@@ -145,8 +145,12 @@ def test_hpz_maps_to_hybrid_mesh():
 
 def test_zerojax_section_sets_other_fields():
   c = ds.from_deepspeed({"zero_optimization": {"stage": 3},
-                         "zerojax": {"remat": "full", "offload_fallback": "warn"}})
-  assert c.remat == "full" and c.offload_fallback == "warn"
+                         "zerojax": {"remat": "full", "max_live_layers": 1}})
+  assert c.remat.policy == "full" and c.gather.max_live_layers == 1
+  # a policy as a section replaces what DeepSpeed's sections mapped to
+  c = ds.from_deepspeed({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}},
+                         "zerojax": {"offload": {"kind": "host", "fallback": "warn"}}})
+  assert c.offload == zerojax.HostOffload(optimizer=True, fallback="warn")
 
 
 @pytest.mark.parametrize("d, names", [

@@ -3,6 +3,7 @@ compute_dtype=float16, or the zerojax overrides) trains with DeepSpeed's dynamic
 `zerojax train` does, full or LoRA, with or without gradient accumulation; the scale in use is
 printed and saved with each checkpoint; a bad fp16 value is one line and exit 2."""
 
+import zerojax
 import json
 
 import numpy as np
@@ -171,10 +172,10 @@ def test_precision_note_says_only_what_the_step_applies():
   said to scale nothing; float32/bfloat16 print none."""
   note = ft.precision_note
   assert note(zerojax.ZeroConfig()) is None
-  assert note(zerojax.ZeroConfig(compute_dtype="bfloat16")) is None
-  bare = note(zerojax.ZeroConfig(compute_dtype="float16"))
+  assert note(zerojax.ZeroConfig(precision=zerojax.Precision(compute="bfloat16"))) is None
+  bare = note(zerojax.ZeroConfig(precision=zerojax.Precision(compute="float16")))
   assert "without loss scaling" in bare and "dynamic loss scaling from" not in bare
-  static = note(zerojax.ZeroConfig(compute_dtype="float16", loss_scale=1024))
+  static = note(zerojax.ZeroConfig(precision=zerojax.Precision(compute="float16"), loss_scale=1024))
   assert "static loss scale 1024;" in static and "dynamic" not in static
   dyn = note(zerojax.ZeroConfig(compute_dtype="float16", loss_scale=0, initial_scale_power=12,
                                 loss_scale_window=50, hysteresis=3, min_loss_scale=4))
@@ -192,6 +193,6 @@ def test_fp16_auto_takes_compute_dtype_float16(base, tmp_path):
   p.write_text(json.dumps({"fp16": {"enabled": "auto"}, "zero_optimization": {"stage": 3}}))
   fo = ft.FinetuneOptions(model_dir=str(base), data=str(base / "train.jsonl"), lora=4)
   on = ft._load_with_defaults(fo, str(p), ["compute_dtype=float16"]).config
-  assert (on.compute_dtype, on.loss_scale, on.initial_scale_power) == ("float16", 0.0, 16)
+  assert (on.precision.compute, on.loss_scale) == ("float16", zerojax.LossScale(scale=0.0))
   off = ft._load_with_defaults(fo, str(p), []).config
   assert (off.compute_dtype, off.loss_scale) == ("float32", None)

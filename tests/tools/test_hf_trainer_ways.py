@@ -2,6 +2,7 @@
 accumulation, DeepSpeed "auto" as the Trainer's defaults, chat templates rendered as
 transformers renders them, and ShareGPT data."""
 
+import zerojax
 import json
 import re
 import os
@@ -64,7 +65,8 @@ def test_half_precision_checkpoints_finetune_cast_to_param_dtype(tmp_path_factor
   assert rc == 0, capsys.readouterr().err
   # the values: the task's setup reads the checkpoint into the plan's shards in param_dtype
   opts = ft.TrainOptions(steps=1, batch=8, seq_len=32)
-  config = zerojax.ZeroConfig(stage=3, **dict(o.split("=") for o in overrides))
+  config = zerojax.ZeroConfig.from_flat(
+      {"stage": 3, **dict(o.split("=") for o in overrides)})
   fo = ft.FinetuneOptions(model_dir=str(d), data=str(d / "train.jsonl"))
   task = ft.finetune_task(fo, opts, config)
   (model, _), _, _, _ = task.setup(config, zerojax.make_mesh(config), optax.adamw(0.0), None,
@@ -113,7 +115,7 @@ def test_half_precision_load_stays_within_its_shards(tmp_path, monkeypatch, para
   ckpt_bytes = (d / "model.safetensors").stat().st_size
   monkeypatch.setattr(weights, "_BLOCK_BYTES", 64 << 10)  # blocks small beside the shards
   cfg = llama.from_hf_config(d, param_dtype=jnp.dtype(param_dtype))
-  config = zerojax.ZeroConfig(stage=3, param_dtype=param_dtype)
+  config = zerojax.ZeroConfig(stage=3, precision=zerojax.Precision(param=param_dtype))
   plan = zerojax.ShardingPlan.create(config, zerojax.make_mesh(config), nnx.state(
       nnx.eval_shape(lambda: llama.Llama(cfg, nnx.Rngs(0))), nnx.Param))
   loaded = sum(int(np.prod(lp.shape)) * np.dtype(lp.dtype).itemsize for lp in plan.leaves)
@@ -171,7 +173,7 @@ def test_lora_gradient_with_accumulation_and_loss_scale_equals_the_full_batch(fp
   out = {}
   for name, accumulate, scale in (("nnx", 1, None), ("full", 1, None), ("acc", 2, None),
                                   ("acc_scaled", 2, 2.0**12)):
-    config = zerojax.ZeroConfig(stage=3, gradient_accumulation_steps=accumulate)
+    config = zerojax.ZeroConfig(stage=3, batch=zerojax.Batch(accumulation_steps=accumulate))
     model, opt, plan = zerojax.create_nnx(lambda: llama.Llama(cfg, nnx.Rngs(0)), optax.sgd(0.1),
                                           config=config, wrt=nnx.LoRAParam)
     # non-zero adapters, so every adapter leaf has a gradient
@@ -295,7 +297,7 @@ def test_fp16_loss_scaling_auto_is_deepspeeds_default(tmp_path):
                            "zero_optimization": {"stage": 3}}))
   loaded = zerojax.load_config(p, apply_xla_flags=False)
   c = loaded.config
-  assert c.compute_dtype == "float16" and c.loss_scale == 0.0  # dynamic loss scaling
+  assert c.compute_dtype == "float16" and c.loss_scale.dynamic
   assert (c.initial_scale_power, c.loss_scale_window, c.hysteresis, c.min_loss_scale) == (
       16, 1000, 2, 1.0)
   notes = "\n".join(loaded.notes)
@@ -769,7 +771,7 @@ def test_compile_reads_batch_as_global_or_per_device(argv, axes, rows, reading):
   from zerojax.tools.cli import _global_batch, build_parser
   topology = "h100:2x8" if axes.get("mesh_shape") == (2, 8) else "h100:8"
   args = build_parser().parse_args(["compile", *argv, "--seq", "8", "--topology", topology])
-  got, note = _global_batch(args, ZeroConfig(stage=3, **axes))
+  got, note = _global_batch(args, ZeroConfig.from_flat(dict(stage=3, **axes)))
   assert got == rows and (note is None if reading is None else reading in note)
 
 

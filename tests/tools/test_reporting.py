@@ -5,6 +5,7 @@ import re
 
 import pytest
 
+import zerojax
 from zerojax.tools import cli
 from zerojax.models import PRESETS
 
@@ -114,7 +115,7 @@ def _plan(stage, **kw):
   import jax.numpy as jnp
   import optax
   import zerojax
-  cfg = zerojax.ZeroConfig(stage=stage, **kw)
+  cfg = zerojax.ZeroConfig.from_flat(dict(stage=stage, **kw))
   return zerojax.ShardingPlan.create(cfg, zerojax.make_mesh(cfg), {
       "big": jnp.zeros((64, 128)), "bias": jnp.zeros((3,))}, tx=optax.adam(1e-3))
 
@@ -177,7 +178,7 @@ def test_plan_that_shards_nothing_says_so_and_why(capsys):
 def test_training_run_that_shards_nothing_says_so(tmp_path, capsys):
   from zerojax.tools import train as zt
   from zerojax.core.config import ZeroConfig
-  zt.train(ZeroConfig(stage=2, param_persistence_threshold=10**9), zt.TrainOptions(
+  zt.train(ZeroConfig(stage=2, gather=zerojax.Gather(persistence_threshold=10**9)), zt.TrainOptions(
       model="tiny", seq_len=32, steps=1, batch=8, out_dir=str(tmp_path), progress=False,
       show_plan=False, plot=False, tensorboard=False))
   out = capsys.readouterr().out

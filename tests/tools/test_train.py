@@ -1,5 +1,6 @@
 """The training loop: metrics files, TensorBoard event files, loss scaling, weights round trip."""
 
+import zerojax
 import dataclasses
 import json
 import os
@@ -59,7 +60,7 @@ def test_train_refuses_a_hook_that_is_not_one(tmp_path):
 
 
 def test_train_writes_metrics_events_plot_and_weights(tmp_path):
-  config = ZeroConfig(stage=2, micro_batch_per_device=1, gradient_accumulation_steps=2,
+  config = ZeroConfig(stage=2, batch=zerojax.Batch(micro_per_device=1, accumulation_steps=2),
                       gradient_clipping=1.0)
   opts = zt.TrainOptions(model="tiny", seq_len=32, steps=4, log_every=2, lr=3e-3,
                          out_dir=str(tmp_path / "run"), progress=False, show_plan=False,
@@ -102,8 +103,7 @@ def test_offload_config_trains(tmp_path):
   trains, and the state stays in pinned host memory between steps."""
   kw = dict(model="tiny", seq_len=32, steps=2, batch=8, progress=False, show_plan=False,
             plot=False, tensorboard=False)
-  r = zt.train(ZeroConfig(stage=3, offload_optimizer=True, offload_params=True,
-                          offload_fallback="warn"),
+  r = zt.train(ZeroConfig(stage=3, offload=zerojax.HostOffload(params=True, fallback="warn")),
                zt.TrainOptions(out_dir=str(tmp_path), **kw))
   assert all(np.isfinite(h["loss"]) for h in r.history)
   kinds = {x.sharding.memory_kind for x in jax.tree.leaves(r.state.params)}
@@ -121,7 +121,7 @@ RESUME_KW = dict(model="tiny", seq_len=16, batch=8, steps=5, log_every=3, lr=3e-
 @pytest.mark.slow
 def test_train_resume_equals_uninterrupted_run(tmp_path, monkeypatch):
   from zerojax.runtime import checkpoint as zc
-  config = ZeroConfig(stage=3, param_persistence_threshold=64)
+  config = ZeroConfig(stage=3, gather=zerojax.Gather(persistence_threshold=64))
   a = zt.train(config, zt.TrainOptions(out_dir=str(tmp_path / "a"),
                                        checkpoint_dir=str(tmp_path / "a" / "ckpt"), **RESUME_KW))
   opts = zt.TrainOptions(out_dir=str(tmp_path / "b"), checkpoint_dir=str(tmp_path / "b" / "ckpt"),

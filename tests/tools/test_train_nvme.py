@@ -3,6 +3,7 @@ step, checkpoints, resume and metrics go through `zerojax.runtime.nvme`."""
 
 from __future__ import annotations
 
+import zerojax
 import json
 import os
 
@@ -21,8 +22,8 @@ NVME_KEYS = {"nvme_read_mb_s", "nvme_write_mb_s", "nvme_update_s", "nvme_wait_s"
 
 def _nvme(path) -> ZeroConfig:
   os.makedirs(path, exist_ok=True)  # nvme_path must exist (checked before step 1)
-  return ZeroConfig(stage=2, offload_optimizer="nvme", nvme_path=str(path),
-                    nvme_chunk_size=20000, nvme_buffer_count=3)
+  return ZeroConfig(stage=2,
+                    offload=zerojax.NvmeOffload(str(path), chunk_size=20000, buffer_count=3))
 
 
 def _opts(root, checkpoints: bool = True) -> zt.TrainOptions:

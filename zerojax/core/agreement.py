@@ -12,7 +12,7 @@ import functools
 import json
 import numbers
 import time
-from typing import Any
+from typing import Any, Mapping
 
 import jax
 import numpy as np
@@ -72,7 +72,7 @@ def fingerprint(config: Any = None, plan: Any = None, *, tx: Any = None, state: 
     except ImportError:
       fp[f"version.{mod}"] = None
   if config is not None:
-    for k, v in config.to_dict().items():
+    for k, v in _dotted(config.to_dict()).items():  # each policy field on its own
       fp[f"config.{k}"] = _jsonable(v)
   if plan is not None:
     fp["mesh"] = [[str(k), int(v)] for k, v in plan.mesh.shape.items()]  # ordered
@@ -260,6 +260,17 @@ def _dtype_name(dtype: Any) -> str:
     return np.dtype(dtype).name
   except TypeError:
     return str(dtype)
+
+
+def _dotted(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+  """A nested mapping with dotted keys: ``{'precision': {'param': x}}`` -> ``{'precision.param': x}``."""
+  out: dict[str, Any] = {}
+  for k, v in d.items():
+    if isinstance(v, Mapping):
+      out.update(_dotted(v, f"{prefix}{k}."))
+    else:
+      out[f"{prefix}{k}"] = v
+  return out
 
 
 def _jsonable(v: Any) -> Any:

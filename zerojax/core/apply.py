@@ -161,7 +161,7 @@ def per_use_reason(plan: ShardingPlan) -> str:
     return f"quantize_weights={cfg.quantize_weights!r}"
   if cfg.quantize_gradients is not None:
     return f"quantize_gradients={cfg.quantize_gradients!r}"
-  if cfg.gather == "explicit":
+  if cfg.gather.mode == "explicit":
     return "gather='explicit'"
   if cfg.reduce_dtype is not None:
     return f"reduce_dtype={cfg.reduce_dtype!r}"

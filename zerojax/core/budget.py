@@ -22,7 +22,7 @@ from flax.core import meta
 import numpy as np
 from jax.sharding import AbstractMesh, AxisType
 
-from zerojax.core.config import ZeroConfig
+from zerojax.core.config import HostOffload, ZeroConfig
 from zerojax.core.dtypes import cast_shapes
 from zerojax.core.plan import ShardingPlan
 
@@ -350,8 +350,14 @@ def suggest_option(need: int, limit: int, config: ZeroConfig | None, params: Any
   cur = (config.stage, config.offload_optimizer, config.offload_params)
 
   def model_state(stage, oo, op):
-    cfg = config.replace(stage=stage, offload_optimizer=oo, offload_params=op,
-                         optimizer_on_host=config.optimizer_on_host and oo)
+    if oo == "nvme":  # the current config's own files
+      offload = config.offload
+    elif oo or op:
+      offload = HostOffload(bool(oo), op, config.optimizer_on_host and bool(oo),
+                            config.offload_fallback)
+    else:
+      offload = None
+    cfg = config.replace(stage=stage, offload=offload)
     e = estimate(params, tx, config=cfg, num_devices=n, opt_state=opt_state)
     return e.persistent if state_only else e.total
 
@@ -388,7 +394,7 @@ def activation_remedies(config: Any) -> str:
   """
   ways = ["a smaller batch per device (micro_batch_per_device with "
           "gradient_accumulation_steps)"]
-  if config.remat != "full":
+  if config.remat.policy != "full":
     ways.append("remat='full'")
   if str(config.compute_dtype) == "float32":
     ways.append("compute_dtype=bfloat16")

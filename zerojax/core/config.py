@@ -1,82 +1,45 @@
-"""`ZeroConfig`: the one switch board of zerojax.
+"""`ZeroConfig`: a stage plus typed policies, the one switch board of zerojax.
 
-Every other module reads this frozen dataclass; nothing else holds settings. It is validated
-at construction so a bad value fails before any device work, with a message that names the
-field, the value and what is allowed (the rules per field are in `zerojax.core.validation`; a
-file is read by `zerojax.core.mapping_file`).
+Every other module reads this frozen dataclass; nothing else holds settings. Its sections are
+the policies of `zerojax.core.policies` (`Precision`, `HostOffload` or `NvmeOffload`, `Remat`,
+`Gather`, `Quantize`, `Batch`, `LossScale`), each validated when made; the rules that join a
+policy to the stage are checked here, so a bad value fails before any device work with a
+message that names the setting, the value and what is allowed (the rules are in
+`zerojax.core.validation`; a file is read by `zerojax.core.mapping_file`).
 
-DeepSpeed ``ds_config.json`` files map into the same dataclass (see `zerojax.tools.deepspeed`).
+Every setting also has a flat keyword (`to_flat`, `from_flat`): DeepSpeed ``ds_config.json``
+files (`zerojax.tools.deepspeed`) and command-line overrides are written in it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import difflib
 import math
 import os
+import warnings
 from typing import Any, Iterator, Mapping, Sequence
 
-from zerojax.core import validation
+from zerojax.core import policies, validation
+from zerojax.core.errors import ConfigError, did_you_mean, unknown_key_error
+from zerojax.core.policies import (Batch, Gather, HostOffload, LossScale, NvmeOffload, Offload,
+                                   Precision, Quantize, Remat)
 from zerojax.core.mapping_file import MappingFileError, read_mapping
 
 __all__ = ["ConfigError", "did_you_mean", "unknown_key_error", "ZeroConfig", "in_file",
-           "read_config_file"]
-
-
-class ConfigError(ValueError):
-  """A setting zerojax does not allow.
-
-  Raised by `ZeroConfig` for a field whose value is not allowed (the message names the field,
-  the value and what is allowed), and by config files and mappings that cannot be read as one
-  (unknown keys, inconsistent batch sizes, a file that is not a mapping).
-  """
+           "read_config_file", "Precision", "HostOffload", "NvmeOffload", "Remat", "Gather",
+           "Quantize", "Batch", "LossScale"]
 
 
 def _fail(field: str, value: Any, allowed: str) -> None:
   raise ConfigError(f"ZeroConfig.{field}={value!r} is invalid: {allowed}")
 
 
-def did_you_mean(key: str, allowed: Any) -> str:
-  """The suggestion for a mistyped key.
-
-  Args:
-    key: the unknown key.
-    allowed: the keys allowed there.
-
-  Returns:
-    `` (did you mean 'stage'?)`` for the closest allowed key, or ``''`` if none is close.
-  """
-  close = difflib.get_close_matches(str(key), [str(a) for a in allowed], n=1, cutoff=0.6)
-  return f" (did you mean {close[0]!r}?)" if close else ""
-
-
-def unknown_key_error(what: str, unknown: Any, allowed: Any, where: str = "",
-                      allowed_text: str = "allowed keys are") -> ConfigError:
-  """The error for keys outside ``allowed``.
-
-  Args:
-    what: the message's start, e.g. ``'ZeroConfig has no field'``.
-    unknown: the unknown keys (at least one).
-    allowed: the keys allowed there.
-    where: where the first unknown key is, appended to it.
-    allowed_text: the words before the list of allowed keys.
-
-  Returns:
-    A `ConfigError` (not raised) that names the first unknown key, suggests the closest allowed
-    key, names the other unknown keys and lists the allowed ones.
-  """
-  unknown = sorted(unknown, key=str)
-  more = f" (unknown keys: {unknown})" if len(unknown) > 1 else ""
-  return ConfigError(f"{what} {unknown[0]!r}{where}{did_you_mean(unknown[0], allowed)}{more}; "
-                     f"{allowed_text} {sorted(allowed)}")
-
-
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, init=False)
 class ZeroConfig:
-  """Settings of a zerojax run, validated when constructed.
+  """Settings of a zerojax run: a stage plus typed policies, validated when constructed.
 
-  Each field's behaviour in full, and why the defaults are what they are: docs/design.md,
+  Each setting's behaviour in full, and why the defaults are what they are: docs/design.md,
   "Settings (`ZeroConfig`)".
 
   Attributes:
@@ -85,100 +48,72 @@ class ZeroConfig:
     mesh_shape: device-mesh shape; one entry may be -1 to take the remaining devices.
     mesh_axes: subset of ``('replica', 'fsdp', 'tensor')``: stages shard over ``fsdp``,
       ``replica`` is data parallel across groups (HSDP), ``tensor`` follows Flax metadata.
-    param_persistence_threshold: leaves with fewer elements stay replicated (DeepSpeed's
-      ``stage3_param_persistence_threshold``). ``None`` (default): the backend's
-      (`zerojax.core.backend.Backend.persistence_threshold`): 4096 where zerojax gathers each
-      parameter itself or at stage 3 on TPU, else 0.
-    param_dtype: dtype of the master parameters and optimizer state.
-    compute_dtype: dtype the model computes in, set on Flax modules that leave ``dtype`` unset.
-    reduce_dtype: dtype of the gradient reduction; ``None`` keeps the gradient's dtype.
-    offload_optimizer: ``False`` (default), ``True`` (optimizer state in ``pinned_host``
-      memory, stages 1-3) or ``'nvme'`` (in files under ``nvme_path``, ZeRO-Infinity).
-    offload_params: keep stage-3 parameters in ``pinned_host`` memory.
-    offload_fallback: without ``pinned_host``: ``'error'`` (default) or ``'warn'`` (warn and
-      keep the state on device).
-    optimizer_on_host: run the optimizer update on the host (needs ``offload_optimizer``).
-    nvme_path: directory of the optimizer-state files (``offload_optimizer='nvme'``).
-    nvme_chunk_size: parameters per chunk of the streamed update (``sub_group_size``).
-    nvme_buffer_count: chunk buffers held in host memory (``buffer_count``).
-    nvme_pipeline_read: read the next chunks while the current one updates (``pipeline_read``).
-    nvme_pipeline_write: write updated chunks in the background (``pipeline_write``).
-    remat: rematerialisation policy for the model's layers: ``'auto'`` (default), ``'none'``,
-      ``'full'``, ``'dots'`` or ``'offload'`` (see ``remat_offload_names``).
-    remat_offload_names: ``checkpoint_name`` names offloaded by ``remat='offload'``.
-    gather: how a sharded parameter reaches its layer: ``'auto'`` (default: XLA's partitioner
-      inserts the collectives; zerojax gathers per use where that is better) or
-      ``'explicit'`` (zerojax gathers per use; ``offload_params`` and ``reduce_dtype`` need it).
-    max_live_layers: stage 3, scanned layers: gathered layers live at once, 1 or 2 (one ahead).
-      ``None`` (default): 2 on XLA:GPU, 1 on XLA:TPU and XLA:CPU.
-    quantize_weights: ZeRO++ qwZ, stage 3: ``'int8'`` or ``'int4'`` parameter all-gathers;
-      ``None`` (default): off.
-    quantize_weights_backward: whether the backward re-gather is quantised too; ``None``
-      (default): whenever ``quantize_weights`` is set (resolved: `quantizes_backward`).
-    quantize_gradients: ZeRO++ qgZ, stages 2-3: ``'int8'`` or ``'int4'`` gradient
-      reductions; ``None`` (default): off.
-    quantize_block_size: elements per scale of both quantisations (default 256, even).
-    train_batch_size: global batch per optimizer step.
-    micro_batch_per_device: batch per device per micro-step.
-    gradient_accumulation_steps: micro-steps per optimizer step.
+    precision: the dtypes (`Precision`): master parameters and optimizer state, compute,
+      gradient reduction.
+    offload: where state leaves the devices: ``None`` (default), `HostOffload` (ZeRO-Offload,
+      ``pinned_host`` memory) or `NvmeOffload` (ZeRO-Infinity, files on a local disk).
+    remat: rematerialisation of the model's layers (`Remat`); a string is short for
+      ``Remat(policy)``.
+    gather: how a sharded parameter reaches its layer (`Gather`); a string is short for
+      ``Gather(mode)``.
+    quantize: ZeRO++ quantised collectives (`Quantize`), or ``None`` (default).
+    batch: the batch sizes (`Batch`).
+    loss_scale: fp16 loss scaling (`LossScale`), or ``None`` (default: off); a number is short
+      for ``LossScale(scale)`` (0: dynamic).
     gradient_clipping: clip gradients to this global norm (``None``: no clipping).
-    loss_scale: fp16 loss scaling: ``None`` off, ``0`` dynamic, ``> 0`` a static scale.
-    initial_scale_power: dynamic loss scaling starts at ``2**initial_scale_power``.
-    loss_scale_window: good steps before the scale doubles.
-    hysteresis: overflowing steps tolerated before the scale halves.
-    min_loss_scale: the scale never falls below this.
     nonfinite_grads: a step whose gradient has a NaN or infinity: ``'halt'`` (stop training),
       ``'skip'`` (leave the state bit-identical), ``'ignore'`` (apply the update) or
       ``'auto'`` (default: ``'skip'`` with loss scaling, the only value allowed there, else
       ``'halt'``).
     rules: user overrides ``((regex, partition_spec), ...)``; the first regex matching a
       leaf's path (``'params/layers/mlp/kernel'``) fixes its spec.
+
+  The flat keywords of zerojax 0.1 (``offload_optimizer='nvme', nvme_path=...``; the list is
+  `zerojax.core.validation.FLAT_DEFAULTS`) are still accepted, with a `DeprecationWarning`
+  naming the policy that replaces each, and `from_flat` reads them without one (DeepSpeed
+  files and command-line overrides use them). Each is also readable as a property:
+  ``config.compute_dtype`` is ``config.precision.compute``.
   """
 
   stage: int = 3
   mesh_shape: tuple[int, ...] = (-1,)
   mesh_axes: tuple[str, ...] = ("fsdp",)
-  param_persistence_threshold: int | None = None
-  param_dtype: str = "float32"
-  compute_dtype: str = "float32"
-  reduce_dtype: str | None = None
-  offload_optimizer: bool | str = False
-  offload_params: bool = False
-  offload_fallback: str = "error"
-  optimizer_on_host: bool = False
-  nvme_path: str | None = None
-  nvme_chunk_size: int = 1 << 22
-  nvme_buffer_count: int = 4
-  nvme_pipeline_read: bool = True
-  nvme_pipeline_write: bool = True
-  remat: str = "auto"
-  remat_offload_names: tuple[str, ...] = ()
-  gather: str = "auto"
-  max_live_layers: int | None = None
-  quantize_weights: str | None = None
-  quantize_weights_backward: bool | None = None
-  quantize_gradients: str | None = None
-  quantize_block_size: int = 256
-  train_batch_size: int | None = None
-  micro_batch_per_device: int | None = None
-  gradient_accumulation_steps: int | None = None
+  precision: Precision = Precision()
+  offload: Offload | None = None
+  remat: Remat = Remat()
+  gather: Gather = Gather()
+  quantize: Quantize | None = None
+  batch: Batch = Batch()
+  loss_scale: LossScale | None = None
   gradient_clipping: float | None = None
-  loss_scale: float | None = None
-  initial_scale_power: int = 16
-  loss_scale_window: int = 1000
-  hysteresis: int = 2
-  min_loss_scale: float = 1.0
   nonfinite_grads: str = "auto"
   rules: tuple[tuple[str, tuple[Any, ...]], ...] = ()
 
-  def __post_init__(self):
-    # Normalise sequences that arrive as lists from JSON/YAML so the dataclass stays hashable.
-    set_ = lambda k, v: object.__setattr__(self, k, v)
-    set_("mesh_shape", tuple(self.mesh_shape) if _is_seq(self.mesh_shape) else self.mesh_shape)
-    set_("mesh_axes", tuple(self.mesh_axes) if _is_seq(self.mesh_axes) else self.mesh_axes)
-    set_("remat_offload_names", tuple(self.remat_offload_names))
-    if _is_seq(self.rules):
-      set_("rules", tuple((r[0], tuple(r[1]) if _is_seq(r[1]) else r[1]) for r in self.rules))
+  def __init__(self, stage: int = 3, *, mesh_shape: Sequence[int] = (-1,),
+               mesh_axes: Sequence[str] = ("fsdp",), precision: Precision = Precision(),
+               offload: Offload | None = None, remat: Remat | str = Remat(),
+               gather: Gather | str = Gather(), quantize: Quantize | None = None,
+               batch: Batch = Batch(), loss_scale: LossScale | float | None = None,
+               gradient_clipping: float | None = None, nonfinite_grads: str = "auto",
+               rules: Sequence[tuple[str, Any]] = (), **flat: Any):
+    unknown = set(flat) - set(validation.FLAT_DEFAULTS)
+    if unknown:
+      raise _no_field(unknown)
+    if flat:
+      warnings.warn(_deprecation(flat), DeprecationWarning, stacklevel=2)
+    given = {"stage": stage, "mesh_shape": mesh_shape, "mesh_axes": mesh_axes,
+             "precision": precision, "offload": offload, "remat": remat, "gather": gather,
+             "quantize": quantize, "batch": batch, "loss_scale": loss_scale,
+             "gradient_clipping": gradient_clipping, "nonfinite_grads": nonfinite_grads,
+             "rules": rules}
+    given = _resolve({}, given, flat)
+    view = validation.FlatView(**_to_flat(given))  # normalises sequences to tuples
+    for name in _FIELDS:
+      value = given[name]
+      if name in ("mesh_shape", "mesh_axes", "rules"):
+        value = getattr(view, name)
+      object.__setattr__(self, name, value)
+    object.__setattr__(self, "_flat", _to_flat({n: getattr(self, n) for n in _FIELDS}))
     self._validate()
 
   # -- what the stage shards (the only reads of ``stage``; everything else reads these) ----
@@ -209,28 +144,28 @@ class ZeroConfig:
     """Whether a setting acts where a layer reads each parameter, so the step must gather per
     use whatever the model: ``gather='explicit'``, ``reduce_dtype``, ``offload_params`` or
     ZeRO++ quantisation."""
-    return (self.gather == "explicit" or self.reduce_dtype is not None
+    return (self.gather.mode == "explicit" or self.precision.reduce is not None
             or self.offload_params or self.quantized)
 
   @property
   def optimizer_on_nvme(self) -> bool:
     """Whether the optimizer state lives in files under ``nvme_path``
     (``offload_optimizer='nvme'``)."""
-    return self.offload_optimizer == validation.NVME
+    return isinstance(self.offload, NvmeOffload)
 
   @property
   def quantized(self) -> bool:
     """Whether ZeRO++ quantised collectives are on (``quantize_weights``/``_gradients``)."""
-    return self.quantize_weights is not None or self.quantize_gradients is not None
+    return self.quantize is not None
 
   @property
   def quantizes_backward(self) -> bool:
     """``quantize_weights_backward`` with ``None`` resolved: whether the backward pass's
     re-gather of each layer's weights is quantised (``None``: whenever ``quantize_weights``
     is set). The only read of that field; everything else reads this."""
-    if self.quantize_weights is None:
+    if self.quantize is None or self.quantize.weights is None:
       return False
-    return self.quantize_weights_backward is not False
+    return self.quantize.weights_backward is not False
 
   @property
   def nonfinite_policy(self) -> str:
@@ -241,11 +176,11 @@ class ZeroConfig:
     return "skip" if self.loss_scale is not None else "halt"
 
   def _validate(self) -> None:
-    """Checks every field (`zerojax.core.validation`); the first bad one raises `ConfigError`
-    naming it."""
-    problem = validation.first_problem(self)
+    """Checks the settings together (`zerojax.core.validation`): the first bad one raises
+    `ConfigError` naming it as this config spells it (``offload.params``)."""
+    problem = validation.first_problem(validation.FlatView(**self._flat))
     if problem is not None:
-      _fail(*problem)
+      _fail(_SPELLING.get(problem.field, problem.field), problem.value, problem.allowed)
 
   # -- derived values -----------------------------------------------------------------------
 
@@ -280,7 +215,7 @@ class ZeroConfig:
       ConfigError: neither ``train_batch_size`` nor ``micro_batch_per_device`` is set, or the
         sizes do not satisfy the rule.
     """
-    t, m, g = self.train_batch_size, self.micro_batch_per_device, self.gradient_accumulation_steps
+    t, m, g = self.batch.global_size, self.batch.micro_per_device, self.batch.accumulation_steps
     dp = data_parallel_size
     if t is None and m is None:
       raise ConfigError("ZeroConfig needs train_batch_size or micro_batch_per_device to fix the "
@@ -306,7 +241,8 @@ class ZeroConfig:
     """A copy with some fields changed, validated again.
 
     Args:
-      **changes: the fields to change and their new values.
+      **changes: the fields to change and their new values (a flat keyword of zerojax 0.1 is
+        accepted with a `DeprecationWarning`).
 
     Returns:
       The new `ZeroConfig`.
@@ -314,11 +250,42 @@ class ZeroConfig:
     Raises:
       ConfigError: a field is unknown (with a suggestion) or a new value is not allowed.
     """
-    unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
+    unknown = set(changes) - set(_FIELDS) - set(validation.FLAT_DEFAULTS)
     if unknown:
-      raise unknown_key_error("ZeroConfig has no field", unknown,
-                              [f.name for f in dataclasses.fields(self)])
-    return dataclasses.replace(self, **changes)
+      raise _no_field(unknown)
+    flat = {k: changes.pop(k) for k in list(changes) if k not in _FIELDS}
+    if flat:
+      warnings.warn(_deprecation(flat), DeprecationWarning, stacklevel=2)
+    return ZeroConfig(**_resolve({n: getattr(self, n) for n in _FIELDS}, changes, flat))
+
+  def to_flat(self) -> dict[str, Any]:
+    """The config in its flat spelling: one keyword per setting, as DeepSpeed files and
+    command-line overrides write it (`zerojax.core.validation.FLAT_DEFAULTS` lists them).
+
+    Returns:
+      Every flat keyword and its value as plain JSON/YAML values (tuples as lists); `from_flat`
+      reads it back.
+    """
+    return {k: _plain(v) for k, v in self._flat.items()}
+
+  @classmethod
+  def from_flat(cls, flat: Mapping[str, Any]) -> "ZeroConfig":
+    """A config from flat keywords (`to_flat`'s spelling), without a deprecation warning.
+
+    Args:
+      flat: flat keywords to values; those left out keep their defaults.
+
+    Returns:
+      The validated `ZeroConfig`.
+
+    Raises:
+      ConfigError: a keyword is unknown, or a value is not allowed (named by its flat
+        keyword).
+    """
+    unknown = set(flat) - set(validation.FLAT_DEFAULTS)
+    if unknown:
+      raise unknown_key_error("ZeroConfig has no field", unknown, validation.FLAT_DEFAULTS)
+    return cls(**_from_flat(flat))
 
   # -- I/O ------------------------------------------------------------------------------------
 
@@ -326,11 +293,15 @@ class ZeroConfig:
     """The fields as plain JSON/YAML values.
 
     Returns:
-      A mapping of every field to its value, tuples as lists, that `from_dict` reads back.
+      A mapping of every field to its value, each policy as a mapping of its fields (an
+      offload with its ``kind``, ``'host'`` or ``'nvme'``), tuples as lists, that `from_dict`
+      reads back.
     """
-    d = dataclasses.asdict(self)
-    d["mesh_shape"], d["mesh_axes"] = list(self.mesh_shape), list(self.mesh_axes)
-    d["remat_offload_names"] = list(self.remat_offload_names)
+    d: dict[str, Any] = {"stage": self.stage, "mesh_shape": list(self.mesh_shape),
+                         "mesh_axes": list(self.mesh_axes)}
+    for name in policies.POLICIES:
+      d[name] = _policy_to_dict(getattr(self, name))
+    d["gradient_clipping"], d["nonfinite_grads"] = self.gradient_clipping, self.nonfinite_grads
     d["rules"] = [[r, list(s) if isinstance(s, tuple) else s] for r, s in self.rules]
     return d
 
@@ -339,7 +310,9 @@ class ZeroConfig:
     """A config from a mapping of fields (zerojax format).
 
     Args:
-      d: field names to values; fields left out keep their defaults.
+      d: field names to values, each policy as a mapping of its fields (`to_dict`'s form);
+        fields left out keep their defaults. The flat keywords of zerojax 0.1 are read with a
+        `DeprecationWarning`.
 
     Returns:
       The validated `ZeroConfig`.
@@ -360,10 +333,9 @@ class ZeroConfig:
       raise ConfigError(
           "the config has a 'train' section of training options: load it with "
           "zerojax.load_config(path), which returns them with the ZeroConfig")
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = set(d) - known
+    unknown = set(d) - set(_FIELDS) - set(validation.FLAT_DEFAULTS)
     if unknown:
-      raise unknown_key_error("ZeroConfig has no field", unknown, known)
+      raise _no_field(unknown)
     return cls(**d)
 
   @classmethod
@@ -428,8 +400,164 @@ def read_config_file(path: str | os.PathLike, *, allow_empty: bool = False) -> d
     raise ConfigError(str(e)) from None
 
 
-def _is_seq(x: Any) -> bool:
-  return isinstance(x, (list, tuple))
+_FIELDS = ("stage", "mesh_shape", "mesh_axes", "precision", "offload", "remat", "gather",
+           "quantize", "batch", "loss_scale", "gradient_clipping", "nonfinite_grads", "rules")
+# flat keyword -> (field, policy class, policy attribute)
+_SECTIONS: dict[str, tuple[str, type, str]] = {
+    flat: (name, cls, attr) for name, classes in policies.POLICIES.items()
+    for cls in classes for attr, flat in cls._FLAT.items()}
+# A flat keyword as a config built from policies spells it in errors: ``offload.params``.
+_SPELLING = {flat: f"{name}.{attr}" for flat, (name, _, attr) in _SECTIONS.items()
+             if flat not in ("remat", "gather", "loss_scale")}
+
+
+def _plain(v: Any) -> Any:
+  """Tuples as lists, recursively: what JSON reads back."""
+  return [_plain(x) for x in v] if isinstance(v, (tuple, list)) else v
+
+
+_KINDS = {"host": HostOffload, "nvme": NvmeOffload}  # an offload mapping's ``kind``
+
+
+def _policy_to_dict(policy: Any) -> dict[str, Any] | None:
+  """A policy as plain JSON/YAML values (an offload with its ``kind``); ``None`` stays."""
+  if policy is None:
+    return None
+  d = {f.name: getattr(policy, f.name) for f in dataclasses.fields(policy)}
+  d = {k: list(v) if isinstance(v, tuple) else os.fspath(v) if isinstance(v, os.PathLike) else v
+       for k, v in d.items()}
+  if isinstance(policy, (HostOffload, NvmeOffload)):
+    d = {"kind": "nvme" if isinstance(policy, NvmeOffload) else "host", **d}
+  return d
+
+
+def _policy_from_dict(section: str, d: Any) -> Any:
+  """The policy of ``section`` from a mapping (`policy_to_dict`'s form); a policy or ``None``
+  is returned as it is."""
+  classes = policies.POLICIES[section]
+  optional = section in policies.OPTIONAL
+  if isinstance(d, classes) or (d is None and optional):
+    return d
+  if not isinstance(d, Mapping):
+    names = " or ".join(c.__name__ for c in classes)
+    raise ConfigError(f"ZeroConfig.{section}={d!r} is invalid: a {names}, a mapping of its "
+                      "fields" + (", or null (off)" if optional else ""))
+  d = dict(d)
+  cls = classes[0]
+  if section == "offload":
+    kind = d.pop("kind", None)
+    if kind not in _KINDS:
+      raise ConfigError(f"ZeroConfig.offload.kind={kind!r} is invalid: 'host' (HostOffload) or "
+                        "'nvme' (NvmeOffload)")
+    cls = _KINDS[kind]
+  names = [f.name for f in dataclasses.fields(cls)]
+  unknown = set(d) - set(names)
+  if unknown:
+    raise unknown_key_error(f"{cls.__name__} has no field", unknown, names)
+  try:
+    return cls(**d)
+  except TypeError:  # a required field left out (NvmeOffload.path)
+    missing = [f.name for f in dataclasses.fields(cls)
+               if f.default is dataclasses.MISSING and f.name not in d]
+    raise ConfigError(f"ZeroConfig.{section}: {cls.__name__} needs {missing[0]!r}") from None
+
+
+def _no_field(unknown: Any) -> ConfigError:
+  """Unknown keywords: the fields are listed, and a flat keyword is suggested as readily."""
+  return unknown_key_error("ZeroConfig has no field", unknown, _FIELDS,
+                           suggest_from=(*_FIELDS, *validation.FLAT_DEFAULTS))
+
+
+def _to_flat(fields: Mapping[str, Any]) -> dict[str, Any]:
+  """The flat keywords of a config's fields (policies, or ``None`` for the defaults)."""
+  flat = dict(validation.FLAT_DEFAULTS)
+  for name in _FIELDS:
+    value = fields.get(name)
+    if name in policies.POLICIES:
+      if value is not None:
+        flat.update(value._FIXED)
+        flat.update({f: getattr(value, attr) for attr, f in value._FLAT.items()})
+    else:
+      flat[name] = value
+  return flat
+
+
+def _resolve(base: Mapping[str, Any], changes: Mapping[str, Any],
+             flat: Mapping[str, Any]) -> dict[str, Any]:
+  """`ZeroConfig`'s fields: ``base``'s, with ``changes`` (a policy may be a mapping of its
+  fields) and then flat keywords laid over them. A short spelling (``remat='full'``,
+  ``loss_scale=0``) joins the flat keywords, so it keeps the policy's other fields and
+  ``remat='offload'`` with ``remat_offload_names`` is checked as one setting."""
+  given, flat = dict(base), dict(flat)
+  for name, value in changes.items():
+    if (name in ("remat", "gather") and isinstance(value, str)) or (
+        name == "loss_scale" and value is not None
+        and not isinstance(value, (LossScale, Mapping))):
+      flat[name] = value
+    elif name in policies.POLICIES:
+      given[name] = _policy_from_dict(name, value)
+    else:
+      given[name] = value
+  if not flat:
+    return given
+  return _from_flat({**_to_flat(given), **flat})
+
+
+def _from_flat(flat: Mapping[str, Any]) -> dict[str, Any]:
+  """`ZeroConfig`'s fields from flat keywords, checked by the flat rules first so an error
+  names the keyword as it was written."""
+  v = validation.FlatView(**flat)
+  problem = validation.first_problem(v)
+  if problem is not None:
+    _fail(*problem)
+  if v.optimizer_on_nvme:
+    offload = NvmeOffload(v.nvme_path, v.nvme_chunk_size, v.nvme_buffer_count,
+                          v.nvme_pipeline_read, v.nvme_pipeline_write)
+  elif v.offload_optimizer or v.offload_params:
+    offload = HostOffload(bool(v.offload_optimizer), v.offload_params, v.optimizer_on_host,
+                          v.offload_fallback)
+  else:
+    offload = None
+  return {
+      "stage": v.stage, "mesh_shape": v.mesh_shape, "mesh_axes": v.mesh_axes,
+      "precision": Precision(v.param_dtype, v.compute_dtype, v.reduce_dtype),
+      "offload": offload, "remat": Remat(v.remat, v.remat_offload_names),
+      "gather": Gather(v.gather, v.max_live_layers, v.param_persistence_threshold),
+      "quantize": (Quantize(v.quantize_weights, v.quantize_gradients,
+                            v.quantize_weights_backward, v.quantize_block_size)
+                   if v.quantized else None),
+      "batch": Batch(v.train_batch_size, v.micro_batch_per_device,
+                     v.gradient_accumulation_steps),
+      "loss_scale": (LossScale(v.loss_scale, v.initial_scale_power, v.loss_scale_window,
+                               v.hysteresis, v.min_loss_scale)
+                     if v.loss_scale is not None else None),
+      "gradient_clipping": v.gradient_clipping, "nonfinite_grads": v.nonfinite_grads,
+      "rules": v.rules}
+
+
+def _deprecation(flat: Mapping[str, Any]) -> str:
+  """The warning for flat keywords: each, and the policy field that replaces it."""
+  def new(k: str) -> str:
+    if k == "offload_optimizer":
+      return "offload=HostOffload() or NvmeOffload(path)"
+    name, cls, attr = _SECTIONS[k]
+    return f"{name}={cls.__name__}({attr}=...)"
+  moved = [k for k in sorted(flat) if k in _SECTIONS]
+  return ("ZeroConfig's flat keywords are deprecated and will be removed in the next release: "
+          + ", ".join(f"{k} -> {new(k)}" for k in moved))
+
+
+def _flat_property(name: str) -> property:
+  def get(self: ZeroConfig) -> Any:
+    return self._flat[name]
+  field, cls, attr = _SECTIONS[name]
+  return property(get, doc=f"``{field}.{attr}`` (`{cls.__name__}`), or its default when "
+                  f"``{field}`` is not that policy: the flat spelling of zerojax 0.1.")
+
+
+for _name in validation.FLAT_DEFAULTS:
+  if _name not in _FIELDS:
+    setattr(ZeroConfig, _name, _flat_property(_name))
 
 
 def _batch_fail(t, m, g, dp) -> None:

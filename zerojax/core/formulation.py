@@ -100,16 +100,16 @@ def remat_applied(config: Any, chosen: Formulation | None) -> str:
     One line, e.g. ``"remat='auto': inside each scanned layer the model does not rematerialise
     itself"``.
   """
-  r = f"remat={config.remat!r}"
+  r = f"remat={config.remat.policy!r}"
   if chosen is None:
     # Untraced (an NNX model at stages 0-1, or without per-use gathers): zerojax's
     # scan hook still acts on any scan the step traces.
     return (f"{r}: the model was not traced for its formulation; any scanned layers run "
-            + ("as written" if config.remat == "none" else "with it inside each layer"))
+            + ("as written" if config.remat.policy == "none" else "with it inside each layer"))
   if chosen.has_scan:
     return (f"{r}: inside each scanned layer the model does not rematerialise itself"
-            if config.remat == "auto" else
-            f"{r}: inside each scanned layer" if config.remat != "none" else
+            if config.remat.policy == "auto" else
+            f"{r}: inside each scanned layer" if config.remat.policy != "none" else
             f"{r}: scanned layers as written")
   if chosen.blocks:
     natural = lambda n: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", n)]
@@ -123,7 +123,7 @@ def remat_applied(config: Any, chosen: Formulation | None) -> str:
 
 def _per_use_by_default(plan: Any, has_scan: bool, remats: bool, linen: bool) -> bool:
   """Whether ``gather='auto'`` gathers per use for this model and target (see `choose`)."""
-  if plan.config.gather != "auto" or not any(lp.is_sharded for lp in plan.leaves):
+  if plan.config.gather.mode != "auto" or not any(lp.is_sharded for lp in plan.leaves):
     return False
   if plan.backend.per_use_at(plan.config):
     return True
@@ -131,7 +131,7 @@ def _per_use_by_default(plan: Any, has_scan: bool, remats: bool, linen: bool) ->
     return False
   # Left to the partitioner, an unscanned model may keep every layer's gathered weights for the
   # backward pass; per use bounds that to one layer whatever the shapes.
-  return plan.config.remat == "auto" and not has_scan and not remats
+  return plan.config.remat.policy == "auto" and not has_scan and not remats
 
 
 # Primitives that pass a parameter on as the same values (cast, reshaped, sliced, named).

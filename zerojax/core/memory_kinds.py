@@ -38,13 +38,11 @@ def memory_kinds(config: ZeroConfig, mesh: Mesh) -> tuple[str | None, str | None
     # A memory kind cannot say "in files": a plan of device or host memory for this config
     # would silently keep the optimizer state there.
     raise ConfigError(
-        f"offload_optimizer='nvme' (nvme_path={config.nvme_path!r}) keeps the optimizer state "
-        "in files, which zerojax.runtime.nvme streams through a host update: create the state "
-        "with zerojax.runtime.nvme.create_train_state (an NNX model: "
-        "zerojax.runtime.nvme.create_nnx) and step with the NvmeOptimizer it returns "
-        "(nvme.step(train_step)); zerojax.create_train_state, create_nnx, zero_step and "
-        "ShardingPlan.create place state in device or pinned_host memory only "
-        "(offload_optimizer=True or False)")
+        f"offload=NvmeOffload({config.nvme_path!r}) keeps the optimizer state in files, which "
+        "zerojax.runtime.nvme streams through a host update: create the state with "
+        "zerojax.create_train_state or zerojax.create_nnx, which set it up (plan.nvme), and "
+        "step with zerojax.zero_step(plan); a ShardingPlan alone places state in device or "
+        "pinned_host memory only")
   wants = config.offload_params or config.offload_optimizer
   if not wants:
     return None, None

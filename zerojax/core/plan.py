@@ -81,6 +81,10 @@ class ShardingPlan:
       (same shape: Adam's moments, momentum), or ``None`` (step counts, factored statistics).
     backend: the compiler-dependent decisions (`zerojax.core.backend.Backend`), by default the
       mesh's devices'.
+    nvme: with ``offload=NvmeOffload(...)``, the `zerojax.runtime.nvme.NvmeOptimizer` that
+      streams the optimizer state from its files (`zerojax.create_train_state` sets it, and
+      `zerojax.zero_step` steps through it); ``None`` otherwise. The plan's shardings and
+      ``config`` are then the device part's, which keeps no optimizer state.
   """
 
   config: ZeroConfig
@@ -93,6 +97,7 @@ class ShardingPlan:
   opt_leaves: tuple[tuple[str, tuple[int, ...], Any, P], ...]
   opt_param: tuple[int | None, ...] = ()
   backend: Backend | None = None
+  nvme: Any = dataclasses.field(default=None, compare=False, repr=False)
 
   def __post_init__(self):
     if self.backend is None:  # frozen: set once, here
@@ -336,11 +341,11 @@ class ShardingPlan:
     c = self.config
     others = [a for a in self.mesh.axis_names if a not in self.data_axes]
     if (not self.backend.pipelines_layers or not self.params_sharded or self.live_layers < 2
-        or c.remat not in ("auto", "full") or c.quantized or c.offload_params
+        or c.remat.policy not in ("auto", "full") or c.quantized or c.offload_params
         or axis_size(self.mesh, "fsdp") < 2 or any(axis_size(self.mesh, a) > 1 for a in others)):
       return None
     return Pipeline(self.mesh, self.data_axes, reduce_dtype=reduce_dtype_of(c),
-                    own_policies=c.remat == "auto")
+                    own_policies=c.remat.policy == "auto")
 
   @property
   def local_grads(self) -> bool:

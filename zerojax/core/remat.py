@@ -147,15 +147,15 @@ def scan_remat(config: Any, per_use: bool, pipeline: Pipeline | None = None) -> 
     return ScanRemat(policy, only_unremated, live, prevent_cse=not config.offload_params,
                      pipeline=pipeline)
 
-  if config.remat == "full":
+  if config.remat.policy == "full":
     return wrap(cp.nothing_saveable, False)
-  if config.remat == "dots":
+  if config.remat.policy == "dots":
     return wrap(cp.dots_with_no_batch_dims_saveable, False)
-  if config.remat == "offload":
+  if config.remat.policy == "offload":
     return wrap(cp.save_and_offload_only_these_names(
         names_which_can_be_saved=[], names_which_can_be_offloaded=list(config.remat_offload_names),
         offload_src="device", offload_dst="pinned_host"), False)
-  if config.remat == "auto":
+  if config.remat.policy == "auto":
     return wrap(cp.nothing_saveable, True)
   return wrap(save_all_but_gathered if per_use else None, True)
 
@@ -188,7 +188,7 @@ def remat_policy(config: Any, per_use: bool, blocks: bool = False):
 
 def block_policy(config: Any):
   """The policy ``config.remat`` names for each block or scanned layer (``None``: none named)."""
-  if config.remat in ("full", "dots", "offload"):
+  if config.remat.policy in ("full", "dots", "offload"):
     return scan_remat(config, False).policy
   return None
 

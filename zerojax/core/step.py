@@ -120,7 +120,7 @@ class ZeroStep:
       scaling = plan.config.loss_scale is not None
       if scaling and not hasattr(optimizer, "loss_scaling"):
         raise ConfigError(
-            f"loss_scale={plan.config.loss_scale!r}: an NNX optimizer keeps the fp16 loss "
+            f"loss_scale={plan.config.loss_scale.scale!r}: an NNX optimizer keeps the fp16 loss "
             "scale in optimizer.loss_scaling, which zerojax.create_nnx adds; build the "
             "(model, optimizer) pair with zerojax.create_nnx(..., config=config)")
       check_batch(plan, batch)
@@ -159,7 +159,7 @@ class ZeroStep:
         if scaling:
           if len(finite) != 1:
             raise ConfigError(
-                f"loss_scale={cfg.loss_scale!r}: the NNX step must call optimizer.update(model, "
+                f"loss_scale={cfg.loss_scale.scale!r}: the NNX step must call optimizer.update(model, "
                 f"grads) exactly once (it called it {len(finite)} times), so that an "
                 "overflowing step can be skipped")
           o.loss_scaling.update(finite[0], StepSettings.from_config(cfg))
@@ -332,7 +332,9 @@ def zero_step(plan: ShardingPlan, *, donate: bool = True) -> Callable[[Callable]
     donate: donate the state's buffers to the step (it is updated in place).
 
   Returns:
-    A decorator that turns ``train_step`` into a `ZeroStep`.
+    A decorator that turns ``train_step`` into a `ZeroStep`; with a plan whose optimizer state
+    is on NVMe (``plan.nvme``), into the `zerojax.runtime.nvme.NvmeOptimizer.step` of it: the
+    `ZeroStep` on the devices, then the streamed host update.
 
   Raises:
     TypeError: ``plan`` is not a `ShardingPlan`.
@@ -341,6 +343,8 @@ def zero_step(plan: ShardingPlan, *, donate: bool = True) -> Callable[[Callable]
   if not isinstance(plan, ShardingPlan):
     raise TypeError(f"zero_step(plan) needs a zerojax.ShardingPlan, got {type(plan).__name__}")
   plan.accumulation_steps  # inconsistent batch sizes fail here
+  if plan.nvme is not None:  # the optimizer state in files: its host update follows each step
+    return lambda fn: plan.nvme.step(fn, donate=donate)
   return lambda fn: ZeroStep(fn, plan, donate)
 
 
@@ -365,8 +369,9 @@ def _check_processes_agree(plan: ShardingPlan, tx: Any, state: Any) -> None:
 def _check_state_features(plan: ShardingPlan, state: Any) -> None:
   """Clipping and loss scaling live in `ZeroTrainState`; refuse a state that would ignore them."""
   cfg = plan.config
-  wanted = [f"{k}={getattr(cfg, k)!r}" for k in ("gradient_clipping", "loss_scale")
-            if getattr(cfg, k) is not None]
+  flat = cfg.to_flat()
+  wanted = [f"{k}={flat[k]!r}" for k in ("gradient_clipping", "loss_scale")
+            if flat[k] is not None]
   if wanted and not isinstance(state, ZeroTrainState):
     kind = "an NNX step" if state is None else f"a {type(state).__name__}"
     raise ConfigError(f"{', '.join(wanted)} needs a zerojax.ZeroTrainState (create it with "
@@ -388,7 +393,7 @@ def _check_features_used(ctx: context.StepContext) -> None:
   cfg = ctx.plan.config
   if ctx.accumulation_steps > 1 or ctx.loss_scale is not None:
     raise ConfigError(
-        f"gradient_accumulation_steps={ctx.accumulation_steps}, loss_scale={cfg.loss_scale!r}: "
+        f"gradient_accumulation_steps={ctx.accumulation_steps}, loss_scale={cfg.to_flat()['loss_scale']!r}: "
         "the train step must compute its gradient with zerojax.value_and_grad(loss_fn)"
         "(params, batch) (a drop-in for jax.value_and_grad; linen TrainState steps), else "
         "the accumulation/loss scaling would silently not happen")

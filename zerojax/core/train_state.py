@@ -75,7 +75,7 @@ class StepSettings:
     Returns:
       A `StepSettings` with ``config``'s loss-scaling, clipping and non-finite policy fields.
     """
-    return cls(config.loss_scale, config.loss_scale_window, config.hysteresis,
+    return cls(config.to_flat()["loss_scale"], config.loss_scale_window, config.hysteresis,
                config.min_loss_scale, config.gradient_clipping, config.nonfinite_policy)
 
   @property

@@ -1,9 +1,10 @@
-"""What each `ZeroConfig` field allows, checked one topic at a time.
+"""What each `ZeroConfig` setting allows, checked one topic at a time.
 
-Each ``check_*`` function reads a config and returns the first `Problem` it finds (the field,
-its value and what is allowed), or ``None``; `first_problem` runs them in a fixed order, so
-the first bad field found is the one reported. `ZeroConfig` raises it as a `ConfigError` at
-construction. Two checks also normalise what they accept: a boolean field to ``bool``,
+Each ``check_*`` function reads a config in its flat spelling (`FlatView`: one keyword per
+setting, as DeepSpeed files and command-line overrides write it) and returns the first
+`Problem` it finds (the field, its value and what is allowed), or ``None``; `first_problem`
+runs them in a fixed order, so the first bad field found is the one reported. `ZeroConfig` and
+each policy (`zerojax.core.policies`) raise it as a `ConfigError` at construction. Two checks also normalise what they accept: a boolean field to ``bool``,
 ``offload_optimizer=' NVMe '`` to ``'nvme'``, ``nvme_path`` to a string.
 """
 
@@ -16,12 +17,12 @@ from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
-# The checks read a `ZeroConfig`'s fields; config imports this module, so it is not named here.
+# The checks read a `FlatView`.
 Config = Any
 
 __all__ = ["STAGES", "MESH_AXES", "DTYPES", "REMAT_POLICIES", "GATHER_MODES", "QUANTIZED_DTYPES",
            "OFFLOAD_FALLBACKS", "NONFINITE_POLICIES", "NVME", "BOOL_FIELDS", "OPTIONAL_BOOL_FIELDS",
-           "Problem", "first_problem"]
+           "FLAT_DEFAULTS", "FlatView", "Problem", "first_problem"]
 
 STAGES = (0, 1, 2, 3)
 MESH_AXES = ("replica", "fsdp", "tensor")
@@ -38,6 +39,46 @@ BOOL_FIELDS = ("offload_optimizer", "offload_params", "optimizer_on_host",
                "quantize_weights_backward", "nvme_pipeline_read", "nvme_pipeline_write")
 # Boolean fields whose None means a default resolved elsewhere (a `ZeroConfig` property).
 OPTIONAL_BOOL_FIELDS = {"quantize_weights_backward": "null (the same as quantize_weights)"}
+
+
+# The flat spelling of a config, one keyword per setting, and its defaults: what DeepSpeed
+# files, command-line overrides and the old `ZeroConfig` keywords use. The checks below read it.
+FLAT_DEFAULTS: dict[str, Any] = {
+    "stage": 3, "mesh_shape": (-1,), "mesh_axes": ("fsdp",), "param_persistence_threshold": None,
+    "param_dtype": "float32", "compute_dtype": "float32", "reduce_dtype": None,
+    "offload_optimizer": False, "offload_params": False, "offload_fallback": "error",
+    "optimizer_on_host": False, "nvme_path": None, "nvme_chunk_size": 1 << 22,
+    "nvme_buffer_count": 4, "nvme_pipeline_read": True, "nvme_pipeline_write": True,
+    "remat": "auto", "remat_offload_names": (), "gather": "auto", "max_live_layers": None,
+    "quantize_weights": None, "quantize_weights_backward": None, "quantize_gradients": None,
+    "quantize_block_size": 256, "train_batch_size": None, "micro_batch_per_device": None,
+    "gradient_accumulation_steps": None, "gradient_clipping": None, "loss_scale": None,
+    "initial_scale_power": 16, "loss_scale_window": 1000, "hysteresis": 2,
+    "min_loss_scale": 1.0, "nonfinite_grads": "auto", "rules": ()}
+
+
+class FlatView:
+  """A config in its flat spelling (`FLAT_DEFAULTS` for what is not given), as the checks
+  read it; the checks normalise some values in place."""
+
+  def __init__(self, **flat: Any):
+    self.__dict__.update(FLAT_DEFAULTS)
+    self.__dict__.update(flat)
+    # Sequences arrive as lists from JSON/YAML; tuples keep a config hashable.
+    for k in ("mesh_shape", "mesh_axes", "remat_offload_names"):
+      if isinstance(getattr(self, k), list):
+        setattr(self, k, tuple(getattr(self, k)))
+    if isinstance(self.rules, (list, tuple)):
+      self.rules = tuple((r[0], tuple(r[1]) if isinstance(r[1], (list, tuple)) else r[1])
+                         if isinstance(r, (list, tuple)) and len(r) == 2 else r
+                         for r in self.rules)
+
+  shards_opt_state = property(lambda self: self.stage >= 1)
+  shards_grads = property(lambda self: self.stage >= 2)
+  shards_params = property(lambda self: self.stage == 3)
+  optimizer_on_nvme = property(lambda self: self.offload_optimizer == NVME)
+  quantized = property(lambda self: self.quantize_weights is not None
+                       or self.quantize_gradients is not None)
 
 
 class Problem(NamedTuple):
@@ -63,7 +104,7 @@ def check_bools(c: Config) -> Problem | None:
   for f in BOOL_FIELDS:
     if f == "offload_optimizer" and isinstance(c.offload_optimizer, str) and (
         c.offload_optimizer.strip().lower() == NVME):
-      object.__setattr__(c, f, NVME)
+      c.offload_optimizer = NVME
       continue
     if getattr(c, f) is None and f in OPTIONAL_BOOL_FIELDS:
       continue
@@ -73,7 +114,7 @@ def check_bools(c: Config) -> Problem | None:
                f", or {OPTIONAL_BOOL_FIELDS[f]}" if f in OPTIONAL_BOOL_FIELDS else "")
       return Problem(f, getattr(c, f), "true or false (a boolean; strings such as 'false' or "
                      f"'no' are not booleans){extra}")
-    object.__setattr__(c, f, bool(getattr(c, f)))
+    setattr(c, f, bool(getattr(c, f)))
 
 
 def check_mesh(c: Config) -> Problem | None:
@@ -232,7 +273,7 @@ def check_nvme(c: Config) -> Problem | None:
       return Problem("nvme_path", c.nvme_path, "offload_optimizer='nvme' needs the directory "
                      "of the optimizer-state files (a path string on a local disk, e.g. "
                      "'/local_nvme')")
-    object.__setattr__(c, "nvme_path", os.fspath(c.nvme_path))
+    c.nvme_path = os.fspath(c.nvme_path)
     if c.offload_params:
       return Problem("offload_params", True, "cannot be combined with offload_optimizer="
                      "'nvme': the NVMe update returns parameter shards to device memory; keep the "

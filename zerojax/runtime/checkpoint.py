@@ -5,7 +5,7 @@ A checkpoint is one orbax step directory with two items:
 * ``state``: the train state's array fields (``step``, ``params``, ``opt_state``, and any other
   pytree field of the state), saved as a sharded PyTree. Each process writes only the shards it
   owns (orbax/tensorstore, OCDBT), so no device or host ever holds the whole model.
-* ``meta``: JSON with the zerojax config (`ZeroConfig.to_dict`), the user's data position and
+* ``meta``: JSON with the zerojax config (`ZeroConfig.to_flat`), the user's data position and
   RNG, and one **checksum per leaf**.
 
 Restoring reads target shardings from a (new) `ShardingPlan`: the same files restore at any
@@ -137,7 +137,7 @@ class Extras:
     rng: the RNG passed to `Checkpointer.save` (same kind: typed key or raw ``uint32`` key
       data), or ``None``.
     data: the data position passed to `Checkpointer.save` (JSON round trip), or ``None``.
-    config: the saving run's `ZeroConfig.to_dict()`, or ``None`` if none was given.
+    config: the saving run's `ZeroConfig.to_flat()`, or ``None`` if none was given.
     model: the model description passed to `Checkpointer.save` (e.g. LoRA's rank and alpha,
       `zerojax.models.llama.checkpoint_model`), or ``None``.
   """
@@ -596,7 +596,7 @@ class Checkpointer:
         "format": FORMAT,
         "version": FORMAT_VERSION,
         "step": step,
-        "config": None if self.config is None else self.config.to_dict(),
+        "config": None if self.config is None else self.config.to_flat(),
         "data": data_json,
         "rng": _rng_to_json(rng),
         "model": model_json,

@@ -1,6 +1,6 @@
 """ZeRO-Infinity: the optimizer state on NVMe, streamed through a pipelined host update.
 
-With ``ZeroConfig(offload_optimizer='nvme', nvme_path=...)`` no device and no host ever holds
+With ``ZeroConfig(offload=NvmeOffload(path))`` no device and no host ever holds
 the optimizer state: each process keeps its shards of it in files under ``nvme_path``
 (`zerojax.runtime.nvme_store`). A step is split in two, because an ``io_callback`` reading
 memory-mapped state inside ``jax.grad`` hangs:
@@ -27,20 +27,23 @@ is the one non-elementwise transformation kept: its norm is the device's.
 
 Example::
 
-  config = zerojax.ZeroConfig(stage=3, offload_optimizer="nvme", nvme_path="/local_nvme")
-  state, plan, opt = zerojax.runtime.nvme.create_train_state(model, optax.adamw(1e-3), rng, x,
-                                                             config=config)
-  step = opt.step(train_step)          # the same train_step as without NVMe
+  config = zerojax.ZeroConfig(stage=3, offload=zerojax.NvmeOffload("/local_nvme"))
+  state, plan = zerojax.create_train_state(model, optax.adamw(1e-3), rng, x, config=config)
+  step = zerojax.zero_step(plan)(train_step)   # the same train_step as without NVMe
   for batch in data:
     state, metrics = step(state, batch)
-  print(opt.stats.summary())           # MB/s read and written, update and wait time
+  print(plan.nvme.stats.summary())     # MB/s read and written, update and wait time
+
+`create_train_state` below returns the `NvmeOptimizer` itself as a third value
+(``(state, plan, opt)``, ``opt.step(train_step)``); `zerojax.create_train_state` puts it in
+``plan.nvme``.
 
 A Flax NNX model goes through `create_nnx` instead (as `zerojax.create_nnx`), and its step is
 the same ``train_step(model, optimizer, batch) -> metrics``::
 
-  model, optimizer, plan, opt = zerojax.runtime.nvme.create_nnx(lambda: Model(nnx.Rngs(0)),
-                                                                optax.adamw(1e-3), config=config)
-  step = opt.step(train_step)
+  model, optimizer, plan = zerojax.create_nnx(lambda: Model(nnx.Rngs(0)), optax.adamw(1e-3),
+                                              config=config)
+  step = zerojax.zero_step(plan)(train_step)
   for batch in data:
     metrics = step(model, optimizer, batch)
 """
@@ -469,7 +472,7 @@ def device_config(config: ZeroConfig) -> ZeroConfig:
   Returns:
     ``config`` without optimizer offload, for the device step's plan.
   """
-  return config.replace(offload_optimizer=False, nvme_path=None)
+  return config.replace(offload=None)
 
 
 @struct.dataclass
@@ -1128,7 +1131,7 @@ class NvmeOptimizer:
 def create_train_state(model: Any, tx: Any, rng: jax.Array, *init_args: Any,
                        config: ZeroConfig, mesh: jax.sharding.Mesh | None = None,
                        state_cls: type | None = None, params: Any = None,
-                       overwrite: bool = False, **init_kwargs: Any
+                       overwrite: bool = False, backend: Any = None, **init_kwargs: Any
                        ) -> tuple[Any, ShardingPlan, NvmeOptimizer]:
   """`zerojax.create_train_state` with the optimizer state on NVMe.
 
@@ -1148,6 +1151,7 @@ def create_train_state(model: Any, tx: Any, rng: jax.Array, *init_args: Any,
     state_cls: the train-state class; default `zerojax.ZeroTrainState`.
     params: existing parameters instead of the model's init.
     overwrite: replace a committed state in ``nvme_path`` instead of resuming it.
+    backend: the compiler-dependent decisions (`zerojax.Backend`); default the mesh's devices'.
     **init_kwargs: keyword arguments for ``model.init``.
 
   Returns:
@@ -1168,13 +1172,14 @@ def create_train_state(model: Any, tx: Any, rng: jax.Array, *init_args: Any,
         "model_fn, tx, config=config), as zerojax.create_nnx")
   state, plan = create.create_train_state(
       model, capture_gradients(), rng, *init_args, config=device_config(config), mesh=mesh,
-      state_cls=state_cls, params=params, **init_kwargs)
+      state_cls=state_cls, params=params, backend=backend, **init_kwargs)
   return state, plan, _start(config, plan, tx, state, overwrite)
 
 
 def create_nnx(model_fn: Callable[[], Any], tx: Any, *, config: ZeroConfig,
                mesh: jax.sharding.Mesh | None = None, wrt: Any = None, params: Any = None,
-               overwrite: bool = False) -> tuple[Any, Any, ShardingPlan, NvmeOptimizer]:
+               overwrite: bool = False, backend: Any = None
+               ) -> tuple[Any, Any, ShardingPlan, NvmeOptimizer]:
   """`zerojax.create_nnx` with the optimizer state on NVMe.
 
   The ``nnx.Optimizer`` returned is the device part's: its ``opt_state`` holds only the
@@ -1190,6 +1195,7 @@ def create_nnx(model_fn: Callable[[], Any], tx: Any, *, config: ZeroConfig,
     wrt: the NNX filter of the trained parameters (``nnx.Param`` by default).
     params: existing parameters instead of the model's init.
     overwrite: replace a committed state in ``nvme_path`` instead of resuming it.
+    backend: the compiler-dependent decisions (`zerojax.Backend`); default the mesh's devices'.
 
   Returns:
     ``(model, optimizer, plan, nvme)``.
@@ -1204,11 +1210,11 @@ def create_nnx(model_fn: Callable[[], Any], tx: Any, *, config: ZeroConfig,
   if config.loss_scale is not None:
     # The NNX step skips an overflowing step inside nnx.Optimizer.update; the host update
     # would apply the captured non-finite gradient all the same.
-    raise ConfigError(f"loss_scale={config.loss_scale!r} with offload_optimizer='nvme' needs "
+    raise ConfigError(f"loss_scale={config.loss_scale.scale!r} with offload_optimizer='nvme' needs "
                       "a linen model (zerojax.runtime.nvme.create_train_state)")
   model, optimizer, plan = create.create_nnx(
       model_fn, capture_gradients(), config=device_config(config), mesh=mesh, wrt=wrt,
-      params=params)
+      params=params, backend=backend)
   return model, optimizer, plan, _start(config, plan, tx, NnxView.of(model, optimizer),
                                         overwrite)
 
@@ -1216,7 +1222,7 @@ def create_nnx(model_fn: Callable[[], Any], tx: Any, *, config: ZeroConfig,
 def _check_config(config: Any, fn: str) -> None:
   if not isinstance(config, ZeroConfig) or not config.optimizer_on_nvme:
     raise ConfigError(f"zerojax.runtime.nvme.{fn} needs a ZeroConfig with "
-                      "offload_optimizer='nvme' and nvme_path")
+                      "offload=NvmeOffload(path)")
 
 
 def _start(config: ZeroConfig, plan: ShardingPlan, tx: Any, state: Any,

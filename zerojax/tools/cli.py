@@ -18,7 +18,7 @@ import textwrap
 from typing import Any, Sequence
 
 from zerojax import __version__
-from zerojax.core.config import ConfigError
+from zerojax.core.config import ConfigError, HostOffload
 from zerojax.core.launch_env import DistributedInitError
 from zerojax.tools import launch
 from zerojax.tools.config_file import load_config
@@ -270,8 +270,9 @@ def _compiled_peak(args, config, per_use: dict[str, int]):
   batch = args.batch or args.devices
 
   def peak(o):
-    cfg = config.replace(stage=o.stage, offload_optimizer=o.offload_optimizer,
-                         offload_params=o.offload_params, optimizer_on_host=False)
+    offload = (HostOffload(o.offload_optimizer, o.offload_params)
+               if o.offload_optimizer or o.offload_params else None)
+    cfg = config.replace(stage=o.stage, offload=offload)
     p = estimate.step_peak(args.model, cfg, batch, args.seq)
     if not _partitioner_gathers(cfg):
       return p
@@ -410,7 +411,7 @@ def _partitioner_gathers(config) -> bool:
   """Whether a stage-3 step under ``config`` leaves its gathers to XLA's partitioner on this
   machine: ``gather='auto'`` on CPU devices, without a per-use feature (offloaded parameters,
   ``reduce_dtype``, ZeRO++). On accelerators ``'auto'`` gathers per use at stage 3 already."""
-  if not config.shards_params or config.gather != "auto" or config.per_use_settings:
+  if not config.shards_params or config.gather.mode != "auto" or config.per_use_settings:
     return False
   import jax  # lazy: JAX
   from zerojax.core import backend

@@ -19,6 +19,8 @@ import yaml
 
 from zerojax.core.config import (ConfigError, ZeroConfig, did_you_mean, in_file, read_config_file,
                                  unknown_key_error)
+from zerojax.core import validation
+from zerojax.core.policies import POLICIES
 from zerojax.tools import deepspeed
 from zerojax.tools.bounds import TRAIN_BOUNDS, check_values
 from zerojax.tools.options import TrainOptions, deepspeed_train_fields
@@ -61,7 +63,7 @@ def parse_value(text: str) -> Any:
 
 def parse_overrides(pairs: Sequence[str]) -> tuple[dict[str, Any], dict[str, Any]]:
   """Splits ``key=value`` pairs into (`ZeroConfig` fields, `TrainOptions` fields)."""
-  zfields = {f.name for f in dataclasses.fields(ZeroConfig)}
+  zfields = set(validation.FLAT_DEFAULTS)  # the flat spelling: one key per setting
   tfields = set(TrainOptions.fields())
   zc, tr = {}, {}
   for pair in pairs:
@@ -148,10 +150,7 @@ def load_config(path: str | os.PathLike | None, overrides: Sequence[str] = (), *
   if deepspeed.is_deepspeed(d) and apply_xla_flags:
     m.apply_xla_flags()
   if zover:
-    try:
-      config = config.replace(**zover)
-    except TypeError as e:
-      raise ConfigError(str(e)) from None
+    config = ZeroConfig.from_flat({**config.to_flat(), **zover})
   train.update(tover)
   return LoadedConfig(config, train, notes, flags, bool(notes or flags) or
                       deepspeed.is_deepspeed(d))
@@ -162,7 +161,7 @@ def _deepspeed_lookalike(d: Mapping[str, Any]) -> None:
   are DeepSpeed's, or closer to a DeepSpeed key than to any `ZeroConfig` field (e.g. the
   British ``zero_optimisation``), fails naming the DeepSpeed key: ``ZeroConfig has no field``
   would send the user to the wrong list."""
-  fields = {f.name for f in dataclasses.fields(ZeroConfig)}
+  fields = set(validation.FLAT_DEFAULTS) | set(POLICIES)
   ds_keys = sorted(deepspeed.TOP_LEVEL_KEYS - fields)
   score = lambda a, b: difflib.SequenceMatcher(None, a, b).ratio()
   exact, near = [], {}

@@ -37,11 +37,11 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import types
 import warnings
 from typing import Any, Mapping
 
 from zerojax.core import validation
+from zerojax.core.policies import POLICIES
 from zerojax.core.config import ConfigError, ZeroConfig, in_file, read_config_file, unknown_key_error
 from zerojax.tools.bounds import TRAIN_BOUNDS
 from zerojax.tools.options import SCHEDULERS, TrainOptions, check_scheduler
@@ -357,11 +357,17 @@ def map_deepspeed(d: Mapping[str, Any],
   _map_training(d, m)
   # zerojax extras: ZeroConfig fields DeepSpeed has no key for, applied last.
   extra = _section(d, "zerojax")
-  _unknown("zerojax", set(extra), {f.name for f in dataclasses.fields(ZeroConfig)})
-  m.kw.update(extra)
+  _unknown("zerojax", set(extra), set(validation.FLAT_DEFAULTS) | set(POLICIES))
+  # A policy given as a mapping ({'offload': {'kind': 'nvme', ...}}) replaces what the
+  # DeepSpeed sections mapped to; flat keywords are laid over them.
+  sections = {k: v for k, v in extra.items()
+              if k in POLICIES and (isinstance(v, Mapping) or v is None)}
+  m.kw.update({k: v for k, v in extra.items() if k not in sections})
   # Offload in DeepSpeed implies ZeRO; zerojax validates the combination.
   try:
-    config = ZeroConfig(**m.kw)
+    config = ZeroConfig.from_flat(m.kw)
+    if sections:
+      config = config.replace(**sections)
   except ConfigError as e:
     raise ConfigError(f"DeepSpeed config maps to an invalid ZeroConfig: {e}") from None
   return DeepSpeedMapping(config, tuple(f"{k}={v}" for k, v in m.flags.items()),
@@ -446,8 +452,7 @@ def _map_precision(d: Mapping[str, Any], m: _Mapped) -> None:
 def _check_fp16(kw: Mapping[str, Any], fp16: Mapping[str, Any]) -> None:
   """Refuses an fp16 loss-scaling value ZeroConfig would refuse, naming its DeepSpeed key
   (``fp16.loss_scale_window``) and the value in the file rather than the ZeroConfig field."""
-  defaults = {f.name: f.default for f in dataclasses.fields(ZeroConfig)}
-  problem = validation.check_loss_scale(types.SimpleNamespace(**{**defaults, **kw}))
+  problem = validation.check_loss_scale(validation.FlatView(**kw))
   if problem is not None and problem.field in _FP16_FIELDS:
     raise _err(f"fp16.{problem.field}", fp16.get(problem.field, problem.value), problem.allowed)
 

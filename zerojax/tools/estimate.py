@@ -19,7 +19,7 @@ import optax
 from flax.core import meta
 from jax.sharding import AbstractMesh, AxisType
 
-from zerojax.core.config import ConfigError, ZeroConfig
+from zerojax.core.config import ConfigError, HostOffload, ZeroConfig
 from zerojax import ShardingPlan, zero_step
 from zerojax.models import GPT, PRESETS
 from zerojax.runtime import gpu, memory, step_time
@@ -178,8 +178,7 @@ def model_options(params: Any, tx: Any, config: ZeroConfig, n: int) -> list[Opti
   variants += [("stage 3 + offload_optimizer", 3, True, False),
                ("stage 3 + offload_optimizer + offload_params", 3, True, True)]
   for rank, (name, s, oo, op) in enumerate(variants):
-    cfg = config.replace(stage=s, offload_optimizer=oo, offload_params=op,
-                         optimizer_on_host=False)
+    cfg = config.replace(stage=s, offload=HostOffload(oo, op) if oo or op else None)
     e = memory.estimate(params, tx, config=cfg, num_devices=n)
     comm = COMM[s] + ("" if not oo else " + optimizer shard over PCIe" if not op else
                       " + optimizer and parameter shards over PCIe")
@@ -340,7 +339,7 @@ def step_peak(preset: str, config: ZeroConfig, batch: int, seq: int | None = Non
   if seq > longest:
     raise ConfigError(f"--seq {seq} is longer than the {preset} model's seq_len {longest}")
   if (config.train_batch_size, config.micro_batch_per_device) == (None, None):
-    config = config.replace(train_batch_size=batch)  # before the mesh: abstract_train_state's
+    config = config.replace(batch=dataclasses.replace(config.batch, global_size=batch))  # before the mesh: abstract_train_state's
   tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
   state, plan = abstract_train_state(model, optax.adamw(1e-3), jax.random.key(0), tokens,
                                      config=config)

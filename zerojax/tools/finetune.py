@@ -427,7 +427,7 @@ def precision_note(config: Any) -> str | None:
   Returns:
     one line, or None.
   """
-  cd, ls = config.compute_dtype, config.loss_scale
+  cd, ls = config.compute_dtype, config.to_flat()["loss_scale"]
   if ls is None:
     if cd != "float16":
       return None

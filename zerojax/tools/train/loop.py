@@ -157,7 +157,7 @@ def _previous_run(out_dir: str) -> tuple[dict | None, list[dict]]:
 def _this_run(opts: TrainOptions, config: ZeroConfig) -> dict[str, Any]:
   """What ``run.json`` records of this run, as JSON values: ``{'config': ..., 'options': ...}``.
   Read once; a previous run's ``run.json`` is compared with it."""
-  return json.loads(json.dumps({"config": config.to_dict(),
+  return json.loads(json.dumps({"config": config.to_flat(),
                                 "options": dataclasses.asdict(opts)}))
 
 
@@ -662,7 +662,7 @@ def resolve_config(config: ZeroConfig, opts: TrainOptions) -> ZeroConfig:
     ``config`` with ``opts.batch`` rows per step where it sets no batch size.
   """
   if (config.train_batch_size, config.micro_batch_per_device) == (None, None):
-    return config.replace(train_batch_size=opts.batch)
+    return config.replace(batch=dataclasses.replace(config.batch, global_size=opts.batch))
   return config
 
 
