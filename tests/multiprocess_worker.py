@@ -200,8 +200,8 @@ def agree(args) -> None:
   pick = lambda v: v.split(",")[jax.process_index()] if "," in v else v
   kw = ({} if pick(args.mesh) == "flat" else
         {"mesh_shape": (2, -1), "mesh_axes": ("replica", "fsdp")})
-  zc = zerojax.ZeroConfig(stage=int(pick(args.stage)),
-                          param_persistence_threshold=int(pick(args.threshold)), **kw)
+  zc = zerojax.ZeroConfig.from_flat(dict(
+      stage=int(pick(args.stage)), param_persistence_threshold=int(pick(args.threshold)), **kw))
   tx = optax.adamw(float(pick(args.lr)), eps=1e-6, weight_decay=0.1)
   data = helpers.batches(helpers.TINY, 1, batch=8)
   state, plan = zerojax.create_train_state(GPT(helpers.TINY), tx, jax.random.key(0),

@@ -32,9 +32,9 @@ from zerojax.runtime.checkpoint import Checkpointer  # noqa: E402
 def main(nvme_path: str, ckpt_dir: str, steps: int, out: str) -> None:
   cfg = helpers.TINY
   data = helpers.batches(cfg, steps)
-  config = zerojax.ZeroConfig(stage=2, param_persistence_threshold=helpers.THRESHOLD,
-                              offload_optimizer="nvme", nvme_path=nvme_path,
-                              nvme_chunk_size=4096, nvme_buffer_count=3)
+  config = zerojax.ZeroConfig(
+      stage=2, gather=zerojax.Gather(persistence_threshold=helpers.THRESHOLD),
+      offload=zerojax.NvmeOffload(nvme_path, chunk_size=4096, buffer_count=3))
   ckpt = Checkpointer(ckpt_dir, max_to_keep=2, async_save=False)
   state, _, opt = nvme.create_train_state(GPT(cfg), helpers.make_tx(), jax.random.key(0),
                                           jnp.asarray(data[0]["x"]), config=config,

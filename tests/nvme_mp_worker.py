@@ -26,6 +26,7 @@ writes the gathered final parameters of each run to ``OUT/params-<run>.npz``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -144,7 +145,8 @@ def _resume(out: str, zn, x, ck, batches: list[dict]) -> dict:
   path = os.path.join(out, f"nvme-{zn.stage}-restored")
   os.makedirs(path, exist_ok=True)
   state, _, opt = nvme.create_train_state(GPT(helpers.TINY), helpers.make_tx(),
-                                          jax.random.key(1), x, config=zn.replace(nvme_path=path))
+                                          jax.random.key(1), x, config=zn.replace(
+                                              offload=dataclasses.replace(zn.offload, path=path)))
   state, _ = opt.restore_checkpoint(ck, state)
   start = int(state.step)
   state, losses = _losses(opt.step(helpers.train_step), state, batches)

@@ -114,9 +114,9 @@ def accumulation_reference() -> Result:
 def accumulation_run(stage: int, gather: str = "auto") -> Result:
   """8 devices, ``ACCUM`` micro-batches per step, ``gradient_clipping=CLIP``."""
   model, batches = GPT(CFG), data(ACC_STEPS)
-  zc = zerojax.ZeroConfig(stage=stage, param_persistence_threshold=helpers.THRESHOLD,
-                          micro_batch_per_device=1, gradient_accumulation_steps=ACCUM,
-                          gradient_clipping=CLIP, gather=gather)
+  zc = zerojax.ZeroConfig(stage=stage, gather=zerojax.Gather(
+      gather, persistence_threshold=helpers.THRESHOLD), batch=zerojax.Batch(
+          micro_per_device=1, accumulation_steps=ACCUM), gradient_clipping=CLIP)
   state, plan = zerojax.create_train_state(model, adamw(), jax.random.key(0),
                                            jnp.asarray(batches[0]["x"]), config=zc)
   step, ms = zerojax.zero_step(plan)(zero_train_step), []
@@ -169,8 +169,9 @@ def _low_precision_reference(cfg, mults, config=None) -> Result:
 
 def _low_precision_run(cfg, stage, mults, **config_kw) -> Result:
   model, batches = GPT(cfg), data(len(mults), mults)
-  zc = zerojax.ZeroConfig(stage=stage, param_persistence_threshold=helpers.THRESHOLD,
-                          compute_dtype=jnp.dtype(cfg.dtype or jnp.float32).name, **config_kw)
+  zc = zerojax.ZeroConfig.from_flat(dict(
+      stage=stage, param_persistence_threshold=helpers.THRESHOLD,
+      compute_dtype=jnp.dtype(cfg.dtype or jnp.float32).name, **config_kw))
   state, plan = zerojax.create_train_state(model, sgd(), jax.random.key(0),
                                            jnp.asarray(batches[0]["x"]), config=zc)
   p0 = _np(state.params)

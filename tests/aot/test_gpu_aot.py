@@ -711,7 +711,7 @@ def test_gpu_llama_blocks_gather_beside_matmuls_and_re_gather_after_their_reshap
       return nn.Dense(512, use_bias=False)(x)
 
   r, in_remat = (memory.compile_for_topology(zerojax.ZeroConfig(
-      stage=3, compute_dtype="bfloat16"), Model(remat), (16, 128), TOPOLOGY)
+      stage=3, precision=zerojax.Precision(compute="bfloat16")), Model(remat), (16, 128), TOPOLOGY)
       for remat in (False, True))
   text = r.compiled.as_text()
   starts = _gather_starts(text)

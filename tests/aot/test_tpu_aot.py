@@ -235,7 +235,7 @@ def test_tpu_int4_weights_move_half_and_cost_no_memory():
   from zerojax.core.zeropp import GATHER_SCOPE
   from zerojax.models import GPT
   cfg = GPTConfig(vocab_size=8192, seq_len=64, num_layers=2, num_heads=8, d_model=512)
-  r = {q: memory.compile_for_topology(zerojax.ZeroConfig(stage=3, quantize_weights=q),
+  r = {q: memory.compile_for_topology(zerojax.ZeroConfig(stage=3, quantize=zerojax.Quantize(q)),
                                       GPT(cfg), (8, 64), TOPOLOGY) for q in ("int8", "int4")}
   s8 = {q: memory.collective_bytes_by_dtype(x.compiled.as_text(), GATHER_SCOPE)[
       ("all-gather", "s8")] for q, x in r.items()}

@@ -63,7 +63,8 @@ def test_a_changed_backend_changes_only_what_it_names():
   assert plan.live_layers == 1 and plan.pipeline is None
   assert plan.leaves == _plan(config, backend=backend.GPU).leaves
   # The config's own setting wins over the backend's default.
-  assert _plan(zerojax.ZeroConfig(stage=3, max_live_layers=2), backend=one).live_layers == 2
+  two = zerojax.ZeroConfig(stage=3, gather=zerojax.Gather(max_live_layers=2))
+  assert _plan(two, backend=one).live_layers == 2
 
 
 def test_pipelined_options_take_the_largest_layers_collectives():

@@ -22,9 +22,9 @@ from tests import helpers, prec_helpers as ph
     (dict(micro_batch_per_device=3), (24, 3, 1)),
 ])
 def test_batch_any_two_infer_the_third(given, want):
-  assert ZeroConfig(**given).batch_sizes(8) == want
-  _, plan = ph.abstract_state_and_plan(ZeroConfig(
-      stage=2, param_persistence_threshold=helpers.THRESHOLD, **given))
+  assert ZeroConfig.from_flat(given).batch_sizes(8) == want
+  _, plan = ph.abstract_state_and_plan(ZeroConfig.from_flat(
+      dict(stage=2, param_persistence_threshold=helpers.THRESHOLD, **given)))
   assert plan.batch_sizes == want and plan.accumulation_steps == want[2]
 
 
@@ -35,7 +35,7 @@ def test_batch_any_two_infer_the_third(given, want):
 ])
 def test_batch_inconsistent_names_all_four_numbers(given):
   with pytest.raises(ConfigError) as e:
-    ZeroConfig(**given).batch_sizes(8)
+    ZeroConfig.from_flat(given).batch_sizes(8)
   msg = str(e.value)
   for k in ("train_batch_size", "micro_batch_per_device", "gradient_accumulation_steps",
             "data-parallel size=8"):

@@ -47,7 +47,7 @@ def test_round_trip_json(tmp_path):
 ])
 def test_bad_values_name_field_value_and_allowed(kwargs, field, allowed):
   with pytest.raises(ConfigError) as e:
-    ZeroConfig(**kwargs)
+    ZeroConfig.from_flat(kwargs)
   assert field in str(e.value) and allowed in str(e.value)
 
 
@@ -58,7 +58,7 @@ def test_bad_values_name_field_value_and_allowed(kwargs, field, allowed):
 def test_mesh_shape_is_checked_against_the_devices_by_make_mesh(kwargs, field):
   # A config does not depend on the live backend (valid before and after jax.devices());
   # the mesh built from it is checked against the devices there are.
-  cfg = ZeroConfig(**kwargs)
+  cfg = ZeroConfig.from_flat(kwargs)
   with pytest.raises(ConfigError) as e:
     make_mesh(cfg)
   assert field in str(e.value) and "8 are available" in str(e.value)
@@ -93,7 +93,7 @@ def test_mesh_minus_one_fills_devices():
 @pytest.mark.parametrize("value", ["false", "no", "true", 0, 1, None])
 def test_bool_fields_must_be_booleans(field, value):
   with pytest.raises(ConfigError) as e:
-    ZeroConfig(stage=3, **{field: value})
+    ZeroConfig.from_flat({"stage": 3, field: value})
   assert f"ZeroConfig.{field}={value!r} is invalid: true or false" in str(e.value)
 
 
@@ -152,7 +152,7 @@ def test_yaml_merge_keys_are_not_duplicates(tmp_path):
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])
 def test_non_finite_numbers_are_refused(field, value):
   with pytest.raises(ConfigError, match=f"ZeroConfig.{field}={value!r} is invalid"):
-    ZeroConfig(**{field: value})
+    ZeroConfig.from_flat({field: value})
 
 
 @pytest.mark.parametrize("text", ["Infinity", "NaN", "-Infinity"])

@@ -219,7 +219,7 @@ MISMATCHES = {  # option given to the worker as "process 0 value,process 1 value
              ["config.mesh_axes: process 0: ['fsdp'], process 1: ['replica', 'fsdp']",
               "mesh: process 0: [['fsdp', 8]], process 1: [['replica', 2], ['fsdp', 4]]"]),
     "threshold": (["--threshold", "4096,1"],
-                  ["config.param_persistence_threshold: process 0: 4096, process 1: 1"]),
+                  ["config.gather.persistence_threshold: process 0: 4096, process 1: 1"]),
 }
 
 

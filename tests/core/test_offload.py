@@ -1,5 +1,6 @@
 """Host offload through memory kinds: parity, placement, HLO transfers, reporting, errors."""
 
+import dataclasses
 import re
 import warnings
 
@@ -195,7 +196,7 @@ def test_offload_missing_pinned_host_errors_or_falls_back(monkeypatch):
   with pytest.raises(zerojax.ConfigError, match="no 'pinned_host' memory"):
     zerojax.ShardingPlan.create(cfg, zerojax.make_mesh(cfg), {"w": jnp.zeros((64, 64))},
                                 tx=helpers.make_tx())
-  cfg = cfg.replace(offload_fallback="warn")
+  cfg = cfg.replace(offload=dataclasses.replace(cfg.offload, fallback="warn"))
   with warnings.catch_warnings(record=True) as w:
     warnings.simplefilter("always")
     plan = zerojax.ShardingPlan.create(cfg, zerojax.make_mesh(cfg), {"w": jnp.zeros((64, 64))},
@@ -217,4 +218,4 @@ def test_offload_detects_cpu_memory_kinds():
 ])
 def test_offload_with_wrong_stage_says_why(kw, match):
   with pytest.raises(zerojax.ConfigError, match=match):
-    zerojax.ZeroConfig(**kw)
+    zerojax.ZeroConfig.from_flat(kw)

@@ -108,7 +108,7 @@ class _Mlp(nn.Module):
 
 
 def _mlp_temp(depth: int, **kw) -> int:
-  cfg = zerojax.ZeroConfig(stage=3, **kw)
+  cfg = zerojax.ZeroConfig.from_flat(dict(stage=3, **kw))
   x = jnp.ones((64, 512))
   state, plan = zerojax.create_train_state(_Mlp(depth), optax.adam(1e-3), jax.random.key(0), x,
                                            config=cfg)
@@ -308,7 +308,7 @@ def test_tied_head_through_variables_with_explicit_gathering():
 def _nnx_setup(stage, **kw):
   """An NNX (model, optimizer) from `create_nnx` and the README's step over it."""
   from flax import nnx
-  cfg = zerojax.ZeroConfig(stage=stage, **kw)
+  cfg = zerojax.ZeroConfig.from_flat(dict(stage=stage, **kw))
   model, opt, plan = zerojax.create_nnx(lambda: pt.nnx_model(SIZE, "e", nnx.Rngs(0)),
                                         pt.make_tx(), config=cfg)
 

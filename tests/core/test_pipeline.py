@@ -322,8 +322,8 @@ def test_one_ahead_differentiates_what_the_layers_close_over():
   x = jax.random.normal(jax.random.key(1), (16, 32))
   moved, said = {}, {}
   for live in (1, 2):
-    config = zerojax.ZeroConfig(stage=3, gather="explicit", max_live_layers=live,
-                                param_persistence_threshold=0)
+    config = zerojax.ZeroConfig(stage=3, gather=zerojax.Gather(
+        "explicit", max_live_layers=live, persistence_threshold=0))
     state, plan = zerojax.create_train_state(Net(), optax.sgd(0.5), jax.random.key(0), x,
                                              config=config)
     before = jax.device_get(state.params)

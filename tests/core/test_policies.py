@@ -168,18 +168,18 @@ def test_unknown_fields_suggest_either_spelling():
     ZeroConfig.from_dict({"offload": {"kind": "nvme"}})
 
 
-def test_a_sectioned_file_loads_without_a_warning_and_a_flat_one_warns(tmp_path):
+def test_a_file_may_use_sections_or_flat_keys(tmp_path):
   sectioned = tmp_path / "run.yaml"
   sectioned.write_text("stage: 2\nprecision:\n  compute: bfloat16\noffload:\n  kind: host\n"
                        "batch:\n  micro_per_device: 2\n")
   c = zerojax.load_config(sectioned, apply_xla_flags=False, for_training=False).config
   assert c == ZeroConfig(stage=2, precision=Precision(compute="bfloat16"),
                          offload=HostOffload(), batch=Batch(micro_per_device=2))
-  flat = tmp_path / "old.yaml"
-  flat.write_text("stage: 2\ncompute_dtype: bfloat16\n")
-  with pytest.warns(DeprecationWarning, match="compute_dtype -> precision"):
-    old = zerojax.load_config(flat, apply_xla_flags=False, for_training=False).config
-  assert old.precision.compute == "bfloat16"
+  # flat keys, as command-line overrides write them, mixed with sections: no warning
+  flat = tmp_path / "flat.yaml"
+  flat.write_text("stage: 2\ncompute_dtype: bfloat16\noffload:\n  kind: host\n"
+                  "micro_batch_per_device: 2\n")
+  assert zerojax.load_config(flat, apply_xla_flags=False, for_training=False).config == c
   # command-line overrides are flat keys by design: no warning
   over = zerojax.load_config(sectioned, ["offload_params=true", "stage=3"],
                              apply_xla_flags=False, for_training=False).config

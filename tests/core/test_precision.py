@@ -98,7 +98,8 @@ def test_precision_memory_estimate_counts_param_dtype():
   kw = dict(stage=0, num_devices=8)
   fp32 = estimate(shapes, optax.adam(1e-3), config=zerojax.ZeroConfig(stage=0), **kw)
   bf16 = estimate(shapes, optax.adam(1e-3),
-                  config=zerojax.ZeroConfig(stage=0, param_dtype="bfloat16"), **kw)
+                  config=zerojax.ZeroConfig(stage=0, precision=zerojax.Precision("bfloat16")),
+                  **kw)
   assert fp32.params == 4 * n and fp32.grads == 4 * n and fp32.opt_state >= 8 * n
   assert bf16.params == 2 * n and bf16.grads == 2 * n and bf16.opt_state >= 4 * n
 

@@ -145,9 +145,8 @@ def test_backward_regather_is_quantised_by_default(runs, collectives):
 def test_full_precision_backward_regather_when_asked():
   # quantize_weights_backward=False: the backward re-gather moves float32 weights (compiled
   # only, not run: the parity of this variant is a slow test above).
-  zc = zerojax.ZeroConfig(stage=3, quantize_weights="int8", quantize_gradients="int8",
-                          quantize_weights_backward=False,
-                          param_persistence_threshold=helpers.THRESHOLD)
+  zc = zerojax.ZeroConfig(stage=3, gather=zerojax.Gather(persistence_threshold=helpers.THRESHOLD),
+                          quantize=zerojax.Quantize("int8", "int8", weights_backward=False))
   assert not zc.quantizes_backward
   b = helpers.batches(helpers.TINY, 1)[0]
   state, plan = zerojax.create_train_state(GPT(helpers.TINY), helpers.make_tx(),
@@ -167,7 +166,7 @@ def test_full_precision_backward_regather_when_asked():
     (dict(quantize_weights_backward=False), False),
 ])
 def test_quantizes_backward_resolves_the_default(kw, want):
-  c = zerojax.ZeroConfig(**kw)
+  c = zerojax.ZeroConfig.from_flat(kw)
   assert c.quantizes_backward is want
   assert zerojax.ZeroConfig.from_dict(c.to_dict()) == c  # None survives the round trip
 
@@ -205,7 +204,7 @@ def test_plan_table_reports_blocks_and_padding(runs):
 ])
 def test_bad_settings_name_the_field(kw, match):
   with pytest.raises(ConfigError, match=match):
-    zerojax.ZeroConfig(**kw)
+    zerojax.ZeroConfig.from_flat(kw)
 
 
 def test_nnx_step_refuses_quantisation():

@@ -136,8 +136,8 @@ def test_memory_persistent_matches_estimate(stage, scanned):
   m, _ = scanned[stage]
   params = jax.eval_shape(GPT(MEM).init, jax.random.key(0), jnp.zeros((8, 16), jnp.int32))
   est = estimate(params["params"], helpers.make_tx(),
-                 config=zerojax.ZeroConfig(stage=stage,
-                                           param_persistence_threshold=helpers.THRESHOLD),
+                 config=zerojax.ZeroConfig(
+                     stage=stage, gather=zerojax.Gather(persistence_threshold=helpers.THRESHOLD)),
                  num_devices=8)
   batch_bytes = 2 * 8 * 16 * 4 // 8
   # What the README claims: the estimate is exact up to the train state's scalars (step,

@@ -64,7 +64,7 @@ def test_config_nvme_fields(tmp_path):
 ])
 def test_config_nvme_errors_name_field_value_and_allowed(kw, field, allowed):
   with pytest.raises(ConfigError) as e:
-    ZeroConfig(**kw)
+    ZeroConfig.from_flat(kw)
   assert f"ZeroConfig.{field} is invalid" in str(e.value) and allowed in str(e.value)
 
 
@@ -297,8 +297,8 @@ def test_startup_check_names_host_path_and_bytes(tmp_path, monkeypatch):
 def test_startup_check_runs_before_step_one(tmp_path, monkeypatch):
   usage = type("U", (), {"free": 10, "total": 10**9, "used": 0})
   monkeypatch.setattr(nvme_store.shutil, "disk_usage", lambda p: usage)
-  cfg = ZeroConfig(stage=2, param_persistence_threshold=helpers.THRESHOLD, nvme_path=str(tmp_path),
-                   **NVME)
+  cfg = ZeroConfig(stage=2, gather=zerojax.Gather(persistence_threshold=helpers.THRESHOLD),
+                   offload=zerojax.NvmeOffload(str(tmp_path)))
   x = jnp.zeros((8, helpers.TINY.seq_len), jnp.int32)
   with pytest.raises(nvme_store.NvmePathError, match="bytes needed"):
     nvme.create_train_state(GPT(helpers.TINY), optax.adam(1e-3), jax.random.key(0), x, config=cfg)
@@ -460,7 +460,7 @@ def test_nvme_state_moves_to_memory_and_back_exactly(tmp_path):
   data = helpers.batches(cfg, 8)
   x = jnp.asarray(data[0]["x"])
   zc = ZeroConfig(stage=3, gather=zerojax.Gather(persistence_threshold=helpers.THRESHOLD))
-  zn = zc.replace(offload_optimizer="nvme", nvme_path=str(tmp_path), nvme_chunk_size=20000)
+  zn = zc.replace(offload=zerojax.NvmeOffload(str(tmp_path), chunk_size=20000))
 
   def memory(state=None):
     s, plan = zerojax.create_train_state(GPT(cfg), helpers.make_tx(), jax.random.key(0), x,

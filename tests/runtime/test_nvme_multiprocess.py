@@ -174,9 +174,9 @@ def test_nvme_mismatched_settings_refused_before_step_one(runs):
   for i, r in enumerate(results):
     m = r["mismatch"]
     assert m["error"] == "ProcessMismatchError", m
-    assert m["fields"] == {"config.nvme_chunk_size": [20000, 4096]}, m
+    assert m["fields"] == {"config.offload.chunk_size": [20000, 4096]}, m
     assert f"process {i} reporting" in m["message"]
-    assert "config.nvme_chunk_size: process 0: 20000, process 1: 4096" in m["message"]
+    assert "config.offload.chunk_size: process 0: 20000, process 1: 4096" in m["message"]
     assert m["files"] == []  # no process directory: the optimizer state was never created
 
 

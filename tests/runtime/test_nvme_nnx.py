@@ -45,8 +45,7 @@ def _runs(tmp_path, stage: int):
   step = zerojax.zero_step(plan)(nnx_train_step)
   ref = [np.float32(step(model, optimizer, b)["loss"]) for b in data]
   ref_params = _params(model)
-  zn = zc.replace(offload_optimizer="nvme", nvme_path=str(tmp_path), nvme_chunk_size=20000,
-                  nvme_buffer_count=3)
+  zn = zc.replace(offload=zerojax.NvmeOffload(str(tmp_path), chunk_size=20000, buffer_count=3))
   model, optimizer, plan, opt = nvme.create_nnx(_model, helpers.make_tx(), config=zn)
   nstep = opt.step(nnx_train_step)
   got, metrics = [], {}

@@ -231,7 +231,8 @@ def test_compile_for_topology_predicts_the_step():
   from zerojax.models import GPT, GPTConfig
   from zerojax.runtime import memory
   cfg = GPTConfig(vocab_size=256, seq_len=64, num_layers=2, num_heads=4, d_model=256)
-  r = memory.compile_for_topology(zerojax.ZeroConfig(stage=3, compute_dtype="bfloat16"),
+  r = memory.compile_for_topology(zerojax.ZeroConfig(
+                                      stage=3, precision=zerojax.Precision(compute="bfloat16")),
                                   GPT(cfg), (8, 64), "h100:8",
                                   predictor=step_time.predict_compiled)
   st = r.step_time

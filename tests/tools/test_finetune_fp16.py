@@ -177,8 +177,9 @@ def test_precision_note_says_only_what_the_step_applies():
   assert "without loss scaling" in bare and "dynamic loss scaling from" not in bare
   static = note(zerojax.ZeroConfig(precision=zerojax.Precision(compute="float16"), loss_scale=1024))
   assert "static loss scale 1024;" in static and "dynamic" not in static
-  dyn = note(zerojax.ZeroConfig(compute_dtype="float16", loss_scale=0, initial_scale_power=12,
-                                loss_scale_window=50, hysteresis=3, min_loss_scale=4))
+  dyn = note(zerojax.ZeroConfig(precision=zerojax.Precision(compute="float16"),
+                                loss_scale=zerojax.LossScale(0, initial_scale_power=12, window=50,
+                                                             hysteresis=3, min_scale=4)))
   assert ("dynamic loss scaling from 2**12 = 4096, doubled after 50 steps in a row without "
           "overflow, halved at the 3rd overflowing step in a row and at each one after (never "
           "below 4)") in dyn

@@ -158,7 +158,7 @@ def test_resume_refuses_to_switch_the_optimizer_state_on_or_off_nvme(runs, tmp_p
   with Checkpointer(opts.checkpoint_dir) as c:
     c.save(2, {"params": {"w": jnp.ones(4)}})
   (tmp_path / "memory" / "run.json").write_text(json.dumps(
-      {"run_id": "r", "config": ZeroConfig(stage=2).to_dict(),
+      {"run_id": "r", "config": ZeroConfig(stage=2).to_flat(),
        "options": dataclasses.asdict(opts)}))
   with pytest.raises(ConfigError, match=r"offload_optimizer='nvme' cannot resume .*saved with "
                                         r"offload_optimizer=False"):

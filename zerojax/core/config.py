@@ -142,27 +142,26 @@ class ZeroConfig:
   @property
   def per_use_settings(self) -> bool:
     """Whether a setting acts where a layer reads each parameter, so the step must gather per
-    use whatever the model: ``gather='explicit'``, ``reduce_dtype``, ``offload_params`` or
-    ZeRO++ quantisation."""
+    use whatever the model: ``Gather('explicit')``, ``Precision.reduce``,
+    ``HostOffload(params=True)`` or ZeRO++ quantisation."""
     return (self.gather.mode == "explicit" or self.precision.reduce is not None
             or self.offload_params or self.quantized)
 
   @property
   def optimizer_on_nvme(self) -> bool:
-    """Whether the optimizer state lives in files under ``nvme_path``
-    (``offload_optimizer='nvme'``)."""
+    """Whether the optimizer state lives in files (``offload`` is an `NvmeOffload`)."""
     return isinstance(self.offload, NvmeOffload)
 
   @property
   def quantized(self) -> bool:
-    """Whether ZeRO++ quantised collectives are on (``quantize_weights``/``_gradients``)."""
+    """Whether ZeRO++ quantised collectives are on (``quantize`` is set)."""
     return self.quantize is not None
 
   @property
   def quantizes_backward(self) -> bool:
-    """``quantize_weights_backward`` with ``None`` resolved: whether the backward pass's
-    re-gather of each layer's weights is quantised (``None``: whenever ``quantize_weights``
-    is set). The only read of that field; everything else reads this."""
+    """``Quantize.weights_backward`` with ``None`` resolved: whether the backward pass's
+    re-gather of each layer's weights is quantised (``None``: whenever ``weights`` is set).
+    The only read of that field; everything else reads this."""
     if self.quantize is None or self.quantize.weights is None:
       return False
     return self.quantize.weights_backward is not False
@@ -311,8 +310,8 @@ class ZeroConfig:
 
     Args:
       d: field names to values, each policy as a mapping of its fields (`to_dict`'s form);
-        fields left out keep their defaults. The flat keywords of zerojax 0.1 are read with a
-        `DeprecationWarning`.
+        fields left out keep their defaults. A file may also use the flat keywords
+        (`to_flat`'s, as command-line overrides do), mixed with sections.
 
     Returns:
       The validated `ZeroConfig`.
@@ -336,7 +335,9 @@ class ZeroConfig:
     unknown = set(d) - set(_FIELDS) - set(validation.FLAT_DEFAULTS)
     if unknown:
       raise _no_field(unknown)
-    return cls(**d)
+    flat = {k: v for k, v in d.items() if k not in _FIELDS}
+    fields = {k: v for k, v in d.items() if k in _FIELDS}
+    return cls(**_resolve({}, fields, flat)) if flat else cls(**fields)
 
   @classmethod
   def from_file(cls, path: str | os.PathLike, *, allow_empty: bool = False) -> "ZeroConfig":
@@ -469,7 +470,8 @@ def _no_field(unknown: Any) -> ConfigError:
 
 
 def _to_flat(fields: Mapping[str, Any]) -> dict[str, Any]:
-  """The flat keywords of a config's fields (policies, or ``None`` for the defaults)."""
+  """The flat keywords of a config's fields (a policy left out or ``None``, and a field left
+  out, keep the defaults)."""
   flat = dict(validation.FLAT_DEFAULTS)
   for name in _FIELDS:
     value = fields.get(name)
@@ -477,7 +479,7 @@ def _to_flat(fields: Mapping[str, Any]) -> dict[str, Any]:
       if value is not None:
         flat.update(value._FIXED)
         flat.update({f: getattr(value, attr) for attr, f in value._FLAT.items()})
-    else:
+    elif name in fields:
       flat[name] = value
   return flat
 
