@@ -85,7 +85,8 @@ def test_nvme_cannot_hold_the_parameters_by_construction():
 
 FLAT_CASES = [
     {},
-    {"stage": 2, "compute_dtype": "bfloat16", "reduce_dtype": "bfloat16"},
+    {"stage": 2, "param_dtype": "bfloat16", "compute_dtype": "bfloat16",
+     "reduce_dtype": "bfloat16"},
     {"offload_optimizer": True, "offload_params": True, "offload_fallback": "warn",
      "optimizer_on_host": True},
     {"offload_optimizer": "nvme", "nvme_path": "/nv", "nvme_chunk_size": 100,
