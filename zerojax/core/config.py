@@ -113,8 +113,8 @@ class ZeroConfig:
       if name in ("mesh_shape", "mesh_axes", "rules"):
         value = getattr(view, name)
       object.__setattr__(self, name, value)
-    object.__setattr__(self, "_flat", _to_flat({n: getattr(self, n) for n in _FIELDS}))
-    self._validate()
+    self._validate(view)
+    object.__setattr__(self, "_flat", dict(vars(view)))
 
   # -- what the stage shards (the only reads of ``stage``; everything else reads these) ----
 
@@ -174,10 +174,11 @@ class ZeroConfig:
       return self.nonfinite_grads
     return "skip" if self.loss_scale is not None else "halt"
 
-  def _validate(self) -> None:
-    """Checks the settings together (`zerojax.core.validation`): the first bad one raises
-    `ConfigError` naming it as this config spells it (``offload.params``)."""
-    problem = validation.first_problem(validation.FlatView(**self._flat))
+  def _validate(self, view: validation.FlatView) -> None:
+    """Checks the settings together (`zerojax.core.validation`, on ``view``, this config's
+    flat spelling): the first bad one raises `ConfigError` naming it as this config spells it
+    (``offload.params``)."""
+    problem = validation.first_problem(view)
     if problem is not None:
       _fail(_SPELLING.get(problem.field, problem.field), problem.value, problem.allowed)
 
@@ -296,13 +297,8 @@ class ZeroConfig:
       offload with its ``kind``, ``'host'`` or ``'nvme'``), tuples as lists, that `from_dict`
       reads back.
     """
-    d: dict[str, Any] = {"stage": self.stage, "mesh_shape": list(self.mesh_shape),
-                         "mesh_axes": list(self.mesh_axes)}
-    for name in policies.POLICIES:
-      d[name] = _policy_to_dict(getattr(self, name))
-    d["gradient_clipping"], d["nonfinite_grads"] = self.gradient_clipping, self.nonfinite_grads
-    d["rules"] = [[r, list(s) if isinstance(s, tuple) else s] for r, s in self.rules]
-    return d
+    return {name: _policy_to_dict(getattr(self, name)) if name in policies.POLICIES
+            else _plain(getattr(self, name)) for name in _FIELDS}
 
   @classmethod
   def from_dict(cls, d: Mapping[str, Any]) -> "ZeroConfig":
@@ -424,9 +420,7 @@ def _policy_to_dict(policy: Any) -> dict[str, Any] | None:
   """A policy as plain JSON/YAML values (an offload with its ``kind``); ``None`` stays."""
   if policy is None:
     return None
-  d = {f.name: getattr(policy, f.name) for f in dataclasses.fields(policy)}
-  d = {k: list(v) if isinstance(v, tuple) else os.fspath(v) if isinstance(v, os.PathLike) else v
-       for k, v in d.items()}
+  d = {f.name: _plain(getattr(policy, f.name)) for f in dataclasses.fields(policy)}
   if isinstance(policy, (HostOffload, NvmeOffload)):
     d = {"kind": "nvme" if isinstance(policy, NvmeOffload) else "host", **d}
   return d
@@ -477,8 +471,7 @@ def _to_flat(fields: Mapping[str, Any]) -> dict[str, Any]:
     value = fields.get(name)
     if name in policies.POLICIES:
       if value is not None:
-        flat.update(value._FIXED)
-        flat.update({f: getattr(value, attr) for attr, f in value._FLAT.items()})
+        flat.update(value.flat())
     elif name in fields:
       flat[name] = value
   return flat
@@ -512,27 +505,18 @@ def _from_flat(flat: Mapping[str, Any]) -> dict[str, Any]:
   problem = validation.first_problem(v)
   if problem is not None:
     _fail(*problem)
+  of = lambda cls: cls(**{attr: getattr(v, flat) for attr, flat in cls._FLAT.items()})
   if v.optimizer_on_nvme:
-    offload = NvmeOffload(v.nvme_path, v.nvme_chunk_size, v.nvme_buffer_count,
-                          v.nvme_pipeline_read, v.nvme_pipeline_write)
+    offload = of(NvmeOffload)
   elif v.offload_optimizer or v.offload_params:
-    offload = HostOffload(bool(v.offload_optimizer), v.offload_params, v.optimizer_on_host,
-                          v.offload_fallback)
+    offload = of(HostOffload)
   else:
     offload = None
   return {
       "stage": v.stage, "mesh_shape": v.mesh_shape, "mesh_axes": v.mesh_axes,
-      "precision": Precision(v.param_dtype, v.compute_dtype, v.reduce_dtype),
-      "offload": offload, "remat": Remat(v.remat, v.remat_offload_names),
-      "gather": Gather(v.gather, v.max_live_layers, v.param_persistence_threshold),
-      "quantize": (Quantize(v.quantize_weights, v.quantize_gradients,
-                            v.quantize_weights_backward, v.quantize_block_size)
-                   if v.quantized else None),
-      "batch": Batch(v.train_batch_size, v.micro_batch_per_device,
-                     v.gradient_accumulation_steps),
-      "loss_scale": (LossScale(v.loss_scale, v.initial_scale_power, v.loss_scale_window,
-                               v.hysteresis, v.min_loss_scale)
-                     if v.loss_scale is not None else None),
+      "precision": of(Precision), "offload": offload, "remat": of(Remat), "gather": of(Gather),
+      "quantize": of(Quantize) if v.quantized else None, "batch": of(Batch),
+      "loss_scale": of(LossScale) if v.loss_scale is not None else None,
       "gradient_clipping": v.gradient_clipping, "nonfinite_grads": v.nonfinite_grads,
       "rules": v.rules}
 
