@@ -191,3 +191,20 @@ def test_configs_are_hashable_values():
   a = ZeroConfig(offload=NvmeOffload("/nv"), quantize=None, rules=[("x", ["fsdp"])])
   b = ZeroConfig.from_dict(a.to_dict())
   assert a == b and hash(a) == hash(b) and len({a, b}) == 1
+
+
+@pytest.mark.parametrize("make, field, setting", [
+    (lambda: zerojax.LossScale(window=0), "LossScale.window", "loss_scale.window"),
+    (lambda: zerojax.ZeroConfig(stage=2, offload=zerojax.HostOffload(params=True)),
+     "offload.params", "offload.params"),
+    (lambda: zerojax.ZeroConfig.from_flat({"offload_params": "yes"}), "offload_params",
+     "offload.params"),
+])
+def test_errors_carry_the_refused_setting(make, field, setting):
+  """A refusal names its setting as data as well as in words, so that a front end (the
+  DeepSpeed mapping, a command line) can report it by the key its user wrote."""
+  from zerojax.core.config import setting_of
+  with pytest.raises(zerojax.ConfigError) as e:
+    make()
+  assert e.value.field == field and setting_of(e.value.field) == setting
+  assert e.value.allowed and f"{e.value.value!r} is invalid: {e.value.allowed}" in str(e.value)

@@ -97,7 +97,7 @@ def test_deepspeed_nvme_maps_every_key():
   notes = "\n".join(m.notes)
   for key in ("offload_optimizer.nvme_path", "offload_optimizer.buffer_count",
               "offload_optimizer.pipeline_read", "offload_optimizer.pipeline_write",
-              "offload_optimizer.pin_memory", "sub_group_size: nvme_chunk_size", "aio"):
+              "offload_optimizer.pin_memory", "sub_group_size: offload.chunk_size", "aio"):
     assert key in notes, key
 
 

@@ -182,17 +182,72 @@ def test_nvme_says_what_to_use_instead(which):
     ({"zero_optimization": {"stage": 2}, "bf16": {"enabled": True}, "fp16": {"enabled": True}},
      "both 'bf16' and 'fp16'"),
     ({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}},
-     "offload_params=True.*needs stage 3"),
+     r"key 'zero_optimization.offload_param'=\{'device': 'cpu'\} is invalid: needs stage 3.*"
+     r"\(it sets ZeroConfig.offload.params=True\)"),
     ({"zero_optimization": {"stage": 2, "zero_quantized_weights": True}},
-     "quantize_weights='int8'.*needs stage 3"),
+     r"key 'zero_optimization.zero_quantized_weights'=True is invalid: needs stage 3.*"
+     r"ZeroConfig.quantize.weights='int8'"),
     ({"zero_optimization": {"stage": 1, "zero_quantized_gradients": True}},
-     "quantize_gradients='int8'.*needs stage 2 or 3"),
+     r"key 'zero_optimization.zero_quantized_gradients'=True is invalid: needs stage 2 or 3"),
     ({"zero_optimization": {"stage": 3, "zero_quantized_nontrainable_weights": True}},
      "frozen weights"),
     ({"zero_optimization": {"stage": 2, "reduce_bucket_size": -1}}, "reduce_bucket_size"),
     ({"zero_optimization": {"stage": 2}, "optimizer": {"type": "Adafactor"}}, "Adafactor"),
 ])
 def test_invalid_values(d, match):
+  with pytest.raises(ConfigError, match=match):
+    ds.map_deepspeed(d)
+
+
+def test_each_section_becomes_its_policy():
+  """#54: DeepSpeed's sections map onto zerojax's policies one to one, and each note names
+  the policy field it set."""
+  c = ds.map_deepspeed(FULL).config
+  assert c.precision == zerojax.Precision(compute="bfloat16")
+  assert c.offload == zerojax.HostOffload(optimizer=True, params=True)
+  assert c.gather == zerojax.Gather(max_live_layers=2, persistence_threshold=100_000)
+  assert c.batch == zerojax.Batch(global_size=64, micro_per_device=4, accumulation_steps=2)
+  assert c.quantize is None and c.loss_scale is None
+  # offload_param alone keeps the optimizer state on the devices
+  m = ds.map_deepspeed({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}})
+  assert m.config.offload == zerojax.HostOffload(optimizer=False, params=True)
+  assert _note(m, "zero_optimization.offload_param") == (
+      "zero_optimization.offload_param: device cpu -> offload.params=True (HostOffload: "
+      "pinned_host memory)")
+  m = ds.map_deepspeed({"fp16": {"enabled": True, "loss_scale_window": 50, "min_loss_scale": 4},
+                        "communication_data_type": "bf16",
+                        "zero_optimization": {"stage": 3, "zero_quantized_gradients": True}})
+  assert m.config.precision == zerojax.Precision(compute="float16", reduce="bfloat16")
+  assert m.config.loss_scale == zerojax.LossScale(window=50, min_scale=4.0)
+  assert m.config.quantize == zerojax.Quantize(gradients="int8")
+  assert "quantize.gradients='int8'" in _note(m, "zero_optimization.zero_quantized_gradients")
+  assert _note(m, "communication_data_type").endswith("precision.reduce='bfloat16'")
+
+
+@pytest.mark.parametrize("d, match", [
+    # a value ZeroConfig refuses is named by the DeepSpeed key that set it
+    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},
+                            "offload_optimizer": {"device": "nvme", "nvme_path": "/n"}}},
+     r"^DeepSpeed config key 'zero_optimization.offload_param'=\{'device': 'cpu'\} is invalid: "
+     r"cannot be combined with zero_optimization.offload_optimizer on nvme"),
+    ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme",
+                                                              "nvme_path": "/n"},
+                            "cpu_offload": True}},
+     r"^DeepSpeed config key 'zero_optimization.cpu_offload'=True is invalid: conflicts with"),
+    # and one the "zerojax" section sets, by its key there
+    ({"zero_optimization": {"stage": 3}, "zerojax": {"precision": {"compute": "fp8"}}},
+     r"^DeepSpeed config key 'zerojax.precision.compute'='fp8' is invalid: allowed dtypes"),
+    ({"zero_optimization": {"stage": 3}, "zerojax": {"compute_dtype": "fp8"}},
+     r"^DeepSpeed config key 'zerojax.compute_dtype'='fp8' is invalid: allowed dtypes.*"
+     r"\(it sets ZeroConfig.precision.compute='fp8'\)$"),
+    ({"zero_optimization": {"stage": 3}, "zerojax": {"offload": {"kind": "host",
+                                                                  "optimizer": False}}},
+     r"^DeepSpeed config key 'zerojax.offload.optimizer'=False is invalid: HostOffload moves "
+     r"nothing"),
+    ({"zero_optimization": {"stage": 3}, "zerojax": {"offload": {"kind": "disk"}}},
+     r"^DeepSpeed config maps to an invalid ZeroConfig: ZeroConfig.offload.kind='disk'"),
+])
+def test_refused_values_name_the_key_that_set_them(d, match):
   with pytest.raises(ConfigError, match=match):
     ds.map_deepspeed(d)
 
@@ -259,7 +314,7 @@ def test_shipped_configs_load():
     ({"zero_optimization": {"stage": 2}, "gradient_clipping": float("inf")},
      r"'gradient_clipping'=inf is invalid: a finite number"),
     ({"zero_optimization": {"stage": 2}, "zerojax": {"offload_optimizer": "false"}},
-     r"offload_optimizer='false' is invalid"),
+     r"key 'zerojax.offload_optimizer'='false' is invalid: true or false"),
     ({"zero_optimization": {"stage": 2}, "zerojax": ["remat", "full"]},
      r"'zerojax'=\['remat', 'full'\] is invalid: a mapping"),
 ])

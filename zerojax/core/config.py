@@ -27,12 +27,13 @@ from zerojax.core.policies import (Batch, Gather, HostOffload, LossScale, NvmeOf
 from zerojax.core.mapping_file import MappingFileError, read_mapping
 
 __all__ = ["ConfigError", "did_you_mean", "unknown_key_error", "ZeroConfig", "in_file",
-           "read_config_file", "Precision", "HostOffload", "NvmeOffload", "Remat", "Gather",
+           "read_config_file", "setting_of", "Precision", "HostOffload", "NvmeOffload", "Remat", "Gather",
            "Quantize", "Batch", "LossScale"]
 
 
 def _fail(field: str, value: Any, allowed: str) -> None:
-  raise ConfigError(f"ZeroConfig.{field}={value!r} is invalid: {allowed}")
+  raise ConfigError(f"ZeroConfig.{field}={value!r} is invalid: {allowed}", field=field,
+                    value=value, allowed=allowed)
 
 
 @dataclasses.dataclass(frozen=True, init=False)
@@ -372,7 +373,8 @@ def in_file(path: str | os.PathLike | None) -> Iterator[None]:
   except ConfigError as e:
     if path is None or repr(os.fspath(path)) in str(e):
       raise
-    raise ConfigError(f"config file {os.fspath(path)!r}: {e}") from None
+    raise ConfigError(f"config file {os.fspath(path)!r}: {e}", field=e.field, value=e.value,
+                      allowed=e.allowed) from None
 
 
 def read_config_file(path: str | os.PathLike, *, allow_empty: bool = False) -> dict[str, Any]:
@@ -406,6 +408,29 @@ _SECTIONS: dict[str, tuple[str, type, str]] = {
 # A flat keyword as a config built from policies spells it in errors: ``offload.params``.
 _SPELLING = {flat: f"{name}.{attr}" for flat, (name, _, attr) in _SECTIONS.items()
              if flat not in ("remat", "gather", "loss_scale")}
+
+
+_CLASS_SECTION = {cls.__name__: name for name, classes in policies.POLICIES.items()
+                  for cls in classes}
+
+
+def setting_of(field: str) -> str:
+  """The dotted setting a `ConfigError.field` names, whatever spelling raised it.
+
+  Args:
+    field: ``'HostOffload.params'`` (a policy's own rule), ``'offload.params'`` (a rule
+      between settings), ``'offload_params'`` (a flat keyword) or a plain field (``'stage'``).
+
+  Returns:
+    ``'offload.params'`` for each of the first three; a plain field as it is.
+  """
+  head, dot, attr = field.partition(".")
+  if dot and head in _CLASS_SECTION:
+    return f"{_CLASS_SECTION[head]}.{attr}"
+  if field in _SECTIONS:
+    name, _, attr = _SECTIONS[field]
+    return f"{name}.{attr}"
+  return field
 
 
 def _plain(v: Any) -> Any:

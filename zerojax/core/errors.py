@@ -18,7 +18,19 @@ class ConfigError(ValueError):
   Raised by `ZeroConfig` for a field whose value is not allowed (the message names the field,
   the value and what is allowed), and by config files and mappings that cannot be read as one
   (unknown keys, inconsistent batch sizes, a file that is not a mapping).
+
+  Attributes:
+    field: the setting refused, as the message spells it (``'offload.params'``,
+      ``'LossScale.window'``, a flat keyword), or ``None`` where the error is not about one
+      setting's value. `zerojax.core.config.setting_of` turns any spelling into the dotted one.
+    value: the value refused (with ``field``).
+    allowed: what is allowed instead (with ``field``).
   """
+
+  def __init__(self, message: str, *, field: str | None = None, value: Any = None,
+               allowed: str | None = None):
+    super().__init__(message)
+    self.field, self.value, self.allowed = field, value, allowed
 
 
 def did_you_mean(key: str, allowed: Any) -> str:

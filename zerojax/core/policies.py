@@ -40,7 +40,8 @@ class _Policy:
     if problem is not None:
       field = {v: k for k, v in self._FLAT.items()}.get(problem.field, problem.field)
       raise ConfigError(f"{type(self).__name__}.{field}={problem.value!r} is invalid: "
-                        f"{problem.allowed}")
+                        f"{problem.allowed}", field=f"{type(self).__name__}.{field}",
+                        value=problem.value, allowed=problem.allowed)
     for attr, flat in self._FLAT.items():  # the flat rules normalise (np.bool_ -> bool, ...)
       object.__setattr__(self, attr, getattr(view, flat))
 

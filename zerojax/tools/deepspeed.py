@@ -2,8 +2,9 @@
 
 A DeepSpeed config maps onto zerojax in three ways:
 
-* **settings** with a zerojax equivalent become `ZeroConfig` fields (``zero_optimization.stage``,
-  offload, persistence threshold, batch sizes, clipping, ``bf16``/``fp16``, ...);
+* **settings** with a zerojax equivalent become `ZeroConfig`'s stage and policies, section by
+  section (``bf16``/``fp16`` a `Precision`, ``offload_optimizer`` a `HostOffload` or
+  `NvmeOffload`, the persistence threshold a `Gather`, the batch sizes a `Batch`, ...);
 * **keys whose job XLA does** become XLA flags: the bucket sizes become XLA's collective
   combine thresholds on GPU and ``overlap_comm`` becomes the latency-hiding scheduler;
   `DeepSpeedMapping.xla_flags` lists them and `DeepSpeedMapping.apply_xla_flags` adds them to
@@ -13,7 +14,7 @@ A DeepSpeed config maps onto zerojax in three ways:
 
 An unknown key is an error that names it; an unsupported device (``offload_param`` on
 ``nvme``) is an error that says what to use instead. ``offload_optimizer`` on ``nvme`` maps to
-``offload_optimizer='nvme'`` (`zerojax.runtime.nvme`).
+`NvmeOffload` (`zerojax.runtime.nvme`).
 ``"auto"`` values (as written by the Hugging Face Trainer
 integration) mean what they mean there: the run's own setting where it gives one, else the
 Trainer's ``TrainingArguments`` default (`TRAINER_DEFAULTS`); `map_deepspeed` resolves each and
@@ -42,7 +43,8 @@ from typing import Any, Mapping
 
 from zerojax.core import validation
 from zerojax.core.policies import POLICIES
-from zerojax.core.config import ConfigError, ZeroConfig, in_file, read_config_file, unknown_key_error
+from zerojax.core.config import (ConfigError, ZeroConfig, in_file, read_config_file, setting_of,
+                                 unknown_key_error)
 from zerojax.tools.bounds import TRAIN_BOUNDS
 from zerojax.tools.options import SCHEDULERS, TrainOptions, check_scheduler
 
@@ -223,7 +225,7 @@ _ZERO_IGNORED = {
                       "all-reduces",
     "round_robin_gradients": "XLA places reduced gradient shards; no round-robin is needed",
     "sub_group_size": "the optimizer update is one XLA computation over the local shards "
-                      "(with offload_optimizer on nvme: the chunk size, nvme_chunk_size)",
+                      "(with offload_optimizer on nvme: the chunk size, offload.chunk_size)",
     "elastic_checkpoint": "checkpoints are saved sharded and restore onto any mesh",
     "load_from_fp32_weights": "master weights are kept in param_dtype and restored from it",
     "ignore_unused_parameters": "unused parameters get zero gradients in JAX",
@@ -309,12 +311,37 @@ def _bool(key: str, v: Any) -> bool:
 
 @dataclasses.dataclass
 class _Mapped:
-  """What `map_deepspeed` builds up, section by section."""
+  """What `map_deepspeed` builds up, section by section.
 
-  kw: dict[str, Any] = dataclasses.field(default_factory=dict)  # ZeroConfig fields
+  ``config`` holds `ZeroConfig` fields as `ZeroConfig.from_dict` reads them, each policy a
+  mapping of its own fields (``{'stage': 3, 'precision': {'compute': 'bfloat16'}}``): each
+  DeepSpeed section fills the policy it corresponds to. ``source`` names the DeepSpeed key
+  behind each setting, and its value in the file, so that a value `ZeroConfig` refuses is
+  reported by the key the user wrote."""
+
+  config: dict[str, Any] = dataclasses.field(default_factory=dict)
+  source: dict[str, tuple[str, Any]] = dataclasses.field(default_factory=dict)
   flags: dict[str, str] = dataclasses.field(default_factory=dict)  # XLA flags
   train: dict[str, Any] = dataclasses.field(default_factory=dict)  # training-loop options
   notes: list[str] = dataclasses.field(default_factory=list)
+
+  def set(self, setting: str, value: Any, key: str | None = None, raw: Any = None) -> None:
+    """Sets ``setting`` (``'stage'``, or ``'policy.field'`` such as ``'offload.params'``) to
+    ``value``; ``key`` is the DeepSpeed key that gave it, ``raw`` that key's value in the
+    file (``None`` key: a value the section implies, not one the file wrote)."""
+    name, _, attr = setting.partition(".")
+    if attr:
+      self.config.setdefault(name, {})[attr] = value
+    else:
+      self.config[name] = value
+    if key is not None:
+      self.source[setting] = (key, raw)
+
+  def get(self, setting: str) -> Any:
+    """The value set for ``setting``, or ``None``."""
+    name, _, attr = setting.partition(".")
+    value = self.config.get(name)
+    return value.get(attr) if attr and isinstance(value, Mapping) else value
 
   def note(self, key: str, text: str) -> None:
     self.notes.append(f"{key}: {text}")
@@ -324,8 +351,14 @@ def map_deepspeed(d: Mapping[str, Any],
                   given: Mapping[str, Any] | None = None) -> DeepSpeedMapping:
   """Maps a DeepSpeed config dict to a `DeepSpeedMapping` (config, XLA flags, notes).
 
+  Each DeepSpeed section becomes the policy it corresponds to: ``bf16``/``fp16`` and
+  ``communication_data_type`` a `Precision` (and ``fp16``'s loss scaling a `LossScale`),
+  ``offload_optimizer``/``offload_param`` a `HostOffload` or `NvmeOffload`, the persistence
+  threshold and prefetch bucket a `Gather`, ZeRO++'s quantised collectives a `Quantize`, the
+  batch sizes a `Batch`.
+
   ``"auto"`` values (Hugging Face Trainer configs) mean "from the trainer's arguments": they
-  are resolved from ``given``, the settings the run was given (`TrainOptions` fields such as
+  are resolved from ``given`` (the run's own settings: training options such as
   ``lr``, ``steps``, ``batch``, ``warmup_steps``, ``b1``; `ZeroConfig` fields such as
   ``compute_dtype``, ``gradient_clipping``), and from `TrainOptions`' defaults where those are
   the run's own (the optimizer's betas, eps and weight decay, ``warmup_steps``, ``steps``,
@@ -341,7 +374,8 @@ def map_deepspeed(d: Mapping[str, Any],
 
   Raises:
     ConfigError: for an unknown key (named), an unsupported value such as ``device: nvme``
-      (with what to use instead), or a value the resulting `ZeroConfig` rejects.
+      (with what to use instead), or a value the resulting `ZeroConfig` rejects (named by the
+      DeepSpeed key that set it).
   """
   if not isinstance(d, Mapping):
     raise ConfigError(f"a DeepSpeed config must be a mapping, got {type(d).__name__}")
@@ -358,49 +392,68 @@ def map_deepspeed(d: Mapping[str, Any],
   # zerojax extras: ZeroConfig fields DeepSpeed has no key for, applied last.
   extra = _section(d, "zerojax")
   _unknown("zerojax", set(extra), set(validation.FLAT_DEFAULTS) | set(POLICIES))
-  # A policy given as a mapping ({'offload': {'kind': 'nvme', ...}}) replaces what the
-  # DeepSpeed sections mapped to; flat keywords are laid over them.
-  sections = {k: v for k, v in extra.items()
-              if k in POLICIES and (isinstance(v, Mapping) or v is None)}
-  m.kw.update({k: v for k, v in extra.items() if k not in sections})
-  # Offload in DeepSpeed implies ZeRO; zerojax validates the combination.
-  try:
-    config = ZeroConfig.from_flat(m.kw)
-    if sections:
-      config = config.replace(**sections)
-  except ConfigError as e:
-    raise ConfigError(f"DeepSpeed config maps to an invalid ZeroConfig: {e}") from None
-  return DeepSpeedMapping(config, tuple(f"{k}={v}" for k, v in m.flags.items()),
+  return DeepSpeedMapping(_config(m, extra), tuple(f"{k}={v}" for k, v in m.flags.items()),
                           tuple(_auto_notes(auto) + m.notes), m.train,
                           {k: v for k, (v, _) in auto.chosen.items()}, dict(auto.unresolved))
 
 
+def _config(m: _Mapped, extra: Mapping[str, Any]) -> ZeroConfig:
+  """The `ZeroConfig` of the mapped sections with the ``"zerojax"`` section laid over them: a
+  policy given there as a mapping (``{'offload': {'kind': 'nvme', ...}}``) replaces the one
+  DeepSpeed's sections built, a flat keyword changes one field of it. A value `ZeroConfig`
+  refuses is reported by the key that set it."""
+  for k, v in extra.items():
+    if k in POLICIES and (isinstance(v, Mapping) or v is None):
+      for setting in [s for s in m.source if s.startswith(f"{k}.")]:
+        del m.source[setting]
+      for attr, value in (v or {}).items():
+        m.source[f"{k}.{attr}"] = (f"zerojax.{k}.{attr}", value)
+    else:
+      m.source[setting_of(k)] = (f"zerojax.{k}", v)
+  try:
+    return ZeroConfig.from_dict({**m.config, **extra})
+  except ConfigError as e:
+    setting = setting_of(e.field) if e.field else None
+    if setting not in m.source:
+      raise ConfigError(f"DeepSpeed config maps to an invalid ZeroConfig: {e}") from None
+    key, raw = m.source[setting]
+    sets = "" if key == f"zerojax.{setting}" else f" (it sets ZeroConfig.{setting}={e.value!r})"
+    raise ConfigError(f"DeepSpeed config key {key!r}={raw!r} is invalid: {e.allowed}{sets}",
+                      field=key, value=raw, allowed=e.allowed) from None
+
+
 def _map_batch(d: Mapping[str, Any], m: _Mapped) -> None:
-  """Batch sizes and gradient clipping."""
-  kw, note = m.kw, m.note
-  for ds_key, field in (("train_batch_size", "train_batch_size"),
-                        ("train_micro_batch_size_per_gpu", "micro_batch_per_device"),
-                        ("gradient_accumulation_steps", "gradient_accumulation_steps")):
+  """Batch sizes (`Batch`) and gradient clipping."""
+  for ds_key, setting in (("train_batch_size", "batch.global_size"),
+                          ("train_micro_batch_size_per_gpu", "batch.micro_per_device"),
+                          ("gradient_accumulation_steps", "batch.accumulation_steps")):
     if ds_key in d:
       if _auto(d[ds_key]):
-        note(ds_key, "'auto': left unset (derived from the other batch sizes)")
+        m.note(ds_key, "'auto': left unset (derived from the other batch sizes)")
       else:
-        kw[field] = _int(ds_key, d[ds_key])
+        m.set(setting, _int(ds_key, d[ds_key]), ds_key, d[ds_key])
   if "gradient_clipping" in d:
     v = d["gradient_clipping"]
     if _auto(v):
-      note("gradient_clipping", "'auto': no clipping")
+      m.note("gradient_clipping", "'auto': no clipping")
     elif _num("gradient_clipping", v) > 0:
-      kw["gradient_clipping"] = float(v)
+      m.set("gradient_clipping", float(v), "gradient_clipping", v)
     elif v == 0:
-      note("gradient_clipping", "0 means no clipping")
+      m.note("gradient_clipping", "0 means no clipping")
     else:
       raise _err("gradient_clipping", v, "a number >= 0 (0 = no clipping)")
 
 
+# fp16's loss-scaling keys -> (LossScale field, converter)
+_FP16_SCALING = (("initial_scale_power", "initial_scale_power", _int),
+                 ("loss_scale_window", "window", _int), ("hysteresis", "hysteresis", _int),
+                 ("min_loss_scale", "min_scale", lambda key, v: float(_num(key, v))))
+
+
 def _map_precision(d: Mapping[str, Any], m: _Mapped) -> None:
-  """bf16 / fp16 (loss scaling) and the reduction dtype."""
-  kw, note = m.kw, m.note
+  """bf16 / fp16 and ``communication_data_type`` (`Precision`), and fp16's loss scaling
+  (`LossScale`)."""
+  note = m.note
   if "bf16" in d and "bfloat16" in d:
     raise ConfigError(f"DeepSpeed config sets both 'bf16'={d['bf16']!r} and "
                       f"'bfloat16'={d['bfloat16']!r}; they are aliases of one setting, give "
@@ -417,90 +470,93 @@ def _map_precision(d: Mapping[str, Any], m: _Mapped) -> None:
   if bf16_on and fp16_on:
     raise ConfigError("DeepSpeed config enables both 'bf16' and 'fp16'; enable at most one")
   if bf16_on:
-    kw["compute_dtype"] = "bfloat16"
-    note("bf16", "compute_dtype='bfloat16'; master weights and optimizer state stay float32 "
-         "(param_dtype)")
+    m.set("precision.compute", "bfloat16", "bf16.enabled", True)
+    note("bf16", "precision.compute='bfloat16'; master weights and optimizer state stay "
+         "float32 (precision.param)")
     for k in sorted(set(bf16) - {"enabled"}):
       note(f"bf16.{k}", "XLA keeps float32 master weights and gradients reduce in "
-           "reduce_dtype; nothing to set")
+           "precision.reduce; nothing to set")
   if fp16_on:
-    kw["compute_dtype"] = "float16"
+    m.set("precision.compute", "float16", "fp16.enabled", True)
     ls = fp16.get("loss_scale", 0)
-    kw["loss_scale"] = 0.0 if _auto(ls) else float(_num("fp16.loss_scale", ls))
-    for ds_key, field in (("initial_scale_power", "initial_scale_power"),
-                          ("loss_scale_window", "loss_scale_window"),
-                          ("hysteresis", "hysteresis")):
+    m.set("loss_scale.scale", 0.0 if _auto(ls) else float(_num("fp16.loss_scale", ls)),
+          *(("fp16.loss_scale", ls) if "loss_scale" in fp16 else ()))
+    for ds_key, attr, read in _FP16_SCALING:
       if ds_key in fp16 and not _auto(fp16[ds_key]):
-        kw[field] = _int(f"fp16.{ds_key}", fp16[ds_key])
-    if "min_loss_scale" in fp16 and not _auto(fp16["min_loss_scale"]):
-      kw["min_loss_scale"] = float(_num("fp16.min_loss_scale", fp16["min_loss_scale"]))
-    _check_fp16(kw, fp16)
-    note("fp16", "compute_dtype='float16' with " + (
-        "dynamic loss scaling" if kw["loss_scale"] == 0 else f"static loss scale {ls}"))
+        m.set(f"loss_scale.{attr}", read(f"fp16.{ds_key}", fp16[ds_key]), f"fp16.{ds_key}",
+              fp16[ds_key])
+    note("fp16", "precision.compute='float16' with " + (
+        "dynamic loss scaling (LossScale)" if m.get("loss_scale.scale") == 0 else
+        f"static loss scale {ls} (LossScale(scale={m.get('loss_scale.scale')}))"))
     for k in sorted(set(fp16) & {"auto_cast", "consecutive_hysteresis",
                                  "fp16_master_weights_and_grads"}):
-      note(f"fp16.{k}", "not needed: the model casts to compute_dtype and master weights stay "
-           "in param_dtype")
+      note(f"fp16.{k}", "not needed: the model casts to precision.compute and master weights "
+           "stay in precision.param")
   if "communication_data_type" in d and d["communication_data_type"] is not None:
     v = d["communication_data_type"]
     if not isinstance(v, str) or v.lower() not in _DTYPE_NAMES:
       raise _err("communication_data_type", v, f"one of {sorted(_DTYPE_NAMES)}")
-    kw["reduce_dtype"] = _DTYPE_NAMES[v.lower()]
-    note("communication_data_type", f"reduce_dtype={kw['reduce_dtype']!r}")
-
-
-def _check_fp16(kw: Mapping[str, Any], fp16: Mapping[str, Any]) -> None:
-  """Refuses an fp16 loss-scaling value ZeroConfig would refuse, naming its DeepSpeed key
-  (``fp16.loss_scale_window``) and the value in the file rather than the ZeroConfig field."""
-  problem = validation.check_loss_scale(validation.FlatView(**kw))
-  if problem is not None and problem.field in _FP16_FIELDS:
-    raise _err(f"fp16.{problem.field}", fp16.get(problem.field, problem.value), problem.allowed)
+    m.set("precision.reduce", _DTYPE_NAMES[v.lower()], "communication_data_type", v)
+    note("communication_data_type", f"precision.reduce={_DTYPE_NAMES[v.lower()]!r}")
 
 
 def _map_partitioning(z: Mapping[str, Any], m: _Mapped) -> None:
-  """``zero_optimization``: stage, offload, persistence threshold, prefetch."""
-  kw, note = m.kw, m.note
+  """``zero_optimization``: the stage, offload (`HostOffload` or `NvmeOffload`), and the
+  persistence threshold and prefetch (`Gather`)."""
+  note = m.note
   stage = z.get("stage", 0)
   if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
     raise _err("zero_optimization.stage", stage, "0, 1, 2 or 3")
-  kw["stage"] = int(stage)
+  m.set("stage", int(stage), "zero_optimization.stage", stage)
 
-  opt = _offload(z, "offload_optimizer", "zero_optimization.offload_optimizer", note)
-  if opt:
-    kw["offload_optimizer"] = opt
-  if opt == "nvme":
-    _map_nvme(z, kw, note)
-  if _offload(z, "offload_param", "zero_optimization.offload_param", note):
-    kw["offload_params"] = True
-  if "cpu_offload" in z and _bool("zero_optimization.cpu_offload", z["cpu_offload"]):
-    kw["offload_optimizer"] = True
-    note("zero_optimization.cpu_offload", "legacy key: offload_optimizer=True")
-  if "cpu_offload_params" in z and _bool("zero_optimization.cpu_offload_params",
-                                         z["cpu_offload_params"]):
-    kw["offload_params"] = True
-    note("zero_optimization.cpu_offload_params", "legacy key: offload_params=True")
+  for key, attr in (("offload_optimizer", "optimizer"), ("offload_param", "params")):
+    kind = _offload(z, key, m)
+    if kind == "nvme":
+      _map_nvme(z, m)
+    elif kind == "host":
+      _host(m, attr, f"zero_optimization.{key}", z[key])
+  for key, attr in (("cpu_offload", "optimizer"), ("cpu_offload_params", "params")):
+    if key in z and _bool(f"zero_optimization.{key}", z[key]):
+      _host(m, attr, f"zero_optimization.{key}", z[key])
+      note(f"zero_optimization.{key}", f"legacy key: offload.{attr}=True (HostOffload)")
 
   for key in ("stage3_param_persistence_threshold", "param_persistence_threshold"):
     if key in z and not _auto(z[key]):
-      kw["param_persistence_threshold"] = _int(f"zero_optimization.{key}", z[key])
-      note(f"zero_optimization.{key}",
-           f"param_persistence_threshold={kw['param_persistence_threshold']} (leaves with "
-           "fewer elements stay replicated)")
+      v = _int(f"zero_optimization.{key}", z[key])
+      m.set("gather.persistence_threshold", v, f"zero_optimization.{key}", z[key])
+      note(f"zero_optimization.{key}", f"gather.persistence_threshold={v} (leaves with fewer "
+           "elements stay replicated)")
   for key in ("stage3_prefetch_bucket_size", "prefetch_bucket_size"):
     if key in z and not _auto(z[key]):
       v = _num(f"zero_optimization.{key}", z[key])
-      kw["max_live_layers"] = 2 if v > 0 else 1
-      note(f"zero_optimization.{key}", f"{v:g} -> max_live_layers={kw['max_live_layers']} ("
-           + ("the next layer's gather may overlap the current layer)" if v > 0 else
-              "no prefetch: each layer is gathered just before use)"))
+      m.set("gather.max_live_layers", 2 if v > 0 else 1, f"zero_optimization.{key}", z[key])
+      note(f"zero_optimization.{key}", f"{v:g} -> gather.max_live_layers="
+           f"{m.get('gather.max_live_layers')} (" + (
+               "the next layer's gather may overlap the current layer)" if v > 0 else
+               "no prefetch: each layer is gathered just before use)"))
   for key in ("stage3_max_live_parameters", "max_live_parameters"):
     if key in z:
       v = z[key] if _auto(z[key]) else _num(f"zero_optimization.{key}", z[key])
       note(f"zero_optimization.{key}",
            f"{v if _auto(v) else format(v, 'g')} is a parameter count; zerojax bounds "
-           "gathered weights in whole layers (max_live_layers), set by the prefetch bucket size")
+           "gathered weights in whole layers (gather.max_live_layers), set by the prefetch "
+           "bucket size")
   if "max_reuse_distance" in z:
     note("zero_optimization.max_reuse_distance", _ZERO_IGNORED["stage3_max_reuse_distance"])
+
+
+def _host(m: _Mapped, attr: str, key: str, raw: Any) -> None:
+  """``offload.<attr>`` on the host (`HostOffload`), from DeepSpeed's ``key``."""
+  offload = m.config.get("offload")
+  if offload is not None and offload["kind"] == "nvme":
+    raise _err(key, raw, "cannot be combined with zero_optimization.offload_optimizer on "
+               "nvme: the NVMe update returns parameter shards to device memory (NvmeOffload "
+               "has no params); keep the parameters on the devices (stage 3 shards them)"
+               if attr == "params" else "conflicts with zero_optimization.offload_optimizer "
+               "on nvme; give one of them")
+  if offload is None:  # a section that offloads only the parameters keeps the optimizer
+    m.config["offload"] = {"kind": "host", "optimizer": False}
+  m.set(f"offload.{attr}", True, key, raw)
 
 
 def _map_collectives(z: Mapping[str, Any], m: _Mapped) -> None:
@@ -517,7 +573,7 @@ def _map_collectives(z: Mapping[str, Any], m: _Mapped) -> None:
 def _map_combining(z: Mapping[str, Any], m: _Mapped) -> None:
   """Keys whose job XLA does: collective combining (bucket sizes) and overlap."""
   flags, note = m.flags, m.note
-  grad_dtype = m.kw.get("reduce_dtype") or "float32"
+  grad_dtype = m.get("precision.reduce") or "float32"
   param_bytes = _BYTES["float32"]
   for key, targets, nbytes, what in (
       ("reduce_bucket_size", (RS_COMBINE, AR_COMBINE), _BYTES[grad_dtype],
@@ -545,37 +601,36 @@ def _map_combining(z: Mapping[str, Any], m: _Mapped) -> None:
 def _map_groups(z: Mapping[str, Any], m: _Mapped) -> None:
   """ZeRO++ hpZ / MiCS: shard within groups, replicate across groups = the replica x fsdp
   mesh."""
-  kw, note = m.kw, m.note
   for key in ("zero_hpz_partition_size", "mics_shard_size"):
     if key in z and not _auto(z[key]):
       v = _int(f"zero_optimization.{key}", z[key])
       if v > 1 or (key == "mics_shard_size" and v > 0):
-        kw["mesh_shape"], kw["mesh_axes"] = (-1, v), ("replica", "fsdp")
-        note(f"zero_optimization.{key}", f"{v} -> mesh_shape=[-1, {v}], mesh_axes=['replica', "
-             "'fsdp'] (shard within groups, data parallel across them)")
+        m.set("mesh_shape", (-1, v), f"zero_optimization.{key}", z[key])
+        m.set("mesh_axes", ("replica", "fsdp"), f"zero_optimization.{key}", z[key])
+        m.note(f"zero_optimization.{key}", f"{v} -> mesh_shape=[-1, {v}], mesh_axes=["
+               "'replica', 'fsdp'] (shard within groups, data parallel across them)")
       else:
-        note(f"zero_optimization.{key}", f"{v}: no hierarchical partitioning")
+        m.note(f"zero_optimization.{key}", f"{v}: no hierarchical partitioning")
 
 
 def _map_quantized(z: Mapping[str, Any], m: _Mapped) -> None:
-  """ZeRO++ qwZ / qgZ: zerojax's own quantised collectives."""
-  kw, note = m.kw, m.note
-  for key, field, what in (
-      ("zero_quantized_weights", "quantize_weights", "qwZ: each stage-3 parameter "
+  """ZeRO++ qwZ / qgZ: zerojax's own quantised collectives (`Quantize`)."""
+  for key, attr, what in (
+      ("zero_quantized_weights", "weights", "qwZ: each stage-3 parameter "
        "all-gather, the forward gather and the backward pass's re-gather as in DeepSpeed, "
        "moves int8 values plus a float32 scale per 256-element block, dequantised after the "
-       "gather (quantize_weights_backward=false keeps the re-gather in full precision); master "
+       "gather (quantize.weights_backward=false keeps the re-gather in full precision); master "
        "weights and the update stay in full precision"),
-      ("zero_quantized_gradients", "quantize_gradients", "qgZ: each gradient is reduced by a "
+      ("zero_quantized_gradients", "gradients", "qgZ: each gradient is reduced by a "
        "quantised all-to-all (int8 per 256-element block) and summed in float32 on its owner, "
        "in place of the reduce-scatter")):
     if key in z:
       if _bool(f"zero_optimization.{key}", z[key]):
-        kw[field] = "int8"
-        note(f"zero_optimization.{key}", f"{field}='int8' ({what}); the model then runs per "
-             "device inside jax.shard_map")
+        m.set(f"quantize.{attr}", "int8", f"zero_optimization.{key}", z[key])
+        m.note(f"zero_optimization.{key}", f"quantize.{attr}='int8' ({what}); the model then "
+               "runs per device inside jax.shard_map")
       else:
-        note(f"zero_optimization.{key}", "false: full-precision collectives")
+        m.note(f"zero_optimization.{key}", "false: full-precision collectives")
   if "zero_quantized_nontrainable_weights" in z and _bool(
       "zero_optimization.zero_quantized_nontrainable_weights",
       z["zero_quantized_nontrainable_weights"]):
@@ -616,9 +671,12 @@ def _enabled(name: str, sect: Mapping) -> bool:
   return _bool(f"{name}.enabled", v)
 
 
-def _offload(z: Mapping, key: str, full: str, note) -> bool:
+def _offload(z: Mapping, key: str, m: _Mapped) -> str | None:
+  """The offload kind an ``offload_optimizer``/``offload_param`` section asks for: ``'host'``
+  (device cpu), ``'nvme'`` or ``None`` (no offload)."""
+  full = f"zero_optimization.{key}"
   if key not in z or z[key] is None:
-    return False
+    return None
   sect = z[key]
   if not isinstance(sect, Mapping):
     raise _err(full, sect, "a mapping such as {\"device\": \"cpu\"}")
@@ -628,7 +686,7 @@ def _offload(z: Mapping, key: str, full: str, note) -> bool:
     raise _err(f"{full}.device", raw, "\"cpu\" (offload to pinned host memory) or \"none\"")
   device = raw.strip().lower()
   if device == "auto":
-    note(f"{full}.device", "'auto': not set, no offload")
+    m.note(f"{full}.device", "'auto': not set, no offload")
     device = "none"
   if device == "nvme" and key == "offload_param":
     raise _err(f"{full}.device", sect.get("device"),
@@ -641,52 +699,59 @@ def _offload(z: Mapping, key: str, full: str, note) -> bool:
   if device not in ("cpu", "none"):
     raise _err(f"{full}.device", sect.get("device"), "\"cpu\", \"nvme\" or \"none\"")
   if device == "none":
-    return False
-  what = "offload_optimizer" if key == "offload_optimizer" else "offload_params"
-  note(full, f"device cpu -> {what}=True (pinned_host memory)")
+    return None
+  attr = "optimizer" if key == "offload_optimizer" else "params"
+  m.note(full, f"device cpu -> offload.{attr}=True (HostOffload: pinned_host memory)")
   for k in sorted(set(sect) - {"device"}):
-    note(f"{full}.{k}", "XLA transfers between pinned host and device memory itself; "
-         "nothing to set")
-  return True
+    m.note(f"{full}.{k}", "XLA transfers between pinned host and device memory itself; "
+           "nothing to set")
+  return "host"
 
 
-def _map_nvme(z: Mapping, kw: dict, note) -> None:
-  """``offload_optimizer: {device: nvme, ...}``: ZeRO-Infinity's optimizer state on disk."""
-  full = "zero_optimization.offload_optimizer"
+# offload_optimizer's NVMe keys -> the NvmeOffload fields each sets. The legacy "pipeline"
+# sets both; an explicit pipeline_read/pipeline_write (later in the table) wins over it.
+_NVME_PIPELINE = (("pipeline", ("pipeline_read", "pipeline_write"),
+                   "legacy key: both pipeline_read and pipeline_write"),
+                  ("pipeline_read", ("pipeline_read",),
+                   "the next chunks are read while the current one updates"),
+                  ("pipeline_write", ("pipeline_write",),
+                   "updated chunks are written back in the background"))
+
+
+def _map_nvme(z: Mapping, m: _Mapped) -> None:
+  """``offload_optimizer: {device: nvme, ...}``: ZeRO-Infinity's optimizer state on disk
+  (`NvmeOffload`)."""
+  full, note = "zero_optimization.offload_optimizer", m.note
   sect = z["offload_optimizer"]
   if "nvme_path" not in sect or _auto(sect["nvme_path"]):
     raise _err(f"{full}.nvme_path", sect.get("nvme_path"), "device nvme needs nvme_path, the "
                "directory of the optimizer-state files (a local NVMe disk)")
   if not isinstance(sect["nvme_path"], str) or not sect["nvme_path"]:
     raise _err(f"{full}.nvme_path", sect["nvme_path"], "a directory path string")
-  kw["nvme_path"] = sect["nvme_path"]
-  note(full, f"device nvme -> offload_optimizer='nvme': the optimizer state lives in files "
-       f"under '{sect['nvme_path']}/zerojax-nvme/process-<i>' and is streamed through a "
-       "chunked optax update on each host (zerojax.runtime.nvme)")
-  note(f"{full}.nvme_path", f"nvme_path={sect['nvme_path']!r} (checked before step 1: exists, "
-       "writable, room for the state plus one generation)")
+  m.config["offload"] = {"kind": "nvme"}
+  m.set("offload.path", sect["nvme_path"], f"{full}.nvme_path", sect["nvme_path"])
+  note(full, f"device nvme -> offload=NvmeOffload(path={sect['nvme_path']!r}): the optimizer "
+       f"state lives in files under '{sect['nvme_path']}/zerojax-nvme/process-<i>' and is "
+       "streamed through a chunked optax update on each host (zerojax.runtime.nvme)")
+  note(f"{full}.nvme_path", f"offload.path={sect['nvme_path']!r} (checked before step 1: "
+       "exists, writable, room for the state plus one generation)")
   if "buffer_count" in sect and not _auto(sect["buffer_count"]):
-    kw["nvme_buffer_count"] = _int(f"{full}.buffer_count", sect["buffer_count"])
-    note(f"{full}.buffer_count", f"nvme_buffer_count={kw['nvme_buffer_count']}: chunk buffers "
-         "in the host pool (3 or more overlap read, update and write)")
-  # The legacy "pipeline" sets both; an explicit pipeline_read/pipeline_write wins over it.
-  for key, fields, what in (
-      ("pipeline", ("nvme_pipeline_read", "nvme_pipeline_write"),
-       "legacy key: both pipeline_read and pipeline_write"),
-      ("pipeline_read", ("nvme_pipeline_read",),
-       "the next chunks are read while the current one updates"),
-      ("pipeline_write", ("nvme_pipeline_write",),
-       "updated chunks are written back in the background")):
+    v = _int(f"{full}.buffer_count", sect["buffer_count"])
+    m.set("offload.buffer_count", v, f"{full}.buffer_count", sect["buffer_count"])
+    note(f"{full}.buffer_count", f"offload.buffer_count={v}: chunk buffers in the host pool "
+         "(3 or more overlap read, update and write)")
+  for key, attrs, what in _NVME_PIPELINE:
     if key in sect and not _auto(sect[key]):
       v = _bool(f"{full}.{key}", sect[key])
-      for f in fields:
-        kw[f] = v
-      note(f"{full}.{key}", f"{str(v).lower()} -> {' and '.join(f'{f}={v}' for f in fields)} "
-           f"({what})")
+      for a in attrs:
+        m.set(f"offload.{a}", v, f"{full}.{key}", sect[key])
+      note(f"{full}.{key}", f"{str(v).lower()} -> "
+           f"{' and '.join(f'offload.{a}={v}' for a in attrs)} ({what})")
   if "sub_group_size" in z and not _auto(z["sub_group_size"]):
-    kw["nvme_chunk_size"] = _int("zero_optimization.sub_group_size", z["sub_group_size"])
-    note("zero_optimization.sub_group_size", f"nvme_chunk_size={kw['nvme_chunk_size']}: "
-         "parameters per streamed chunk of the NVMe update")
+    v = _int("zero_optimization.sub_group_size", z["sub_group_size"])
+    m.set("offload.chunk_size", v, "zero_optimization.sub_group_size", z["sub_group_size"])
+    note("zero_optimization.sub_group_size", f"offload.chunk_size={v}: parameters per "
+         "streamed chunk of the NVMe update")
   for k in sorted(set(sect) - {"device", "nvme_path", "buffer_count", "pipeline_read",
                                "pipeline_write", "pipeline"}):
     note(f"{full}.{k}", "not used by the NVMe update (pinned buffers and ratios are "
