@@ -129,7 +129,7 @@ def test_a_model_that_keeps_float32_everywhere_is_refused():
     g = jax.grad(lambda p: jnp.mean(state.apply_fn({"params": p}, batch) ** 2))(state.params)
     return state.apply_gradients(grads=g), {}
 
-  with pytest.raises(zerojax.ConfigError, match=r"compute_dtype='bfloat16': 2 of the step's 2 matrix"):
+  with pytest.raises(zerojax.ConfigError, match=r"precision.compute='bfloat16': 2 of the step's 2 matrix"):
     step(state, x)
 
 

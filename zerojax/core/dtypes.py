@@ -7,15 +7,15 @@ and its transpose brings each gradient back to the master dtype.
 
 from __future__ import annotations
 
-import re
 import warnings
-from typing import Any
+from typing import Any, Iterator
 
 import jax
 from flax import nnx
 import jax.numpy as jnp
 from flax.core import meta
 
+from zerojax._compat import subjaxprs
 from zerojax.core.config import ConfigError, ZeroConfig
 
 __all__ = ["compute_dtype_of", "reduce_dtype_of", "to_compute", "cast", "cast_shapes",
@@ -78,25 +78,41 @@ def set_nnx_dtype(model: Any, dtype: Any) -> None:
       mod.dtype = dtype
 
 
-_DOT = re.compile(r"(?:stablehlo|mhlo)\.dot(?:_general)?\b.*?:\s*\(tensor<([^>]*)>,\s*tensor<([^>]*)>\)")
+def _dot_operands(jaxpr: Any) -> Iterator[tuple[Any, Any]]:
+  """The operand dtypes of every ``dot_general`` in ``jaxpr`` and the jaxprs nested in it."""
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "dot_general":
+      yield eqn.invars[0].aval.dtype, eqn.invars[1].aval.dtype
+    for inner in subjaxprs(eqn.params):
+      yield from _dot_operands(inner)
 
 
-def check_compute_dtype(cfg: ZeroConfig, lowered: Any) -> None:
-  """``compute_dtype`` must reach the model's matrix multiplications: counted in the lowered
-  step (forward and backward). None of them in it is an error (the setting did nothing); some
-  in float32 (a model that upcasts, or reads its parameters past zerojax) is a warning."""
-  dots = [(a.rsplit("x", 1)[-1], b.rsplit("x", 1)[-1]) for a, b in _DOT.findall(lowered.as_text())]
+def check_compute_dtype(cfg: ZeroConfig, traced: Any) -> None:
+  """The compute dtype must reach the model's matrix multiplications: counted in the traced
+  step (``jax.jit(...).trace(...)``: its jaxpr holds forward and backward). None of them in it
+  is an error (the setting did nothing); some in float32 (a model that upcasts, or reads its
+  parameters past zerojax) is a warning.
+
+  Args:
+    cfg: the config; its ``precision.compute`` is checked.
+    traced: the traced step.
+
+  Raises:
+    ConfigError: every matrix multiplication of the step takes float32 operands.
+  """
+  wide_types = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float64))
+  dots = list(_dot_operands(traced.jaxpr.jaxpr))
   if not dots:
     return
-  wide = sum(1 for a, b in dots if a in ("f32", "f64") and b in ("f32", "f64"))
-  what = (f"compute_dtype={cfg.compute_dtype!r}: {wide} of the step's {len(dots)} matrix "
-          "multiplications (forward and backward) still take float32 operands")
+  wide = sum(1 for a, b in dots if a in wide_types and b in wide_types)
+  what = (f"precision.compute={cfg.precision.compute!r}: {wide} of the step's {len(dots)} "
+          "matrix multiplications (forward and backward) still take float32 operands")
   if wide == len(dots):
     raise ConfigError(
         f"{what}, so the setting does nothing to this model. zerojax casts parameters where "
         "the model reads them (linen state.apply_fn, plain pytree models) and sets dtype on "
         "NNX layers that leave it None; a model that reads parameters another way must set "
-        "its own dtype. Or drop compute_dtype")
+        "its own dtype. Or drop precision.compute")
   if wide:
     warnings.warn(f"zerojax: {what} (a model that upcasts on its own, or reads parameters past "
                   "zerojax, keeps them)", stacklevel=3)

@@ -196,7 +196,7 @@ class ZeroStep:
     jitted = jit(plan.compiler_options)
     traced = jitted.trace(*args)
     if compute_dtype_of(plan.config) is not None:
-      check_compute_dtype(plan.config, traced.lower())
+      check_compute_dtype(plan.config, traced)
     ctx = contexts[-1]
     ahead = [o for o in ctx.scans if isinstance(o, OneAhead)]
     options = plan.compiler_options_for(
