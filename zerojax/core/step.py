@@ -40,6 +40,12 @@ __all__ = ["ZeroStep", "zero_step"]
 class ZeroStep:
   """A jitted ZeRO train step; create it with `zero_step`.
 
+  One path compiles and runs every kind of step; what differs between a state step
+  (``step(state, batch)``: linen ``TrainState``, a plain pytree model) and an NNX step
+  (``step(model, optimizer, batch)``) is the `_StateStep` or `_NnxStep` its arguments select:
+  how they become the one pytree the jitted function takes, and how its result reaches the
+  caller.
+
   Attributes:
     fn: the user's train step.
     plan: the `ShardingPlan` whose shardings the step uses.
@@ -66,109 +72,22 @@ class ZeroStep:
     self._last_dispatch: float | None = None
     self.last_step_time = math.nan  # see __call__
 
-  # -- linen / TrainState (or any flax.struct state with params/opt_state) ---------------------
-
-  def _linen(self, state, batch, rest):
-    plan = self.plan
-    key = ("state", jax.tree.structure(state), _shapes_key(batch), _shapes_key(rest))
-    if key not in self._jitted:
-      orig = state.apply_fn
-      _check_state_features(plan, state)
-      check_batch(plan, batch)
-      _check_processes_agree(plan, getattr(state, "tx", None), state)
-      orig_tx = getattr(state, "tx", None)
-
-      model = ModelApply(orig, plan)  # decides the formulation on its first trace
-      tx = None if orig_tx is None else offload.wrap_tx(orig_tx, plan, layout.prepare(plan))
-      applied: list = []  # the trace's `linen_applies`: models the step applies itself
+  def _variant(self, args: tuple) -> tuple["_StateStep | _NnxStep", Any, Any, tuple, bool]:
+    """``(kind, jitted, batch, rest, compiled)`` for a call's arguments: the step kind they
+    select, the jitted function for their shapes (traced now where it is new) and whether it
+    was new."""
+    kind, batch, rest = _kind(self, args)
+    key = kind.key(batch, rest)
+    new = key not in self._jitted
+    if new:
+      kind.check(batch)
       contexts: list = []  # the trace's step context
-
-      def step(state, batch, *rest):
-        changes = {"apply_fn": model} if tx is None else {"apply_fn": model, "tx": tx}
-        state = state.replace(**changes)
-        with _step_context(plan, state) as ctx, scanned_layers(scan_remat(
-            plan.config, plan.gathers_per_use, plan.pipeline)) as ctx.scans, linen_applies(
-                plan) as others:
-          new_state, metrics = self.fn(state, batch, *rest)
-        applied.append(others)
-        contexts.append(ctx)
-        _check_features_used(ctx)
-        if not isinstance(new_state, type(state)):
-          raise TypeError(f"train_step must return (state, metrics); got {type(new_state)}")
-        if isinstance(new_state, ZeroTrainState) and isinstance(metrics, dict):
-          metrics = {**new_state.step_metrics(), **metrics}
-        restore = {"apply_fn": orig} if orig_tx is None else {"apply_fn": orig, "tx": orig_tx}
-        return new_state.replace(**restore), metrics
-
-      jitted = self._traced_jit(step, plan.state(state), (state, batch, *rest), contexts)
-      chosen = model.formulation or (applied[-1].formulation if applied else None)
-      per_use = plan.gathers_per_use if chosen is None else chosen.per_use
-      self.formulation[key] = "per use" if per_use else "compiler"
-      self.remat[key] = remat_applied(plan.config, chosen)
+      body = kind.body(self.fn, contexts)
+      self._jitted[key] = self._traced_jit(body, kind.shardings(),
+                                           (kind.state, batch, *rest), contexts)
+      self.formulation[key], self.remat[key] = kind.formulation(contexts)
       self._describe_layers(key, contexts)
-      self._jitted[key] = jitted
-    return self._jitted[key]
-
-  # -- NNX ------------------------------------------------------------------------------------
-
-  def _nnx(self, model, optimizer, batch, rest):
-    graphdef, state = nnx.split((model, optimizer))
-    key = ("nnx", graphdef, _shapes_key(batch), _shapes_key(rest))
-    if key not in self._jitted:
-      plan = self.plan
-      state_sh = plan.nnx_state(state)
-      scaling = plan.config.loss_scale is not None
-      if scaling and not hasattr(optimizer, "loss_scaling"):
-        raise ConfigError(
-            f"loss_scale={plan.config.loss_scale.scale!r}: an NNX optimizer keeps the fp16 loss "
-            "scale in optimizer.loss_scaling, which zerojax.create_nnx adds; build the "
-            "(model, optimizer) pair with zerojax.create_nnx(..., config=config)")
-      check_batch(plan, batch)
-      _check_processes_agree(plan, getattr(optimizer, "tx", None), None)
-      cfg = plan.config
-      if plan.gathers_per_use and not cfg.offload_params:  # host params: fetched whole
-        raise ConfigError(
-            f"{per_use_reason(plan)} needs per-use gathering, which zerojax does through a "
-            "linen model's state.apply_fn; an NNX step cannot honour it. Use a linen model, or "
-            "drop the setting")
-      # Host-resident NNX parameters come to the device (as the plan shards them) when the
-      # step starts and go back when it ends; a linen model fetches each layer's just in time.
-      params_host = plan.params_on_host
-
-      cd = compute_dtype_of(cfg)
-      contexts: list = []  # the trace's step context
-
-      def step(state, batch, *rest):
-        m, o = nnx.merge(graphdef, state)
-        set_nnx_dtype(m, cd)
-        if params_host:
-          nnx.update(m, offload.put_like(nnx.state(m, nnx.Param), offload.on_device(plan.params)))
-        finite: list = []
-        tx = skip_nonfinite(o.tx, finite) if scaling else o.tx
-        o.tx = offload.wrap_tx(tx, plan, layout.prepare(plan, clip=cfg.gradient_clipping),
-                               params_fetched=params_host)
-        scale = o.loss_scaling.scale[...] if scaling else None
-        with _step_context(plan, None, scale) as ctx, scanned_layers(
-            scan_remat(cfg, False, plan.pipeline)) as ctx.scans:
-          metrics = self.fn(m, o, batch, *rest)
-        contexts.append(ctx)
-        _check_features_used(ctx)
-        self.formulation[key] = _nnx_formulation(plan, ctx)
-        self.remat[key] = remat_applied(cfg, ctx.formulation)
-        self._describe_layers(key, [ctx])
-        if scaling:
-          if len(finite) != 1:
-            raise ConfigError(
-                f"loss_scale={cfg.loss_scale.scale!r}: the NNX step must call optimizer.update(model, "
-                f"grads) exactly once (it called it {len(finite)} times), so that an "
-                "overflowing step can be skipped")
-          o.loss_scaling.update(finite[0], StepSettings.from_config(cfg))
-          if isinstance(metrics, dict):
-            metrics = {**o.loss_scaling.metrics(), **metrics}
-        return nnx.state((m, o)), metrics
-
-      self._jitted[key] = self._traced_jit(step, state_sh, (state, batch, *rest), contexts)
-    return self._jitted[key], state
+    return kind, self._jitted[key], batch, rest, new
 
   def _describe_layers(self, key, contexts):
     plan = self.plan
@@ -187,7 +106,7 @@ class ZeroStep:
 
   def _traced_jit(self, step, state_sh, args, contexts):
     """``step`` jitted for ``args = (state, batch, *rest)`` and traced once (the trace is
-    cached for the first call; it fills ``contexts`` and checks ``compute_dtype``), with the
+    cached for the first call; it fills ``contexts`` and checks the compute dtype), with the
     compiler options its model needs (`ShardingPlan.compiler_options_for`). Where they are not
     the ones the plan expected it is jitted again: traced once more, compiled once."""
     plan = self.plan
@@ -203,19 +122,6 @@ class ZeroStep:
         ctx.layers_ahead, OneAhead(*map(max, zip(*ahead))) if ahead else None,
         ctx.layers_in_checkpoints, ctx.rows_ahead)
     return jitted if options == plan.compiler_options else jit(options)
-
-  def _dispatch(self, args):
-    """``(kind, leading, batch, rest)`` by the type of the first argument: an ``nnx.Module``
-    starts ``(model, optimizer, batch, *rest)``; anything else ``(state, batch, *rest)``."""
-    if args and isinstance(args[0], nnx.Module):
-      if len(args) < 3:
-        raise TypeError("an NNX zerojax step is called as step(model, optimizer, batch, ...); "
-                        f"got {len(args)} arguments")
-      return "nnx", args[:2], args[2], tuple(args[3:])
-    if len(args) < 2:
-      raise TypeError("a zerojax step is called as step(state, batch, ...) (or, for Flax NNX, "
-                      f"step(model, optimizer, batch, ...)); got {len(args)} argument(s)")
-    return "state", args[:1], args[1], tuple(args[2:])
 
   def __call__(self, *args):
     """Runs one step. Metrics gain host-side ``step_time`` and ``tokens_per_sec``.
@@ -246,22 +152,11 @@ class ZeroStep:
       DeviceMemoryError: on a backend that reports a memory limit, the compiled step does not
         fit in it.
     """
-    n = len(self._jitted)
-    kind, lead, batch, rest = self._dispatch(args)
-    if kind == "nnx":
-      f, state = self._nnx(*lead, batch, rest)
-      if len(self._jitted) != n:  # first call with these shapes: check memory before it allocates
-        _check_step_memory(self.plan, f, state, batch, *rest)
-      new_state, metrics = f(state, batch, *rest)
-      nnx.update(tuple(lead), new_state)
-      return self._host_metrics(metrics, batch, compiled=len(self._jitted) != n)
-    (state,) = lead
-    f = self._linen(state, batch, rest)
-    if len(self._jitted) != n:  # first call with these shapes: check memory before it allocates
-      _check_step_memory(self.plan, f, state, batch, *rest, params=state.params,
-                         tx=getattr(state, "tx", None), opt_state=getattr(state, "opt_state", None))
-    new_state, metrics = f(state, batch, *rest)
-    return new_state, self._host_metrics(metrics, batch, compiled=len(self._jitted) != n)
+    kind, f, batch, rest, compiled = self._variant(args)
+    if compiled:  # first call with these shapes: check memory before it allocates
+      _check_step_memory(self.plan, f, kind.state, batch, *rest, **kind.memory_hints())
+    new_state, metrics = f(kind.state, batch, *rest)
+    return kind.result(new_state, self._host_metrics(metrics, batch, compiled=compiled))
 
   def _host_metrics(self, metrics, batch, compiled):
     now = time.perf_counter()
@@ -289,10 +184,7 @@ class ZeroStep:
       TypeError: too few arguments.
       ConfigError: the state or step cannot honour the config (as for a call).
     """
-    kind, lead, batch, rest = self._dispatch(args)
-    if kind == "nnx":
-      return self._nnx(*lead, batch, rest)[0]
-    return self._linen(lead[0], batch, rest)
+    return self._variant(args)[1]
 
   def lower(self, *args):
     """Lowers the step for ``args`` (arrays or ShapeDtypeStructs), e.g. to inspect memory.
@@ -307,11 +199,168 @@ class ZeroStep:
       TypeError: too few arguments.
       ConfigError: the state or step cannot honour the config (as for a call).
     """
-    kind, lead, batch, rest = self._dispatch(args)
-    if kind == "nnx":
-      f, state = self._nnx(*lead, batch, rest)
-      return f.lower(state, batch, *rest)
-    return self._linen(lead[0], batch, rest).lower(lead[0], batch, *rest)
+    kind, f, batch, rest, _ = self._variant(args)
+    return f.lower(kind.state, batch, *rest)
+
+
+def _kind(step: ZeroStep, args: tuple) -> tuple["_StateStep | _NnxStep", Any, tuple]:
+  """The step kind of a call's arguments, its batch and the arguments after it: an
+  ``nnx.Module`` first means ``(model, optimizer, batch, *rest)``; anything else
+  ``(state, batch, *rest)``."""
+  if args and isinstance(args[0], nnx.Module):
+    if len(args) < 3:
+      raise TypeError("an NNX zerojax step is called as step(model, optimizer, batch, ...); "
+                      f"got {len(args)} arguments")
+    return _NnxStep(step.plan, *args[:2]), args[2], tuple(args[3:])
+  if len(args) < 2:
+    raise TypeError("a zerojax step is called as step(state, batch, ...) (or, for Flax NNX, "
+                    f"step(model, optimizer, batch, ...)); got {len(args)} argument(s)")
+  return _StateStep(step.plan, args[0]), args[1], tuple(args[2:])
+
+
+class _StateStep:
+  """A step on a state pytree (linen ``TrainState``, `ZeroTrainState`, a plain pytree model):
+  ``fn(state, batch, *rest) -> (state, metrics)``. The model runs as the plan's formulation
+  says through ``state.apply_fn`` (`ModelApply`), and the optimizer receives the gradient laid
+  out as the stage says."""
+
+  def __init__(self, plan: ShardingPlan, state: Any):
+    self.plan, self.state = plan, state
+    self._model: ModelApply | None = None
+    self._applied: list = []  # the trace's `linen_applies`: models the step applies itself
+
+  def key(self, batch: Any, rest: tuple) -> tuple:
+    return ("state", jax.tree.structure(self.state), _shapes_key(batch), _shapes_key(rest))
+
+  def shardings(self) -> Any:
+    return self.plan.state(self.state)
+
+  def check(self, batch: Any) -> None:
+    _check_state_features(self.plan, self.state)
+    check_batch(self.plan, batch)
+    _check_processes_agree(self.plan, getattr(self.state, "tx", None), self.state)
+
+  def body(self, fn: Callable, contexts: list) -> Callable:
+    plan, orig = self.plan, self.state.apply_fn
+    orig_tx = getattr(self.state, "tx", None)
+    model = self._model = ModelApply(orig, plan)  # decides the formulation on its first trace
+    tx = None if orig_tx is None else offload.wrap_tx(orig_tx, plan, layout.prepare(plan))
+    applied = self._applied
+
+    def step(state, batch, *rest):
+      changes = {"apply_fn": model} if tx is None else {"apply_fn": model, "tx": tx}
+      state = state.replace(**changes)
+      with _step_context(plan, state) as ctx, scanned_layers(scan_remat(
+          plan.config, plan.gathers_per_use, plan.pipeline)) as ctx.scans, linen_applies(
+              plan) as others:
+        new_state, metrics = fn(state, batch, *rest)
+      applied.append(others)
+      contexts.append(ctx)
+      _check_features_used(ctx)
+      if not isinstance(new_state, type(state)):
+        raise TypeError(f"train_step must return (state, metrics); got {type(new_state)}")
+      if isinstance(new_state, ZeroTrainState) and isinstance(metrics, dict):
+        metrics = {**new_state.step_metrics(), **metrics}
+      restore = {"apply_fn": orig} if orig_tx is None else {"apply_fn": orig, "tx": orig_tx}
+      return new_state.replace(**restore), metrics
+
+    return step
+
+  def formulation(self, contexts: list) -> tuple[str, str]:
+    """How the traced step gathered parameters, and where the config's remat acted."""
+    plan = self.plan
+    chosen = self._model.formulation or (
+        self._applied[-1].formulation if self._applied else None)
+    per_use = plan.gathers_per_use if chosen is None else chosen.per_use
+    return "per use" if per_use else "compiler", remat_applied(plan.config, chosen)
+
+  def memory_hints(self) -> dict[str, Any]:
+    s = self.state
+    return {"params": s.params, "tx": getattr(s, "tx", None),
+            "opt_state": getattr(s, "opt_state", None)}
+
+  def result(self, new_state: Any, metrics: Any) -> tuple[Any, Any]:
+    return new_state, metrics
+
+
+class _NnxStep:
+  """A Flax NNX step, ``fn(model, optimizer, batch, *rest) -> metrics``, updating ``model``
+  and ``optimizer`` in place as under ``nnx.jit``: traced on their ``nnx.state`` and merged
+  inside."""
+
+  def __init__(self, plan: ShardingPlan, model: Any, optimizer: Any):
+    self.plan, self.pair = plan, (model, optimizer)
+    self.graphdef, self.state = nnx.split(self.pair)
+
+  def key(self, batch: Any, rest: tuple) -> tuple:
+    return ("nnx", self.graphdef, _shapes_key(batch), _shapes_key(rest))
+
+  def shardings(self) -> Any:
+    return self.plan.nnx_state(self.state)
+
+  def check(self, batch: Any) -> None:
+    plan, optimizer = self.plan, self.pair[1]
+    if plan.config.loss_scale is not None and not hasattr(optimizer, "loss_scaling"):
+      raise ConfigError(
+          f"loss_scale={plan.config.loss_scale.scale!r}: an NNX optimizer keeps the fp16 loss "
+          "scale in optimizer.loss_scaling, which zerojax.create_nnx adds; build the "
+          "(model, optimizer) pair with zerojax.create_nnx(..., config=config)")
+    check_batch(plan, batch)
+    _check_processes_agree(plan, getattr(optimizer, "tx", None), None)
+    if plan.gathers_per_use and not plan.config.offload_params:  # host params: fetched whole
+      raise ConfigError(
+          f"{per_use_reason(plan)} needs per-use gathering, which zerojax does through a "
+          "linen model's state.apply_fn; an NNX step cannot honour it. Use a linen model, or "
+          "drop the setting")
+
+  def body(self, fn: Callable, contexts: list) -> Callable:
+    plan, graphdef = self.plan, self.graphdef
+    cfg = plan.config
+    scaling = cfg.loss_scale is not None
+    # Host-resident NNX parameters come to the device (as the plan shards them) when the
+    # step starts and go back when it ends; a linen model fetches each layer's just in time.
+    params_host = plan.params_on_host
+    cd = compute_dtype_of(cfg)
+
+    def step(state, batch, *rest):
+      m, o = nnx.merge(graphdef, state)
+      set_nnx_dtype(m, cd)
+      if params_host:
+        nnx.update(m, offload.put_like(nnx.state(m, nnx.Param), offload.on_device(plan.params)))
+      finite: list = []
+      tx = skip_nonfinite(o.tx, finite) if scaling else o.tx
+      o.tx = offload.wrap_tx(tx, plan, layout.prepare(plan, clip=cfg.gradient_clipping),
+                             params_fetched=params_host)
+      scale = o.loss_scaling.scale[...] if scaling else None
+      with _step_context(plan, None, scale) as ctx, scanned_layers(
+          scan_remat(cfg, False, plan.pipeline)) as ctx.scans:
+        metrics = fn(m, o, batch, *rest)
+      contexts.append(ctx)
+      _check_features_used(ctx)
+      if scaling:
+        if len(finite) != 1:
+          raise ConfigError(
+              f"loss_scale={cfg.loss_scale.scale!r}: the NNX step must call "
+              f"optimizer.update(model, grads) exactly once (it called it {len(finite)} "
+              "times), so that an overflowing step can be skipped")
+        o.loss_scaling.update(finite[0], StepSettings.from_config(cfg))
+        if isinstance(metrics, dict):
+          metrics = {**o.loss_scaling.metrics(), **metrics}
+      return nnx.state((m, o)), metrics
+
+    return step
+
+  def formulation(self, contexts: list) -> tuple[str, str]:
+    """How the traced step gathered parameters, and where the config's remat acted."""
+    ctx = contexts[-1]
+    return _nnx_formulation(self.plan, ctx), remat_applied(self.plan.config, ctx.formulation)
+
+  def memory_hints(self) -> dict[str, Any]:
+    return {}
+
+  def result(self, new_state: Any, metrics: Any) -> Any:
+    nnx.update(self.pair, new_state)
+    return metrics
 
 
 def zero_step(plan: ShardingPlan, *, donate: bool = True) -> Callable[[Callable], ZeroStep]:
