@@ -10,6 +10,8 @@ import jax
 
 jax.config.update("jax_num_cpu_devices", 8)
 import flax.linen as nn  # noqa: E402
+
+FLAX_APPLY = nn.Module.apply  # Flax's own, taken before zerojax is imported
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
@@ -45,9 +47,10 @@ def run_zerojax_steps(model, x) -> dict:
 
     @zerojax.zero_step(plan)
     def step(state, batch):
-      # While the step traces, zerojax's interceptors are in place.
+      # While the step traces, zerojax's scan and checkpoint interceptors are in place; a
+      # linen model's own apply is seen through Flax's scoped method interceptor instead.
       live.update(scan=jax.lax.scan is not _compat.ORIGINAL_SCAN,
-                  apply=nn.Module.apply is not _compat.ORIGINAL_LINEN_APPLY,
+                  apply=nn.Module.apply is not FLAX_APPLY,
                   remat_rule=not _compat.remat_rule_is_jaxs())
       # The model's own apply, called by the step (zerojax intercepts it inside the step).
       loss, grads = jax.value_and_grad(lambda p: model.apply({"params": p}, batch))(state.params)
@@ -59,7 +62,7 @@ def run_zerojax_steps(model, x) -> dict:
   # After the steps, nothing of JAX's or Flax's is replaced: the objects are their own.
   out["live"] = live
   out["hooks"] = {"scan": jax.lax.scan is not _compat.ORIGINAL_SCAN,
-                  "apply": nn.Module.apply is not _compat.ORIGINAL_LINEN_APPLY,
+                  "apply": nn.Module.apply is not FLAX_APPLY,
                   "remat_rule": not _compat.remat_rule_is_jaxs()}
   return out
 

@@ -17,11 +17,10 @@ from typing import Any, Callable, Iterator
 import jax
 from jax.ad_checkpoint import checkpoint_name
 from jax.extend.core import Literal, Var, get_opaque_trace_state
-from flax import linen as nn
 
 __all__ = ["JAX_VERSION", "xla_gpu_options", "ORIGINAL_SCAN", "REMAT_PRIMITIVE_NAMES", "name_p", "sharding_constraint_p",
            "jaxpr_has_primitive", "subjaxprs", "eval_jaxpr", "var_uses", "bind_dot_general",
-           "scan_hook", "ORIGINAL_LINEN_APPLY", "linen_apply_hook", "remat_rule_is_jaxs",
+           "scan_hook", "remat_rule_is_jaxs",
            "backends_initialized", "distributed_state", "detect_cluster",
            "keeps_nested_policies", "nested_remat_rule", "checkpoint_trace"]
 
@@ -66,10 +65,9 @@ def xla_gpu_options(options: dict[str, Any]) -> dict[str, Any]:
   return out
 
 
-# ``jax.lax.scan`` and ``flax.linen.Module.apply`` as JAX and Flax define them; zerojax's own
-# loops and the dispatchers below call these directly.
+# ``jax.lax.scan`` as JAX defines it; zerojax's own loops and the dispatcher below call it
+# directly.
 ORIGINAL_SCAN = jax.lax.scan
-ORIGINAL_LINEN_APPLY = nn.Module.apply
 
 _held_lock = threading.Lock()
 _held_counts: dict[str, int] = {}
@@ -116,22 +114,6 @@ def scan_hook(dispatch: Callable[..., Any]) -> contextlib.AbstractContextManager
     A context manager.
   """
   return _attribute_held("scan", jax.lax, "scan", dispatch, ORIGINAL_SCAN)
-
-
-def linen_apply_hook(dispatch: Callable[..., Any]) -> contextlib.AbstractContextManager[None]:
-  """While a step traces inside the block, ``flax.linen.Module.apply`` is ``dispatch`` (same
-  signature, calling `ORIGINAL_LINEN_APPLY` itself). Flax has no hook for the variables a
-  model is applied to; a method bound before the block (``state.apply_fn = model.apply``)
-  keeps Flax's own. Outside every such block ``Module.apply`` is Flax's own object again.
-
-  Args:
-    dispatch: the replacement; outside zerojax's per-thread settings it must behave as
-      `ORIGINAL_LINEN_APPLY`.
-
-  Returns:
-    A context manager.
-  """
-  return _attribute_held("linen_apply", nn.Module, "apply", dispatch, ORIGINAL_LINEN_APPLY)
 
 
 def var_uses(jaxpr: Any) -> dict[Any, list[tuple[Any, int]]]:

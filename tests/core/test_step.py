@@ -5,6 +5,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
@@ -150,3 +151,48 @@ def test_hlo_collectives_per_stage(stage, compiled, zero_runs):
   else:  # params gathered in forward and again in backward, gradients reduce-scattered
     assert coll["all-gather"] >= 1.5 * psi
     assert total <= 3 * psi * 1.15
+
+
+def test_model_applied_by_the_step_keeps_its_rngs_and_mutable_collections():
+  """A linen model the step applies itself (not through state.apply_fn) is run again through
+  zerojax's per-use path by Flax's scoped interceptor: with the call's dropout stream, its
+  mutable batch statistics and its keyword arguments, as the user's own call computes them."""
+  import flax.linen as nn
+
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x, train):
+      x = nn.BatchNorm(use_running_average=not train)(nn.Dense(16)(x))
+      return nn.Dense(4)(nn.Dropout(0.5, deterministic=not train)(x))
+
+  flax_apply = nn.Module.apply
+  model = Net()
+  x = jnp.linspace(-1, 1, 16 * 8).reshape(16, 8)
+  stats = model.init(jax.random.key(0), x, False)["batch_stats"]
+  # reduce_dtype needs the per-use path: a call zerojax did not route is refused at trace time
+  cfg = zerojax.ZeroConfig(stage=3, precision=zerojax.Precision(reduce="bfloat16"),
+                           gather=zerojax.Gather(persistence_threshold=0))
+  state, plan = zerojax.create_train_state(model, optax.sgd(0.1), jax.random.key(0), x,
+                                           config=cfg, train=False)
+  params = jax.device_get(state.params)
+
+  def loss(p, batch, stats, key):
+    y, new = model.apply({"params": p, "batch_stats": stats}, batch, train=True,
+                         mutable=["batch_stats"], rngs={"dropout": key})
+    return jnp.mean(y ** 2), new["batch_stats"]
+
+  @zerojax.zero_step(plan)
+  def step(state, batch, stats, key):
+    assert nn.Module.apply is flax_apply  # nothing of Flax's is replaced while it traces
+    (value, new), g = jax.value_and_grad(loss, has_aux=True)(state.params, batch, stats, key)
+    return state.apply_gradients(grads=g), {"loss": value, "stats": new}
+
+  new_state, metrics = step(state, x, stats, jax.random.key(7))
+  assert set(step.formulation.values()) == {"per use"}
+  (value, new), g = jax.value_and_grad(loss, has_aux=True)(params, x, stats, jax.random.key(7))
+  np.testing.assert_allclose(metrics["loss"], value, rtol=1e-5)
+  for a, b in zip(jax.tree.leaves(metrics["stats"]), jax.tree.leaves(new)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  want = jax.tree.map(lambda p, d: p - 0.1 * d, params, g)
+  for a, b in zip(jax.tree.leaves(new_state.params), jax.tree.leaves(want)):
+    np.testing.assert_allclose(a, b, rtol=2e-2, atol=2e-3)  # bfloat16 reductions

@@ -12,8 +12,8 @@ from typing import Any, Callable, Iterator
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
+from flax.core import unfreeze
 
-from zerojax._compat import ORIGINAL_LINEN_APPLY, linen_apply_hook
 from zerojax.core import context
 from zerojax.core.blocks import checkpointed_blocks, recording, repeated_blocks
 from zerojax.core.config import ConfigError
@@ -173,38 +173,57 @@ def per_use_reason(plan: ShardingPlan) -> str:
 
 @dataclasses.dataclass
 class _Applies:
-  """The `ModelApply` of each linen module applied to the plan's parameters in one trace."""
+  """The `ModelApply` of each linen model the step applied to the plan's parameters itself."""
   plan: ShardingPlan
-  by_module: dict = dataclasses.field(default_factory=dict)  # id(module) -> (module, apply)
+  applies: list = dataclasses.field(default_factory=list)
 
   @property
   def formulation(self) -> Formulation | None:
-    chosen = [a.formulation for _, a in self.by_module.values() if a.formulation is not None]
+    chosen = [a.formulation for a in self.applies if a.formulation is not None]
     return chosen[0] if chosen else None
-
-
 
 
 @contextlib.contextmanager
 def linen_applies(plan: ShardingPlan) -> Iterator[_Applies]:
-  """Inside the block, ``module.apply({"params": params}, ...)`` with the plan's parameter tree
+  """Inside the block, ``model.apply({"params": params}, ...)`` with the plan's parameter tree
   (a linen model the step calls itself rather than through ``state.apply_fn``) runs as
   `ModelApply` does, so it reaches its parameters as the plan's formulation says (per use on
-  TPU and GPU) and in the compute dtype. Other calls run as Flax's own."""
+  TPU and GPU) and in the compute dtype. Other calls run as Flax's own.
+
+  It is seen through Flax's own method interceptor (``nn.intercept_methods``, scoped to this
+  block and thread): the model's top-level call is run again through `ModelApply`, with the
+  variables, random streams, mutable collections and method the user's ``apply`` gave it.
+  ``flax.linen.Module.apply`` itself is never replaced."""
   applies = _Applies(plan)
-  with linen_apply_hook(_dispatch_apply), setting(linen_applies=applies):
+  with nn.intercept_methods(_route_top_level), setting(linen_applies=applies):
     yield applies
 
 
-def _dispatch_apply(module, variables, *args, **kwargs):
-  # `Tracing.in_model`: a ``state.apply_fn`` bound to the hooked ``Module.apply`` (a state
-  # created inside a step) is not wrapped a second time.
-  applies = tracing().linen_applies
-  params = variables.get("params") if hasattr(variables, "get") else None
-  if (applies is None or params is None or tracing().in_model
-      or jax.tree.structure(params) != jax.tree.structure(applies.plan.params)):
-    return ORIGINAL_LINEN_APPLY(module, variables, *args, **kwargs)
-  if id(module) not in applies.by_module:  # the module is kept, so its id stays its own
-    applies.by_module[id(module)] = (
-        module, ModelApply(functools.partial(ORIGINAL_LINEN_APPLY, module), applies.plan))
-  return applies.by_module[id(module)][1](variables, *args, **kwargs)
+def _route_top_level(next_fun, args, kwargs, context):
+  """`linen_applies`' interceptor: a module's top-level call (the one ``Module.apply`` makes)
+  with the plan's parameters runs through `ModelApply`; every other call as written."""
+  module, t = context.module, tracing()
+  scope = module.scope
+  applies = t.linen_applies
+  if (applies is None or t.in_model or scope is None or scope.parent is not None
+      or scope.is_mutable_collection("intermediates")  # capture_intermediates: Flax's own
+      or not callable(getattr(type(module), context.method_name, None))):
+    return next_fun(*args, **kwargs)
+  variables = unfreeze(scope.variables())
+  params = variables.get("params")
+  if params is None or jax.tree.structure(params) != jax.tree.structure(applies.plan.params):
+    return next_fun(*args, **kwargs)
+  model = ModelApply(functools.partial(nn.Module.apply, module.clone(parent=None)),
+                     applies.plan)
+  applies.applies.append(model)
+  rngs = {name: rng.as_jax_rng() for name, rng in scope.rngs.items()}
+  mutable = scope.mutable
+  out = model(variables, *args, rngs=rngs or None, mutable=mutable,
+              method=context.method_name, **kwargs)
+  if not mutable:
+    return out
+  out, changed = out
+  for collection, tree in changed.items():  # the user's apply returns them from its scope
+    for name, value in tree.items():
+      scope.put_variable(collection, name, value)
+  return out
