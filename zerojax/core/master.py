@@ -3,12 +3,13 @@
 ZeRO's memory accounting (2 + 2 + 12 bytes per parameter with mixed-precision Adam) assumes
 that the model holds its parameters in the compute dtype and that the float32 master copy is
 part of the optimizer state, sharded with it (stages 1-3) and, with
-``offload_optimizer='nvme'``, kept on disk with it (ZeRO-Infinity). `master_weights` is that as
+`NvmeOffload`, kept on disk with it (ZeRO-Infinity). `master_weights` is that as
 an optax transformation: it wraps any transformation, which then runs on the master copy.
 
 Example::
 
-  config = zerojax.ZeroConfig(stage=3, param_dtype="bfloat16", compute_dtype="bfloat16")
+  config = zerojax.ZeroConfig(
+      stage=3, precision=zerojax.Precision(param="bfloat16", compute="bfloat16"))
   tx = zerojax.master_weights(optax.adamw(1e-4))       # float32 master, mu and nu
   state, plan = zerojax.create_train_state(model, tx, rng, x, config=config)
 """
