@@ -276,7 +276,7 @@ def test_per_use_setting_through_model_apply_or_refused_at_trace_time():
         lambda p: jnp.mean(jax.tree.leaves(p)[0] ** 2))(state.params)
     return state.apply_gradients(grads=g), {"loss": loss}
 
-  with pytest.raises(zerojax.ConfigError, match=r"reduce_dtype='bfloat16'.*state\.apply_fn"):
+  with pytest.raises(zerojax.ConfigError, match=r"precision.reduce='bfloat16'.*state\.apply_fn"):
     zerojax.zero_step(plan)(bypass).lower(state, {"x": x})
 
 

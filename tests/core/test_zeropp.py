@@ -218,7 +218,7 @@ def test_nnx_step_refuses_quantisation():
     optimizer.update(model, grads)
     return {"loss": loss}
 
-  with pytest.raises(ConfigError, match="quantize_weights='int8'.*linen"):
+  with pytest.raises(ConfigError, match="quantize.weights='int8'.*linen"):
     zerojax.zero_step(plan)(step)(model, opt, helpers.batches(UNSCANNED, 1)[0])
 
 

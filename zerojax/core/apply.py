@@ -155,17 +155,18 @@ def _attend_reads_its_own(next_fun, args, kwargs, context):
 
 
 def per_use_reason(plan: ShardingPlan) -> str:
-  """The setting that makes ``plan`` gather per use, as an error message names it."""
+  """The setting that makes ``plan`` gather per use, as an error message names it
+  (``quantize.weights='int8'``, ``gather.mode='explicit'``, ...)."""
   cfg = plan.config
-  if cfg.quantize_weights is not None:
-    return f"quantize_weights={cfg.quantize_weights!r}"
-  if cfg.quantize_gradients is not None:
-    return f"quantize_gradients={cfg.quantize_gradients!r}"
+  if cfg.quantize is not None and cfg.quantize.weights is not None:
+    return f"quantize.weights={cfg.quantize.weights!r}"
+  if cfg.quantize is not None and cfg.quantize.gradients is not None:
+    return f"quantize.gradients={cfg.quantize.gradients!r}"
   if cfg.gather.mode == "explicit":
-    return "gather='explicit'"
-  if cfg.reduce_dtype is not None:
-    return f"reduce_dtype={cfg.reduce_dtype!r}"
-  return "offload_params=True"
+    return "gather.mode='explicit'"
+  if cfg.precision.reduce is not None:
+    return f"precision.reduce={cfg.precision.reduce!r}"
+  return "offload.params=True"
 
 
 # -- a linen model applied inside the step, not through state.apply_fn ---------------------
