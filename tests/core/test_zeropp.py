@@ -247,7 +247,7 @@ def test_config_command_explains_zeropp(tmp_path, capsys):
   assert cli.main(["config", str(p)]) == 0
   out = capsys.readouterr().out
   assert "ZeRO++ (quantised collectives):" in out
-  assert "qwZ quantize_weights='int8'" in out and "qgZ quantize_gradients='int8'" in out
+  assert "qwZ quantize.weights='int8'" in out and "qgZ quantize.gradients='int8'" in out
   assert "the backward re-gather moves int8 values too" in out  # DeepSpeed's qwZ does
   assert '"weights_backward": null' in out
   assert "zero_optimization.zero_quantized_weights: quantize.weights='int8'" in out

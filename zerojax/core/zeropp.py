@@ -151,25 +151,25 @@ _into_sink.defvjp(_into_sink_fwd, _into_sink_bwd)
 def explain(config: Any) -> list[str]:
   """What ZeRO++ quantisation does under ``config`` (`zerojax config` prints it); ``[]`` if
   none is on."""
-  c = config
-  if not c.quantized:
+  if config.quantize is None:
     return []
-  bs = c.quantize_block_size
+  q, p = config.quantize, config.precision
+  bs = q.block_size
   out = []
-  if c.quantize_weights is not None:
-    why = ("quantize_weights_backward=true" if c.quantize_weights_backward is not None
-           else "quantize_weights_backward=null: the same as quantize_weights")
-    back = (f"{c.quantize_weights} values too ({why})" if c.quantizes_backward
-            else f"full-precision {c.compute_dtype} weights (quantize_weights_backward=false); "
+  if q.weights is not None:
+    why = ("quantize.weights_backward=True" if q.weights_backward is not None
+           else "quantize.weights_backward=None: the same as quantize.weights")
+    back = (f"{q.weights} values too ({why})" if config.quantizes_backward
+            else f"full-precision {p.compute} weights (quantize.weights_backward=False); "
                  "each scanned layer is then re-run whole in its backward pass")
-    out.append(f"qwZ quantize_weights={c.quantize_weights!r}: each stage-3 forward all-gather "
-               f"moves {c.quantize_weights} values plus one float32 scale per {bs} elements "
-               f"and is dequantised to {c.compute_dtype} after the gather; the backward "
+    out.append(f"qwZ quantize.weights={q.weights!r}: each stage-3 forward all-gather "
+               f"moves {q.weights} values plus one float32 scale per {bs} elements "
+               f"and is dequantised to {p.compute} after the gather; the backward "
                f"re-gather moves {back}; master weights and the optimizer update stay "
-               f"{c.param_dtype}")
-  if c.quantize_gradients is not None:
-    out.append(f"qgZ quantize_gradients={c.quantize_gradients!r}: each gradient is reduced by "
-               f"quantising the chunk each device owns ({c.quantize_gradients}, one float32 "
+               f"{p.param}")
+  if q.gradients is not None:
+    out.append(f"qgZ quantize.gradients={q.gradients!r}: each gradient is reduced by "
+               f"quantising the chunk each device owns ({q.gradients}, one float32 "
                f"scale per {bs} elements), one all-to-all, and a float32 sum on the owner, in "
                "place of the reduce-scatter")
   out.append("the model runs per device on its batch shard inside jax.shard_map (a linen model "
