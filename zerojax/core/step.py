@@ -76,7 +76,7 @@ class ZeroStep:
     """``(kind, jitted, batch, rest, compiled)`` for a call's arguments: the step kind they
     select, the jitted function for their shapes (traced now where it is new) and whether it
     was new."""
-    kind, batch, rest = _kind(self, args)
+    kind, batch, rest = _kind(self.plan, args)
     key = kind.key(batch, rest)
     new = key not in self._jitted
     if new:
@@ -203,7 +203,7 @@ class ZeroStep:
     return f.lower(kind.state, batch, *rest)
 
 
-def _kind(step: ZeroStep, args: tuple) -> tuple["_StateStep | _NnxStep", Any, tuple]:
+def _kind(plan: ShardingPlan, args: tuple) -> tuple["_StateStep | _NnxStep", Any, tuple]:
   """The step kind of a call's arguments, its batch and the arguments after it: an
   ``nnx.Module`` first means ``(model, optimizer, batch, *rest)``; anything else
   ``(state, batch, *rest)``."""
@@ -211,11 +211,11 @@ def _kind(step: ZeroStep, args: tuple) -> tuple["_StateStep | _NnxStep", Any, tu
     if len(args) < 3:
       raise TypeError("an NNX zerojax step is called as step(model, optimizer, batch, ...); "
                       f"got {len(args)} arguments")
-    return _NnxStep(step.plan, *args[:2]), args[2], tuple(args[3:])
+    return _NnxStep(plan, *args[:2]), args[2], tuple(args[3:])
   if len(args) < 2:
     raise TypeError("a zerojax step is called as step(state, batch, ...) (or, for Flax NNX, "
                     f"step(model, optimizer, batch, ...)); got {len(args)} argument(s)")
-  return _StateStep(step.plan, args[0]), args[1], tuple(args[2:])
+  return _StateStep(plan, args[0]), args[1], tuple(args[2:])
 
 
 class _StateStep:

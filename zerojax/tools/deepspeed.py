@@ -830,8 +830,7 @@ TRAINER_DEFAULTS: dict[str, tuple[Any, str]] = {
 _BATCH_KEYS = (("train_batch_size", "train_batch_size"),
                ("train_micro_batch_size_per_gpu", "micro_batch_per_device"),
                ("gradient_accumulation_steps", "gradient_accumulation_steps"))
-_FP16_FIELDS = ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
-                "min_loss_scale")
+_FP16_FIELDS = ("loss_scale", *(ds_key for ds_key, _, _ in _FP16_SCALING))
 # DeepSpeed's defaults of its fp16 section (loss_scale 0: dynamic).
 DEEPSPEED_FP16_DEFAULTS: dict[str, Any] = {"loss_scale": 0, "initial_scale_power": 16,
                                            "loss_scale_window": 1000, "hysteresis": 2,
