@@ -82,8 +82,14 @@ def test_missing_file():
 
 
 def test_mesh_minus_one_fills_devices():
-  assert ZeroConfig(mesh_shape=(2, -1), mesh_axes=("replica", "fsdp")).resolved_mesh_shape(8) \
-      == (2, 4)
+  from zerojax.core.mesh import mesh_shape
+  assert mesh_shape((2, -1), ("replica", "fsdp"), 8) == (2, 4)
+  with pytest.raises(ConfigError, match=r"ZeroConfig.mesh_shape=\(2, 3\) is invalid: mesh "
+                     r"\{'replica': 2, 'fsdp': 3\} needs 6 devices but 8 are available") as e:
+    mesh_shape((2, 3), ("replica", "fsdp"), 8)
+  assert (e.value.field, e.value.value) == ("mesh_shape", (2, 3))
+  with pytest.raises(ConfigError, match=r"the fixed sizes multiply to 3, which does not divide"):
+    mesh_shape((3, -1), ("replica", "fsdp"), 8)
 
 
 # -- string booleans, wrong types and files that would be read silently wrong (issue 15 item 2) --

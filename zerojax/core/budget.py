@@ -24,6 +24,7 @@ from jax.sharding import AbstractMesh, AxisType
 
 from zerojax.core.config import HostOffload, ZeroConfig
 from zerojax.core.dtypes import cast_shapes
+from zerojax.core.mesh import mesh_shape
 from zerojax.core.plan import ShardingPlan
 
 __all__ = ["PAPER_K", "paper_bytes", "Estimate", "num_params", "estimate", "DeviceMemoryError",
@@ -164,7 +165,7 @@ def estimate(params: Any, tx: Any = None, *, config: ZeroConfig | None = None,
                     for a, s in zip(config.mesh_axes, shape))
       if -1 in config.mesh_shape and config.mesh_shape[config.mesh_axes.index("fsdp")] != -1:
         shape = config.mesh_shape
-    shape = config.replace(mesh_shape=shape).resolved_mesh_shape(n) if -1 in shape else shape
+    shape = mesh_shape(shape, config.mesh_axes, n)
     mesh = AbstractMesh(tuple(shape), config.mesh_axes,
                         axis_types=(AxisType.Auto,) * len(shape))
   plan = ShardingPlan.create(config, mesh, params, tx=tx, opt_state=opt_state,

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import os
 import warnings
 from typing import Any, Iterator, Mapping, Sequence
@@ -184,20 +183,6 @@ class ZeroConfig:
       _fail(_SPELLING.get(problem.field, problem.field), problem.value, problem.allowed)
 
   # -- derived values -----------------------------------------------------------------------
-
-  def resolved_mesh_shape(self, num_devices: int) -> tuple[int, ...]:
-    """The mesh shape with -1 replaced, checked against ``num_devices``.
-
-    Args:
-      num_devices: the devices the mesh spans.
-
-    Returns:
-      ``mesh_shape`` with its -1 entry replaced by the remaining devices.
-
-    Raises:
-      ConfigError: the sizes do not divide, or do not multiply to, ``num_devices``.
-    """
-    return _resolve_shape(self.mesh_shape, num_devices, self.mesh_axes)
 
   def batch_sizes(self, data_parallel_size: int) -> tuple[int, int, int]:
     """``(train_batch_size, micro_batch_per_device, gradient_accumulation_steps)``.
@@ -577,18 +562,3 @@ def _batch_fail(t, m, g, dp) -> None:
       f"gradient_accumulation_steps={g}, data-parallel size={dp}; the rule is "
       "train_batch_size = micro_batch_per_device × gradient_accumulation_steps × data-parallel "
       "size")
-
-
-def _resolve_shape(shape: Sequence[int], n: int, axes: Sequence[str]) -> tuple[int, ...]:
-  known = math.prod(s for s in shape if s != -1)
-  if -1 in shape:
-    if n % known:
-      _fail("mesh_shape", tuple(shape), f"the fixed sizes multiply to {known}, which does not "
-            f"divide the {n} available devices")
-    shape = tuple(n // known if s == -1 else s for s in shape)
-  if math.prod(shape) != n:
-    _fail("mesh_shape", tuple(shape), f"mesh {dict(zip(axes, shape))} needs "
-          f"{math.prod(shape)} devices but {n} are available; sizes must multiply to {n}")
-  return tuple(shape)
-
-

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -24,10 +24,8 @@ from flax.core import meta
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from zerojax.core.config import ConfigError, ZeroConfig
-from zerojax.core.backend import Backend
-from zerojax.core.mesh import axis_size
 
-__all__ = ["LeafPlan", "plan_leaf", "opt_param_index", "plan_opt_state", "metadata_specs",
+__all__ = ["LeafPlan", "LeafRule", "plan_leaf", "opt_param_index", "plan_opt_state", "metadata_specs",
            "unbox", "flatten", "path_str", "as_shape", "axes_of", "shard_bytes"]
 
 PyTree = Any
@@ -65,8 +63,21 @@ class LeafPlan:
     return "fsdp" in axes_of(self.sharded)
 
 
+class LeafRule(NamedTuple):
+  """What the plan decides once for every leaf (`zerojax.core.plan.ShardingPlan.create`).
+
+  Attributes:
+    threshold: a leaf of fewer elements stays whole
+      (`zerojax.core.backend.Backend.persistence_threshold`).
+    shard_leading: a leaf of three or more dimensions shards its first large dimension
+      (`_sharded_dim`), for the backend's scanned layers at stage 3.
+  """
+  threshold: int
+  shard_leading: bool
+
+
 def plan_leaf(config: ZeroConfig, mesh: Mesh, path: str, x: Any,
-              meta_spec: tuple | None, backend: Backend) -> LeafPlan:
+              meta_spec: tuple | None, rule: LeafRule) -> LeafPlan:
   shape, dtype = tuple(x.shape), x.dtype
   base, reason = None, None
   for regex, spec in config.rules:
@@ -80,13 +91,13 @@ def plan_leaf(config: ZeroConfig, mesh: Mesh, path: str, x: Any,
   gathered = P(*[_drop_fsdp(a) for a in base])
   if "fsdp" in axes_of(P(*base)):  # user put fsdp somewhere: respect it
     return LeafPlan(path, shape, dtype, P(*base), gathered, reason)
-  f = axis_size(mesh, "fsdp")
+  f = mesh.shape.get("fsdp", 1)
   size = math.prod(shape)
   if f == 1:
     return LeafPlan(path, shape, dtype, gathered, gathered, reason or "fsdp=1")
-  if size < backend.persistence_threshold(config):
+  if size < rule.threshold:
     return LeafPlan(path, shape, dtype, gathered, gathered, "threshold")
-  stacked = len(shape) >= 3 and backend.shards_leading_dim and config.shards_params
+  stacked = len(shape) >= 3 and rule.shard_leading
   best = _sharded_dim(shape, base, f, leading=stacked)
   if best is None:
     return LeafPlan(path, shape, dtype, gathered, gathered, "indivisible")
@@ -152,7 +163,7 @@ def opt_param_index(tx: Any, opt_state: PyTree, params: PyTree,
                for i, (_, x) in zip(found, flat))
 
 
-def plan_opt_state(config, mesh, opt_state, leaves, opt_param, kind, backend):
+def plan_opt_state(config, mesh, opt_state, leaves, opt_param, kind, rule):
   """Optimizer-state shardings: mirror a parameter's plan where the leaf mirrors a parameter."""
   flat, treedef = jax.tree_util.tree_flatten_with_path(opt_state)
   specs, infos = [], []
@@ -161,7 +172,7 @@ def plan_opt_state(config, mesh, opt_state, leaves, opt_param, kind, backend):
     lp = leaves[i] if i is not None else None
     if lp is None:
       lp = plan_leaf(config, mesh, path_str(kp), jax.ShapeDtypeStruct(shape, dtype), None,
-                     backend)
+                     rule)
     spec = lp.sharded if config.shards_opt_state else lp.gathered
     specs.append(NamedSharding(mesh, spec, memory_kind=kind))
     infos.append((path_str(kp), shape, dtype, spec))
@@ -270,4 +281,4 @@ def _check_spec(spec, shape, mesh, origin, path) -> tuple:
 
 def shard_bytes(shape, dtype, spec: P, mesh: Mesh) -> int:
   n = math.prod(shape) * np.dtype(dtype).itemsize
-  return n // math.prod(axis_size(mesh, a) for a in axes_of(spec)) if n else 0
+  return n // math.prod(mesh.shape.get(a, 1) for a in axes_of(spec)) if n else 0

@@ -9,6 +9,7 @@ user code such as ``x @ w`` with differently sharded operands an error.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Sequence
 
 import jax
@@ -16,8 +17,9 @@ import numpy as np
 from jax.sharding import AxisType, Mesh
 
 from zerojax.core.config import ZeroConfig
+from zerojax.core.errors import ConfigError
 
-__all__ = ["make_mesh", "data_axes", "axis_size", "platform"]
+__all__ = ["make_mesh", "mesh_shape", "data_axes", "platform"]
 
 
 def make_mesh(config: ZeroConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
@@ -37,12 +39,11 @@ def make_mesh(config: ZeroConfig, devices: Sequence[jax.Device] | None = None) -
     ``AxisType.Auto``.
 
   Raises:
-    ConfigError: the mesh shape does not match the number of devices (raised by
-      ``ZeroConfig.resolved_mesh_shape``).
+    ConfigError: the mesh shape does not match the number of devices (`mesh_shape`).
   """
   devices = list(jax.devices() if devices is None else devices)
-  shape = config.resolved_mesh_shape(len(devices))
   axes = config.mesh_axes
+  shape = mesh_shape(config.mesh_shape, axes, len(devices))
   types = (AxisType.Auto,) * len(axes)
   nproc = len({d.process_index for d in devices})
   if "replica" in axes and nproc > 1:
@@ -52,6 +53,36 @@ def make_mesh(config: ZeroConfig, devices: Sequence[jax.Device] | None = None) -
   if len(devices) == jax.device_count():
     return jax.make_mesh(shape, axes, axis_types=types, devices=devices)
   return Mesh(np.asarray(devices).reshape(shape), axes, axis_types=types)
+
+
+def mesh_shape(shape: Sequence[int], axes: Sequence[str], num_devices: int) -> tuple[int, ...]:
+  """A config's ``mesh_shape`` resolved for ``num_devices``.
+
+  Args:
+    shape: the sizes per axis (``ZeroConfig.mesh_shape``); one may be -1, the devices left.
+    axes: the axis names (``ZeroConfig.mesh_axes``), for the error message.
+    num_devices: the devices the mesh spans.
+
+  Returns:
+    ``shape`` with its -1 entry replaced by the remaining devices.
+
+  Raises:
+    ConfigError: the sizes do not divide, or do not multiply to, ``num_devices``.
+  """
+  def fail(value: tuple, allowed: str):
+    raise ConfigError(f"ZeroConfig.mesh_shape={value!r} is invalid: {allowed}",
+                      field="mesh_shape", value=value, allowed=allowed)
+
+  known = math.prod(s for s in shape if s != -1)
+  if -1 in shape:
+    if num_devices % known:
+      fail(tuple(shape), f"the fixed sizes multiply to {known}, which does not divide the "
+           f"{num_devices} available devices")
+    shape = tuple(num_devices // known if s == -1 else s for s in shape)
+  if math.prod(shape) != num_devices:
+    fail(tuple(shape), f"mesh {dict(zip(axes, shape))} needs {math.prod(shape)} devices but "
+         f"{num_devices} are available; sizes must multiply to {num_devices}")
+  return tuple(shape)
 
 
 def _hybrid_mesh(shape, axes, devices, nproc, types) -> Mesh:
@@ -77,19 +108,6 @@ def data_axes(mesh: Mesh) -> tuple[str, ...]:
     The names of ``mesh``'s data-parallel axes, in the order ``replica``, ``fsdp``.
   """
   return tuple(a for a in ("replica", "fsdp") if a in mesh.axis_names)
-
-
-def axis_size(mesh: Mesh, name: str) -> int:
-  """The size of one mesh axis, 1 for an axis the mesh does not have.
-
-  Args:
-    mesh: the device mesh.
-    name: an axis name such as ``'fsdp'``.
-
-  Returns:
-    ``mesh.shape[name]``, or 1 when ``name`` is not one of ``mesh``'s axes.
-  """
-  return mesh.shape[name] if name in mesh.axis_names else 1
 
 
 def platform(mesh: Any) -> str:

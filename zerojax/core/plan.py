@@ -52,12 +52,12 @@ from zerojax.core.config import ConfigError, ZeroConfig
 from zerojax.core.dtypes import reduce_dtype_of
 from zerojax.core.memory_kinds import HOST, memory_kinds
 from zerojax.core.backend import Backend, for_mesh
-from zerojax.core.mesh import axis_size, data_axes
+from zerojax.core.mesh import data_axes
 from zerojax.core.pipeline import Pipeline
 from zerojax.core import formulation as fm, report
-from zerojax.core.leaves import (LeafPlan, as_shape, axes_of, flatten, metadata_specs,
-                                 opt_param_index, path_str, plan_leaf, plan_opt_state,
-                                 shard_bytes, unbox)
+from zerojax.core.leaves import (LeafPlan, LeafRule, as_shape, axes_of, flatten,
+                                 metadata_specs, opt_param_index, path_str, plan_leaf,
+                                 plan_opt_state, shard_bytes, unbox)
 
 __all__ = ["LeafPlan", "ShardingPlan", "path_str", "state_fields"]
 
@@ -136,12 +136,15 @@ class ShardingPlan:
     if backend is not None and not isinstance(backend, Backend):
       raise TypeError(f"backend={backend!r} is invalid: a zerojax.Backend or None (the mesh's "
                       "devices')")
+    _warn_nothing_to_shard(config, mesh)
     backend = backend if backend is not None else for_mesh(mesh)  # decided once, here
+    rule = LeafRule(backend.persistence_threshold(config),
+                    backend.shards_leading_dim and config.shards_params)
     param_kind, opt_kind = memory_kinds(config, mesh)
     meta_specs = metadata_specs(params, mesh)
     params = unbox(params)
     paths, flat, treedef = flatten(params)
-    leaves = tuple(plan_leaf(config, mesh, p, x, meta_specs.get(p), backend)
+    leaves = tuple(plan_leaf(config, mesh, p, x, meta_specs.get(p), rule)
                    for p, x in zip(paths, flat))
     if trainable is not None:
       leaves = tuple(lp if trainable(lp.path) else dataclasses.replace(lp, trainable=False)
@@ -163,8 +166,7 @@ class ShardingPlan:
     if opt_state is not None:
       opt_param = opt_param_index(tx, opt_state, params, leaves)
       opt_sh, opt_leaves = plan_opt_state(config, mesh, opt_state, leaves, opt_param, opt_kind,
-                                          backend)
-    _warn_nothing_to_shard(config, mesh)
+                                          rule)
     return cls(config, mesh, params_sh, params_gathered, grads_sh, opt_sh, leaves, opt_leaves,
                opt_param, backend)
 
@@ -183,7 +185,7 @@ class ShardingPlan:
   @property
   def data_parallel_size(self) -> int:
     """The number of batch shards: the product of the `data_axes`' sizes."""
-    return math.prod(axis_size(self.mesh, a) for a in self.data_axes)
+    return math.prod(self.mesh.shape[a] for a in self.data_axes)
 
   @property
   def batch_sizes(self) -> tuple[int, int, int] | None:
@@ -342,7 +344,7 @@ class ShardingPlan:
     others = [a for a in self.mesh.axis_names if a not in self.data_axes]
     if (not self.backend.pipelines_layers or not self.params_sharded or self.live_layers < 2
         or c.remat.policy not in ("auto", "full") or c.quantized or c.offload_params
-        or axis_size(self.mesh, "fsdp") < 2 or any(axis_size(self.mesh, a) > 1 for a in others)):
+        or self.mesh.shape["fsdp"] < 2 or any(self.mesh.shape[a] > 1 for a in others)):
       return None
     return Pipeline(self.mesh, self.data_axes, reduce_dtype=reduce_dtype_of(c),
                     own_policies=c.remat.policy == "auto")
@@ -424,7 +426,7 @@ class ShardingPlan:
       One dict per parameter leaf, in tree order; empty where nothing is quantised.
     """
     c = self.config
-    bs, n = c.quantize_block_size, axis_size(self.mesh, "fsdp")
+    bs, n = c.quantize_block_size, self.mesh.shape["fsdp"]
     out = []
     for lp, gs in zip(self.leaves, jax.tree.leaves(self.grads)):
       d: dict[str, tuple[int, int]] = {}
@@ -514,7 +516,7 @@ def _warn_nothing_to_shard(config: ZeroConfig, mesh: Mesh) -> None:
   machine usually means JAX started with its default single device.
   """
   global _warned_nothing_to_shard
-  if not config.shards_opt_state or axis_size(mesh, "fsdp") > 1 or _warned_nothing_to_shard:
+  if not config.shards_opt_state or mesh.shape["fsdp"] > 1 or _warned_nothing_to_shard:
     return
   _warned_nothing_to_shard = True
   if mesh.size == 1:

@@ -374,7 +374,8 @@ def _global_batch(args, config) -> tuple[int, str | None]:
   as rows per device, the way DeepSpeed's ``train_micro_batch_size_per_gpu`` and the Trainer's
   ``per_device_train_batch_size`` count, and the header says so.
   """
-  from zerojax.runtime import memory  # lazy: JAX
+  from zerojax.core.mesh import mesh_shape  # lazy: JAX
+  from zerojax.runtime import memory
   given = [f for f, v in (("--batch", args.batch), ("--batch-per-device", args.batch_per_device))
            if v is not None]
   if len(given) != 1:
@@ -385,7 +386,7 @@ def _global_batch(args, config) -> tuple[int, str | None]:
   if args.seq < 1 or value < 1:
     raise ConfigError(f"{given[0]} {value} --seq {args.seq}: both must be >= 1")
   n = memory.topology_size(args.topology)
-  shape = dict(zip(config.mesh_axes, config.resolved_mesh_shape(n)))
+  shape = dict(zip(config.mesh_axes, mesh_shape(config.mesh_shape, config.mesh_axes, n)))
   dp = math.prod(shape.get(a, 1) for a in ("replica", "fsdp"))
   if args.batch_per_device is not None:
     return args.batch_per_device * dp, (f"{args.batch_per_device} rows per device x {dp} "

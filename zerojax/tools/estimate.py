@@ -20,6 +20,7 @@ from flax.core import meta
 from jax.sharding import AbstractMesh, AxisType
 
 from zerojax.core.config import ConfigError, HostOffload, ZeroConfig
+from zerojax.core.mesh import mesh_shape
 from zerojax import ShardingPlan, zero_step
 from zerojax.models import GPT, PRESETS
 from zerojax.runtime import gpu, memory, step_time
@@ -318,7 +319,7 @@ def preset_options(preset: str, config: ZeroConfig, n: int) -> tuple[list[Option
 def abstract_plan(preset: str, config: ZeroConfig, n: int) -> tuple[ShardingPlan, int]:
   """The plan of a GPT preset under AdamW over ``n`` devices that need not exist (an abstract
   mesh), and its parameter count."""
-  shape = config.resolved_mesh_shape(n)
+  shape = mesh_shape(config.mesh_shape, config.mesh_axes, n)
   mesh = AbstractMesh(shape, config.mesh_axes, axis_types=(AxisType.Auto,) * len(shape))
   _, _, shapes = model_shapes(preset, config)
   plan = ShardingPlan.create(config, mesh, shapes, tx=optax.adamw(1e-3))

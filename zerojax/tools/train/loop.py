@@ -55,7 +55,6 @@ from zerojax import create_train_state, make_mesh, zero_step
 from zerojax._compat import backends_initialized
 from zerojax.core import distributed
 from zerojax.core.config import ConfigError, ZeroConfig
-from zerojax.core.mesh import axis_size
 from zerojax.models import GPT, PRESETS
 from zerojax.runtime import memory, nvme
 from zerojax.runtime.checkpoint import (Checkpointer, abstract_train_state,
@@ -109,7 +108,7 @@ def nothing_sharded_note(plan: Any) -> str | None:
   counts: dict[str, int] = {}
   for lp in plan.leaves:
     counts[lp.reason] = counts.get(lp.reason, 0) + 1
-  f, t = axis_size(plan.mesh, "fsdp"), plan.backend.persistence_threshold(plan.config)
+  f, t = plan.mesh.shape.get("fsdp", 1), plan.backend.persistence_threshold(plan.config)
   largest = max(math.prod(lp.shape) for lp in plan.leaves)
   why = {"threshold": f"below param_persistence_threshold={t:,} elements (largest leaf: "
                       f"{largest:,})",
