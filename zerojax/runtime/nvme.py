@@ -69,8 +69,7 @@ from zerojax.core.config import ConfigError, ZeroConfig
 from zerojax.core.plan import ShardingPlan, path_str
 from zerojax.core.step import zero_step
 from zerojax.runtime.nvme_store import (NvmeError, NvmePathError, NvmeSnapshotDamagedError,
-                                        NvmeStateError, NvmeStore,
-                                        StreamStats, check_nvme_path, process_dir)
+                                        NvmeStateError, NvmeStore, StreamStats)
 
 __all__ = ["NotChunkableError", "NvmeError", "NvmePathError", "NvmeStateError",
            "NvmeSnapshotDamagedError", "StreamStats",
@@ -621,15 +620,9 @@ class NvmeOptimizer:
               "state": hashlib.sha256(repr((self.chunked.treedef, self.chunked.kinds,
                                             [d.str for d in self.chunked.dtypes])).encode()
                                       ).hexdigest()[:16]}
-    self.directory = process_dir(config.nvme_path, jax.process_index())
-    # Start-up checks, before any file is made: room for the state plus one generation.
-    state_bytes = sum(self.chunked.dtypes[k].itemsize for k in self.chunked.streamed) * self.size
-    self.state_bytes = state_bytes
-    existing = self._existing_bytes()
-    check_nvme_path(config.nvme_path, 2 * state_bytes + (1 << 20), in_use=existing)
-    self.store = NvmeStore(self.directory,
-                           [(n, self.chunked.dtypes[k]) for n, k in
-                            zip(names, self.chunked.streamed)], self.size, layout)
+    self.store = NvmeStore.open(config.nvme_path, jax.process_index(),
+                                [(n, self.chunked.dtypes[k]) for n, k in
+                                 zip(names, self.chunked.streamed)], self.size, layout)
     self._cpu = jax.local_devices(backend="cpu")[0]
     self._update_chunk = jax.jit(self.chunked.update)  # inputs on the host CPU: it runs there
     self._init = jax.jit(self.chunked.init)
@@ -647,11 +640,15 @@ class NvmeOptimizer:
         last[pc.segment] = i
     self._finished = [[k for k, c in last.items() if c == i] for i in range(len(self.pieces))]
 
-  def _existing_bytes(self) -> int:
-    d = os.path.join(self.directory)
-    if not os.path.isdir(d):
-      return 0
-    return sum(os.path.getsize(os.path.join(root, f)) for root, _, fs in os.walk(d) for f in fs)
+  @property
+  def directory(self) -> str:
+    """This process's directory of optimizer-state files."""
+    return self.store.directory
+
+  @property
+  def state_bytes(self) -> int:
+    """Bytes of one generation of this process's optimizer state."""
+    return self.store.nbytes
 
   # -- moving shards between devices and flat host vectors ----------------------------------------
 
@@ -1170,8 +1167,10 @@ def create_train_state(model: Any, tx: Any, rng: jax.Array, *init_args: Any,
         f"zerojax.runtime.nvme.create_train_state takes a linen model (with .init); got "
         f"{type(model).__name__}. For a Flax NNX model use zerojax.runtime.nvme.create_nnx("
         "model_fn, tx, config=config), as zerojax.create_nnx")
+  _agree(config, tx)
+  device = device_config(config)
   state, plan = create.create_train_state(
-      model, capture_gradients(), rng, *init_args, config=device_config(config), mesh=mesh,
+      model, capture_gradients(), rng, *init_args, config=device, mesh=mesh,
       state_cls=state_cls, params=params, backend=backend, **init_kwargs)
   return state, plan, _start(config, plan, tx, state, overwrite)
 
@@ -1212,8 +1211,10 @@ def create_nnx(model_fn: Callable[[], Any], tx: Any, *, config: ZeroConfig,
     # would apply the captured non-finite gradient all the same.
     raise ConfigError(f"loss_scale={config.loss_scale.scale!r} with offload_optimizer='nvme' needs "
                       "a linen model (zerojax.runtime.nvme.create_train_state)")
+  _agree(config, tx)
+  device = device_config(config)
   model, optimizer, plan = create.create_nnx(
-      model_fn, capture_gradients(), config=device_config(config), mesh=mesh, wrt=wrt,
+      model_fn, capture_gradients(), config=device, mesh=mesh, wrt=wrt,
       params=params, backend=backend)
   return model, optimizer, plan, _start(config, plan, tx, NnxView.of(model, optimizer),
                                         overwrite)
@@ -1225,11 +1226,15 @@ def _check_config(config: Any, fn: str) -> None:
                       "offload=NvmeOffload(path)")
 
 
+def _agree(config: ZeroConfig, tx: Any) -> None:
+  """Every process must stream the same transformation, checked before any device work."""
+  if jax.process_count() > 1:
+    agreement.check_agreement(config, extra={"nvme_tx": _name(tx.update)})
+
+
 def _start(config: ZeroConfig, plan: ShardingPlan, tx: Any, state: Any,
            overwrite: bool) -> NvmeOptimizer:
   """The `NvmeOptimizer` of a device state just created, its first generation written."""
-  if jax.process_count() > 1:
-    agreement.check_agreement(config, extra={"nvme_tx": _name(tx.update)})
   # The host's programs run on one of the devices (XLA:CPU): none may start while a
   # multi-device program is in flight, whose devices could then reach its collectives in
   # different orders and deadlock.

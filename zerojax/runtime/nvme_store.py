@@ -296,6 +296,33 @@ class NvmeStore:
     self.manifest: dict | None = self._read_manifest()
     self._clean()
 
+  @classmethod
+  def open(cls, nvme_path: str, process_index: int, leaves: Sequence[tuple[str, Any]],
+           size: int, layout: Any) -> "NvmeStore":
+    """The store of one process of a run, after the start-up checks of ``nvme_path``
+    (`check_nvme_path`), made before any file is: room for the state plus one generation,
+    counting what this store already holds there.
+
+    Args:
+      nvme_path: the run's ``nvme_path``.
+      process_index: the JAX process index (`process_dir`).
+      leaves: as for `NvmeStore`.
+      size: as for `NvmeStore`.
+      layout: as for `NvmeStore`.
+
+    Returns:
+      The `NvmeStore`, its directory created and its committed generation (if any) read.
+
+    Raises:
+      NvmePathError: ``nvme_path`` is unusable (missing, not writable, too little room).
+    """
+    directory = process_dir(nvme_path, process_index)
+    nbytes = sum(np.dtype(d).itemsize for _, d in leaves) * int(size)
+    in_use = sum(os.path.getsize(os.path.join(root, f))
+                 for root, _, fs in os.walk(directory) for f in fs)
+    check_nvme_path(nvme_path, 2 * nbytes + (1 << 20), in_use=in_use)
+    return cls(directory, leaves, size, layout)
+
   # -- sizes ------------------------------------------------------------------------------------
 
   @property
