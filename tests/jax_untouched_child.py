@@ -12,6 +12,10 @@ jax.config.update("jax_num_cpu_devices", 8)
 import flax.linen as nn  # noqa: E402
 
 FLAX_APPLY = nn.Module.apply  # Flax's own, taken before zerojax is imported
+from jax._src.interpreters import partial_eval as pe  # noqa: E402
+from jax.extend.core.primitives import remat_p  # noqa: E402
+
+REMAT_RULE = pe.partial_eval_jaxpr_custom_rules[remat_p]  # JAX's own, likewise
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
@@ -47,11 +51,12 @@ def run_zerojax_steps(model, x) -> dict:
 
     @zerojax.zero_step(plan)
     def step(state, batch):
-      # While the step traces, zerojax's scan and checkpoint interceptors are in place; a
-      # linen model's own apply is seen through Flax's scoped method interceptor instead.
+      # While the step traces, zerojax's scan interceptor is in place; a linen model's own
+      # apply is seen through Flax's scoped method interceptor, its own checkpoints are
+      # rewritten in the traced model (`zerojax.core.remat.keeping_nested`).
       live.update(scan=jax.lax.scan is not _compat.ORIGINAL_SCAN,
                   apply=nn.Module.apply is not FLAX_APPLY,
-                  remat_rule=not _compat.remat_rule_is_jaxs())
+                  remat_rule=pe.partial_eval_jaxpr_custom_rules[remat_p] is not REMAT_RULE)
       # The model's own apply, called by the step (zerojax intercepts it inside the step).
       loss, grads = jax.value_and_grad(lambda p: model.apply({"params": p}, batch))(state.params)
       return state.apply_gradients(grads=grads), {"loss": loss}
@@ -63,7 +68,7 @@ def run_zerojax_steps(model, x) -> dict:
   out["live"] = live
   out["hooks"] = {"scan": jax.lax.scan is not _compat.ORIGINAL_SCAN,
                   "apply": nn.Module.apply is not FLAX_APPLY,
-                  "remat_rule": not _compat.remat_rule_is_jaxs()}
+                  "remat_rule": pe.partial_eval_jaxpr_custom_rules[remat_p] is not REMAT_RULE}
   return out
 
 

@@ -20,9 +20,8 @@ from jax.extend.core import Literal, Var, get_opaque_trace_state
 
 __all__ = ["JAX_VERSION", "xla_gpu_options", "ORIGINAL_SCAN", "REMAT_PRIMITIVE_NAMES", "name_p", "sharding_constraint_p",
            "jaxpr_has_primitive", "subjaxprs", "eval_jaxpr", "var_uses", "bind_dot_general",
-           "scan_hook", "remat_rule_is_jaxs",
-           "backends_initialized", "distributed_state", "detect_cluster",
-           "keeps_nested_policies", "nested_remat_rule", "checkpoint_trace"]
+           "eval_eqns", "bind_eqn", "scan_hook", "backends_initialized", "distributed_state",
+           "detect_cluster", "checkpoint_trace"]
 
 # The installed JAX release as (major, minor, patch), for the per-release paths below.
 JAX_VERSION: tuple[int, ...] = tuple(int(p) for p in re.findall(r"\d+", jax.__version__)[:3])
@@ -163,20 +162,10 @@ INTERNAL_PATHS: dict[str, tuple[str, ...]] = {
     "name_p": ("jax.extend.core.primitives:name_p", "jax._src.ad_checkpoint:name_p"),
     "sharding_constraint_p": ("jax.extend.core.primitives:sharding_constraint_p",
                               "jax._src.pjit:sharding_constraint_p"),
-    "remat_p": ("jax.extend.core.primitives:remat_p", "jax._src.ad_checkpoint:remat_p"),
-    "nothing_saveable": ("jax:checkpoint_policies.nothing_saveable",),
     "backends_are_initialized": ("jax._src.xla_bridge:backends_are_initialized",),
     "distributed_state": ("jax._src.distributed:global_state",),
     "auto_detect_cluster": (
         "jax._src.clusters:ClusterEnv.auto_detect_unset_distributed_params",),
-    "partial_eval_rules": (
-        "jax._src.interpreters.partial_eval:partial_eval_jaxpr_custom_rules",),
-    "partial_eval_jaxpr_custom": (
-        "jax._src.interpreters.partial_eval:partial_eval_jaxpr_custom",),
-    "dce_jaxpr": ("jax._src.interpreters.partial_eval:dce_jaxpr",),
-    "new_jaxpr_eqn": ("jax._src.core:new_jaxpr_eqn",),
-    "eqn_effects": ("jax._src.core:eqn_effects",),
-    "core_var": ("jax.extend.core:Var", "jax._src.core:Var"),
     "trace_ctx": ("jax._src.core:trace_ctx",),
     "source_summary": ("jax._src.source_info_util:summarize",),
 }
@@ -185,9 +174,6 @@ INTERNALS: dict[str, str | None] = {}
 _FOUND: dict[str, Any] = {}
 for _name, _paths in INTERNAL_PATHS.items():
   _FOUND[_name], INTERNALS[_name] = _lookup(_paths)
-# JAX's own partial-evaluation rule for checkpoints, as this JAX installed it.
-_JAX_REMAT_RULE = (None if _FOUND["partial_eval_rules"] is None or _FOUND["remat_p"] is None
-                   else _FOUND["partial_eval_rules"].get(_FOUND["remat_p"]))
 
 # The primitives the stage-3 remat policy looks at (the policy API hands it primitives): without
 # them gathered weights would silently be kept, so a release that moves them fails here.
@@ -256,75 +242,40 @@ def eval_jaxpr(closed: Any, args: list[Any],
   ``None`` binds the equation as written. Only top-level equations are offered."""
   jaxpr = closed.jaxpr
   env: dict[Any, Any] = {}
-  read = lambda v: v.val if isinstance(v, Literal) else env[v]
   env.update(zip(jaxpr.constvars, closed.consts))
   env.update(zip(jaxpr.invars, args))
-  for eqn in jaxpr.eqns:
-    invals = [read(v) for v in eqn.invars]
-    outs = rewrite(eqn, invals)
+  eval_eqns(jaxpr.eqns, env, rewrite)
+  return [read_var(env, v) for v in jaxpr.outvars]
+
+
+def read_var(env: dict[Any, Any], v: Any) -> Any:
+  """A jaxpr variable's value in ``env``, or a literal's own."""
+  return v.val if isinstance(v, Literal) else env[v]
+
+
+def eval_eqns(eqns: Any, env: dict[Any, Any],
+              rewrite: Callable[[Any, list[Any]], list[Any] | None] | None = None) -> None:
+  """Evaluates ``eqns`` in order, reading their inputs from ``env`` (``{Var: value}``) and
+  writing their outputs to it; ``rewrite`` as in `eval_jaxpr`."""
+  for eqn in eqns:
+    invals = [read_var(env, v) for v in eqn.invars]
+    outs = rewrite(eqn, invals) if rewrite is not None else None
     if outs is None:
-      ctx = getattr(getattr(eqn, "ctx", None), "manager", None) or contextlib.nullcontext()
-      with ctx:
-        outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
-      if not eqn.primitive.multiple_results:
-        outs = [outs]
+      outs = bind_eqn(eqn, invals)
     env.update(zip(eqn.outvars, outs))
-  return [read(v) for v in jaxpr.outvars]
 
 
-# -- nested checkpoints under zerojax's whole-model checkpoint -----------------------------------
-
-def keeps_nested_policies(policy: Callable[..., Any]) -> Callable[..., Any]:
-  """Marks ``policy``, used as the outermost ``jax.checkpoint`` policy, so that a checkpoint
-  nested inside keeps its own policy (within ours: nothing ours forbids is saved).
-
-  JAX applies the outermost policy to every equation of a nested checkpoint: a model wrapped
-  whole by zerojax (to re-gather weights rather than keep them) would lose its own
-  ``nn.remat`` blocks and save every activation inside them. With the mark, a nested
-  checkpoint is split as it would be at top level: its residuals follow its policy, and its
-  outputs are computed once, forward (JAX's rule recomputes them in the backward part).
-  Takes effect inside `nested_remat_rule`; the rule leaves unmarked policies to JAX."""
-  policy._zerojax_keeps_nested = True  # type: ignore[attr-defined]
-  return policy
+def bind_eqn(eqn: Any, invals: list[Any], **changes: Any) -> list[Any]:
+  """Binds ``eqn``'s primitive on ``invals`` with its own parameters, ``changes`` laid over
+  them, inside the equation's own context (its name stack); returns the outputs as a list."""
+  ctx = getattr(getattr(eqn, "ctx", None), "manager", None) or contextlib.nullcontext()
+  with ctx:
+    outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(
+        {**eqn.params, **changes}))
+  return outs if eqn.primitive.multiple_results else [outs]
 
 
-def _nested_remat_rule(original: Callable[..., Any]) -> Callable[..., Any]:
-  f = _FOUND
-  Var_, new_eqn, effects = f["core_var"], f["new_jaxpr_eqn"], f["eqn_effects"]
-
-  def rule(saveable, unks_in, inst_in, eqn, *args, **kwargs):
-    if (not getattr(saveable, "_zerojax_keeps_nested", False)
-        or not isinstance(eqn.params.get("prevent_cse"), bool)):
-      return original(saveable, unks_in, inst_in, eqn, *args, **kwargs)
-    inner = eqn.params["policy"] or f["nothing_saveable"]
-    both = lambda prim, *avals, **params: (saveable(prim, *avals, **params)
-                                           and inner(prim, *avals, **params))
-    known, staged, unks_out, inst_out, num_res = f["partial_eval_jaxpr_custom"](
-        eqn.params["jaxpr"], unks_in, inst_in, False, False, both)
-    # The backward part computes only the unknown outputs (the tangents' transposes).
-    staged, used = f["dce_jaxpr"](staged, [u for u, i in zip(unks_out, inst_out) if i])
-    used_res, used_ins = used[:num_res], used[num_res:]
-    residuals = [Var_(v.aval) for v in known.outvars[len(known.outvars) - num_res:]]
-    ins_known = [x for x, u in zip(eqn.invars, unks_in) if not u]
-    ins_staged = [x for x, i in zip(eqn.invars, inst_in) if i]
-    ins_staged = [x for x, u in zip(ins_staged, used_ins) if u]
-    residuals_used = [r for r, u in zip(residuals, used_res) if u]
-    eqn_known = new_eqn(
-        ins_known, [*(v for v, u in zip(eqn.outvars, unks_out) if not u), *residuals],
-        eqn.primitive, {**eqn.params, "jaxpr": known}, effects(known, ins_known),
-        eqn.source_info, eqn.ctx)
-    eqn_staged = new_eqn(
-        [*residuals_used, *ins_staged], [v for v, u in zip(eqn.outvars, unks_out) if u],
-        eqn.primitive, {**eqn.params, "jaxpr": staged, "differentiated": True},
-        effects(staged, [*residuals_used, *ins_staged]), eqn.source_info, eqn.ctx)
-    # Known inputs the backward part reads become residuals of the enclosing checkpoint.
-    read = {id(x) for x in ins_staged}
-    new_inst = [x for x, i in zip(eqn.invars, inst_in)
-                if type(x) is Var_ and not i and id(x) in read]
-    return eqn_known, eqn_staged, list(unks_out), list(unks_out), new_inst + residuals_used
-
-  return rule
-
+# -- checkpoints -------------------------------------------------------------------------------
 
 def checkpoint_trace() -> Any | None:
   """The running trace (its ``jax.extend.core.get_opaque_trace_state``) when it traces the
@@ -337,38 +288,6 @@ def checkpoint_trace() -> Any | None:
   if not isinstance(traced_for, str) or "checkpoint" not in traced_for:
     return None
   return get_opaque_trace_state()
-
-
-def nested_remat_rule() -> contextlib.AbstractContextManager[None]:
-  """While a step traces inside the block, JAX's partial-evaluation rule for checkpoints is the
-  one `keeps_nested_policies` needs (it defers to JAX's own for every unmarked policy); outside
-  every such block the rule table holds JAX's own rule again. Where this JAX keeps checkpoints
-  elsewhere the block changes nothing (nested checkpoints then follow the outermost policy,
-  JAX's own behaviour).
-
-  Returns:
-    A context manager.
-  """
-  rules, remat_p = _FOUND["partial_eval_rules"], _FOUND["remat_p"]
-  needed = ("partial_eval_jaxpr_custom", "dce_jaxpr", "new_jaxpr_eqn", "eqn_effects",
-            "core_var", "nothing_saveable")
-  if rules is None or remat_p is None or any(_FOUND[n] is None for n in needed):
-    return contextlib.nullcontext()  # pragma: no cover - depends on the installed JAX
-
-  def install():
-    saved = rules[remat_p]
-    rules[remat_p] = _nested_remat_rule(saved)
-    return saved
-
-  def restore(saved):
-    rules[remat_p] = saved
-  return _held("remat_rule", install, restore)
-
-
-def remat_rule_is_jaxs() -> bool:
-  """Whether JAX's rule table holds JAX's own partial-evaluation rule for checkpoints."""
-  rules, remat_p = _FOUND["partial_eval_rules"], _FOUND["remat_p"]
-  return rules is None or remat_p is None or rules.get(remat_p) is _JAX_REMAT_RULE
 
 
 def _self_check() -> None:

@@ -308,9 +308,9 @@ def test_named_remat_checkpoints_each_block_and_trains_exactly(remat):
   # the compiler. Three steps' losses match stage 0's.
   want, _ = _loop_losses(0, False)
   # One checkpoint per block (three; with 'auto' none at stage 2). At stage 3 zerojax's own
-  # around the model holds them, in its forward pass and in its re-run: 1 + 2 x 3 (1 with
-  # 'auto').
-  for stage, kw, remats in ((3, {"gather": "explicit"}, 7), (2, {}, 3)):
+  # covers what runs between them (`keeping_nested`): the head after them, re-run in its
+  # backward pass (what runs before the first block, input casts, has nothing to re-run).
+  for stage, kw, remats in ((3, {"gather": "explicit"}, 4), (2, {}, 3)):
     got, _ = _loop_losses(stage, False, remat=remat, **kw)
     np.testing.assert_allclose(got, want, rtol=1e-5)
     assert _REMATS[0] == remats, (stage, _REMATS[0])
@@ -405,15 +405,16 @@ def test_named_remat_blocks_draw_from_the_model_s_rng_streams():
   np.testing.assert_allclose(got, want, rtol=1e-5)
 
 
-def test_a_models_own_checkpoints_keep_their_policy_inside_the_whole_model_one(capsys):
-  # JAX applies the outermost checkpoint's policy inside nested ones: under zerojax's
-  # whole-model checkpoint (save all but gathered weights) a model's own remat blocks saved
-  # every activation. `keeps_nested_policies` makes them save what they would at top level
-  # (their inputs), without computing anything more (the backward pass re-runs each block
-  # once, as the model asks), and still never a gathered weight.
+@pytest.mark.parametrize("jitted", [False, True])
+def test_a_models_own_checkpoints_keep_their_policy_inside_the_whole_model_one(capsys, jitted):
+  # JAX applies the outermost checkpoint's policy inside nested ones: under one whole-model
+  # checkpoint (save all but gathered weights) a model's own remat blocks saved every
+  # activation. `keeping_nested` makes them save what they would at top level (their inputs),
+  # without computing anything more (the backward pass re-runs each block once, as the model
+  # asks), and still never a gathered weight; also where a block is a jitted function.
   import re
   from jax.ad_checkpoint import checkpoint_name, print_saved_residuals
-  from zerojax.core.remat import save_all_but_gathered
+  from zerojax.core.remat import keeping_nested, save_all_but_gathered
 
   def block(x, w):
     w = checkpoint_name(w * 1.0, gather.GATHERED)
@@ -421,13 +422,16 @@ def test_a_models_own_checkpoints_keep_their_policy_inside_the_whole_model_one(c
 
   def model(x, w, nested):
     for _ in range(3):
-      x = jax.checkpoint(block)(x, w) if nested else block(x, w)
+      b = jax.checkpoint(block) if nested else block
+      x = (jax.jit(b) if jitted else b)(x, w)
     return jnp.sum(x ** 2)
 
   x = jnp.asarray(np.random.default_rng(0).normal(size=(8, 16)), jnp.float32)
   w = jnp.asarray(np.random.default_rng(1).normal(size=(16, 64)) * 0.1, jnp.float32)
-  outer = lambda nested: jax.checkpoint(lambda x, w: model(x, w, nested),
-                                        policy=save_all_but_gathered)
+  jax_outer = lambda nested: jax.checkpoint(lambda x, w: model(x, w, nested),
+                                            policy=save_all_but_gathered)
+  outer = lambda nested: keeping_nested(lambda x, w: model(x, w, nested),
+                                        save_all_but_gathered)
 
   def shapes(f):  # JAX prints what a function saves for its backward pass, one per line
     capsys.readouterr()
@@ -436,19 +440,19 @@ def test_a_models_own_checkpoints_keep_their_policy_inside_the_whole_model_one(c
                   for m in re.findall(r"^\w+\[([\d,]*)\]", capsys.readouterr().out, re.M))
 
   top = lambda x, w: model(x, w, True)
-  # Outside a zerojax step JAX's own rule applies: the outermost policy, inside the blocks too.
-  assert (8, 64) in shapes(outer(True))
-  with _compat.nested_remat_rule():  # as while a step traces
-    # x, w, the two later blocks' inputs and the loss's 2x: what the model alone saves.
-    assert shapes(outer(True)) == shapes(top) == [(8, 16)] * 4 + [(16, 64)]
-    assert (8, 64) in shapes(outer(False))  # without nested checkpoints: save all but w
-    flops = lambda f: jax.jit(jax.grad(f, argnums=(0, 1))).lower(
-        x, w).compile().cost_analysis()["flops"]
-    assert flops(outer(True)) <= flops(top) * 1.01  # each block re-run once, as asked
-    for a, b in zip(jax.grad(outer(True), argnums=(0, 1))(x, w),
-                    jax.grad(top, argnums=(0, 1))(x, w)):
-      np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6)
-  assert _compat.remat_rule_is_jaxs()
+  # JAX's own rule: the outermost policy, inside the blocks too.
+  assert (8, 64) in shapes(jax_outer(True))
+  # x, w, the two later blocks' inputs and the loss's 2x: what the model alone saves.
+  assert shapes(outer(True)) == shapes(top) == [(8, 16)] * 4 + [(16, 64)]
+  assert (8, 64) in shapes(outer(False))  # without nested checkpoints: save all but w
+  assert shapes(outer(False)) == shapes(jax_outer(False))
+  flops = lambda f: jax.jit(jax.grad(f, argnums=(0, 1))).lower(
+      x, w).compile().cost_analysis()["flops"]
+  assert flops(outer(True)) <= flops(top) * 1.01  # each block re-run once, as asked
+  for a, b in zip(jax.grad(outer(True), argnums=(0, 1))(x, w),
+                  jax.grad(top, argnums=(0, 1))(x, w)):
+    # (jitted blocks: XLA:CPU on jax 0.12 fuses them apart, rounding within 1e-5)
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5 if jitted else 1e-6)
 
 
 def _nnx_loop_losses(stage, steps=3, own_remat=True, **config_kw):

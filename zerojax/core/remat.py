@@ -4,7 +4,9 @@ Remat must act inside each scanned layer: remat around a scan recomputes all of 
 in one extra pass and stacks them, which would bring back every layer's gathered weights at
 once. So every ``jax.lax.scan`` traced inside a zerojax step goes through a dispatcher
 (`zerojax._compat.scan_hook`, held only while a step traces) that wraps its body as `ScanRemat` says;
-other threads, and code outside a step, get JAX's own scan.
+other threads, and code outside a step, get JAX's own scan. A model without scans goes under one
+checkpoint (`checkpoint_model`) inside which its own checkpoints keep their policies
+(`keeping_nested`, a rewrite of the traced model: JAX's rules are left as they are).
 """
 
 from __future__ import annotations
@@ -15,10 +17,11 @@ from typing import Any, Callable, Iterator
 
 import jax
 import jax.numpy as jnp
+from jax.extend.core import Var
 
-from zerojax._compat import (ORIGINAL_SCAN, REMAT_PRIMITIVE_NAMES, nested_remat_rule,
-                             scan_hook, jaxpr_has_primitive, keeps_nested_policies,
-                             name_p, sharding_constraint_p)
+from zerojax._compat import (ORIGINAL_SCAN, REMAT_PRIMITIVE_NAMES, bind_eqn, eval_eqns,
+                             jaxpr_has_primitive, name_p, read_var, scan_hook,
+                             sharding_constraint_p, subjaxprs, var_uses)
 from zerojax.core.context import setting, tracing
 from zerojax.core.gather import GATHERED
 from zerojax.core.pipeline import Declined, Pipeline, pipelined_scan
@@ -61,7 +64,6 @@ def recompute_in_backward(f: Callable) -> Callable:
   return g
 
 
-@keeps_nested_policies
 def save_all_but_gathered(prim, *_, **params) -> bool:
   """Remat policy of the per-use formulation: save every residual except gathered parameters.
 
@@ -72,8 +74,8 @@ def save_all_but_gathered(prim, *_, **params) -> bool:
   (``jax.checkpoint_policies.save_anything_except_these_names`` cannot express this: in
   jax 0.10 it saves everything.)
   A model's own checkpoints inside (``nn.remat`` blocks in a Python loop) keep their policies
-  (`zerojax._compat.keeps_nested_policies`): this one, around the whole model, would otherwise
-  save every activation inside them.
+  (`checkpoint_model`): this one, around the whole model, would otherwise save every activation
+  inside them.
   """
   if prim is name_p:
     return params.get("name") != GATHERED
@@ -162,17 +164,108 @@ def scan_remat(config: Any, per_use: bool, pipeline: Pipeline | None = None) -> 
 
 def checkpoint_model(f: Callable, plan: Any, policy: Any, layers: bool) -> Callable:
   """``f``, a whole model without scans, under ``policy`` (`remat_policy`). The checkpoint is a
-  CSE barrier only where the plan says (`Backend.model_checkpoint_prevents_cse`); the
-  model's own checkpoints inside keep their policies under `save_all_but_gathered`, and with
-  ``layers`` (re-gathered layers) a layer inside one computes as written
-  (`zerojax.core.regather.inside_checkpoints`)."""
+  CSE barrier only where the plan says (`Backend.model_checkpoint_prevents_cse`); under
+  `save_all_but_gathered` the model's own checkpoints inside keep their policies
+  (`keeping_nested`), and with ``layers`` (re-gathered layers) a layer inside one computes as
+  written (`zerojax.core.regather.inside_checkpoints`)."""
   keep = layers and policy is save_all_but_gathered
 
   def traced(*args, **kwargs):
     with inside_checkpoints(keep):
       return f(*args, **kwargs)
 
-  return jax.checkpoint(traced, policy=policy, prevent_cse=plan.backend.model_checkpoint_prevents_cse)
+  cse = plan.backend.model_checkpoint_prevents_cse
+  if policy is save_all_but_gathered:
+    return keeping_nested(traced, policy, cse)
+  return jax.checkpoint(traced, policy=policy, prevent_cse=cse)
+
+
+# Call primitives whose bodies a model's own checkpoints may sit in (a ``jax.jit``'d block).
+_CALLS = frozenset({"jit", "pjit", "closed_call", "core_call"})
+
+
+def keeping_nested(f: Callable, policy: Any, prevent_cse: bool = True) -> Callable:
+  """``jax.checkpoint(f, policy=policy)``, except that a checkpoint ``f`` makes itself (a
+  model's own ``nn.remat`` blocks) keeps its own policy, narrowed to what ``policy`` saves.
+
+  JAX applies the outermost checkpoint's policy to every equation of a nested one: under one
+  checkpoint around the whole model, a model's own remat blocks would save every activation
+  inside them. So ``f`` is traced once and its equations run in order, each run of them
+  between the model's own checkpoints under ``jax.checkpoint(policy)``, and each of those
+  checkpoints at top level with the policy ``policy and its own`` (``nothing_saveable`` where
+  it names none): its residuals are what it would save alone, less what ``policy`` forbids (a
+  gathered weight), and its backward pass re-runs it once, as the model asks. A checkpoint
+  inside a ``jax.jit``'d call is reached through the call; one inside a loop, a branch or a
+  custom derivative follows ``policy`` as JAX decides.
+
+  Args:
+    f: the function (positional array arguments, pytrees welcome).
+    policy: the ``jax.checkpoint`` policy around ``f``.
+    prevent_cse: as ``jax.checkpoint``'s, for the runs between the model's own checkpoints.
+
+  Returns:
+    A function with ``f``'s signature and outputs.
+  """
+  def run(*args):
+    flat, tree = jax.tree.flatten(args)
+    closed, out_shape = jax.make_jaxpr(lambda *xs: f(*jax.tree.unflatten(tree, xs)),
+                                       return_shape=True)(*flat)
+    outs = _run_keeping_nested(closed.jaxpr, closed.consts, flat, policy, prevent_cse)
+    return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
+
+  return run
+
+
+def _run_keeping_nested(jaxpr: Any, consts: list, args: list, policy: Any,
+                        prevent_cse: bool) -> list:
+  """Evaluates ``jaxpr`` as `keeping_nested` says."""
+  env: dict[Any, Any] = {**dict(zip(jaxpr.constvars, consts)), **dict(zip(jaxpr.invars, args))}
+  n = len(jaxpr.eqns)
+  index = {id(e): i for i, e in enumerate(jaxpr.eqns)}
+  # The last equation reading each value (n: an output of the jaxpr).
+  last_read = {v: max(n if e is None else index[id(e)] for e, _ in uses)
+               for v, uses in var_uses(jaxpr).items()}
+  run: list = []  # equations since the last nested checkpoint
+
+  def close_run(end: int) -> None:
+    eqns = list(run)
+    run.clear()
+    if not eqns:
+      return
+    made = {v for e in eqns for v in e.outvars}
+    ins = list(dict.fromkeys(v for e in eqns for v in e.invars
+                             if isinstance(v, Var) and v not in made))
+    outs = [v for e in eqns for v in e.outvars if last_read.get(v, -1) >= end]
+
+    def part(*values):
+      local = dict(zip(ins, values))
+      eval_eqns(eqns, local)
+      return [local[v] for v in outs]
+
+    results = jax.checkpoint(part, policy=policy, prevent_cse=prevent_cse)(
+        *[env[v] for v in ins])
+    env.update(zip(outs, results))
+
+  for i, eqn in enumerate(jaxpr.eqns):
+    name = eqn.primitive.name
+    inner = [j for j in subjaxprs(eqn.params)] if name in _CALLS else []
+    if name in REMAT_PRIMITIVE_NAMES:
+      close_run(i)
+      own = eqn.params.get("policy") or jax.checkpoint_policies.nothing_saveable
+      both = lambda prim, *avals, _own=own, **params: (policy(prim, *avals, **params)
+                                                       and _own(prim, *avals, **params))
+      outs = bind_eqn(eqn, [read_var(env, v) for v in eqn.invars], policy=both)
+    elif len(inner) == 1 and jaxpr_has_primitive(inner[0], REMAT_PRIMITIVE_NAMES):
+      close_run(i)
+      body = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+      outs = _run_keeping_nested(inner[0], list(getattr(body, "consts", ())),
+                                 [read_var(env, v) for v in eqn.invars], policy, prevent_cse)
+    else:
+      run.append(eqn)
+      continue
+    env.update(zip(eqn.outvars, outs))
+  close_run(n)
+  return [read_var(env, v) for v in jaxpr.outvars]
 
 
 def remat_policy(config: Any, per_use: bool, blocks: bool = False):
@@ -244,6 +337,5 @@ def scanned_layers(rs: ScanRemat | None) -> Iterator[list]:
   the list of what became of each scan given a pipeline: a `zerojax.core.pipeline.OneAhead`
   where its layers ran one ahead, else the reason they could not."""
   outcomes: list = []
-  with scan_hook(_dispatch_scan), nested_remat_rule(), setting(scan=rs,
-                                                                scan_outcomes=outcomes):
+  with scan_hook(_dispatch_scan), setting(scan=rs, scan_outcomes=outcomes):
     yield outcomes
