@@ -168,6 +168,8 @@ INTERNAL_PATHS: dict[str, tuple[str, ...]] = {
         "jax._src.clusters:ClusterEnv.auto_detect_unset_distributed_params",),
     "trace_ctx": ("jax._src.core:trace_ctx",),
     "source_summary": ("jax._src.source_info_util:summarize",),
+    "user_context": ("jax._src.source_info_util:user_context",),
+    "current_name_stack": ("jax._src.source_info_util:current_name_stack",),
 }
 # The path each internal was found at on this JAX, or None (`INTERNAL_PATHS`).
 INTERNALS: dict[str, str | None] = {}
@@ -267,9 +269,16 @@ def eval_eqns(eqns: Any, env: dict[Any, Any],
 
 def bind_eqn(eqn: Any, invals: list[Any], **changes: Any) -> list[Any]:
   """Binds ``eqn``'s primitive on ``invals`` with its own parameters, ``changes`` laid over
-  them, inside the equation's own context (its name stack); returns the outputs as a list."""
+  them, as ``jax.core.eval_jaxpr`` binds it: under the equation's name stack (the model's
+  module path, which names its operations in the compiled program and in profiles), source
+  location and context. Returns the outputs as a list."""
   ctx = getattr(getattr(eqn, "ctx", None), "manager", None) or contextlib.nullcontext()
-  with ctx:
+  user, current = _FOUND["user_context"], _FOUND["current_name_stack"]
+  source = getattr(eqn, "source_info", None)
+  where = (user(source.traceback, name_stack=current() + source.name_stack)
+           if user is not None and current is not None and source is not None
+           else contextlib.nullcontext())
+  with where, ctx:
     outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(
         {**eqn.params, **changes}))
   return outs if eqn.primitive.multiple_results else [outs]

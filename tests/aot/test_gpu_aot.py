@@ -760,7 +760,9 @@ def test_gpu_llama_blocks_gather_beside_matmuls_and_re_gather_after_their_reshap
   # A block's first gathers (wq, wk, wv) cannot wait for the block before, another trace. They
   # wait for nothing, and in the forward pass XLA:GPU issues them beside that block's matmuls;
   # after their own input, as before, they had only the norm (0.0 each, at 0.3 MB more temp).
-  assert [share(w, "jvp(Model)/checkpoint/") for w in ("wq", "wk", "wv")] == [1.0, 1.0, 1.0]
+  # (The forward pass's operations are named by the model's modules alone: the block's own
+  # checkpoint runs at top level, outside zerojax's, `zerojax.core.remat.keeping_nested`.)
+  assert [share(w, "jvp(Model)/") for w in ("wq", "wk", "wv")] == [1.0, 1.0, 1.0]
   assert in_remat.measured.temp < (48.5e6 if OLD_XLA else 56.5e6)  # 48.3 MB; 55.9 MB
 
 
