@@ -165,7 +165,7 @@ def estimate(params: Any, tx: Any = None, *, config: ZeroConfig | None = None,
                     for a, s in zip(config.mesh_axes, shape))
       if -1 in config.mesh_shape and config.mesh_shape[config.mesh_axes.index("fsdp")] != -1:
         shape = config.mesh_shape
-    shape = mesh_shape(shape, config.mesh_axes, n)
+    shape = mesh_shape(shape, config.mesh_axes, n) if -1 in shape else shape
     mesh = AbstractMesh(tuple(shape), config.mesh_axes,
                         axis_types=(AxisType.Auto,) * len(shape))
   plan = ShardingPlan.create(config, mesh, params, tx=tx, opt_state=opt_state,

@@ -20,7 +20,7 @@ import warnings
 from typing import Any, Iterator, Mapping, Sequence
 
 from zerojax.core import policies, validation
-from zerojax.core.errors import ConfigError, did_you_mean, unknown_key_error
+from zerojax.core.errors import ConfigError, did_you_mean, invalid_setting, unknown_key_error
 from zerojax.core.policies import (Batch, Gather, HostOffload, LossScale, NvmeOffload, Offload,
                                    Precision, Quantize, Remat)
 from zerojax.core.mapping_file import MappingFileError, read_mapping
@@ -31,8 +31,7 @@ __all__ = ["ConfigError", "did_you_mean", "unknown_key_error", "ZeroConfig", "in
 
 
 def _fail(field: str, value: Any, allowed: str) -> None:
-  raise ConfigError(f"ZeroConfig.{field}={value!r} is invalid: {allowed}", field=field,
-                    value=value, allowed=allowed)
+  raise invalid_setting(field, value, allowed)
 
 
 @dataclasses.dataclass(frozen=True, init=False)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import difflib
 from typing import Any
 
-__all__ = ["ConfigError", "did_you_mean", "unknown_key_error"]
+__all__ = ["ConfigError", "invalid_setting", "did_you_mean", "unknown_key_error"]
 
 
 class ConfigError(ValueError):
@@ -31,6 +31,22 @@ class ConfigError(ValueError):
                allowed: str | None = None):
     super().__init__(message)
     self.field, self.value, self.allowed = field, value, allowed
+
+
+def invalid_setting(field: str, value: Any, allowed: str) -> ConfigError:
+  """The error for one setting's refused value.
+
+  Args:
+    field: the setting, as the message names it (``'mesh_shape'``, ``'offload.params'``).
+    value: the value refused.
+    allowed: what is allowed instead.
+
+  Returns:
+    A `ConfigError` (not raised): ``ZeroConfig.<field>=<value> is invalid: <allowed>``, with
+    the three as its attributes.
+  """
+  return ConfigError(f"ZeroConfig.{field}={value!r} is invalid: {allowed}", field=field,
+                     value=value, allowed=allowed)
 
 
 def did_you_mean(key: str, allowed: Any) -> str:

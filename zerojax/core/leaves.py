@@ -25,8 +25,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from zerojax.core.config import ConfigError, ZeroConfig
 
-__all__ = ["LeafPlan", "LeafRule", "plan_leaf", "opt_param_index", "plan_opt_state", "metadata_specs",
-           "unbox", "flatten", "path_str", "as_shape", "axes_of", "shard_bytes"]
+__all__ = ["LeafPlan", "LeafRule", "plan_leaf", "opt_param_index", "plan_opt_state",
+           "metadata_specs", "unbox", "flatten", "path_str", "as_shape", "axes_of", "shard_bytes"]
 
 PyTree = Any
 

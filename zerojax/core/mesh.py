@@ -17,7 +17,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh
 
 from zerojax.core.config import ZeroConfig
-from zerojax.core.errors import ConfigError
+from zerojax.core.errors import invalid_setting
 
 __all__ = ["make_mesh", "mesh_shape", "data_axes", "platform"]
 
@@ -69,19 +69,16 @@ def mesh_shape(shape: Sequence[int], axes: Sequence[str], num_devices: int) -> t
   Raises:
     ConfigError: the sizes do not divide, or do not multiply to, ``num_devices``.
   """
-  def fail(value: tuple, allowed: str):
-    raise ConfigError(f"ZeroConfig.mesh_shape={value!r} is invalid: {allowed}",
-                      field="mesh_shape", value=value, allowed=allowed)
-
   known = math.prod(s for s in shape if s != -1)
   if -1 in shape:
     if num_devices % known:
-      fail(tuple(shape), f"the fixed sizes multiply to {known}, which does not divide the "
-           f"{num_devices} available devices")
+      raise invalid_setting("mesh_shape", tuple(shape), f"the fixed sizes multiply to {known}, "
+                            f"which does not divide the {num_devices} available devices")
     shape = tuple(num_devices // known if s == -1 else s for s in shape)
   if math.prod(shape) != num_devices:
-    fail(tuple(shape), f"mesh {dict(zip(axes, shape))} needs {math.prod(shape)} devices but "
-         f"{num_devices} are available; sizes must multiply to {num_devices}")
+    raise invalid_setting("mesh_shape", tuple(shape), f"mesh {dict(zip(axes, shape))} needs "
+                          f"{math.prod(shape)} devices but {num_devices} are available; sizes "
+                          f"must multiply to {num_devices}")
   return tuple(shape)
 
 

@@ -21,7 +21,7 @@ from jax.extend.core import Var
 
 from zerojax._compat import (ORIGINAL_SCAN, REMAT_PRIMITIVE_NAMES, bind_eqn, eval_eqns,
                              jaxpr_has_primitive, name_p, read_var, scan_hook,
-                             sharding_constraint_p, subjaxprs, var_uses)
+                             sharding_constraint_p, var_uses)
 from zerojax.core.context import setting, tracing
 from zerojax.core.gather import GATHERED
 from zerojax.core.pipeline import Declined, Pipeline, pipelined_scan
@@ -248,17 +248,16 @@ def _run_keeping_nested(jaxpr: Any, consts: list, args: list, policy: Any,
 
   for i, eqn in enumerate(jaxpr.eqns):
     name = eqn.primitive.name
-    inner = [j for j in subjaxprs(eqn.params)] if name in _CALLS else []
+    body = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr")) if name in _CALLS else None
     if name in REMAT_PRIMITIVE_NAMES:
       close_run(i)
       own = eqn.params.get("policy") or jax.checkpoint_policies.nothing_saveable
       both = lambda prim, *avals, _own=own, **params: (policy(prim, *avals, **params)
                                                        and _own(prim, *avals, **params))
       outs = bind_eqn(eqn, [read_var(env, v) for v in eqn.invars], policy=both)
-    elif len(inner) == 1 and jaxpr_has_primitive(inner[0], REMAT_PRIMITIVE_NAMES):
-      close_run(i)
-      body = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
-      outs = _run_keeping_nested(inner[0], list(getattr(body, "consts", ())),
+    elif body is not None and jaxpr_has_primitive(body, REMAT_PRIMITIVE_NAMES):
+      close_run(i)  # a call holding the model's own checkpoints: run through, as if inlined
+      outs = _run_keeping_nested(getattr(body, "jaxpr", body), list(getattr(body, "consts", ())),
                                  [read_var(env, v) for v in eqn.invars], policy, prevent_cse)
     else:
       run.append(eqn)

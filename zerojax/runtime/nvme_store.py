@@ -275,6 +275,11 @@ def _pwrite_from(fd: int, buf: np.ndarray, offset: int) -> None:
     done += os.pwrite(fd, view[done:], offset + done)
 
 
+def _generation_bytes(leaves: Sequence[tuple[str, Any]], size: int) -> int:
+  """Bytes of one generation of ``leaves`` (``(name, dtype)``), ``size`` elements each."""
+  return sum(np.dtype(d).itemsize for _, d in leaves) * int(size)
+
+
 class NvmeStore:
   """One process's optimizer-state files (see the module docstring).
 
@@ -317,7 +322,7 @@ class NvmeStore:
       NvmePathError: ``nvme_path`` is unusable (missing, not writable, too little room).
     """
     directory = process_dir(nvme_path, process_index)
-    nbytes = sum(np.dtype(d).itemsize for _, d in leaves) * int(size)
+    nbytes = _generation_bytes(leaves, size)
     in_use = sum(os.path.getsize(os.path.join(root, f))
                  for root, _, fs in os.walk(directory) for f in fs)
     check_nvme_path(nvme_path, 2 * nbytes + (1 << 20), in_use=in_use)
@@ -328,7 +333,7 @@ class NvmeStore:
   @property
   def nbytes(self) -> int:
     """Bytes of one generation."""
-    return sum(d.itemsize for _, d in self.leaves) * self.size
+    return _generation_bytes(self.leaves, self.size)
 
   def bytes_on_disk(self) -> int:
     """Bytes the committed generation's files hold now."""
