@@ -16,7 +16,7 @@ def resume(a):
   import jax.numpy as jnp
   import numpy as np
   import zerojax
-  from zerojax.runtime.checkpoint import Checkpointer, abstract_train_state
+  from zerojax.checkpoint import Checkpointer, abstract_train_state
   from zerojax.models import GPT
   from tests import helpers
 

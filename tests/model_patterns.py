@@ -332,7 +332,7 @@ def target_zero(pattern: str, size: Size, stage: int, devices, **config_kw
   import jax
   import zerojax
   from zerojax.core.create import abstract_nnx
-  from zerojax.runtime.checkpoint import abstract_train_state
+  from zerojax.checkpoint import abstract_train_state
   if pattern == "g":
     step, state, batch, plan = pytree_step(size, stage, devices, **config_kw)
     compiled, secs = timed_compile(lambda: step.lower(state, batch).compile())

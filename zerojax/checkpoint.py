@@ -4,4 +4,7 @@
 """
 
 from zerojax.runtime.checkpoint import *  # noqa: F401,F403 - the public surface, re-exported
-from zerojax.runtime.checkpoint import __all__  # noqa: F401
+from zerojax.runtime.checkpoint import __all__ as _all
+from zerojax.runtime.create import abstract_train_state  # every offload, NVMe included
+
+__all__ = [*_all, "abstract_train_state"]

@@ -307,7 +307,7 @@ def test_tpu_stage3_keeps_small_leaves_whole_by_default():
   import jax.numpy as jnp
   import optax
   from zerojax.models import GPT
-  from zerojax.runtime.checkpoint import abstract_train_state
+  from zerojax.checkpoint import abstract_train_state
 
   def reasons(devices, **kw):
     config = zerojax.ZeroConfig.from_flat(dict(stage=3, **kw))

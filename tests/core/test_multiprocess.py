@@ -170,7 +170,7 @@ def _restore_target(stage: int = 3):
   """The abstract sharded train state of this 1-process, 8-device run (nothing allocated or
   compiled): the layout to restore into, with its plan."""
   import jax.numpy as jnp
-  from zerojax.runtime.checkpoint import abstract_train_state
+  from zerojax.checkpoint import abstract_train_state
   from zerojax.models import GPT
   zc = zerojax.ZeroConfig(stage=stage,
                           gather=zerojax.Gather(persistence_threshold=helpers.THRESHOLD))
@@ -278,7 +278,7 @@ def test_multiprocess_fingerprint_fields():
   """What the processes compare (in one process): every config field, each leaf's layout,
   the optimizer's visible hyperparameters and the versions."""
   import optax
-  from zerojax.runtime.checkpoint import abstract_train_state
+  from zerojax.checkpoint import abstract_train_state
   from zerojax.models import GPT
   import jax.numpy as jnp
   zc = zerojax.ZeroConfig(stage=3, gather=zerojax.Gather(persistence_threshold=helpers.THRESHOLD))

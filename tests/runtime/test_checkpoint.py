@@ -17,7 +17,7 @@ import pytest
 
 import zerojax
 from zerojax.tools import export as zx
-from zerojax.runtime.checkpoint import (Checkpointer, CheckpointError, CheckpointNotFoundError,
+from zerojax.checkpoint import (Checkpointer, CheckpointError, CheckpointNotFoundError,
                                 abstract_train_state, leaf_checksum, numpy_checksum)
 from zerojax.models import GPT
 from zerojax.core.plan import path_str

@@ -499,6 +499,52 @@ def test_nvme_state_moves_to_memory_and_back_exactly(tmp_path):
   _assert_bits([], jax.tree.map(np.asarray, ref.params), [], jax.tree.map(np.asarray, st.params))
 
 
+def test_library_resume_through_abstract_state_and_checkpointer(tmp_path):
+  """The library's resume of an NVMe run, with the calls of any other offload: the abstract
+  state writes nothing (its `NvmeOptimizer` only opens the store), `Checkpointer.restore`
+  with its plan restores the optimizer-state snapshot too, and the steps after it are those
+  of the run that was never stopped, bit for bit."""
+  from zerojax.checkpoint import Checkpointer, abstract_train_state
+  cfg = helpers.TINY
+  data = helpers.batches(cfg, 4)
+  x = jnp.asarray(data[0]["x"])
+  (tmp_path / "a").mkdir()
+  (tmp_path / "b").mkdir()
+  zn = ZeroConfig(stage=2, gather=zerojax.Gather(persistence_threshold=helpers.THRESHOLD),
+                  offload=zerojax.NvmeOffload(str(tmp_path / "a"), chunk_size=20000))
+  state, plan = zerojax.create_train_state(GPT(cfg), helpers.make_tx(), jax.random.key(0), x,
+                                           config=zn)
+  step = zerojax.zero_step(plan)(helpers.train_step)
+  with Checkpointer(str(tmp_path / "ck"), async_save=False) as ck:
+    for i, b in enumerate(data):
+      state, _ = step(state, b)
+      if i == 1:
+        plan.nvme.save_checkpoint(ck, state)
+  ref = jax.tree.map(np.asarray, state.params)
+  # another machine's disk: nothing under its path until the restore
+  zb = zn.replace(offload=zerojax.NvmeOffload(str(tmp_path / "b"), chunk_size=20000))
+  target, plan_b = abstract_train_state(GPT(cfg), helpers.make_tx(), jax.random.key(0), x,
+                                        config=zb)
+  assert all(isinstance(v, jax.ShapeDtypeStruct) for v in jax.tree.leaves(target))
+  assert plan_b.nvme.store.manifest is None and not os.listdir(plan_b.nvme.directory)
+  with Checkpointer(str(tmp_path / "ck"), read_only=True) as ck:
+    state, extras = ck.restore(target, plan_b)
+  assert extras.step == 2 == int(state.step) == plan_b.nvme.store.step
+  step = zerojax.zero_step(plan_b)(helpers.train_step)
+  for b in data[2:]:
+    state, _ = step(state, b)
+  _assert_bits([], ref, [], jax.tree.map(np.asarray, state.params))
+
+
+def test_overwrite_without_nvme_is_refused_before_any_work():
+  config = ZeroConfig(stage=2)
+  with pytest.raises(ConfigError, match=r"^overwrite=True is invalid here: .*config.offload is "
+                                        r"not an NvmeOffload; drop it$"):
+    zerojax.create_train_state(None, None, None, config=config, overwrite=True)
+  with pytest.raises(ConfigError, match=r"^overwrite=True is invalid here"):
+    zerojax.create_nnx(None, None, config=config, overwrite=True)
+
+
 # -- crash safety and checkpoints --------------------------------------------------------------
 
 KILL_STEPS = 24

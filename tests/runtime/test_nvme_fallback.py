@@ -257,7 +257,7 @@ def test_restore_checkpoint_latest_falls_back_and_a_writer_moves_both_aside(tmp_
   task = loop._gpt_task(opts, config)
   tx, _ = schedules.make_optimizer(opts, [(0, opts.steps)])
   state, plan, _, _ = task.setup(config, make_mesh(config), tx, jax.random.key(opts.seed), None)
-  opt, ckdir = task.optimizer, str(tmp_path / "run" / "ckpt")
+  opt, ckdir = plan.nvme, str(tmp_path / "run" / "ckpt")
   with Checkpointer(ckdir, read_only=True) as ck:
     with pytest.raises(CheckpointDamagedError, match=r"nvme-6/process-0/1\.bin 1 of \d+ "
                                                      r"chunks read back with another CRC-32"):

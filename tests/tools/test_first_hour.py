@@ -154,9 +154,13 @@ def test_readme_snippets_are_complete_programs_or_say_what_they_continue():
 def test_public_weights_and_checkpoint_modules_are_the_runtime_ones():
   from zerojax import checkpoint, weights
   from zerojax.runtime import checkpoint as rc, weights as rw
+  from zerojax.runtime import create
   for alias, mod in ((weights, rw), (checkpoint, rc)):
-    assert alias.__all__ == mod.__all__
+    assert set(mod.__all__) <= set(alias.__all__)
     assert all(getattr(alias, n) is getattr(mod, n) for n in mod.__all__)
+  # the restore target of every offload (NVMe's too) is the one beside `create_train_state`
+  assert set(checkpoint.__all__) - set(rc.__all__) == {"abstract_train_state"}
+  assert checkpoint.abstract_train_state is create.abstract_train_state
   assert zerojax.weights is weights and zerojax.checkpoint is checkpoint
 
 

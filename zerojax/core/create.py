@@ -23,8 +23,8 @@ from zerojax.core.placement import place
 from zerojax.core.plan import ShardingPlan, path_str
 from zerojax.core.train_state import ZeroTrainState, nnx_loss_scaling
 
-__all__ = ["create_train_state", "state_initializer", "create_nnx", "abstract_nnx",
-           "existing_params"]
+__all__ = ["create_train_state", "abstract_train_state", "state_initializer", "create_nnx",
+           "abstract_nnx", "existing_params"]
 
 PyTree = Any
 
@@ -186,6 +186,42 @@ def _nnx_layout(model_fn, tx, config, mesh, wrt, backend=None):
                              trainable=trainable, backend=backend)
   graphdef, abs_state = nnx.split((abs_model, abs_opt))
   return graphdef, abs_state, plan.nnx_state(abs_state), plan
+
+
+def abstract_train_state(model: Any, tx: Any, rng: jax.Array, *init_args: Any,
+                         config: ZeroConfig, mesh: jax.sharding.Mesh | None = None,
+                         state_cls: type | None = None, backend: Backend | None = None,
+                         **init_kwargs: Any) -> tuple[Any, ShardingPlan]:
+  """The restore target of `zerojax.create_train_state`, without allocating anything.
+
+  Args:
+    model: the linen module.
+    tx: the optax transformation.
+    rng: a random key (only its shape matters).
+    *init_args: example inputs for ``model.init``.
+    config: the zerojax configuration.
+    mesh: the device mesh; default ``make_mesh(config)``.
+    state_cls: the train-state class; default `zerojax.ZeroTrainState`.
+    backend: the compiler-dependent decisions (`zerojax.core.backend.Backend`); default the
+      mesh's devices'.
+    **init_kwargs: keyword arguments for ``model.init``.
+
+  Returns:
+    ``(abstract_state, plan)``: a train state of ``jax.ShapeDtypeStruct`` leaves carrying the
+    plan's shardings, and the plan. Pass both to `Checkpointer.restore`.
+
+  Raises:
+    ValueError: ``model.init`` makes no ``'params'``.
+    TypeError: a parameter leaf is not floating point.
+    ConfigError: ``config``'s batch sizes are inconsistent, or the plan cannot be made.
+  """
+  _, plan, abstract = state_initializer(model, tx, rng, *init_args, config=config, mesh=mesh,
+                                        state_cls=state_cls, backend=backend,
+                                        **init_kwargs)
+  shardings = plan.state(abstract)
+  with_sh = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                         abstract, shardings)
+  return with_sh, plan
 
 
 def create_nnx(model_fn: Callable[[], Any], tx: Any, *, config: ZeroConfig,

@@ -54,7 +54,7 @@ def table(plan: Any) -> str:
     out.append("left replicated over fsdp: " + ", ".join(
         f"{_fmt_bytes(v)} ({k})" for k, v in sorted(uns.items())))
   if plan.nvme is not None:  # the opt_state above is the device part's gradient capture
-    out.append(f"optimizer state: in files under {plan.nvme.config.offload.path!r} "
+    out.append(f"optimizer state: in files under {plan.nvme.offload.path!r} "
                f"(NvmeOffload), {_fmt_bytes(plan.nvme.state_bytes)} on this process's disk, "
                "streamed through host memory; the opt_state rows are the captured gradient")
   return "\n".join(out)

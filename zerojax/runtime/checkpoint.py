@@ -49,7 +49,6 @@ from orbax.checkpoint import checkpoint_managers as cm
 
 from zerojax.core.backend import for_platform
 from zerojax.core.config import ZeroConfig
-from zerojax.core.create import state_initializer
 from zerojax.core.plan import ShardingPlan, path_str, state_fields
 
 PyTree = Any
@@ -62,7 +61,7 @@ META_ITEM = "meta"
 __all__ = [
     "Checkpointer", "CheckpointError", "CheckpointDamagedError", "CheckpointNotFoundError",
     "CheckpointStepMismatchError", "Extras",
-    "abstract_train_state", "leaf_checksum", "move_aside", "numpy_checksum",
+    "leaf_checksum", "move_aside", "numpy_checksum",
     "resume_with_fallback",
 ]
 
@@ -402,7 +401,7 @@ class Checkpointer:
     ckpt.close()  # waits for the last save
 
     # later, on another topology/stage:
-    state, plan = zerojax.runtime.checkpoint.abstract_train_state(model, tx, rng, x, config=new_config)
+    state, plan = zerojax.checkpoint.abstract_train_state(model, tx, rng, x, config=new_config)
     state, extras = ckpt.restore(state, plan)
 
   Args:
@@ -692,7 +691,10 @@ class Checkpointer:
     """Restores a checkpoint into the layout of ``plan``.
 
     The checkpoint may come from any stage and any device count: every leaf is read straight
-    into the sharding (and memory kind) that ``plan`` gives it.
+    into the sharding (and memory kind) that ``plan`` gives it. With the optimizer state on
+    NVMe (``plan.nvme``, see `zerojax.checkpoint.abstract_train_state`) the step's
+    optimizer-state snapshot is restored with it
+    (`zerojax.runtime.nvme.NvmeOptimizer.restore_checkpoint`).
 
     Args:
       state: the target train state: a real one, or an abstract one (``ShapeDtypeStruct``
@@ -715,10 +717,14 @@ class Checkpointer:
       CheckpointError: the checkpoint does not match ``state`` (a leaf is missing, extra, or
         has another shape or dtype). The message names the checkpoint, the leaf and the
         mismatch.
+      NvmeStateError: with ``plan.nvme``, the step has no optimizer-state snapshot, or it
+        holds another run's layout.
     """
     if not isinstance(plan, ShardingPlan):
       raise TypeError(f"restore(state, plan): plan must be a zerojax.ShardingPlan, got "
                       f"{type(plan).__name__}")
+    if plan.nvme is not None:  # its device plan (nvme None) brings it back here
+      return plan.nvme.restore_checkpoint(self, state, step)
     if step is not None:
       return self._restore_step(state, plan, self._resolve_step(step))
     step = self._resolve_step(None)
@@ -1152,39 +1158,3 @@ def _leaf_at(tree: PyTree, keypath: Sequence[Any]) -> Any:
     else:
       tree = tree[getattr(k, "key", getattr(k, "name", k))]
   return tree
-
-
-# -- abstract targets -------------------------------------------------------------------------------
-
-
-def abstract_train_state(model: Any, tx: Any, rng: jax.Array, *init_args: Any,
-                         config: ZeroConfig, mesh: jax.sharding.Mesh | None = None,
-                         state_cls: type | None = None, **init_kwargs: Any
-                         ) -> tuple[Any, ShardingPlan]:
-  """The restore target of `zerojax.create_train_state`, without allocating anything.
-
-  Args:
-    model: the linen module.
-    tx: the optax transformation.
-    rng: a random key (only its shape matters).
-    *init_args: example inputs for ``model.init``.
-    config: the zerojax configuration.
-    mesh: the device mesh; default ``make_mesh(config)``.
-    state_cls: the train-state class; default `zerojax.ZeroTrainState`.
-    **init_kwargs: keyword arguments for ``model.init``.
-
-  Returns:
-    ``(abstract_state, plan)``: a train state of ``jax.ShapeDtypeStruct`` leaves carrying the
-    plan's shardings, and the plan. Pass both to `Checkpointer.restore`.
-
-  Raises:
-    ValueError: ``model.init`` makes no ``'params'``.
-    TypeError: a parameter leaf is not floating point.
-    ConfigError: ``config``'s batch sizes are inconsistent, or the plan cannot be made.
-  """
-  _, plan, abstract = state_initializer(model, tx, rng, *init_args, config=config, mesh=mesh,
-                                        state_cls=state_cls, **init_kwargs)
-  shardings = plan.state(abstract)
-  with_sh = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                         abstract, shardings)
-  return with_sh, plan

@@ -50,7 +50,7 @@ from zerojax.core.pipeline import LAYERS_SCOPE
 from zerojax.core import zeropp
 from zerojax.core.step import zero_step
 from zerojax.runtime import gpu
-from zerojax.runtime.checkpoint import abstract_train_state
+from zerojax.core.create import abstract_train_state
 
 __all__ = ["PAPER_K", "paper_bytes", "Estimate", "num_params", "estimate", "Measured", "measure",
            "collective_bytes", "collective_bytes_by_dtype", "GatherSchedule", "gather_schedule",

@@ -66,6 +66,7 @@ from jax.experimental import multihost_utils
 
 from zerojax.core import agreement, create
 from zerojax.core.config import ConfigError, ZeroConfig
+from zerojax.core.policies import NvmeOffload
 from zerojax.core.plan import ShardingPlan, path_str
 from zerojax.core.step import zero_step
 from zerojax.runtime.nvme_store import (NvmeError, NvmePathError, NvmeSnapshotDamagedError,
@@ -74,7 +75,8 @@ from zerojax.runtime.nvme_store import (NvmeError, NvmePathError, NvmeSnapshotDa
 __all__ = ["NotChunkableError", "NvmeError", "NvmePathError", "NvmeStateError",
            "NvmeSnapshotDamagedError", "StreamStats",
            "ChunkedTransformation", "chunked_transformation", "capture_gradients",
-           "NvmeOptimizer", "NnxView", "create_train_state", "create_nnx", "device_config",
+           "NvmeOptimizer", "NnxView", "create_train_state", "abstract_train_state", "create_nnx",
+           "device_config",
            "METRICS"]
 
 PyTree = Any
@@ -592,18 +594,18 @@ class NvmeOptimizer:
   Made by `create_train_state`; `step` wraps a train step, `update` is the host part alone.
 
   Attributes:
-    config: the run's config (``offload_optimizer='nvme'``).
+    offload: the run's `zerojax.NvmeOffload` policy (path, chunk size, buffers, pipelining).
     plan: the device part's plan.
     chunked: the `ChunkedTransformation`.
     store: this process's `zerojax.runtime.nvme_store.NvmeStore`.
     stats: the last host update's `StreamStats`; ``total`` sums every update's.
   """
 
-  def __init__(self, config: ZeroConfig, plan: ShardingPlan, tx: Any, state: Any):
-    if not config.optimizer_on_nvme:
-      raise ConfigError(f"NvmeOptimizer needs offload_optimizer='nvme', got "
-                        f"offload_optimizer={config.offload_optimizer!r}")
-    self.config, self.plan, self.tx = config, plan, tx
+  def __init__(self, offload: NvmeOffload, plan: ShardingPlan, tx: Any, state: Any):
+    if not isinstance(offload, NvmeOffload):
+      raise ConfigError(f"NvmeOptimizer(offload=...) needs a zerojax.NvmeOffload, got "
+                        f"{type(offload).__name__}")
+    self.offload, self.plan, self.tx = offload, plan, tx
     self.chunked = chunked_transformation(tx, state.params)
     captured = state.opt_state["grads"]
     self._opt_shardings = [x.sharding for x in jax.tree.leaves(captured)]
@@ -612,7 +614,7 @@ class NvmeOptimizer:
     self._treedef = jax.tree.structure(state.params)
     self.segments = _segments(self._opt_shardings, self._shapes)
     self.size = self.segments[-1].stop if self.segments else 0
-    self.pieces, self.bounds = _chunks(self.segments, config.nvme_chunk_size)
+    self.pieces, self.bounds = _chunks(self.segments, offload.chunk_size)
     self.grad_dtype = np.dtype(jax.tree.leaves(captured)[0].dtype)
     names = [f"state-{k}" for k in self.chunked.streamed]
     layout = {"shapes": [list(s) for s in self._shapes],
@@ -620,7 +622,7 @@ class NvmeOptimizer:
               "state": hashlib.sha256(repr((self.chunked.treedef, self.chunked.kinds,
                                             [d.str for d in self.chunked.dtypes])).encode()
                                       ).hexdigest()[:16]}
-    self.store = NvmeStore.open(config.nvme_path, jax.process_index(),
+    self.store = NvmeStore.open(os.fspath(offload.path), jax.process_index(),
                                 [(n, self.chunked.dtypes[k]) for n, k in
                                  zip(names, self.chunked.streamed)], self.size, layout)
     self._cpu = jax.local_devices(backend="cpu")[0]
@@ -811,10 +813,10 @@ class NvmeOptimizer:
       for k in self._finished[i]:  # segments whose last piece this chunk held
         out[k] = self._finish_segment(k, new, params, grads)
 
-    cfg = self.config
+    o = self.offload
     self.stats = self.store.stream(
-        one, bounds=self.bounds, buffer_count=cfg.nvme_buffer_count,
-        pipeline_read=cfg.nvme_pipeline_read, pipeline_write=cfg.nvme_pipeline_write,
+        one, bounds=self.bounds, buffer_count=o.buffer_count,
+        pipeline_read=o.pipeline_read, pipeline_write=o.pipeline_write,
         shared=lambda: new_shared, step=step)
     self.total.add(self.stats)
     new_params = self._reshard_out(self._assemble(out))
@@ -1172,7 +1174,45 @@ def create_train_state(model: Any, tx: Any, rng: jax.Array, *init_args: Any,
   state, plan = create.create_train_state(
       model, capture_gradients(), rng, *init_args, config=device, mesh=mesh,
       state_cls=state_cls, params=params, backend=backend, **init_kwargs)
-  return state, plan, _start(config, plan, tx, state, overwrite)
+  return state, plan, _start(config.offload, plan, tx, state, overwrite)
+
+
+def abstract_train_state(model: Any, tx: Any, rng: jax.Array, *init_args: Any,
+                         config: ZeroConfig, mesh: jax.sharding.Mesh | None = None,
+                         state_cls: type | None = None, backend: Any = None,
+                         **init_kwargs: Any) -> tuple[Any, ShardingPlan, NvmeOptimizer]:
+  """The restore target of an NVMe run: `create_train_state` with nothing initialised.
+
+  No device memory is allocated and no optimizer state is written: the `NvmeOptimizer`
+  returned opens the store under ``nvme_path`` (its start-up checks included), and
+  `NvmeOptimizer.restore_checkpoint` then makes a checkpoint's snapshot its committed state.
+
+  Args:
+    model: the linen module.
+    tx: the optax transformation whose state is in the files (it must be elementwise).
+    rng: a random key (only its shape matters).
+    *init_args: example inputs for ``model.init``.
+    config: a `ZeroConfig` with ``offload=NvmeOffload(path)``.
+    mesh: the device mesh; default ``make_mesh(config)``.
+    state_cls: the train-state class; default `zerojax.ZeroTrainState`.
+    backend: the compiler-dependent decisions (`zerojax.Backend`); default the mesh's devices'.
+    **init_kwargs: keyword arguments for ``model.init``.
+
+  Returns:
+    ``(abstract_state, plan, nvme)``: the device state as ``jax.ShapeDtypeStruct`` leaves with
+    the plan's shardings, the device part's plan, and the `NvmeOptimizer`.
+
+  Raises:
+    ConfigError: ``config`` does not put the optimizer on NVMe.
+    NotChunkableError: ``tx``'s update is not elementwise.
+    NvmePathError: ``nvme_path`` is unusable (not writable, too little space).
+  """
+  _check_config(config, "abstract_train_state")
+  _agree(config, tx)
+  state, plan = create.abstract_train_state(
+      model, capture_gradients(), rng, *init_args, config=device_config(config), mesh=mesh,
+      state_cls=state_cls, backend=backend, **init_kwargs)
+  return state, plan, NvmeOptimizer(config.offload, plan, tx, state)
 
 
 def create_nnx(model_fn: Callable[[], Any], tx: Any, *, config: ZeroConfig,
@@ -1216,7 +1256,7 @@ def create_nnx(model_fn: Callable[[], Any], tx: Any, *, config: ZeroConfig,
   model, optimizer, plan = create.create_nnx(
       model_fn, capture_gradients(), config=device, mesh=mesh, wrt=wrt,
       params=params, backend=backend)
-  return model, optimizer, plan, _start(config, plan, tx, NnxView.of(model, optimizer),
+  return model, optimizer, plan, _start(config.offload, plan, tx, NnxView.of(model, optimizer),
                                         overwrite)
 
 
@@ -1232,13 +1272,13 @@ def _agree(config: ZeroConfig, tx: Any) -> None:
     agreement.check_agreement(config, extra={"nvme_tx": _name(tx.update)})
 
 
-def _start(config: ZeroConfig, plan: ShardingPlan, tx: Any, state: Any,
+def _start(offload: NvmeOffload, plan: ShardingPlan, tx: Any, state: Any,
            overwrite: bool) -> NvmeOptimizer:
   """The `NvmeOptimizer` of a device state just created, its first generation written."""
   # The host's programs run on one of the devices (XLA:CPU): none may start while a
   # multi-device program is in flight, whose devices could then reach its collectives in
   # different orders and deadlock.
   jax.block_until_ready(state)
-  nvme = NvmeOptimizer(config, plan, tx, state)
+  nvme = NvmeOptimizer(offload, plan, tx, state)
   nvme.initialize(state, overwrite=overwrite)
   return nvme

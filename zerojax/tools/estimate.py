@@ -24,7 +24,7 @@ from zerojax.core.mesh import mesh_shape
 from zerojax import ShardingPlan, zero_step
 from zerojax.models import GPT, PRESETS
 from zerojax.runtime import gpu, memory, step_time
-from zerojax.runtime.checkpoint import abstract_train_state
+from zerojax.core.create import abstract_train_state
 from zerojax.tools.config_file import load_config
 from zerojax.tools.train.metrics import require
 

@@ -57,8 +57,8 @@ from zerojax.core import distributed
 from zerojax.core.config import ConfigError, ZeroConfig
 from zerojax.models import GPT, PRESETS
 from zerojax.runtime import memory, nvme
-from zerojax.runtime.checkpoint import (Checkpointer, abstract_train_state,
-                                      resume_with_fallback)
+from zerojax.runtime.checkpoint import Checkpointer, resume_with_fallback
+from zerojax.runtime.create import abstract_train_state
 from zerojax.runtime.data import VOCAB_SIZE, TextBatches, load_bytes
 from zerojax.tools.options import DEFAULT_CORPUS, NonFiniteGradientsError, TrainOptions
 from zerojax.tools.train.metrics import (device_memory, format_eta, log_line, peak_flops,
@@ -517,8 +517,6 @@ class Task:
     measure: compile the step once to print the per-device memory under ``show_plan``.
     nvme: ``setup`` and ``make_step`` keep the optimizer state on NVMe when the config says
       ``offload_optimizer='nvme'``; the loop refuses such a config for a task without.
-    optimizer: set by ``setup`` on such a run: the `zerojax.runtime.nvme.NvmeOptimizer`
-      (checkpoints are saved and restored through it; its throughput is logged).
     agreement: ``{field: value}`` every process of a multi-process run must share beyond the
       config and the options (model files, data files), compared before step 1.
   """
@@ -535,7 +533,6 @@ class Task:
   eval_every: int = 0
   measure: bool = False
   nvme: bool = False
-  optimizer: Any = None
   agreement: dict[str, Any] | None = None
 
 
@@ -563,22 +560,18 @@ def _gpt_task(opts: TrainOptions, config: ZeroConfig) -> Task:
   sample = jnp.zeros((1, mcfg.seq_len), jnp.int32)  # shapes for init; the plan sets the batch
 
   def setup(config, mesh, tx, rng, resume_step):
-    if config.optimizer_on_nvme:
-      state, plan, task.optimizer = _nvme_state(opts, config, resume_step, lambda **kw: (
-          nvme.create_train_state(model, tx, rng, sample, config=config, mesh=mesh, **kw)))
-    elif resume_step is None:
-      state, plan = create_train_state(model, tx, rng, sample, config=config, mesh=mesh)
-    else:  # read straight into the plan's layout: nothing is initialised
-      state, plan = abstract_train_state(model, tx, rng, sample, config=config, mesh=mesh)
-    if resume_step is None:
+    if resume_step is None:  # a new run writes NVMe optimizer-state files afresh
+      state, plan = create_train_state(model, tx, rng, sample, config=config, mesh=mesh,
+                                       overwrite=config.optimizer_on_nvme)
       if opts.init_from:
         state = state.replace(params=load_weights(opts.init_from, state.params, plan.params))
       return state, plan, 0, 0
-    with Checkpointer(opts.checkpoint_dir, read_only=True) as ck:
-      if task.optimizer is not None:
-        state, extras = _nvme_restore(opts, config, task.optimizer, ck, state, resume_step)
-      else:
+    try:  # read straight into the plan's layout: nothing is initialised
+      state, plan = abstract_train_state(model, tx, rng, sample, config=config, mesh=mesh)
+      with Checkpointer(opts.checkpoint_dir, read_only=True) as ck:
         state, extras = ck.restore(state, plan, step=resume_step)
+    except nvme.NvmeStateError as e:
+      raise _nvme_resume_error(opts, config, resume_step, e) from e
     start = int(extras.step)
     if int(state.step) != start:
       raise ConfigError(f"checkpoint {opts.checkpoint_dir!r} step {start} holds a state at "
@@ -590,9 +583,7 @@ def _gpt_task(opts: TrainOptions, config: ZeroConfig) -> Task:
     return TextBatches(tokens, rows, mcfg.seq_len, seed=opts.seed, sharding=sh, step=data_step)
 
   def make_step(plan):
-    if task.optimizer is not None:  # the device part under zero_step, then the host update
-      return task.optimizer.step(memory.lm_train_step)
-    return zero_step(plan)(memory.lm_train_step)
+    return zero_step(plan)(memory.lm_train_step)  # with NVMe, then the host update
 
   task = Task(opts.model, mcfg.seq_len, setup, make_step, batches,
               lambda state: memory.num_params(state.params), measure=True, nvme=True)
@@ -616,29 +607,6 @@ def _hf_model(opts: TrainOptions, config: ZeroConfig) -> tuple[Any, Any]:
     raise ConfigError(f"seq_len={seq} is invalid for {opts.model!r}: at most its "
                       f"max_position_embeddings={cfg.max_position_embeddings}")
   return LinenLlama(cfg), estimate._HFShape(cfg, seq)
-
-
-def _nvme_state(opts: TrainOptions, config: ZeroConfig, resume_step: int | None,
-                create: Callable[..., tuple[Any, Any, Any]]) -> tuple[Any, Any, Any]:
-  """``(state, plan, NvmeOptimizer)`` of an ``offload_optimizer='nvme'`` run (``create`` is
-  `zerojax.runtime.nvme.create_train_state` on the model). A new run writes its optimizer-state
-  files afresh over what ``nvme_path`` holds; a resumed one restores them from its checkpoint
-  (`_nvme_restore`)."""
-  if resume_step is None:
-    return create(overwrite=True)
-  try:
-    return create()
-  except nvme.NvmeStateError as e:
-    raise _nvme_resume_error(opts, config, resume_step, e) from e
-
-
-def _nvme_restore(opts: TrainOptions, config: ZeroConfig, opt: Any, ck: Checkpointer,
-                  state: Any, step: int) -> tuple[Any, Any]:
-  """Checkpoint ``step``'s train state and its snapshot of the optimizer-state files."""
-  try:
-    return opt.restore_checkpoint(ck, state, step=step)
-  except nvme.NvmeStateError as e:
-    raise _nvme_resume_error(opts, config, step, e) from e
 
 
 def _nvme_resume_error(opts: TrainOptions, config: ZeroConfig, step: int,
@@ -757,14 +725,14 @@ def _train(config: ZeroConfig, opts: TrainOptions, xla_notes: Iterable[str],
       ckpt = Checkpointer(opts.checkpoint_dir, config=plan.config)
       hooks.append(SaveCheckpoints(ckpt, opts.checkpoint_every, opts.steps, rng,
                                    lambda: {"batches_step": batches.step}, task.save_item,
-                                   task.checkpoint_model, optimizer=task.optimizer))
+                                   task.checkpoint_model, optimizer=plan.nvme))
     hooks += user_hooks
     state = _run_steps(opts, task, state, start, train_step, batches, records, hooks, ckpt)
   finally:  # also on an error: what was written stays consistent and is closed
     records.clock.close()
     for h in hooks:
       h.close()  # the checkpoint hook waits for the pending save
-  files = _finish(opts, plan.config.label, task, state, records, writer, ckpt, tokens_per_step)
+  files = _finish(opts, plan, task, state, records, writer, ckpt, tokens_per_step)
   return TrainResult(state, plan, records.history, opts.out_dir, files)
 
 
@@ -781,7 +749,7 @@ def _log_start(plan: Any, task: Task, state: Any, notes: list[str]) -> None:
     log(n)
   if (note := nothing_sharded_note(plan)) is not None:
     log(note)
-  if (opt := task.optimizer) is not None:
+  if (opt := plan.nvme) is not None:
     log(f"optimizer state on NVMe: {opt.state_bytes / 2**20:,.1f} MiB per process in "
         f"{len(opt.bounds)} chunk(s) of <= {config.nvme_chunk_size:,} parameters under "
         f"{opt.directory!r}, streamed through {config.nvme_buffer_count} buffers")
@@ -911,7 +879,7 @@ class _Records:
     return rec
 
 
-def _finish(opts: TrainOptions, label: str, task: Task, state: Any, records: _Records,
+def _finish(opts: TrainOptions, plan: Any, task: Task, state: Any, records: _Records,
             writer: MetricsWriter, ckpt: Any, tokens_per_step: int) -> dict[str, str]:
   """Writes the weights and the loss plot, logs the summary; returns the files written."""
   out_dir, history = opts.out_dir, records.history
@@ -924,7 +892,7 @@ def _finish(opts: TrainOptions, label: str, task: Task, state: Any, records: _Re
     files["checkpoint"] = opts.checkpoint_dir
   if opts.plot and is_main_process() and history:
     files["loss_png"] = plot_loss(history, os.path.join(out_dir, "loss.png"),
-                                  f"{task.name}, {label}, {jax.device_count()} devices")
+                                  f"{task.name}, {plan.config.label}, {jax.device_count()} devices")
   if history:
     first, last = history[0], history[-1]
     nan = float("nan")
@@ -937,8 +905,8 @@ def _finish(opts: TrainOptions, label: str, task: Task, state: Any, records: _Re
         + (f", {history[-1].get('skipped_steps', 0)} "
            f"{'overflow' if records.scaling else 'non-finite'} step(s) skipped"
            if history[-1].get("skipped_steps") else ""))
-    if task.optimizer is not None:
-      log(f"nvme optimizer state, this run's updates: {task.optimizer.total.summary()}")
+    if plan.nvme is not None:
+      log(f"nvme optimizer state, this run's updates: {plan.nvme.total.summary()}")
     log("wrote " + ", ".join(files.values()))
   return files
 
