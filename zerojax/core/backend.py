@@ -24,6 +24,14 @@ __all__ = ["Backend", "CPU", "GPU", "TPU", "BACKENDS", "for_platform", "for_mesh
 
 
 def _same(options: dict[str, Any]) -> dict[str, Any]:
+  """The default `Backend.release_options`: a JAX release that needs no change.
+
+  Args:
+    options: the XLA options.
+
+  Returns:
+    ``options`` itself.
+  """
   return options
 
 
@@ -130,11 +138,25 @@ class Backend:
 
   def per_use_at(self, config: Any) -> bool:
     """Whether ``gather='auto'`` gathers every model per use at ``config.stage``
-    (`per_use_from_stage`)."""
+    (`per_use_from_stage`).
+
+    Args:
+      config: the run's `zerojax.ZeroConfig`.
+
+    Returns:
+      True where this compiler gathers per use from that stage on.
+    """
     return self.per_use_from_stage is not None and config.stage >= self.per_use_from_stage
 
   def default_live_layers(self, config: Any) -> int:
-    """``config.max_live_layers``, or this compiler's `live_layers` where it is None."""
+    """Gathered scanned layers alive at once.
+
+    Args:
+      config: the run's `zerojax.ZeroConfig`.
+
+    Returns:
+      ``config.max_live_layers``, or this compiler's `live_layers` where it is None.
+    """
     return config.max_live_layers if config.max_live_layers is not None else self.live_layers
 
   def options(self, config: Any, layers_ahead: bool = False, pipelined: Any = None,

@@ -474,11 +474,19 @@ class ShardingPlan:
     return out
 
   def table(self) -> str:
-    """The plan as a readable text table with totals (`zerojax.core.report.table`)."""
+    """The plan as a readable table (`zerojax.core.report.table`).
+
+    Returns:
+      The text: one row per leaf group with its sharding and memory kind, and the totals.
+    """
     return report.table(self)
 
   def dtypes_line(self) -> str:
-    """The run's dtypes as they are (`zerojax.core.report.dtypes_line`)."""
+    """The run's dtypes as they are (`zerojax.core.report.dtypes_line`).
+
+    Returns:
+      One line: the stored, compute and reduction dtypes.
+    """
     return report.dtypes_line(self)
 
   def __str__(self) -> str:  # pragma: no cover - convenience

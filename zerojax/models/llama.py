@@ -224,7 +224,11 @@ class LlamaConfig:
     return tuple(self.sliding_window if t == "sliding_attention" else 0 for t in types)
 
   def num_params(self) -> int:
-    """Parameters of the base model with this config (no LoRA adapters), counted from shapes."""
+    """Parameters of the base model with this config, counted from shapes.
+
+    Returns:
+      The count, without LoRA adapters.
+    """
     d, i, hd = self.hidden_size, self.intermediate_size, self.hd
     q, kv = self.num_attention_heads * hd, self.num_key_value_heads * hd
     layer = 2 * d + d * q + 2 * d * kv + q * d + 3 * d * i

@@ -489,6 +489,9 @@ class Checkpointer:
     a partial directory left by a killed save. A step directory that is not complete (empty,
     or left half-deleted by a retention pass that was killed) is not listed either;
     `incomplete_steps` says why.
+
+    Returns:
+      The steps.
     """
     if self.read_only:
       self._mgr.reload()
@@ -507,7 +510,11 @@ class Checkpointer:
     return steps
 
   def incomplete_steps(self) -> dict[int, str]:
-    """``{step: why}`` of the numbered step directories that are not complete checkpoints."""
+    """The numbered step directories that are not complete checkpoints.
+
+    Returns:
+      ``{step: why}``, ascending.
+    """
     if self.read_only:
       self._mgr.reload()
     out = {}
@@ -519,11 +526,23 @@ class Checkpointer:
     return out
 
   def latest_step(self) -> int | None:
-    """The newest complete checkpoint's step, or ``None``."""
+    """The newest complete checkpoint's step.
+
+    Returns:
+      The step, or ``None`` where there is none.
+    """
     steps = self.all_steps()
     return steps[-1] if steps else None
 
   def step_dir(self, step: int) -> str:
+    """Where a step is kept.
+
+    Args:
+      step: the checkpoint step.
+
+    Returns:
+      ``<directory>/<step>``, whether or not it exists.
+    """
     return os.path.join(self.directory, str(step))
 
   # -- save -------------------------------------------------------------------------------------
@@ -649,7 +668,20 @@ class Checkpointer:
     return int(step)
 
   def read_meta(self, step: int | None = None) -> dict:
-    """The JSON ``meta`` item of a checkpoint (config, data, rng, leaf shapes and checksums)."""
+    """The JSON ``meta`` item of a checkpoint.
+
+    Args:
+      step: the step; ``None`` is the newest complete one.
+
+    Returns:
+      The item: the config, the data position, the random key, the leaf shapes and checksums.
+
+    Raises:
+      CheckpointNotFoundError: no such directory or step.
+      CheckpointDamagedError: the item cannot be read.
+      CheckpointError: it is not a zerojax checkpoint's.
+      CheckpointStepMismatchError: it records another step than its directory's.
+    """
     step = self._resolve_step(step)
     path = os.path.join(self.step_dir(step), META_ITEM)
     try:
@@ -675,7 +707,18 @@ class Checkpointer:
     return meta
 
   def stored_leaves(self, step: int | None = None) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
-    """``{leaf path: (shape, dtype)}`` of the stored state, from orbax's metadata."""
+    """The stored state's leaves, from orbax's metadata (no array is read).
+
+    Args:
+      step: the step; ``None`` is the newest complete one.
+
+    Returns:
+      ``{leaf path: (shape, dtype)}``.
+
+    Raises:
+      CheckpointNotFoundError: no such directory or step.
+      CheckpointError: the metadata cannot be read.
+    """
     step = self._resolve_step(step)
     try:
       md = self._mgr.metadata(step).item_metadata[STATE_ITEM]

@@ -216,7 +216,11 @@ class StreamStats:
       setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
   def summary(self) -> str:
-    """One line: chunks, bytes and rates, sync, update, wait and wall times."""
+    """The statistics as one line for a log.
+
+    Returns:
+      Chunks, bytes and rates, sync, update, wait and wall times.
+    """
     return (f"{self.chunks} chunks: read {self.bytes_read / 2**20:.1f} MiB at "
             f"{self.read_mb_s:.0f} MB/s, wrote {self.bytes_written / 2**20:.1f} MiB at "
             f"{self.write_mb_s:.0f} MB/s (sync {self.sync_s:.3f} s), update {self.update_s:.3f} s,"

@@ -68,10 +68,26 @@ class TensorMap:
     return "{i}" in self.name
 
   def names(self, leaf_shape: Sequence[int]) -> list[str]:
+    """The stored tensors behind one leaf.
+
+    Args:
+      leaf_shape: the leaf's shape (a stacked leaf's first dimension counts its layers).
+
+    Returns:
+      Their names: one per layer of a stacked leaf, else ``[name]``.
+    """
     return [self.name.format(i=i) for i in range(leaf_shape[0])] if self.stacked else [self.name]
 
   def tensor_shape(self, leaf_shape: Sequence[int]) -> tuple[int, ...]:
-    """The stored shape of one tensor behind a leaf of ``leaf_shape``."""
+    """The stored shape of one tensor behind a leaf.
+
+    Args:
+      leaf_shape: the leaf's shape.
+
+    Returns:
+      The tensor's shape, without a stacked leaf's layer dimension, reversed where the
+      checkpoint stores it transposed.
+    """
     s = tuple(leaf_shape[1:]) if self.stacked else tuple(leaf_shape)
     return s[::-1] if self.transpose else s
 

@@ -325,10 +325,23 @@ class Hook:
   """
 
   def after_step(self, step: int, state: Any, flush: Callable[[], None]) -> None:
-    pass
+    """Runs after a step is dispatched, before its metrics are fetched.
+
+    Args:
+      step: the step just dispatched.
+      state: the train state after it.
+      flush: fetches the metrics of the steps still on the device and hands them to every
+        hook's `on_records` first.
+    """
 
   def on_records(self, records: list[dict], previous_step: int) -> None:
-    pass
+    """Receives the records fetched since the last call.
+
+    Args:
+      records: one per step, oldest first, as ``metrics.jsonl`` holds them.
+      previous_step: the last step of the previous call's records (the run's first step
+        minus one at first).
+    """
 
   def close(self) -> None:
     pass
@@ -345,6 +358,12 @@ class WriteMetrics(Hook):
     self.writer = writer
 
   def on_records(self, records: list[dict], previous_step: int) -> None:
+    """Writes each record (`Hook.on_records`), then flushes the files.
+
+    Args:
+      records: as `Hook.on_records`.
+      previous_step: as `Hook.on_records`.
+    """
     for rec in records:
       self.writer.write(rec)
     self.writer.flush()
@@ -379,10 +398,20 @@ class ProgressBar(Hook):
     self.first: dict | None = None  # this run's first record (it carries compilation)
 
   def write(self, line: str) -> None:
-    """A log line above the bar."""
+    """Prints a log line above the bar.
+
+    Args:
+      line: the text.
+    """
     self.bar.write(line, file=sys.stdout)
 
   def on_records(self, records: list[dict], previous_step: int) -> None:
+    """Moves the bar to the last record's step, with its loss and throughput.
+
+    Args:
+      records: as `Hook.on_records`.
+      previous_step: as `Hook.on_records`.
+    """
     last = records[-1]
     self.first = self.first or records[0]
     tps = (last["tokens_per_sec"] if self.tokens_per_step is None else
@@ -461,6 +490,14 @@ class SaveCheckpoints(Hook):
     self.item, self.model, self.optimizer = item or (lambda state: state), model, optimizer
 
   def after_step(self, step: int, state: Any, flush: Callable[[], None]) -> None:
+    """Saves a checkpoint at every ``every``-th step and at the last, after flushing the
+    metrics before it.
+
+    Args:
+      step: as `Hook.after_step`.
+      state: as `Hook.after_step`.
+      flush: as `Hook.after_step`.
+    """
     if step == self.last or (self.every and step % self.every == 0):
       # Metrics up to a checkpoint are on disk before it exists: a resumed run's
       # metrics.jsonl then has every step.

@@ -22,7 +22,11 @@ __all__ = ["is_main_process", "log", "require", "EventWriter", "read_run_events"
 
 
 def is_main_process() -> bool:
-  """Whether this is process 0, the one that writes files and logs."""
+  """Whether this is process 0, the one that writes files and logs.
+
+  Returns:
+    True on process 0.
+  """
   return jax.process_index() == 0
 
 
@@ -85,6 +89,13 @@ class EventWriter:
     self.path = os.path.join(logdir, new[-1]) if new else None
 
   def scalars(self, step: int, values: Mapping[str, float], wall_time: float | None = None):
+    """Writes one event per value.
+
+    Args:
+      step: the training step.
+      values: ``{tag: value}``.
+      wall_time: the events' time (seconds since the epoch); default now.
+    """
     for tag, v in values.items():
       self._w.add_scalar(tag, float(v), int(step), walltime=wall_time)
 
@@ -196,6 +207,12 @@ class MetricsWriter:
                               purge_step=None if resume_after is None else resume_after + 1)
 
   def write(self, record: Mapping[str, Any]) -> None:
+    """Appends a step's record to ``metrics.jsonl`` and its numbers to TensorBoard (process 0
+    only).
+
+    Args:
+      record: the step's metrics, with its ``step``.
+    """
     if not self.enabled:
       return
     self._f.write(json.dumps(dict(record)) + "\n")
@@ -306,7 +323,12 @@ class StepClock:
     self._thread.start()
 
   def add(self, step: int, output: Any) -> None:
-    """Times ``step`` by ``output`` (any array the step returned)."""
+    """Times a step by when its output is ready, on the clock's thread.
+
+    Args:
+      step: the step.
+      output: any array the step returned.
+    """
     self._queue.put((step, output))
 
   def _run(self) -> None:
@@ -322,13 +344,28 @@ class StepClock:
         self._cv.notify_all()
 
   def done(self, step: int) -> float:
-    """``time.perf_counter()`` when ``step`` finished (waits for it)."""
+    """When a step finished (waits for it).
+
+    Args:
+      step: a step given to `add`.
+
+    Returns:
+      Its ``time.perf_counter()``.
+    """
     with self._cv:
       self._cv.wait_for(lambda: step in self._done)
       return self._done[step]
 
   def step_time(self, step: int) -> float | None:
-    """Seconds between the completions of ``step - 1`` and ``step``; ``None`` for the first."""
+    """How long a step took (waits for it).
+
+    Args:
+      step: a step given to `add`.
+
+    Returns:
+      Seconds between the completions of ``step - 1`` and ``step``; ``None`` for the first
+      step timed.
+    """
     end = self.done(step)
     with self._cv:
       start = self._done.get(step - 1)
