@@ -795,6 +795,9 @@ class Checkpointer:
 
     Returns:
       the path the step directory was moved to.
+
+    Raises:
+      CheckpointError: this `Checkpointer` is read-only.
     """
     if self.read_only:
       raise CheckpointError(f"checkpoint {self.directory!r} is opened read-only: step {step} "
