@@ -538,11 +538,13 @@ def test_library_resume_through_abstract_state_and_checkpointer(tmp_path):
 
 def test_overwrite_without_nvme_is_refused_before_any_work():
   config = ZeroConfig(stage=2)
-  with pytest.raises(ConfigError, match=r"^overwrite=True is invalid here: .*config.offload is "
-                                        r"not an NvmeOffload; drop it$"):
+  with pytest.raises(ConfigError, match=r"^overwrite=True is invalid with config.offload=None: "
+                                        r".*NvmeOffload.*; drop overwrite$") as e:
     zerojax.create_train_state(None, None, None, config=config, overwrite=True)
-  with pytest.raises(ConfigError, match=r"^overwrite=True is invalid here"):
-    zerojax.create_nnx(None, None, config=config, overwrite=True)
+  assert (e.value.field, e.value.value) == ("overwrite", True)
+  with pytest.raises(ConfigError, match=r"^overwrite=True is invalid with config.offload=Host"):
+    zerojax.create_nnx(None, None, config=config.replace(offload=zerojax.HostOffload()),
+                       overwrite=True)
 
 
 # -- crash safety and checkpoints --------------------------------------------------------------

@@ -44,8 +44,10 @@ _ABSTRACT_NVME_NOTE = """
 
 def _overwrite_needs_nvme(config: ZeroConfig, overwrite: bool) -> None:
   if overwrite and not config.optimizer_on_nvme:
-    raise ConfigError("overwrite=True is invalid here: it replaces an optimizer state in files, "
-                      "and config.offload is not an NvmeOffload; drop it")
+    raise ConfigError(f"overwrite=True is invalid with config.offload={config.offload!r}: it "
+                      "starts an NvmeOffload's optimizer-state files afresh, and only that "
+                      "offload has files; drop overwrite", field="overwrite", value=True,
+                      allowed="False unless config.offload is an NvmeOffload")
 
 
 def create_train_state(model: Any, tx: Any, rng: jax.Array, *init_args: Any,
