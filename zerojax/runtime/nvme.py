@@ -591,7 +591,8 @@ class _HostSegments:
 class NvmeOptimizer:
   """The optimizer state of one run on NVMe: its files, its chunked update, its statistics.
 
-  Made by `create_train_state`; `step` wraps a train step, `update` is the host part alone.
+  Made by `create_train_state` (and, to restore a checkpoint into, `abstract_train_state`);
+  `step` wraps a train step, `update` is the host part alone.
 
   Attributes:
     offload: the run's `zerojax.NvmeOffload` policy (path, chunk size, buffers, pipelining).
