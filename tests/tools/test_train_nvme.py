@@ -6,6 +6,7 @@ from __future__ import annotations
 import zerojax
 import json
 import os
+import re
 
 import jax
 import numpy as np
@@ -119,6 +120,8 @@ def test_deepspeed_json_with_nvme_trains_through_the_cli(tmp_path, capsys):
   assert "DeepSpeed zero_optimization.offload_optimizer: device nvme" in log
   assert "per-device memory (XLA)" in log  # show_plan measures the step's device part
   assert "optimizer state on NVMe:" in log and "nvme optimizer state, this run's updates" in log
+  # the run's own chunk size and buffers (sub_group_size, buffer_count), not the defaults
+  assert re.search(r"chunk\(s\) of <= 20,000 parameters under .* streamed through 3 buffers", log)
   lines = zt.read_jsonl(out / "metrics.jsonl")
   assert [r["step"] for r in lines] == [1, 2] and all(np.isfinite(r["loss"]) for r in lines)
   assert all(NVME_KEYS <= set(r) for r in lines)

@@ -786,10 +786,10 @@ def _log_start(plan: Any, task: Task, state: Any, notes: list[str]) -> None:
     log(n)
   if (note := nothing_sharded_note(plan)) is not None:
     log(note)
-  if (opt := plan.nvme) is not None:
+  if (opt := plan.nvme) is not None:  # its policy: plan.config is the device part's
     log(f"optimizer state on NVMe: {opt.state_bytes / 2**20:,.1f} MiB per process in "
-        f"{len(opt.bounds)} chunk(s) of <= {config.nvme_chunk_size:,} parameters under "
-        f"{opt.directory!r}, streamed through {config.nvme_buffer_count} buffers")
+        f"{len(opt.bounds)} chunk(s) of <= {opt.offload.chunk_size:,} parameters under "
+        f"{opt.directory!r}, streamed through {opt.offload.buffer_count} buffers")
 
 
 def _show_plan(plan: Any, task: Task, train_step: Any, state: Any, batches: Any,
