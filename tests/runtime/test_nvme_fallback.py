@@ -263,16 +263,19 @@ def test_restore_checkpoint_latest_falls_back_and_a_writer_moves_both_aside(tmp_
                                                      r"chunks read back with another CRC-32"):
       opt.restore_checkpoint(ck, state, step=6)
     with pytest.warns(UserWarning, match=r"step 6 .*'opt_state/0/nu/.*in 'nvme-6/process-0/"
-                                         r"1\.bin'\); left it in place.*restored step 4"):
+                                         r"1\.bin'\); left it in place.*restored step 4") as caught:
       restored, extras = opt.restore_checkpoint(ck, state)
+    assert {w.filename for w in caught if "cannot be read back" in str(w.message)} == {__file__}
   assert extras.step == 4 == int(restored.step) and opt.store.step == 4
   for k in (0, 1):  # the optimizer state committed is step 4's snapshot
     np.testing.assert_array_equal(opt.store.read(k), np.fromfile(
         _snapshot(tmp_path, 4) / f"{k}.bin", opt.store.leaves[k][1]))
   assert "6" in os.listdir(ckdir) and "nvme-6" in os.listdir(ckdir)
   with Checkpointer(ckdir) as ck:
-    with pytest.warns(UserWarning, match=r"moved it to '.*6\.damaged' with 'nvme-6' beside it"):
-      assert opt.restore_checkpoint(ck, state)[1].step == 4
+    with pytest.warns(UserWarning, match=r"moved it to '.*6\.damaged' with 'nvme-6' beside "
+                                         r"it") as caught:
+      assert ck.restore(state, plan)[1].step == 4  # the common call: the same fallback
+    assert {w.filename for w in caught if "cannot be read back" in str(w.message)} == {__file__}
     assert ck.all_steps() == [2, 4] and opt.checkpoint_steps(ck) == [2, 4]
   assert sorted(os.listdir(ckdir)) == ["2", "4", "6.damaged", "nvme-2", "nvme-4",
                                        "nvme-6.damaged"]

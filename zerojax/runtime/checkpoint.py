@@ -767,22 +767,39 @@ class Checkpointer:
       raise TypeError(f"restore(state, plan): plan must be a zerojax.ShardingPlan, got "
                       f"{type(plan).__name__}")
     if plan.nvme is not None:  # its device plan (nvme None) brings it back here
-      return plan.nvme.restore_checkpoint(self, state, step)
+      return plan.nvme.restore_checkpoint(self, state, step, stacklevel=3)
     if step is not None:
       return self._restore_step(state, plan, self._resolve_step(step))
-    step = self._resolve_step(None)
-    while True:
-      try:
-        return self._restore_step(state, plan, step)
-      except CheckpointDamagedError as e:
-        older = [s for s in self.all_steps() if s < step]
-        if not older:
-          raise _no_fallback(e) from e
-        dest = None
-        if not self.read_only:  # a reader never moves anything; the next writer will not list
-          dest = self.set_aside(step, beside=e.beside)  # it either once it is moved
-        warnings.warn(_fallback_warning(e, older[-1], dest), stacklevel=2)
-        step = older[-1]
+    return self.newest_readable(self._resolve_step(None), self.all_steps,
+                                lambda s: self._restore_step(state, plan, s), stacklevel=3)
+
+  def newest_readable(self, step: int, steps: Callable[[], list[int]],
+                      attempt: Callable[[int], Any], *, stacklevel: int = 2) -> Any:
+    """``attempt(step)``, falling back past damaged checkpoints to the newest step before.
+
+    Where ``attempt`` raises this directory's `CheckpointDamagedError` for ``step``, a writing
+    `Checkpointer` moves the step aside (`set_aside`, with what the error says lies beside
+    it; a read-only one leaves it), a warning names the damage, and the newest of ``steps()``
+    before it is attempted; and so on.
+
+    Args:
+      step: the step to attempt first.
+      steps: the complete steps a fallback may choose from (asked again after each move).
+      attempt: ``step -> result``.
+      stacklevel: the warning's, as if this method called ``warnings.warn`` itself: 2
+        (default) names the line that calls it.
+
+    Returns:
+      ``attempt``'s result for the first step that reads back.
+
+    Raises:
+      CheckpointDamagedError: no step before a damaged one is left; the message names the
+        damage and what to do.
+    """
+    return _newest_readable(
+        self.directory, step, steps, attempt,
+        lambda s, e: None if self.read_only else self.set_aside(s, beside=e.beside),
+        stacklevel + 1)
 
   def set_aside(self, step: int, *, beside: Sequence[str] = (), why: str = "damaged") -> str:
     """`move_aside` of checkpoint ``step`` (and ``beside``), which this `Checkpointer` then
@@ -1057,19 +1074,31 @@ def resume_with_fallback(directory: str | os.PathLike, step: int,
     CheckpointDamagedError: no complete step before a damaged one is left; the message names
       the damaged leaves and what to do.
   """
+  def steps() -> list[int]:
+    with Checkpointer(directory, read_only=True) as ck:
+      return ck.all_steps()
+
+  return _newest_readable(directory, step, steps, lambda s: (resume(s), s),
+                          lambda s, e: move_aside(directory, s, beside=e.beside), 3)
+
+
+def _newest_readable(directory: str | os.PathLike, step: int, steps: Callable[[], list[int]],
+                     attempt: Callable[[int], Any],
+                     set_aside: Callable[[int, CheckpointDamagedError], str | None],
+                     stacklevel: int) -> Any:
+  """The one fallback loop of `Checkpointer.newest_readable` and `resume_with_fallback`."""
   directory = os.path.abspath(os.fspath(directory))
   while True:
     try:
-      return resume(step), step
+      return attempt(step)
     except CheckpointDamagedError as e:
       if os.path.abspath(e.directory) != directory or e.step != step:
-        raise
-      with Checkpointer(directory, read_only=True) as ck:
-        older = [s for s in ck.all_steps() if s < step]
+        raise  # another checkpoint's damage: not this loop's to handle
+      older = [s for s in steps() if s < step]
       if not older:
         raise _no_fallback(e) from e
-      dest = move_aside(directory, step, beside=e.beside)
-      warnings.warn(_fallback_warning(e, older[-1], dest), stacklevel=2)
+      dest = set_aside(step, e)
+      warnings.warn(_fallback_warning(e, older[-1], dest), stacklevel=stacklevel)
       step = older[-1]
 
 

@@ -54,7 +54,6 @@ import dataclasses
 import hashlib
 import os
 import shutil
-import warnings
 from typing import Any, Callable, Sequence
 
 import jax
@@ -961,8 +960,8 @@ class NvmeOptimizer:
             if os.path.exists(os.path.join(self._snapshot_dir(checkpointer.directory, s),
                                            "manifest.json"))]
 
-  def restore_checkpoint(self, checkpointer: Any, state: Any, step: int | None = None
-                         ) -> tuple[Any, Any]:
+  def restore_checkpoint(self, checkpointer: Any, state: Any, step: int | None = None, *,
+                         stacklevel: int = 2) -> tuple[Any, Any]:
     """Restores the newest complete checkpoint (or ``step``): the train state through orbax
     into this run's plan, and the optimizer state's files as the store's committed
     generation, once they read back as written (`NvmeStore.verify_snapshot`: sizes and the
@@ -980,6 +979,8 @@ class NvmeOptimizer:
       checkpointer: the run's `zerojax.runtime.checkpoint.Checkpointer`.
       state: the train state to restore into (its structure, shapes and shardings).
       step: the step; ``None`` is the newest complete one.
+      stacklevel: the fallback warning's, as if this method called ``warnings.warn`` itself:
+        2 (default) names the line that calls it.
 
     Returns:
       ``(state, extras)`` as `Checkpointer.restore` does.
@@ -988,7 +989,6 @@ class NvmeOptimizer:
       CheckpointDamagedError: ``step`` (or, with ``None``, every complete step) is damaged.
       NvmeStateError: no such complete step, or its snapshot holds another run's layout.
     """
-    from zerojax.runtime import checkpoint as zc  # late: orbax is imported only to restore
     if step is not None:
       if step not in checkpointer.all_steps():
         raise NvmeStateError(f"checkpoint step {step} in {checkpointer.directory!r} does not "
@@ -998,17 +998,9 @@ class NvmeOptimizer:
     if not steps:
       raise NvmeStateError(f"no complete NVMe checkpoint in {checkpointer.directory!r} "
                            f"(orbax steps {checkpointer.all_steps()})")
-    step = steps[-1]
-    while True:
-      try:
-        return self._restore_step(checkpointer, state, step)
-      except zc.CheckpointDamagedError as e:
-        older = [s for s in self.checkpoint_steps(checkpointer) if s < step]
-        if not older:
-          raise zc._no_fallback(e) from e
-        dest = None if checkpointer.read_only else checkpointer.set_aside(step, beside=e.beside)
-        warnings.warn(zc._fallback_warning(e, older[-1], dest), stacklevel=2)
-        step = older[-1]
+    return checkpointer.newest_readable(
+        steps[-1], lambda: self.checkpoint_steps(checkpointer),
+        lambda s: self._restore_step(checkpointer, state, s), stacklevel=stacklevel + 1)
 
   def _restore_step(self, checkpointer: Any, state: Any, step: int) -> tuple[Any, Any]:
     """`restore_checkpoint` of one step: the snapshot is read back first (the cheaper
