@@ -453,7 +453,6 @@ def part_nvme(spec: dict) -> dict:
   import numpy as np
 
   import zerojax
-  from zerojax import nvme
   _check_platform(spec)
   s = Shapes(**spec["shapes"])
   path = spec["nvme_dir"]
@@ -467,11 +466,11 @@ def part_nvme(spec: dict) -> dict:
   batches = _batches(s, s.batch, 3)  # each step streams the whole state: two timed
   config = _zero_config(spec, stage=3, param_dtype="bfloat16", offload_optimizer="nvme",
                         nvme_path=path, nvme_chunk_size=spec["chunk"], nvme_buffer_count=4)
-  state, plan, opt = nvme.create_train_state(
+  state, plan = zerojax.create_train_state(
       model, zerojax.master_weights(make_tx()), jax.random.key(0), batches[0]["x"],
       config=config, overwrite=True)
   out["rss_after_state"] = RssSampler.now()
-  step = opt.step(train_step)
+  opt, step = plan.nvme, zerojax.zero_step(plan)(train_step)
   # The first step compiles the device step and the host update: the compilers' own memory
   # is in the whole run's peak, not in the steady steps' after it.
   times, losses, t_steady = [], [], 0.0

@@ -81,7 +81,6 @@ def child(args: argparse.Namespace) -> dict:
 
   import zerojax
   from zerojax.models import GPT, GPTConfig, loss_fn
-  from zerojax.runtime import nvme
 
   cfg = GPTConfig(vocab_size=args.vocab, seq_len=64, num_layers=args.layers, num_heads=8,
                   d_model=args.d_model)
@@ -104,18 +103,16 @@ def child(args: argparse.Namespace) -> dict:
     base = base.replace(precision=zerojax.Precision(param="bfloat16", compute="bfloat16"))
   x = jnp.asarray(data[0]["x"])
   out: dict = {"mode": args.mode}
-  if args.mode == "nvme":
-    config = base.replace(offload=zerojax.NvmeOffload(args.nvme_path, chunk_size=args.chunk,
-                                                      buffer_count=args.buffers))
-    state, plan, opt = nvme.create_train_state(GPT(cfg), tx, jax.random.key(0), x,
-                                               config=config, overwrite=True)
-    step = opt.step(train_step)
+  offload = {"nvme": zerojax.NvmeOffload(args.nvme_path, chunk_size=args.chunk,
+                                         buffer_count=args.buffers),
+             "host": zerojax.HostOffload()}.get(args.mode)
+  state, plan = zerojax.create_train_state(GPT(cfg), tx, jax.random.key(0), x,
+                                           config=base.replace(offload=offload),
+                                           overwrite=args.mode == "nvme")
+  step, opt = zerojax.zero_step(plan)(train_step), plan.nvme
+  if opt is not None:
     out["state_bytes"] = opt.state_bytes
     out["chunks"] = len(opt.bounds)
-  else:
-    config = base.replace(offload=zerojax.HostOffload() if args.mode == "host" else None)
-    state, plan = zerojax.create_train_state(GPT(cfg), tx, jax.random.key(0), x, config=config)
-    step = zerojax.zero_step(plan)(train_step)
   out["params"] = int(sum(np.size(p) for p in jax.tree.leaves(state.params)))
   times, stats, losses = [], [], []
   rss = RssSampler()

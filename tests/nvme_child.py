@@ -25,7 +25,7 @@ import numpy as np  # noqa: E402
 import zerojax  # noqa: E402
 from tests import helpers  # noqa: E402
 from zerojax.models import GPT  # noqa: E402
-from zerojax.runtime import nvme  # noqa: E402
+from zerojax.checkpoint import abstract_train_state  # noqa: E402
 from zerojax.runtime.checkpoint import Checkpointer  # noqa: E402
 
 
@@ -36,14 +36,13 @@ def main(nvme_path: str, ckpt_dir: str, steps: int, out: str) -> None:
       stage=2, gather=zerojax.Gather(persistence_threshold=helpers.THRESHOLD),
       offload=zerojax.NvmeOffload(nvme_path, chunk_size=4096, buffer_count=3))
   ckpt = Checkpointer(ckpt_dir, max_to_keep=2, async_save=False)
-  state, _, opt = nvme.create_train_state(GPT(cfg), helpers.make_tx(), jax.random.key(0),
-                                          jnp.asarray(data[0]["x"]), config=config,
-                                          overwrite=not ckpt.all_steps())
-  if opt.checkpoint_steps(ckpt):
-    state, _ = opt.restore_checkpoint(ckpt, state)
+  args = (GPT(cfg), helpers.make_tx(), jax.random.key(0), jnp.asarray(data[0]["x"]))
+  if ckpt.all_steps():  # a killed run's checkpoint (its snapshot is saved first): resume it
+    state, plan = abstract_train_state(*args, config=config)
+    state, _ = ckpt.restore(state, plan)
   else:
-    opt.initialize(state, overwrite=True)
-  step = opt.step(helpers.train_step)
+    state, plan = zerojax.create_train_state(*args, config=config, overwrite=True)
+  opt, step = plan.nvme, zerojax.zero_step(plan)(helpers.train_step)
   print(f"START {int(state.step)}", flush=True)
   for i in range(int(state.step), steps):
     state, _ = step(state, data[i])

@@ -87,16 +87,16 @@ def mismatch(out: str) -> dict:
   import jax.numpy as jnp
   from tests import helpers
   from zerojax.core.agreement import ProcessMismatchError
+  import zerojax
   from zerojax.models import GPT
-  from zerojax.runtime import nvme
   path = os.path.join(out, "nvme-mismatch")
   os.makedirs(path, exist_ok=True)
   zc = _config(3, offload_optimizer="nvme", nvme_path=path,
                nvme_chunk_size=(CHUNK, 4096)[jax.process_index()])
   x = jnp.asarray(helpers.batches(helpers.TINY, 1)[0]["x"])
   try:
-    nvme.create_train_state(GPT(helpers.TINY), helpers.make_tx(), jax.random.key(0), x,
-                            config=zc)
+    zerojax.create_train_state(GPT(helpers.TINY), helpers.make_tx(), jax.random.key(0), x,
+                               config=zc)
   except ProcessMismatchError as e:
     return {"error": type(e).__name__, "message": str(e), "fields": e.fields,
             "files": _listing(os.path.join(path, "zerojax-nvme"))}
@@ -109,8 +109,8 @@ def nvme_run(out: str, stage: int, steps: int, checkpoint: bool) -> dict:
   import jax
   import jax.numpy as jnp
   from tests import helpers
+  import zerojax
   from zerojax.models import GPT
-  from zerojax.runtime import nvme
   from zerojax.runtime.checkpoint import Checkpointer
   data = helpers.batches(helpers.TINY, steps)
   path = os.path.join(out, f"nvme-{stage}")
@@ -118,9 +118,10 @@ def nvme_run(out: str, stage: int, steps: int, checkpoint: bool) -> dict:
   zn = _config(stage, offload_optimizer="nvme", nvme_path=path, nvme_chunk_size=CHUNK,
                nvme_buffer_count=3)
   x = jnp.asarray(data[0]["x"])
-  state, plan, opt = nvme.create_train_state(GPT(helpers.TINY), helpers.make_tx(),
-                                             jax.random.key(0), x, config=zn)
-  batches, step, half = _feed(plan, data), opt.step(helpers.train_step), steps // 2
+  state, plan = zerojax.create_train_state(GPT(helpers.TINY), helpers.make_tx(),
+                                           jax.random.key(0), x, config=zn)
+  opt, step = plan.nvme, zerojax.zero_step(plan)(helpers.train_step)
+  batches, half = _feed(plan, data), steps // 2
   ck = Checkpointer(os.path.join(out, f"ckpt-{stage}"), async_save=False) if checkpoint else None
   state, losses = _losses(step, state, batches[:half])
   if ck is not None:
@@ -140,16 +141,18 @@ def _resume(out: str, zn, x, ck, batches: list[dict]) -> dict:
   """The checkpoint restored into a fresh state whose optimizer files live elsewhere."""
   import jax
   from tests import helpers
+  import zerojax
+  from zerojax.checkpoint import abstract_train_state
   from zerojax.models import GPT
-  from zerojax.runtime import nvme
   path = os.path.join(out, f"nvme-{zn.stage}-restored")
   os.makedirs(path, exist_ok=True)
-  state, _, opt = nvme.create_train_state(GPT(helpers.TINY), helpers.make_tx(),
-                                          jax.random.key(1), x, config=zn.replace(
-                                              offload=dataclasses.replace(zn.offload, path=path)))
-  state, _ = opt.restore_checkpoint(ck, state)
-  start = int(state.step)
-  state, losses = _losses(opt.step(helpers.train_step), state, batches)
+  # The library's resume: nothing is initialised or written before the restore.
+  state, plan = abstract_train_state(GPT(helpers.TINY), helpers.make_tx(), jax.random.key(1), x,
+                                     config=zn.replace(offload=dataclasses.replace(zn.offload,
+                                                                                   path=path)))
+  state, _ = ck.restore(state, plan)
+  opt, start = plan.nvme, int(state.step)
+  state, losses = _losses(zerojax.zero_step(plan)(helpers.train_step), state, batches)
   _save_params(out, f"resumed-{zn.stage}", state.params)
   return {"from_step": start, "losses": losses, "steps": opt.checkpoint_steps(ck)}
 

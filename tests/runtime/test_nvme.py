@@ -301,8 +301,36 @@ def test_startup_check_runs_before_step_one(tmp_path, monkeypatch):
                    offload=zerojax.NvmeOffload(str(tmp_path)))
   x = jnp.zeros((8, helpers.TINY.seq_len), jnp.int32)
   with pytest.raises(nvme_store.NvmePathError, match="bytes needed"):
-    nvme.create_train_state(GPT(helpers.TINY), optax.adam(1e-3), jax.random.key(0), x, config=cfg)
+    zerojax.create_train_state(GPT(helpers.TINY), optax.adam(1e-3), jax.random.key(0), x,
+                               config=cfg)
   assert not os.path.exists(tmp_path / "zerojax-nvme" / "process-0" / "CURRENT")
+
+
+def test_the_earlier_three_value_calls_warn_and_return_plan_nvme(tmp_path):
+  """``zerojax.nvme.create_train_state``/``abstract_train_state``/``create_nnx`` are the common
+  calls with ``plan.nvme`` returned beside the plan, for one release, each with a
+  `DeprecationWarning` that names the caller's line; without NVMe they refuse as before."""
+  import zerojax.nvme as znvme
+  cfg = ZeroConfig(stage=2, gather=zerojax.Gather(persistence_threshold=helpers.THRESHOLD),
+                   offload=zerojax.NvmeOffload(str(tmp_path), chunk_size=20000, buffer_count=3))
+  x = jnp.zeros((8, helpers.TINY.seq_len), jnp.int32)
+  args = (GPT(helpers.TINY), helpers.make_tx(), jax.random.key(0), x)
+  with pytest.warns(DeprecationWarning, match=r"zerojax\.nvme\.create_train_state is deprecated"
+                                              r".*zerojax\.create_train_state") as caught:
+    state, plan, opt = znvme.create_train_state(*args, config=cfg)
+  assert [w.filename for w in caught if w.category is DeprecationWarning] == [__file__]
+  assert isinstance(opt, nvme.NvmeOptimizer) and opt is plan.nvme
+  assert opt.store.step == int(state.step) == 0
+  with pytest.warns(DeprecationWarning, match="abstract_train_state is deprecated"):
+    abstract, aplan, aopt = znvme.abstract_train_state(*args, config=cfg)
+  assert aopt is aplan.nvme and all(isinstance(a, jax.ShapeDtypeStruct)
+                                    for a in jax.tree.leaves(abstract))
+  for name, call in [("create_train_state", lambda c: znvme.create_train_state(*args, config=c)),
+                     ("create_nnx", lambda c: znvme.create_nnx(lambda: None, args[1], config=c))]:
+    with pytest.warns(DeprecationWarning), pytest.raises(
+        ConfigError, match=rf"zerojax\.nvme\.{name} needs config\.offload=NvmeOffload") as e:
+      call(cfg.replace(offload=None))
+    assert (e.value.field, e.value.value) == ("offload", None)
 
 
 # -- exactness against the same optax update in memory -----------------------------------------
@@ -471,9 +499,9 @@ def test_nvme_state_moves_to_memory_and_back_exactly(tmp_path):
   for b in data:
     ref, _ = step(ref, b)
   # NVMe -> memory (through a checkpoint of the in-memory state)
-  st, _, opt = nvme.create_train_state(GPT(cfg), helpers.make_tx(), jax.random.key(0), x,
-                                       config=zn)
-  nstep = opt.step(helpers.train_step)
+  st, nplan = zerojax.create_train_state(GPT(cfg), helpers.make_tx(), jax.random.key(0), x,
+                                         config=zn)
+  opt, nstep = nplan.nvme, zerojax.zero_step(nplan)(helpers.train_step)
   for b in data[:4]:
     st, _ = nstep(st, b)
   mem, step, plan = memory()
@@ -489,11 +517,11 @@ def test_nvme_state_moves_to_memory_and_back_exactly(tmp_path):
   mem, step, _ = memory()
   for b in data[:4]:
     mem, _ = step(mem, b)
-  st, _, opt = nvme.create_train_state(GPT(cfg), helpers.make_tx(), jax.random.key(0), x,
-                                       config=zn, overwrite=True)
-  opt.load_opt_state(mem.opt_state, step=4)
+  st, nplan = zerojax.create_train_state(GPT(cfg), helpers.make_tx(), jax.random.key(0), x,
+                                         config=zn, overwrite=True)
+  nplan.nvme.load_opt_state(mem.opt_state, step=4)
   st = st.replace(step=mem.step, params=mem.params)
-  nstep = opt.step(helpers.train_step)
+  nstep = zerojax.zero_step(nplan)(helpers.train_step)
   for b in data[4:]:
     st, _ = nstep(st, b)
   _assert_bits([], jax.tree.map(np.asarray, ref.params), [], jax.tree.map(np.asarray, st.params))

@@ -1,10 +1,9 @@
 """The NVMe optimizer state (ZeRO-Infinity) with a Flax NNX model.
 
-`zerojax.runtime.nvme.create_train_state` builds a linen train state (it calls ``model.init``),
-so an NNX model needs its own entry point, as `zerojax.create_nnx` is to
-`zerojax.create_train_state`: ``nvme.create_nnx(model_fn, tx, config=...)`` ->
-``(model, optimizer, plan, opt)``, stepped by ``opt.step(train_step)(model, optimizer, batch)``
-with the same NNX ``train_step`` as in memory.
+An NNX model goes through `zerojax.create_nnx`, as without NVMe: with
+``config.offload=NvmeOffload(path)`` the plan's ``nvme`` is the `NvmeOptimizer`, and
+``zerojax.zero_step(plan)(train_step)(model, optimizer, batch)`` runs the same NNX
+``train_step`` as in memory.
 """
 
 from __future__ import annotations
@@ -21,7 +20,6 @@ import zerojax
 from tests import helpers
 from zerojax.core.config import ConfigError, ZeroConfig
 from zerojax.models import nnx_gpt
-from zerojax.runtime import nvme
 
 CFG = dataclasses.replace(helpers.TINY, scan=False)  # nnx_gpt's blocks are unscanned
 STEPS = 6
@@ -46,8 +44,8 @@ def _runs(tmp_path, stage: int):
   ref = [np.float32(step(model, optimizer, b)["loss"]) for b in data]
   ref_params = _params(model)
   zn = zc.replace(offload=zerojax.NvmeOffload(str(tmp_path), chunk_size=20000, buffer_count=3))
-  model, optimizer, plan, opt = nvme.create_nnx(_model, helpers.make_tx(), config=zn)
-  nstep = opt.step(nnx_train_step)
+  model, optimizer, plan = zerojax.create_nnx(_model, helpers.make_tx(), config=zn)
+  opt, nstep = plan.nvme, zerojax.zero_step(plan)(nnx_train_step)
   got, metrics = [], {}
   for b in data:
     metrics = nstep(model, optimizer, b)
@@ -74,15 +72,20 @@ def test_nvme_nnx_bit_identical_to_in_memory(tmp_path, stage):
   assert metrics["nvme_wall_s"] > 0 and np.isfinite(metrics["nvme_read_mb_s"])
 
 
-def test_nvme_create_train_state_points_an_nnx_model_to_create_nnx(tmp_path):
-  zn = ZeroConfig(stage=3, offload=zerojax.NvmeOffload(str(tmp_path)))
+@pytest.mark.parametrize("on_nvme", [False, True])
+def test_create_train_state_points_an_nnx_model_to_create_nnx(tmp_path, on_nvme):
+  zc = ZeroConfig(stage=3, offload=zerojax.NvmeOffload(str(tmp_path)) if on_nvme else None)
   x = np.zeros((8, CFG.seq_len), np.int32)
-  with pytest.raises(ConfigError, match="zerojax.runtime.nvme.create_nnx"):
-    nvme.create_train_state(_model(), helpers.make_tx(), jax.random.key(0), x, config=zn)
+  with pytest.raises(ConfigError,
+                     match=r"takes a linen model .*got NGPT.*zerojax\.create_nnx") as e:
+    zerojax.create_train_state(_model(), helpers.make_tx(), jax.random.key(0), x, config=zc)
+  assert (e.value.field, e.value.value) == ("model", "NGPT")
   assert not os.listdir(tmp_path)  # refused before any file
 
 
 def test_nvme_create_nnx_refuses_loss_scaling(tmp_path):
   zn = ZeroConfig(stage=3, offload=zerojax.NvmeOffload(str(tmp_path)), loss_scale=0)
-  with pytest.raises(ConfigError, match="loss_scale"):
-    nvme.create_nnx(_model, helpers.make_tx(), config=zn)
+  with pytest.raises(ConfigError, match="loss_scale") as e:
+    zerojax.create_nnx(_model, helpers.make_tx(), config=zn)
+  assert e.value.field == "loss_scale"
+  assert not os.listdir(tmp_path)

@@ -16,7 +16,7 @@ from flax import nnx
 
 from zerojax.core import budget
 from zerojax.core.backend import Backend
-from zerojax.core.config import ZeroConfig
+from zerojax.core.config import ConfigError, ZeroConfig
 from zerojax.core.dtypes import cast, cast_shapes
 from zerojax.core.mesh import make_mesh
 from zerojax.core.placement import place
@@ -64,7 +64,8 @@ def create_train_state(model: Any, tx: Any, rng: jax.Array, *init_args: Any,
     ValueError: ``model.init`` makes no ``'params'``.
     WeightsError: ``params`` does not match the model's parameters (a `ValueError`).
     TypeError: a parameter leaf is not floating point.
-    ConfigError: ``config``'s batch sizes are inconsistent, or the plan cannot be made.
+    ConfigError: ``model`` is not a linen module, ``config``'s batch sizes are inconsistent,
+      or the plan cannot be made.
     DeviceMemoryError: the sharded state does not fit in the devices' memory.
   """
   make_state, plan, abstract = state_initializer(model, tx, rng, *init_args, config=config,
@@ -102,8 +103,14 @@ def state_initializer(model: Any, tx: Any, rng: jax.Array, *init_args: Any,
   Raises:
     ValueError: ``model.init`` makes no ``'params'``.
     TypeError: a parameter leaf is not floating point.
-    ConfigError: ``config``'s batch sizes are inconsistent, or the plan cannot be made.
+    ConfigError: ``model`` is not a linen module, ``config``'s batch sizes are inconsistent,
+      or the plan cannot be made.
   """
+  if isinstance(model, nnx.Module) or not callable(getattr(model, "init", None)):
+    raise ConfigError(
+        f"create_train_state takes a linen model (with .init); got {type(model).__name__}. "
+        "For a Flax NNX model use zerojax.create_nnx(model_fn, tx, config=config)",
+        field="model", value=type(model).__name__, allowed="a flax.linen.Module")
   mesh = make_mesh(config) if mesh is None else mesh
   pdtype = jnp.dtype(config.param_dtype)
   state_cls = ZeroTrainState if state_cls is None else state_cls
@@ -213,7 +220,8 @@ def abstract_train_state(model: Any, tx: Any, rng: jax.Array, *init_args: Any,
   Raises:
     ValueError: ``model.init`` makes no ``'params'``.
     TypeError: a parameter leaf is not floating point.
-    ConfigError: ``config``'s batch sizes are inconsistent, or the plan cannot be made.
+    ConfigError: ``model`` is not a linen module, ``config``'s batch sizes are inconsistent,
+      or the plan cannot be made.
   """
   _, plan, abstract = state_initializer(model, tx, rng, *init_args, config=config, mesh=mesh,
                                         state_cls=state_cls, backend=backend,

@@ -26,19 +26,20 @@ __all__ = ["create_train_state", "create_nnx", "abstract_train_state"]
 _NVME_NOTE = """
 
   With ``config.offload`` an `NvmeOffload`, the optimizer state of ``tx`` goes to files under
-  its ``path`` (`zerojax.runtime.nvme.create_train_state`; ``tx`` must be elementwise, and a
-  committed state there is resumed unless ``overwrite=True``, which any other offload
-  refuses with a `ConfigError`): the plan's ``nvme`` is the
-  `NvmeOptimizer` that streams it (its ``save_checkpoint``, ``restore_checkpoint`` and
-  ``stats``), and `zerojax.zero_step` runs its host update after each device step.
+  its ``path``: the device state carries only the step's reduced gradient
+  (`zerojax.runtime.nvme.device_part`), and `zerojax.runtime.nvme.start` then checks that
+  ``tx`` is elementwise and writes its state as the first generation of files, or resumes a
+  committed state there unless ``overwrite=True`` (which any other offload refuses with a
+  `ConfigError`). The plan's ``nvme`` is the `NvmeOptimizer` that streams it (its
+  ``save_checkpoint``, ``restore_checkpoint`` and ``stats``), and `zerojax.zero_step` runs its
+  host update after each device step.
 """
 
 _ABSTRACT_NVME_NOTE = """
 
   With ``config.offload`` an `NvmeOffload`, the plan's ``nvme`` is the `NvmeOptimizer` of the
-  files under its ``path`` (`zerojax.runtime.nvme.abstract_train_state`: nothing is written),
-  and `Checkpointer.restore` with this plan restores the checkpoint's optimizer-state snapshot
-  beside the train state.
+  files under its ``path`` (nothing is written), and `Checkpointer.restore` with this plan
+  restores the checkpoint's optimizer-state snapshot beside the train state.
 """
 
 
@@ -50,46 +51,54 @@ def _overwrite_needs_nvme(config: ZeroConfig, overwrite: bool) -> None:
                       allowed="False unless config.offload is an NvmeOffload")
 
 
+def _device_part(config: ZeroConfig, tx: Any, nnx_model: bool = False) -> tuple[ZeroConfig, Any]:
+  """The config and transformation the device state is created with: the run's own, or an
+  NVMe run's device part."""
+  if config.optimizer_on_nvme:
+    return nvme.device_part(config, tx, nnx_model=nnx_model)
+  return config, tx
+
+
 def create_train_state(model: Any, tx: Any, rng: jax.Array, *init_args: Any,
                        config: ZeroConfig, mesh: jax.sharding.Mesh | None = None,
                        state_cls: type | None = None, params: Any = None,
                        backend: Backend | None = None, overwrite: bool = False,
                        **init_kwargs: Any) -> tuple[Any, ShardingPlan]:
   _overwrite_needs_nvme(config, overwrite)
+  device, device_tx = _device_part(config, tx)
+  state, plan = _core.create_train_state(model, device_tx, rng, *init_args, config=device,
+                                         mesh=mesh, state_cls=state_cls, params=params,
+                                         backend=backend, **init_kwargs)
   if config.optimizer_on_nvme:
-    state, plan, opt = nvme.create_train_state(
-        model, tx, rng, *init_args, config=config, mesh=mesh, state_cls=state_cls,
-        params=params, backend=backend, overwrite=overwrite, **init_kwargs)
-    return state, dataclasses.replace(plan, nvme=opt)
-  return _core.create_train_state(model, tx, rng, *init_args, config=config, mesh=mesh,
-                                  state_cls=state_cls, params=params, backend=backend,
-                                  **init_kwargs)
+    plan = dataclasses.replace(plan, nvme=nvme.start(config.offload, plan, tx, state,
+                                                     overwrite=overwrite))
+  return state, plan
 
 
 def create_nnx(model_fn: Callable[[], Any], tx: Any, *, config: ZeroConfig,
                mesh: jax.sharding.Mesh | None = None, wrt: Any = None, params: Any = None,
                backend: Backend | None = None, overwrite: bool = False):
   _overwrite_needs_nvme(config, overwrite)
+  device, device_tx = _device_part(config, tx, nnx_model=True)
+  model, optimizer, plan = _core.create_nnx(model_fn, device_tx, config=device, mesh=mesh,
+                                            wrt=wrt, params=params, backend=backend)
   if config.optimizer_on_nvme:
-    model, optimizer, plan, opt = nvme.create_nnx(model_fn, tx, config=config, mesh=mesh,
-                                                  wrt=wrt, params=params, backend=backend,
-                                                  overwrite=overwrite)
-    return model, optimizer, dataclasses.replace(plan, nvme=opt)
-  return _core.create_nnx(model_fn, tx, config=config, mesh=mesh, wrt=wrt, params=params,
-                          backend=backend)
+    plan = dataclasses.replace(plan, nvme=nvme.start(
+        config.offload, plan, tx, nvme.NnxView.of(model, optimizer), overwrite=overwrite))
+  return model, optimizer, plan
 
 
 def abstract_train_state(model: Any, tx: Any, rng: jax.Array, *init_args: Any,
                          config: ZeroConfig, mesh: jax.sharding.Mesh | None = None,
                          state_cls: type | None = None, backend: Backend | None = None,
                          **init_kwargs: Any) -> tuple[Any, ShardingPlan]:
-  if config.optimizer_on_nvme:
-    state, plan, opt = nvme.abstract_train_state(
-        model, tx, rng, *init_args, config=config, mesh=mesh, state_cls=state_cls,
-        backend=backend, **init_kwargs)
-    return state, dataclasses.replace(plan, nvme=opt)
-  return _core.abstract_train_state(model, tx, rng, *init_args, config=config, mesh=mesh,
-                                    state_cls=state_cls, backend=backend, **init_kwargs)
+  device, device_tx = _device_part(config, tx)
+  state, plan = _core.abstract_train_state(model, device_tx, rng, *init_args, config=device,
+                                           mesh=mesh, state_cls=state_cls, backend=backend,
+                                           **init_kwargs)
+  if config.optimizer_on_nvme:  # opens the store; nothing is written
+    plan = dataclasses.replace(plan, nvme=nvme.NvmeOptimizer(config.offload, plan, tx, state))
+  return state, plan
 
 
 create_train_state.__doc__ = _core.create_train_state.__doc__.rstrip() + _NVME_NOTE

@@ -34,12 +34,11 @@ Example::
     state, metrics = step(state, batch)
   print(plan.nvme.stats.summary())     # MB/s read and written, update and wait time
 
-`create_train_state` below returns the `NvmeOptimizer` itself as a third value
-(``(state, plan, opt)``, ``opt.step(train_step)``); `zerojax.create_train_state` puts it in
-``plan.nvme``.
+`zerojax.create_train_state` builds the device part from `device_part` and then `start`s
+the `NvmeOptimizer`, which it puts in ``plan.nvme``.
 
-A Flax NNX model goes through `create_nnx` instead (as `zerojax.create_nnx`), and its step is
-the same ``train_step(model, optimizer, batch) -> metrics``::
+A Flax NNX model goes through `zerojax.create_nnx`, and its step is the same
+``train_step(model, optimizer, batch) -> metrics``::
 
   model, optimizer, plan = zerojax.create_nnx(lambda: Model(nnx.Rngs(0)), optax.adamw(1e-3),
                                               config=config)
@@ -63,7 +62,7 @@ import optax
 from flax import nnx, struct
 from jax.experimental import multihost_utils
 
-from zerojax.core import agreement, create
+from zerojax.core import agreement
 from zerojax.core.config import ConfigError, ZeroConfig
 from zerojax.core.policies import NvmeOffload
 from zerojax.core.plan import ShardingPlan, path_str
@@ -74,8 +73,7 @@ from zerojax.runtime.nvme_store import (NvmeError, NvmePathError, NvmeSnapshotDa
 __all__ = ["NotChunkableError", "NvmeError", "NvmePathError", "NvmeStateError",
            "NvmeSnapshotDamagedError", "StreamStats",
            "ChunkedTransformation", "chunked_transformation", "capture_gradients",
-           "NvmeOptimizer", "NnxView", "create_train_state", "abstract_train_state", "create_nnx",
-           "device_config",
+           "NvmeOptimizer", "NnxView", "device_part", "device_config", "start",
            "METRICS"]
 
 PyTree = Any
@@ -88,7 +86,7 @@ METRICS = {"nvme_read_mb_s": "read_mb_s", "nvme_write_mb_s": "write_mb_s",
 class NotChunkableError(ConfigError):
   """The optax transformation's update is not elementwise: it cannot run chunk by chunk.
 
-  Raised by `chunked_transformation` (and so by `create_train_state` and `create_nnx`); the
+  Raised by `chunked_transformation` (and so by `start` and `zerojax.create_train_state`); the
   message names the first member of the chain that fails alone.
   """
 
@@ -477,7 +475,7 @@ def device_config(config: ZeroConfig) -> ZeroConfig:
 
 @struct.dataclass
 class NnxView:
-  """An NNX ``(model, optimizer)`` pair from `create_nnx` as `NvmeOptimizer` reads a linen
+  """An NNX ``(model, optimizer)`` pair from `zerojax.create_nnx` as `NvmeOptimizer` reads a linen
   train state, as plain arrays (no copies).
 
   Attributes:
@@ -495,7 +493,7 @@ class NnxView:
     """The view of an NNX pair.
 
     Args:
-      model: the NNX model from `create_nnx`.
+      model: the NNX model from `zerojax.create_nnx`.
       optimizer: its device ``nnx.Optimizer``.
 
     Returns:
@@ -590,8 +588,9 @@ class _HostSegments:
 class NvmeOptimizer:
   """The optimizer state of one run on NVMe: its files, its chunked update, its statistics.
 
-  Made by `create_train_state` (and, to restore a checkpoint into, `abstract_train_state`);
-  `step` wraps a train step, `update` is the host part alone.
+  Made by `start` for `zerojax.create_train_state` (and, to restore a checkpoint into, by
+  `zerojax.checkpoint.abstract_train_state`); `step` wraps a train step, `update` is the host
+  part alone.
 
   Attributes:
     offload: the run's `zerojax.NvmeOffload` policy (path, chunk size, buffers, pipelining).
@@ -773,7 +772,7 @@ class NvmeOptimizer:
     device, so that host and device memory hold the parameters once, the gradient shards and
     the buffer pool, plus one segment: never the optimizer state, nor two parameter copies."""
     state = owned.pop()
-    jax.block_until_ready(state)  # see create_train_state: no host program beside the step's
+    jax.block_until_ready(state)  # see start: no host program beside the step's
     step = int(state.step)
     settings = getattr(state, "settings", None)
     if settings is not None and settings.skips and bool(state.overflow):
@@ -783,7 +782,7 @@ class NvmeOptimizer:
       self.stats = StreamStats()
       return state
     grads = _HostSegments(self._segment_arrays(state.opt_state["grads"]), self.segments)
-    # Ready before any host program starts (see create_train_state): the reshard is a
+    # Ready before any host program starts (see start): the reshard is a
     # multi-device program at stages 1-2.
     params = _HostSegments(self._segment_arrays(jax.block_until_ready(
         self._reshard_in(state.params))), self.segments)
@@ -1081,7 +1080,7 @@ class NvmeOptimizer:
   def step(self, train_step: Callable, donate: bool = True) -> Callable:
     """``train_step`` as a full NVMe step: `zerojax.zero_step` on the devices, then
     `update` on the host. Called as ``step(state, batch, ...) -> (state, metrics)``, or, for
-    an NNX pair from `create_nnx`, ``step(model, optimizer, batch, ...) -> metrics`` (the
+    an NNX pair from `zerojax.create_nnx`, ``step(model, optimizer, batch, ...) -> metrics`` (the
     model's parameters are updated in place, as under ``nnx.jit``). Metrics gain ``nvme_*``
     timings of the host part.
 
@@ -1120,154 +1119,71 @@ class NvmeOptimizer:
     return {**metrics, **{k: getattr(self.stats, a) for k, a in METRICS.items()}}
 
 
-def create_train_state(model: Any, tx: Any, rng: jax.Array, *init_args: Any,
-                       config: ZeroConfig, mesh: jax.sharding.Mesh | None = None,
-                       state_cls: type | None = None, params: Any = None,
-                       overwrite: bool = False, backend: Any = None, **init_kwargs: Any
-                       ) -> tuple[Any, ShardingPlan, NvmeOptimizer]:
-  """`zerojax.create_train_state` with the optimizer state on NVMe.
+def device_part(config: ZeroConfig, tx: Any, *, nnx_model: bool = False
+                ) -> tuple[ZeroConfig, optax.GradientTransformation]:
+  """The device part of an NVMe run, checked before any device work.
 
-  The train state's ``opt_state`` holds only the device step's reduced gradient; the optimizer
-  state of ``tx`` is checked (`chunked_transformation`), then, after the start-up checks of
-  ``nvme_path`` (`zerojax.runtime.nvme_store.check_nvme_path`), written chunk by chunk as the
-  first generation of files, unless a committed state is already there (a resumed run: its
-  step must match the train state's, see `NvmeOptimizer.check_resume`) or ``overwrite``.
+  `zerojax.create_train_state` (and `zerojax.create_nnx`,
+  `zerojax.checkpoint.abstract_train_state`) create the device state with these in place of
+  ``config`` and ``tx``; `start` (or `NvmeOptimizer`) then takes the optimizer state of ``tx``
+  to the files.
 
   Args:
-    model: the linen module.
-    tx: the optax transformation whose state goes to the files (it must be elementwise).
-    rng: the init's random key.
-    *init_args: example inputs for ``model.init``.
-    config: a `ZeroConfig` with ``offload_optimizer='nvme'`` and ``nvme_path``.
-    mesh: the device mesh; default ``make_mesh(config)``.
-    state_cls: the train-state class; default `zerojax.ZeroTrainState`.
-    params: existing parameters instead of the model's init.
-    overwrite: replace a committed state in ``nvme_path`` instead of resuming it.
-    backend: the compiler-dependent decisions (`zerojax.Backend`); default the mesh's devices'.
-    **init_kwargs: keyword arguments for ``model.init``.
+    config: the run's config, with ``offload=NvmeOffload(path)``.
+    tx: the optax transformation whose state goes to the files; with several processes,
+      each must stream the same one (checked here).
+    nnx_model: the run is a Flax NNX model's (`zerojax.create_nnx`).
 
   Returns:
-    ``(state, plan, nvme)``: the device state, the device part's plan, the `NvmeOptimizer`.
+    ``(device config, device transformation)``: ``config`` without optimizer offload
+    (`device_config`) and `capture_gradients`.
 
   Raises:
-    ConfigError: ``config`` does not put the optimizer on NVMe, or ``model`` is not a linen
-      module (use `create_nnx`).
-    NotChunkableError: ``tx``'s update is not elementwise.
-    NvmePathError: ``nvme_path`` is unusable (not writable, too little space).
-    NvmeStateError: a committed state's step does not match the train state's.
+    ConfigError: ``config`` does not put the optimizer state on NVMe, or (``nnx_model``) asks
+      for loss scaling, which the NNX step cannot honour with the state on NVMe.
+    ProcessMismatchError: the processes' configs or transformations differ.
   """
-  _check_config(config, "create_train_state")
-  if isinstance(model, nnx.Module) or not hasattr(model, "init"):
-    raise ConfigError(
-        f"zerojax.runtime.nvme.create_train_state takes a linen model (with .init); got "
-        f"{type(model).__name__}. For a Flax NNX model use zerojax.runtime.nvme.create_nnx("
-        "model_fn, tx, config=config), as zerojax.create_nnx")
-  _agree(config, tx)
-  device = device_config(config)
-  state, plan = create.create_train_state(
-      model, capture_gradients(), rng, *init_args, config=device, mesh=mesh,
-      state_cls=state_cls, params=params, backend=backend, **init_kwargs)
-  return state, plan, _start(config.offload, plan, tx, state, overwrite)
-
-
-def abstract_train_state(model: Any, tx: Any, rng: jax.Array, *init_args: Any,
-                         config: ZeroConfig, mesh: jax.sharding.Mesh | None = None,
-                         state_cls: type | None = None, backend: Any = None,
-                         **init_kwargs: Any) -> tuple[Any, ShardingPlan, NvmeOptimizer]:
-  """The restore target of an NVMe run: `create_train_state` with nothing initialised.
-
-  No device memory is allocated and no optimizer state is written: the `NvmeOptimizer`
-  returned opens the store under ``nvme_path`` (its start-up checks included), and
-  `NvmeOptimizer.restore_checkpoint` then makes a checkpoint's snapshot its committed state.
-
-  Args:
-    model: the linen module.
-    tx: the optax transformation whose state is in the files (it must be elementwise).
-    rng: a random key (only its shape matters).
-    *init_args: example inputs for ``model.init``.
-    config: a `ZeroConfig` with ``offload=NvmeOffload(path)``.
-    mesh: the device mesh; default ``make_mesh(config)``.
-    state_cls: the train-state class; default `zerojax.ZeroTrainState`.
-    backend: the compiler-dependent decisions (`zerojax.Backend`); default the mesh's devices'.
-    **init_kwargs: keyword arguments for ``model.init``.
-
-  Returns:
-    ``(abstract_state, plan, nvme)``: the device state as ``jax.ShapeDtypeStruct`` leaves with
-    the plan's shardings, the device part's plan, and the `NvmeOptimizer`.
-
-  Raises:
-    ConfigError: ``config`` does not put the optimizer on NVMe.
-    NotChunkableError: ``tx``'s update is not elementwise.
-    NvmePathError: ``nvme_path`` is unusable (not writable, too little space).
-  """
-  _check_config(config, "abstract_train_state")
-  _agree(config, tx)
-  state, plan = create.abstract_train_state(
-      model, capture_gradients(), rng, *init_args, config=device_config(config), mesh=mesh,
-      state_cls=state_cls, backend=backend, **init_kwargs)
-  return state, plan, NvmeOptimizer(config.offload, plan, tx, state)
-
-
-def create_nnx(model_fn: Callable[[], Any], tx: Any, *, config: ZeroConfig,
-               mesh: jax.sharding.Mesh | None = None, wrt: Any = None, params: Any = None,
-               overwrite: bool = False, backend: Any = None
-               ) -> tuple[Any, Any, ShardingPlan, NvmeOptimizer]:
-  """`zerojax.create_nnx` with the optimizer state on NVMe.
-
-  The ``nnx.Optimizer`` returned is the device part's: its ``opt_state`` holds only the
-  reduced gradient (`capture_gradients`); the optimizer state of ``tx`` is in the files, as
-  with `create_train_state`. Step with ``opt.step(train_step)``, the same
-  ``train_step(model, optimizer, batch)`` as in memory.
-
-  Args:
-    model_fn: a no-argument function returning the ``nnx.Module``.
-    tx: the optax transformation whose state goes to the files (it must be elementwise).
-    config: a `ZeroConfig` with ``offload_optimizer='nvme'`` and ``nvme_path``.
-    mesh: the device mesh; default ``make_mesh(config)``.
-    wrt: the NNX filter of the trained parameters (``nnx.Param`` by default).
-    params: existing parameters instead of the model's init.
-    overwrite: replace a committed state in ``nvme_path`` instead of resuming it.
-    backend: the compiler-dependent decisions (`zerojax.Backend`); default the mesh's devices'.
-
-  Returns:
-    ``(model, optimizer, plan, nvme)``.
-
-  Raises:
-    ConfigError: ``config`` does not put the optimizer on NVMe, or asks for loss scaling
-      this path cannot honour.
-    NotChunkableError: ``tx``'s update is not elementwise.
-    NvmePathError: ``nvme_path`` is unusable (not writable, too little space).
-  """
-  _check_config(config, "create_nnx")
-  if config.loss_scale is not None:
+  if not isinstance(config, ZeroConfig) or not config.optimizer_on_nvme:
+    raise ConfigError("zerojax.runtime.nvme.device_part needs a ZeroConfig with "
+                      "offload=NvmeOffload(path)")
+  if nnx_model and config.loss_scale is not None:
     # The NNX step skips an overflowing step inside nnx.Optimizer.update; the host update
     # would apply the captured non-finite gradient all the same.
-    raise ConfigError(f"loss_scale={config.loss_scale.scale!r} with offload_optimizer='nvme' needs "
-                      "a linen model (zerojax.runtime.nvme.create_train_state)")
-  _agree(config, tx)
+    raise ConfigError(f"loss_scale={config.loss_scale.scale!r} with the optimizer state on "
+                      "NVMe needs a linen model (zerojax.create_train_state)",
+                      field="loss_scale", value=config.loss_scale.scale,
+                      allowed="None with an NNX model and NvmeOffload")
   device = device_config(config)
-  model, optimizer, plan = create.create_nnx(
-      model_fn, capture_gradients(), config=device, mesh=mesh, wrt=wrt,
-      params=params, backend=backend)
-  return model, optimizer, plan, _start(config.offload, plan, tx, NnxView.of(model, optimizer),
-                                        overwrite)
-
-
-def _check_config(config: Any, fn: str) -> None:
-  if not isinstance(config, ZeroConfig) or not config.optimizer_on_nvme:
-    raise ConfigError(f"zerojax.runtime.nvme.{fn} needs a ZeroConfig with "
-                      "offload=NvmeOffload(path)")
-
-
-def _agree(config: ZeroConfig, tx: Any) -> None:
-  """Every process must stream the same transformation, checked before any device work."""
   if jax.process_count() > 1:
     agreement.check_agreement(config, extra={"nvme_tx": _name(tx.update)})
+  return device, capture_gradients()
 
 
-def _start(offload: NvmeOffload, plan: ShardingPlan, tx: Any, state: Any,
-           overwrite: bool) -> NvmeOptimizer:
-  """The `NvmeOptimizer` of a device state just created, its first generation written."""
+def start(offload: NvmeOffload, plan: ShardingPlan, tx: Any, state: Any, *,
+          overwrite: bool = False) -> NvmeOptimizer:
+  """The `NvmeOptimizer` of a device state just created, its files ready for step 1.
+
+  ``tx``'s updates are checked to be elementwise (`chunked_transformation`); then, after the
+  start-up checks of the path (`zerojax.runtime.nvme_store.check_nvme_path`), the optimizer
+  state is written chunk by chunk as the first generation of files, unless a committed state
+  is already there (a resumed run: its step must match the train state's,
+  `NvmeOptimizer.check_resume`) or ``overwrite``.
+
+  Args:
+    offload: the run's `NvmeOffload`.
+    plan: the device part's plan.
+    tx: the optax transformation whose state goes to the files.
+    state: the device state (a linen train state, or an `NnxView`).
+    overwrite: replace a committed state under the path instead of resuming it.
+
+  Returns:
+    The `NvmeOptimizer`.
+
+  Raises:
+    NotChunkableError: ``tx``'s update is not elementwise.
+    NvmePathError: the path is unusable (not writable, too little space).
+    NvmeStateError: a committed state's step does not match the train state's.
+  """
   # The host's programs run on one of the devices (XLA:CPU): none may start while a
   # multi-device program is in flight, whose devices could then reach its collectives in
   # different orders and deadlock.
