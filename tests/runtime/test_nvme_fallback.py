@@ -259,6 +259,14 @@ def test_restore_checkpoint_latest_falls_back_and_a_writer_moves_both_aside(tmp_
   state, plan, _, _ = task.setup(config, make_mesh(config), tx, jax.random.key(opts.seed), None)
   opt, ckdir = plan.nvme, str(tmp_path / "run" / "ckpt")
   with Checkpointer(ckdir, read_only=True) as ck:
+    # The snapshot alone (an NNX run restores its train state itself): checked, then committed.
+    opt.restore_snapshot(ck, 4)
+    assert opt.store.step == 4
+    np.testing.assert_array_equal(opt.store.read(1), np.fromfile(
+        _snapshot(tmp_path, 4) / "1.bin", opt.store.leaves[1][1]))
+    with pytest.raises(CheckpointDamagedError, match=r"nvme-6/process-0/1\.bin") as e:
+      opt.restore_snapshot(ck, 6)
+    assert e.value.beside == ("nvme-6",) and opt.store.step == 4  # nothing committed
     with pytest.raises(CheckpointDamagedError, match=r"nvme-6/process-0/1\.bin 1 of \d+ "
                                                      r"chunks read back with another CRC-32"):
       opt.restore_checkpoint(ck, state, step=6)

@@ -89,3 +89,11 @@ def test_nvme_create_nnx_refuses_loss_scaling(tmp_path):
     zerojax.create_nnx(_model, helpers.make_tx(), config=zn)
   assert e.value.field == "loss_scale"
   assert not os.listdir(tmp_path)
+
+
+def test_create_nnx_refuses_restoring_and_overwrite_together(tmp_path):
+  zn = ZeroConfig(stage=3, offload=zerojax.NvmeOffload(str(tmp_path)))
+  with pytest.raises(ConfigError, match="restoring=True .* overwrite=True") as e:
+    zerojax.create_nnx(_model, helpers.make_tx(), config=zn, overwrite=True, restoring=True)
+  assert e.value.field == "restoring"
+  assert not os.listdir(tmp_path)

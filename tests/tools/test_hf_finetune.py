@@ -3,6 +3,7 @@ tokenizer and chat template, local data files (packed or padded, loss masks, per
 resumable), and ``zerojax finetune``."""
 
 import json
+import os
 
 import jax
 import jax.numpy as jnp
@@ -228,6 +229,57 @@ def test_finetune_hf_trainer_deepspeed_config_with_lora(base_dir, tmp_path, caps
              "steps=3", "seq_len=48", "batch=8", f"out_dir={out}"])
   err = capsys.readouterr().err
   assert rc == 2 and "corpus" in err and "eval.jsonl" in err and "--overwrite" in err, err
+
+
+# -- the optimizer state on NVMe (ZeRO-Infinity) --------------------------------------------
+
+NVME_RUN = ["steps=4", "seq_len=48", "batch=8", "lr=3e-3", "checkpoint_every=2", "log_every=1",
+            "show_plan=false", "plot=false"]
+
+
+@pytest.mark.slow
+def test_finetune_nvme_equals_in_memory_and_resumes_from_its_snapshot(base_dir, tmp_path):
+  """``zerojax finetune`` with ``offload_optimizer=nvme``: the same losses and parameters as in
+  memory; each checkpoint gets its optimizer-state snapshot; a run stopped after step 3 resumes
+  from checkpoint 2 (its snapshot made the committed state again) and ends bit-identical."""
+  from zerojax.tools import finetune as ft
+  from zerojax.tools import train as zt
+  fo = ft.FinetuneOptions(model_dir=str(base_dir), data=str(base_dir / "train.jsonl"),
+                          export=False)
+
+  def nvme(path):
+    path.mkdir(parents=True, exist_ok=True)
+    return ["offload_optimizer=nvme", f"nvme_path={path}", "nvme_chunk_size=20000",
+            "nvme_buffer_count=3"]
+
+  def bits(result):
+    return [np.asarray(x).tobytes() for x in jax.tree.leaves(nnx.state(result.state[0]))]
+
+  keys = ("step", "loss", "grad_norm")
+  memory = ft.finetune(fo, None, NVME_RUN + [f"out_dir={tmp_path / 'memory'}"],
+                       progress=False)["result"]
+  whole = ft.finetune(fo, None, NVME_RUN + nvme(tmp_path / "nv1")
+                      + [f"out_dir={tmp_path / 'whole'}"], progress=False)["result"]
+  assert [[h[k] for k in keys] for h in whole.history] == [
+      [h[k] for k in keys] for h in memory.history]
+  assert bits(whole) == bits(memory)
+  assert whole.plan.nvme is not None and whole.plan.nvme.store.step == 4
+  assert all(h["nvme_read_mb_s"] > 0 for h in whole.history)
+  assert sorted(os.listdir(tmp_path / "whole" / "ckpt")) == ["2", "4", "nvme-2", "nvme-4"]
+
+  class Stop(zt.Hook):
+    def after_step(self, step, state, flush):
+      if step == 3:  # after checkpoint 2; the files have moved on to step 3
+        raise KeyboardInterrupt("stopped at step 3")
+
+  args = NVME_RUN + nvme(tmp_path / "nv2") + [f"out_dir={tmp_path / 'run'}"]
+  with pytest.raises(KeyboardInterrupt):
+    ft.finetune(fo, None, args, progress=False, hooks=[Stop()])
+  resumed = ft.finetune(fo, None, args, progress=False)["result"]
+  assert json.loads((tmp_path / "run" / "run.json").read_text())["resumed_from"] == [2]
+  lines = zt.read_jsonl(tmp_path / "run" / "metrics.jsonl")
+  assert [[r[k] for k in keys] for r in lines] == [[h[k] for k in keys] for h in whole.history]
+  assert bits(resumed) == bits(whole)
 
 
 # -- end to end (slow): 20 steps at stage 3, killed and resumed, exported, generates alike ------

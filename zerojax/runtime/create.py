@@ -77,14 +77,20 @@ def create_train_state(model: Any, tx: Any, rng: jax.Array, *init_args: Any,
 
 def create_nnx(model_fn: Callable[[], Any], tx: Any, *, config: ZeroConfig,
                mesh: jax.sharding.Mesh | None = None, wrt: Any = None, params: Any = None,
-               backend: Backend | None = None, overwrite: bool = False):
+               backend: Backend | None = None, overwrite: bool = False,
+               restoring: bool = False):
   _overwrite_needs_nvme(config, overwrite)
+  if overwrite and restoring:
+    raise ConfigError("restoring=True takes the optimizer state from a checkpoint and "
+                      "overwrite=True starts it afresh; pass one", field="restoring",
+                      value=True, allowed="False with overwrite=True")
   device, device_tx = _device_part(config, tx, nnx_model=True)
   model, optimizer, plan = _core.create_nnx(model_fn, device_tx, config=device, mesh=mesh,
                                             wrt=wrt, params=params, backend=backend)
   if config.optimizer_on_nvme:
     plan = dataclasses.replace(plan, nvme=nvme.start(
-        config.offload, plan, tx, nvme.NnxView.of(model, optimizer), overwrite=overwrite))
+        config.offload, plan, tx, nvme.NnxView.of(model, optimizer), overwrite=overwrite,
+        restoring=restoring))
   return model, optimizer, plan
 
 
@@ -102,6 +108,12 @@ def abstract_train_state(model: Any, tx: Any, rng: jax.Array, *init_args: Any,
 
 
 create_train_state.__doc__ = _core.create_train_state.__doc__.rstrip() + _NVME_NOTE
-create_nnx.__doc__ = _core.create_nnx.__doc__.rstrip() + _NVME_NOTE
+create_nnx.__doc__ = _core.create_nnx.__doc__.rstrip() + _NVME_NOTE + """
+  ``restoring=True`` says the optimizer state comes from a checkpoint next, as when
+  ``params`` reads a checkpoint's parameters: with an `NvmeOffload` the files are then only
+  opened, and ``plan.nvme.restore_snapshot(checkpointer, step)`` makes the step's snapshot
+  the committed state (a linen run restores through `abstract_train_state` instead). Other
+  offloads initialise the optimizer state as usual, for the caller to replace.
+"""
 abstract_train_state.__doc__ = (_core.abstract_train_state.__doc__.rstrip()
                                 + _ABSTRACT_NVME_NOTE)

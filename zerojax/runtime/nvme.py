@@ -65,7 +65,7 @@ from jax.experimental import multihost_utils
 from zerojax.core import agreement
 from zerojax.core.config import ConfigError, ZeroConfig
 from zerojax.core.policies import NvmeOffload
-from zerojax.core.plan import ShardingPlan, path_str
+from zerojax.core.plan import ShardingPlan, path_str, state_fields
 from zerojax.core.step import zero_step
 from zerojax.runtime.nvme_store import (NvmeError, NvmePathError, NvmeSnapshotDamagedError,
                                         NvmeStateError, NvmeStore, StreamStats)
@@ -919,7 +919,8 @@ class NvmeOptimizer:
 
     Args:
       checkpointer: the `zerojax.runtime.checkpoint.Checkpointer`.
-      state: the train state, after the host update.
+      state: the train state after the host update, or the checkpoint item (a dict with a
+        ``step``) made of it (an NNX run's).
       **save_kw: passed on to ``checkpointer.save``.
 
     Returns:
@@ -929,7 +930,7 @@ class NvmeOptimizer:
       NvmeStateError: the optimizer state is not at ``state.step`` (save after the host
         update, as `step` does).
     """
-    step = int(state.step)
+    step = int(state_fields(state)["step"])
     snap = self._snapshot_dir(checkpointer.directory, step)
     if self.store.step != step:
       raise NvmeStateError(f"the optimizer state is at step {self.store.step}, the train state "
@@ -1001,10 +1002,40 @@ class NvmeOptimizer:
         steps[-1], lambda: self.checkpoint_steps(checkpointer),
         lambda s: self._restore_step(checkpointer, state, s), stacklevel=stacklevel + 1)
 
+  def restore_snapshot(self, checkpointer: Any, step: int) -> None:
+    """Makes checkpoint ``step``'s optimizer-state snapshot the committed state, once it reads
+    back as written; for a caller that restores the train state itself (an NNX model created
+    from the checkpoint with ``zerojax.create_nnx(..., restoring=True)``, as
+    ``zerojax finetune`` does). `restore_checkpoint` does both.
+
+    Args:
+      checkpointer: the run's `zerojax.runtime.checkpoint.Checkpointer`.
+      step: the checkpoint's step.
+
+    Raises:
+      CheckpointDamagedError: the snapshot is missing, truncated or corrupted (its ``beside``
+        names it, so that `zerojax.runtime.checkpoint.resume_with_fallback` moves it aside
+        with the step).
+      NvmeStateError: the snapshot holds another run's layout.
+    """
+    self.store.restore_snapshot(self._checked_snapshot(checkpointer, step), verify=False)
+
   def _restore_step(self, checkpointer: Any, state: Any, step: int) -> tuple[Any, Any]:
     """`restore_checkpoint` of one step: the snapshot is read back first (the cheaper
-    failure, and nothing is restored from a step that cannot be used), every process agreeing
-    on whether each could."""
+    failure, and nothing is restored from a step that cannot be used)."""
+    from zerojax.runtime import checkpoint as zc
+    snap = self._checked_snapshot(checkpointer, step)
+    try:
+      state, extras = checkpointer.restore(state, self.plan, step)
+    except zc.CheckpointDamagedError as e:
+      e.beside = (*e.beside, f"nvme-{step}")  # the snapshot goes aside with orbax's step
+      raise
+    self.store.restore_snapshot(snap, verify=False)
+    return state, extras
+
+  def _checked_snapshot(self, checkpointer: Any, step: int) -> str:
+    """The directory of checkpoint ``step``'s snapshot, read back as written, every process
+    agreeing on whether each could."""
     from zerojax.runtime import checkpoint as zc
     snap = self._snapshot_dir(checkpointer.directory, step)
     beside = (f"nvme-{step}",)
@@ -1034,13 +1065,7 @@ class NvmeOptimizer:
       raise other
     if damaged is not None:
       raise self._damaged(checkpointer, step, damaged) from None
-    try:
-      state, extras = checkpointer.restore(state, self.plan, step)
-    except zc.CheckpointDamagedError as e:
-      e.beside = (*e.beside, *beside)  # the snapshot goes aside with orbax's step
-      raise
-    self.store.restore_snapshot(snap, verify=False)
-    return state, extras
+    return snap
 
   def _damaged(self, checkpointer: Any, step: int, e: NvmeSnapshotDamagedError) -> Exception:
     """The `CheckpointDamagedError` of a damaged snapshot: its files, and the optimizer-state
@@ -1160,14 +1185,15 @@ def device_part(config: ZeroConfig, tx: Any, *, nnx_model: bool = False
 
 
 def start(offload: NvmeOffload, plan: ShardingPlan, tx: Any, state: Any, *,
-          overwrite: bool = False) -> NvmeOptimizer:
+          overwrite: bool = False, restoring: bool = False) -> NvmeOptimizer:
   """The `NvmeOptimizer` of a device state just created, its files ready for step 1.
 
   ``tx``'s updates are checked to be elementwise (`chunked_transformation`); then, after the
   start-up checks of the path (`zerojax.runtime.nvme_store.check_nvme_path`), the optimizer
   state is written chunk by chunk as the first generation of files, unless a committed state
   is already there (a resumed run: its step must match the train state's,
-  `NvmeOptimizer.check_resume`) or ``overwrite``.
+  `NvmeOptimizer.check_resume`) or ``overwrite``. With ``restoring`` the files are only
+  opened: a checkpoint's snapshot is restored next (`NvmeOptimizer.restore_snapshot`).
 
   Args:
     offload: the run's `NvmeOffload`.
@@ -1175,6 +1201,7 @@ def start(offload: NvmeOffload, plan: ShardingPlan, tx: Any, state: Any, *,
     tx: the optax transformation whose state goes to the files.
     state: the device state (a linen train state, or an `NnxView`).
     overwrite: replace a committed state under the path instead of resuming it.
+    restoring: write nothing; the caller restores a checkpoint's snapshot next.
 
   Returns:
     The `NvmeOptimizer`.
@@ -1189,5 +1216,6 @@ def start(offload: NvmeOffload, plan: ShardingPlan, tx: Any, state: Any, *,
   # different orders and deadlock.
   jax.block_until_ready(state)
   nvme = NvmeOptimizer(offload, plan, tx, state)
-  nvme.initialize(state, overwrite=overwrite)
+  if not restoring:
+    nvme.initialize(state, overwrite=overwrite)
   return nvme

@@ -26,7 +26,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import re
 import subprocess
 import sys
 from typing import Any, Sequence
@@ -44,7 +43,7 @@ from zerojax.tools.bounds import FINETUNE_BOUNDS
 from zerojax.tools.hub import resolve_model_dir
 from zerojax.core.train_state import nnx_loss_scaling
 from zerojax.models import llama
-from zerojax.runtime import weights
+from zerojax.runtime import nvme, weights
 from zerojax.runtime.checkpoint import Checkpointer
 from zerojax.tools import hf_data
 from zerojax.tools.config_file import load_config, parse_overrides
@@ -163,7 +162,7 @@ def finetune_task(fo: FinetuneOptions, opts: Any, config: Any) -> Task:
   return Task(name, seq_len, _setup(fo, opts, cfg, base), make_step, batches,
               num_params=lambda state: cfg.num_params(), save_item=_item,
               checkpoint_model=llama.checkpoint_model(cfg), evaluate=evaluate,
-              eval_every=fo.eval_every, measure=True,
+              eval_every=fo.eval_every, measure=True, nvme=True,
               agreement=_agreement(fo) if distributed.info().is_multiprocess else None)
 
 
@@ -240,13 +239,17 @@ def _setup(fo: FinetuneOptions, opts: Any, cfg: Any, base: Any):
           fo.model_dir, llama.hf_mapping(base), skip="lora_" if fo.lora else None,
           allow_extra=[r"^lm_head\.weight$"] if cfg.tie_word_embeddings else False,
           cast=True)
+      # A new run writes NVMe optimizer-state files afresh.
       model, optimizer, plan = create_nnx(make, tx, config=config, mesh=mesh, wrt=wrt,
-                                          params=src)
+                                          params=src, overwrite=config.optimizer_on_nvme)
       return (model, optimizer), plan, 0, 0
     scaled = _checkpoint_has_loss_scale(opts.checkpoint_dir, resume_step)
+    # With the optimizer state on NVMe the checkpoint's own opt_state is the device part's
+    # (the captured gradient); the state itself is the step's snapshot beside it.
+    device_tx = nvme.capture_gradients() if config.optimizer_on_nvme else tx
     with jax.set_mesh(mesh):
       target = _item(nnx.eval_shape(lambda: _with_scaling(
-          (lambda m: (m, nnx.Optimizer(m, tx, wrt=wrt)))(make()), config, scaled)))
+          (lambda m: (m, nnx.Optimizer(m, device_tx, wrt=wrt)))(make()), config, scaled)))
     got: dict = {}
 
     class _Restore:  # create_nnx's lazy params source: the checkpoint, in the new plan's layout
@@ -256,11 +259,14 @@ def _setup(fo: FinetuneOptions, opts: Any, cfg: Any, base: Any):
         return got["state"]["params"]
 
     model, optimizer, plan = create_nnx(make, tx, config=config, mesh=mesh, wrt=wrt,
-                                        params=_Restore())
+                                        params=_Restore(), restoring=True)
     st = nnx.state(optimizer)
     nnx.replace_by_pure_dict(st, {"opt_state": got["state"]["opt_state"],
                                   "step": got["state"]["step"]})
     nnx.update(optimizer, st)
+    if plan.nvme is not None:  # the step's snapshot becomes the committed optimizer state
+      with Checkpointer(opts.checkpoint_dir, read_only=True) as ck:
+        plan.nvme.restore_snapshot(ck, resume_step)
     _restore_loss_scaling(optimizer, got["state"].get("loss_scaling"), resume_step)
     extras = got["extras"]
     return ((model, optimizer), plan, int(extras.step),
@@ -322,7 +328,8 @@ def _make_step(fo: FinetuneOptions, plan: Any):
   def run_step(state, batch):
     return state, step(*state, batch)
 
-  run_step.lower = lambda state, batch: step.lower(*state, batch)  # show_plan's compiled peak
+  # show_plan's compiled peak: of the device part where the optimizer state is on NVMe
+  run_step.lower = lambda state, batch: getattr(step, "device_step", step).lower(*state, batch)
   return run_step
 
 
