@@ -19,9 +19,11 @@ from zerojax.runtime.nvme import NvmeOptimizer, __all__ as _runtime_all
 __all__ = [*_runtime_all, "create_train_state", "abstract_train_state", "create_nnx"]
 
 
-def _deprecated(name: str, config: Any) -> None:
-  """Warns that ``zerojax.nvme.<name>`` is deprecated; refuses a config without NVMe, as these
-  calls always did, before any device work."""
+def _old_spelling(common: Callable[..., tuple], *args: Any, **kwargs: Any) -> tuple:
+  """``common(*args, **kwargs)`` (the common call of the same name) with ``plan.nvme``
+  appended, after warning that ``zerojax.nvme.<name>`` is deprecated. A config without NVMe is
+  refused, as these calls always did, before any device work."""
+  name, config = common.__name__, kwargs.get("config")
   warnings.warn(f"zerojax.nvme.{name} is deprecated and will be removed in the next release: "
                 f"zerojax.{name} with config.offload=NvmeOffload(path) does the same and puts "
                 "the NvmeOptimizer in plan.nvme", DeprecationWarning, stacklevel=3)
@@ -30,6 +32,8 @@ def _deprecated(name: str, config: Any) -> None:
                       f"offload={getattr(config, 'offload', None)!r}. For any other offload "
                       f"use zerojax.{name}", field="offload",
                       value=getattr(config, "offload", None), allowed="an NvmeOffload")
+  out = common(*args, **kwargs)
+  return (*out, out[-1].nvme)
 
 
 def create_train_state(model: Any, tx: Any, rng: Any, *init_args: Any, **kwargs: Any
@@ -49,9 +53,7 @@ def create_train_state(model: Any, tx: Any, rng: Any, *init_args: Any, **kwargs:
   Raises:
     ConfigError: ``config`` does not put the optimizer state on NVMe.
   """
-  _deprecated("create_train_state", kwargs.get("config"))
-  state, plan = _create.create_train_state(model, tx, rng, *init_args, **kwargs)
-  return state, plan, plan.nvme
+  return _old_spelling(_create.create_train_state, model, tx, rng, *init_args, **kwargs)
 
 
 def abstract_train_state(model: Any, tx: Any, rng: Any, *init_args: Any, **kwargs: Any
@@ -72,9 +74,7 @@ def abstract_train_state(model: Any, tx: Any, rng: Any, *init_args: Any, **kwarg
   Raises:
     ConfigError: ``config`` does not put the optimizer state on NVMe.
   """
-  _deprecated("abstract_train_state", kwargs.get("config"))
-  state, plan = _create.abstract_train_state(model, tx, rng, *init_args, **kwargs)
-  return state, plan, plan.nvme
+  return _old_spelling(_create.abstract_train_state, model, tx, rng, *init_args, **kwargs)
 
 
 def create_nnx(model_fn: Callable[[], Any], tx: Any, **kwargs: Any
@@ -92,7 +92,5 @@ def create_nnx(model_fn: Callable[[], Any], tx: Any, **kwargs: Any
   Raises:
     ConfigError: ``config`` does not put the optimizer state on NVMe.
   """
-  _deprecated("create_nnx", kwargs.get("config"))
-  model, optimizer, plan = _create.create_nnx(model_fn, tx, **kwargs)
-  return model, optimizer, plan, plan.nvme
+  return _old_spelling(_create.create_nnx, model_fn, tx, **kwargs)
 

@@ -73,7 +73,7 @@ from zerojax.runtime.nvme_store import (NvmeError, NvmePathError, NvmeSnapshotDa
 __all__ = ["NotChunkableError", "NvmeError", "NvmePathError", "NvmeStateError",
            "NvmeSnapshotDamagedError", "StreamStats",
            "ChunkedTransformation", "chunked_transformation", "capture_gradients",
-           "NvmeOptimizer", "NnxView", "device_part", "device_config", "start",
+           "NvmeOptimizer", "NnxView", "device_part", "device_config", "device_tx", "start",
            "METRICS"]
 
 PyTree = Any
@@ -459,6 +459,20 @@ def capture_gradients() -> optax.GradientTransformation:
             {"grads": grads, "norm": optax.tree.norm(grads).astype(jnp.float32)})
 
   return optax.GradientTransformation(init, update)
+
+
+def device_tx(config: ZeroConfig, tx: Any) -> Any:
+  """The optax transformation whose state a run's device train state holds.
+
+  Args:
+    config: the run's config.
+    tx: the run's optax transformation.
+
+  Returns:
+    With ``offload=NvmeOffload(path)``, `capture_gradients` (the state itself is in the
+    files); else ``tx``.
+  """
+  return capture_gradients() if config.optimizer_on_nvme else tx
 
 
 def device_config(config: ZeroConfig) -> ZeroConfig:
@@ -1181,7 +1195,7 @@ def device_part(config: ZeroConfig, tx: Any, *, nnx_model: bool = False
   device = device_config(config)
   if jax.process_count() > 1:
     agreement.check_agreement(config, extra={"nvme_tx": _name(tx.update)})
-  return device, capture_gradients()
+  return device, device_tx(config, tx)
 
 
 def start(offload: NvmeOffload, plan: ShardingPlan, tx: Any, state: Any, *,

@@ -246,7 +246,7 @@ def _setup(fo: FinetuneOptions, opts: Any, cfg: Any, base: Any):
     scaled = _checkpoint_has_loss_scale(opts.checkpoint_dir, resume_step)
     # With the optimizer state on NVMe the checkpoint's own opt_state is the device part's
     # (the captured gradient); the state itself is the step's snapshot beside it.
-    device_tx = nvme.capture_gradients() if config.optimizer_on_nvme else tx
+    device_tx = nvme.device_tx(config, tx)
     with jax.set_mesh(mesh):
       target = _item(nnx.eval_shape(lambda: _with_scaling(
           (lambda m: (m, nnx.Optimizer(m, device_tx, wrt=wrt)))(make()), config, scaled)))
