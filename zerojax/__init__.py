@@ -42,6 +42,7 @@ _EXPORTS = {
     "LeafPlan": "zerojax.core.plan",
     "ShardingPlan": "zerojax.core.plan",
     "value_and_grad": "zerojax.core.grad",
+    "accumulate": "zerojax.core.grad",
     "create_nnx": "zerojax.runtime.create",
     "create_train_state": "zerojax.runtime.create",
     "zero_step": "zerojax.core.step",
@@ -57,7 +58,7 @@ _SUBMODULES = ("models", "memory", "checkpoint", "weights", "data", "train", "fi
 __all__ = [
     "ConfigError", "ZeroConfig", "Precision", "HostOffload", "NvmeOffload", "Remat", "Gather",
     "Quantize", "Batch", "LossScale", "make_mesh", "Backend", "LeafPlan", "ShardingPlan",
-    "create_nnx", "create_train_state", "zero_step", "ZeroStep", "value_and_grad",
+    "create_nnx", "create_train_state", "zero_step", "ZeroStep", "value_and_grad", "accumulate",
     "ZeroTrainState", "StepSettings", "load_config", "DEFAULT_CORPUS", "export", "master_weights",
     "MasterWeightsState",
 ]
@@ -67,7 +68,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time `__getattr__` 
   from zerojax.core.config import ConfigError, ZeroConfig
   from zerojax.core.policies import (Batch, Gather, HostOffload, LossScale, NvmeOffload,
                                      Precision, Quantize, Remat)
-  from zerojax.core.grad import value_and_grad
+  from zerojax.core.grad import accumulate, value_and_grad
   from zerojax.core.master import MasterWeightsState, master_weights
   from zerojax.core.mesh import make_mesh
   from zerojax.core.plan import LeafPlan, ShardingPlan

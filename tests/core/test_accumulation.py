@@ -2,6 +2,8 @@
 an accumulator that stays sharded at stages 2-3."""
 
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -111,3 +113,110 @@ def test_accumulation_outside_a_step_is_jax_value_and_grad():
   f = lambda p, x: (p * x).sum()
   p, x = np.float32(2.0), np.arange(3, dtype=np.float32)
   assert zerojax.value_and_grad(f)(p, x) == jax.value_and_grad(f)(p, x)
+
+
+def _one_step(stage, grad_of):
+  """One step at ``stage`` with ``ACCUM`` micro-batches, its gradient formed by
+  ``grad_of(lf, state)(params, batch)``: ``(loss, grads, new params)``."""
+  zc = zerojax.ZeroConfig(stage=stage, gather=zerojax.Gather(
+      persistence_threshold=helpers.THRESHOLD), batch=zerojax.Batch(
+          micro_per_device=1, accumulation_steps=ph.ACCUM))
+  b = ph.data(1)[0]
+  state, plan = zerojax.create_train_state(ph.GPT(ph.CFG), ph.sgd(), jax.random.key(0),
+                                           jax.numpy.asarray(b["x"]), config=zc)
+
+  def step(state, batch):
+    def lf(params, b):
+      return ph.loss_fn(state.apply_fn({"params": params}, b["x"]), b["y"])
+    loss, grads = grad_of(lf, state, plan)(state.params, batch)
+    return state.apply_gradients(grads=grads), {"loss": loss, "grads": grads}
+
+  new, m = zerojax.zero_step(plan)(step)(state, b)
+  return float(m["loss"]), jax.tree.map(np.asarray, m["grads"]), jax.tree.map(
+      np.asarray, new.params)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_accumulate_is_the_step_s_value_and_grad_made_explicit(stage):
+  # The same step, its settings passed (zerojax.accumulate) or read from the step
+  # (zerojax.value_and_grad): the same program, so the same bits.
+  implicit = _one_step(stage, lambda lf, state, plan: zerojax.value_and_grad(lf))
+  explicit = _one_step(stage, lambda lf, state, plan: zerojax.accumulate(lf, plan))
+  assert implicit[0] == explicit[0]
+  for a, b in zip(jax.tree.leaves(implicit[1:]), jax.tree.leaves(explicit[1:])):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_accumulate_in_a_hand_written_jit_equals_the_large_batch_gradient():
+  # No zerojax step: a plain jax.jit over the plan's shardings, accumulation explicit.
+  zc = zerojax.ZeroConfig(stage=2, gather=zerojax.Gather(
+      persistence_threshold=helpers.THRESHOLD), batch=zerojax.Batch(
+          micro_per_device=1, accumulation_steps=ph.ACCUM))
+  b = {k: v for k, v in ph.data(1)[0].items() if k != "mult"}
+  model = ph.GPT(ph.CFG)
+  state, plan = zerojax.create_train_state(model, ph.sgd(), jax.random.key(0),
+                                           jax.numpy.asarray(b["x"]), config=zc)
+  lf = lambda p, b: ph.loss_fn(model.apply({"params": p}, b["x"]), b["y"])
+  jitted = jax.jit(lambda p, b: zerojax.accumulate(lf, plan)(p, b),
+                   in_shardings=(plan.params, plan.batch(b)),
+                   out_shardings=(plan.replicated, plan.grads))
+  lowered = jitted.lower(state.params, b)
+  assert " while(" in lowered.compile().as_text()  # the micro-batches are a loop
+  loss, grads = jitted(state.params, b)
+  ref_loss, ref = jax.jit(jax.value_and_grad(lf))(state.params, b)
+  np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-6)
+  jax.tree.map(lambda a, r: np.testing.assert_allclose(a, r, rtol=2e-5, atol=2e-6), grads, ref)
+  # The accumulator's layout is the plan's: the gradient comes out sharded.
+  assert all(g.sharding.is_equivalent_to(s, g.ndim) for g, s in
+             zip(jax.tree.leaves(grads), jax.tree.leaves(plan.grads)))
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(plan="not a plan"), r"plan=str is invalid: the run's zerojax.ShardingPlan"),
+    (dict(steps=0), r"steps=0 is invalid: a positive int"),
+    (dict(steps=2.0), r"steps=2.0 is invalid: a positive int"),
+])
+def test_accumulate_refuses_bad_arguments_in_one_line(kw, match):
+  zc = zerojax.ZeroConfig(stage=2, gather=zerojax.Gather(persistence_threshold=helpers.THRESHOLD))
+  _, plan = ph.abstract_state_and_plan(zc)
+  args = {"plan": plan, **kw}
+  with pytest.raises(TypeError, match=match):
+    zerojax.accumulate(lambda p, x: x.sum(), args.pop("plan"), **args)
+
+
+def test_accumulate_rows_that_do_not_split_are_named():
+  zc = zerojax.ZeroConfig(stage=2, gather=zerojax.Gather(persistence_threshold=helpers.THRESHOLD))
+  _, plan = ph.abstract_state_and_plan(zc)
+  f = zerojax.accumulate(lambda p, x: (p * x).mean(), plan, steps=3)
+  with pytest.raises(zerojax.ConfigError, match="gradient_accumulation_steps=3"):
+    jax.eval_shape(f, jax.numpy.float32(1.0), jax.numpy.zeros((16, 4)))
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_accumulate_nnx_is_the_step_s_value_and_grad_made_explicit(stage):
+  from flax import nnx
+  from zerojax.models import nnx_gpt
+  cfg = dataclasses.replace(helpers.TINY, scan=False)
+  zc = zerojax.ZeroConfig(stage=stage, gather=zerojax.Gather(
+      persistence_threshold=helpers.THRESHOLD), batch=zerojax.Batch(
+          micro_per_device=1, accumulation_steps=ph.ACCUM))
+  b = helpers.batches(cfg, 1)[0]
+
+  def run(grad_of):
+    model, opt, plan = zerojax.create_nnx(lambda: nnx_gpt(cfg, nnx.Rngs(0)), helpers.make_tx(),
+                                          config=zc)
+
+    def step(model, opt, batch):
+      lf = lambda m, b: ph.loss_fn(m(b["x"]), b["y"])
+      loss, grads = grad_of(lf, plan)(model, batch)
+      opt.update(model, grads)
+      return {"loss": loss}
+
+    loss = float(zerojax.zero_step(plan)(step)(model, opt, b)["loss"])
+    return loss, jax.tree.map(np.asarray, nnx.state(model, nnx.Param))
+
+  implicit = run(lambda lf, plan: zerojax.value_and_grad(lf))
+  explicit = run(lambda lf, plan: zerojax.accumulate(lf, plan))
+  assert implicit[0] == explicit[0]
+  for a, c in zip(jax.tree.leaves(implicit[1]), jax.tree.leaves(explicit[1])):
+    np.testing.assert_array_equal(a, c)

@@ -45,6 +45,7 @@ Communication per optimizer step:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Callable
 
@@ -58,13 +59,14 @@ from zerojax.core import context
 from zerojax._compat import ORIGINAL_SCAN
 from zerojax.core.formulation import needs_trace
 from zerojax.core.gather import ZeroParam, after, box_params
+from zerojax.core.plan import ShardingPlan
 from zerojax.core.config import ConfigError
 from zerojax.core.dtypes import compute_dtype_of, reduce_dtype_of
 from zerojax.core.regather import prefetching, regather_nnx_layers
 from zerojax.core.blocks import checkpoint_nnx_blocks, nnx_blocks
 from zerojax.core.remat import block_policy, checkpoint_model
 
-__all__ = ["F32", "check_batch", "value_and_grad"]
+__all__ = ["F32", "check_batch", "value_and_grad", "accumulate"]
 
 PyTree = Any
 F32 = jnp.float32
@@ -106,6 +108,10 @@ def value_and_grad(fun: Callable, argnums: int = 0, has_aux: bool = False, *,
                    loss_scale: Any = None, wrt: Any = None) -> Callable:
   """Drop-in for ``jax.value_and_grad`` with ZeRO gradient accumulation and loss scaling.
 
+  Inside a zerojax step it is `accumulate` with the step's plan, its accumulation steps and
+  the input state's loss scale; outside one, ``jax.value_and_grad`` (with ``loss_scale``
+  applied where given).
+
   Args:
     fun: ``fun(params, *batch_args) -> loss`` (or ``(loss, aux)`` with ``has_aux``); the loss
       must be a mean over the rows of ``batch_args``.
@@ -129,97 +135,166 @@ def value_and_grad(fun: Callable, argnums: int = 0, has_aux: bool = False, *,
       accumulation steps over the data-parallel size, or an NNX model's parameters do not
       match the plan's.
   """
-  plain = jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux)
 
   def wrapped(params, *args):
-    if isinstance(params, nnx.Module):
-      return _nnx_value_and_grad(fun, argnums, has_aux, loss_scale, wrt)(params, *args)
-    if wrt is not None:
-      raise ValueError("zerojax.value_and_grad(wrt=...) selects variables of an NNX model; "
-                       f"argument 0 is a {type(params).__name__}")
     ctx = context.current()
-    if ctx is not None:
-      ctx.grad_calls += 1
     scale = loss_scale if loss_scale is not None else (ctx.loss_scale if ctx else None)
-    steps = ctx.accumulation_steps if ctx is not None else 1
-    # Stage 1 reduces once, after the backward pass; that needs the rows to split per device.
-    local = ctx is not None and ctx.plan.local_grads and bool(args)
-    if steps == 1 and scale is None and not local:
-      return plain(params, *args)
-    if argnums != 0:
-      raise ValueError("zerojax.value_and_grad accumulates/scales the gradient of argument 0 "
-                       f"(the parameters); got argnums={argnums}")
-    scaled = _scaled(fun, has_aux, scale)
-    if steps == 1 and not local:
-      (_, (loss, aux)), grads = jax.value_and_grad(scaled, has_aux=True)(params, *args)
-      grads = jax.tree.map(lambda g: (g.astype(F32) / scale).astype(g.dtype), grads)
-    else:
-      loss, aux, grads = _accumulate(scaled, params, args, steps, ctx.plan, scale)
-    return ((loss, aux) if has_aux else loss), grads
+    if ctx is None:
+      return _Accumulation(None, 1, scale, ctx)(fun, argnums, has_aux, wrt)(params, *args)
+    return _Accumulation(ctx.plan, ctx.accumulation_steps, scale, ctx)(
+        fun, argnums, has_aux, wrt)(params, *args)
 
   return wrapped
 
 
-def _nnx_value_and_grad(fun, argnums, has_aux, loss_scale, wrt=None):
-  """`value_and_grad` of ``fun(model, *batch)`` for a Flax NNX model: the gradient of its
-  ``nnx.Param`` state, or of the ``wrt`` variables among them (an ``nnx.State``, as
-  ``nnx.value_and_grad`` returns it), through the same accumulation, loss scaling and stage-1
-  local-gradient paths as a linen step. Other state the model writes (RNG counters, batch
-  statistics) is written back to ``model``."""
-  if argnums != 0:
-    raise ValueError("zerojax.value_and_grad differentiates argument 0 (the NNX model); got "
-                     f"argnums={argnums}")
+def accumulate(fun: Callable, plan: Any, *, steps: int | None = None, has_aux: bool = False,
+               loss_scale: Any = None, wrt: Any = None) -> Callable:
+  """``jax.value_and_grad`` of ``fun`` over micro-batches of its batch, laid out by ``plan``.
 
-  def run(model, *args):
-    if wrt is None:
-      graphdef, diff, rest = nnx.split(model, nnx.Param, ...)
-      whole = lambda d: d
-    else:
-      # Only ``wrt`` is differentiated (LoRA: the adapters); the frozen parameters are
-      # constants of the step, merged back so that the model and the per-use gathers see the
-      # whole parameter tree in the plan's order.
-      graphdef, diff, frozen, rest = nnx.split(model, wrt, nnx.Param, ...)
-      whole = lambda d: nnx.merge_state(d, frozen)
-    ctx = context.current()
+  The explicit form of what `value_and_grad` does inside a zerojax step, usable in any
+  jitted step (a hand-written ``jax.jit`` with the plan's shardings as well as `zero_step`).
+  Every argument after the parameters is split along its leading (row) axis into ``steps``
+  micro-batches, each device keeping its own rows, and scanned; the mean loss and the mean
+  gradient are returned, accumulated in float32: the numbers of one large-batch step.
 
-    def f(diff, *args, per_use=False, layers=False, tables=frozenset(), blocks=frozenset(),
-          policy=None):
-      params = whole(diff)
-      if per_use or tables:  # at stage 2 only lookup tables are boxed
-        params = _in_plan_order(params, ctx.plan, lambda p: box_params(
-            p, ctx.plan, tables, only_lookups=not per_use))
-      m = nnx.merge(graphdef, params, rest)
-      if blocks:  # config.remat on each block (`zerojax.core.blocks`)
-        checkpoint_nnx_blocks(m, blocks, policy)
-      if layers:  # as a linen model without scans (`zerojax.core.apply`)
-        regather_nnx_layers(m)
-      with prefetching(layers and ctx.plan.backend.prefetches_next_layer,
-                       ctx.plan.backend.prefetches_across_checkpoints):
-        out = fun(m, *args)
-      loss, aux = out if has_aux else (out, None)
-      return loss, (aux, nnx.state(m, nnx.Not(nnx.Param)))
+  * Stages 2-3: each micro-batch's gradient is reduced into an accumulator laid out as
+    ``plan.grads`` (sharded) as it is made.
+  * Stages 0-1: each device accumulates the gradient of its own rows and the step reduces
+    once, after the last micro-batch, into ``plan.grads_reduced``.
 
-    chosen = ctx.plan.formulation(None, linen=False) if ctx is not None else None
-    if chosen is not None and needs_trace(ctx.plan, chosen):
-      # Traced once more to see whether the model scans its layers and which parameters it
-      # looks rows up in: the formulation as `zerojax.core.apply` reads it for linen models.
-      named = block_policy(ctx.plan.config) is not None
-      chosen = ctx.plan.formulation(jax.make_jaxpr(f)(diff, *args), linen=False,
-                                    blocks=nnx_blocks(model) if named else frozenset())
-      f = functools.partial(f, per_use=chosen.per_use, layers=chosen.layers,
-                            tables=chosen.tables, blocks=chosen.blocks,
-                            policy=chosen.block_policy)
-      ctx.boxed_calls += chosen.per_use
-      ctx.formulation = chosen
-      if chosen.checkpoint is not None:  # per use, or config.remat (see `remat_policy`)
-        f = checkpoint_model(f, ctx.plan, chosen.checkpoint, chosen.layers)
+  Args:
+    fun: ``fun(params, *batch_args) -> loss`` (or ``(loss, aux)`` with ``has_aux``), the loss
+      a mean over the rows of ``batch_args``; ``params`` may be an NNX model (its
+      ``nnx.Param`` state, or ``wrt``, is differentiated).
+    plan: the run's `zerojax.ShardingPlan`.
+    steps: micro-batches per call; None: ``plan.accumulation_steps`` (from the config's
+      `zerojax.Batch`).
+    has_aux: as in ``jax.value_and_grad``; floating ``aux`` leaves are averaged over
+      micro-batches, others come from the last one.
+    loss_scale: an fp16 loss scale (e.g. ``state.loss_scale``) the loss is multiplied by
+      before differentiating and the gradient divided by after, in float32; None: none.
+    wrt: for an NNX model, the variables to differentiate (an ``nnx`` filter).
 
-    (loss, (aux, new_rest)), grads = value_and_grad(f, has_aux=True, loss_scale=loss_scale)(
-        diff, *args)
-    nnx.update(model, new_rest)
-    return ((loss, aux) if has_aux else loss), grads
+  Returns:
+    ``f(params, *batch_args) -> (loss, grads)`` (``((loss, aux), grads)`` with ``has_aux``),
+    loss and grads unscaled.
 
-  return run
+  Raises:
+    TypeError: ``plan`` is not a `zerojax.ShardingPlan`, or ``steps`` is not a positive int.
+    ConfigError: (when ``f`` is called) a batch leaf's rows do not split into ``steps``
+      micro-batches over the plan's data-parallel size.
+  """
+  if not isinstance(plan, ShardingPlan):
+    raise TypeError(f"zerojax.accumulate: plan={type(plan).__name__} is invalid: the run's "
+                    "zerojax.ShardingPlan (from zerojax.create_train_state or create_nnx)")
+  if steps is None:
+    steps = plan.accumulation_steps
+  if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+    raise TypeError(f"zerojax.accumulate: steps={steps!r} is invalid: a positive int (the "
+                    "micro-batches per call), or None for the plan's")
+  acc = _Accumulation(plan, steps, loss_scale, context.current())
+  return acc(fun, 0, has_aux, wrt)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Accumulation:
+  """How a gradient is formed: over ``steps`` micro-batches laid out by ``plan`` (None: as
+  ``jax.value_and_grad`` forms it), with the fp16 loss ``scale``. ``ctx``: the zerojax step
+  being traced, if any, which records the call and how the NNX model was gathered."""
+  plan: Any
+  steps: int
+  scale: Any
+  ctx: Any
+
+  def __call__(self, fun: Callable, argnums: int, has_aux: bool, wrt: Any) -> Callable:
+    plain = jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux)
+    plan, steps, scale = self.plan, self.steps, self.scale
+
+    def f(params, *args):
+      if isinstance(params, nnx.Module):
+        return self._nnx(fun, argnums, has_aux, wrt)(params, *args)
+      if wrt is not None:
+        raise ValueError("zerojax.value_and_grad(wrt=...) selects variables of an NNX model; "
+                         f"argument 0 is a {type(params).__name__}")
+      if self.ctx is not None:
+        self.ctx.grad_calls += 1
+      # Stage 1 reduces once, after the backward pass; that needs the rows to split per device.
+      local = plan is not None and plan.local_grads and bool(args)
+      if steps == 1 and scale is None and not local:
+        return plain(params, *args)
+      if argnums != 0:
+        raise ValueError("zerojax.value_and_grad accumulates/scales the gradient of argument 0 "
+                         f"(the parameters); got argnums={argnums}")
+      scaled = _scaled(fun, has_aux, scale)
+      if steps == 1 and not local:
+        (_, (loss, aux)), grads = jax.value_and_grad(scaled, has_aux=True)(params, *args)
+        grads = jax.tree.map(lambda g: (g.astype(F32) / scale).astype(g.dtype), grads)
+      else:
+        loss, aux, grads = _accumulate(scaled, params, args, steps, plan, scale)
+      return ((loss, aux) if has_aux else loss), grads
+
+    return f
+
+  def _nnx(self, fun, argnums, has_aux, wrt=None):
+    """The gradient of ``fun(model, *batch)`` for a Flax NNX model: of its ``nnx.Param``
+    state, or of the ``wrt`` variables among them (an ``nnx.State``, as
+    ``nnx.value_and_grad`` returns it), through the same accumulation, loss scaling and
+    stage-1 local-gradient paths as a linen step. Other state the model writes (RNG counters,
+    batch statistics) is written back to ``model``."""
+    if argnums != 0:
+      raise ValueError("zerojax.value_and_grad differentiates argument 0 (the NNX model); got "
+                       f"argnums={argnums}")
+    plan, ctx = self.plan, self.ctx
+
+    def run(model, *args):
+      if wrt is None:
+        graphdef, diff, rest = nnx.split(model, nnx.Param, ...)
+        whole = lambda d: d
+      else:
+        # Only ``wrt`` is differentiated (LoRA: the adapters); the frozen parameters are
+        # constants of the step, merged back so that the model and the per-use gathers see
+        # the whole parameter tree in the plan's order.
+        graphdef, diff, frozen, rest = nnx.split(model, wrt, nnx.Param, ...)
+        whole = lambda d: nnx.merge_state(d, frozen)
+
+      def f(diff, *args, per_use=False, layers=False, tables=frozenset(), blocks=frozenset(),
+            policy=None):
+        params = whole(diff)
+        if per_use or tables:  # at stage 2 only lookup tables are boxed
+          params = _in_plan_order(params, plan, lambda p: box_params(
+              p, plan, tables, only_lookups=not per_use))
+        m = nnx.merge(graphdef, params, rest)
+        if blocks:  # config.remat on each block (`zerojax.core.blocks`)
+          checkpoint_nnx_blocks(m, blocks, policy)
+        if layers:  # as a linen model without scans (`zerojax.core.apply`)
+          regather_nnx_layers(m)
+        with prefetching(layers and plan.backend.prefetches_next_layer,
+                         plan.backend.prefetches_across_checkpoints):
+          out = fun(m, *args)
+        loss, aux = out if has_aux else (out, None)
+        return loss, (aux, nnx.state(m, nnx.Not(nnx.Param)))
+
+      chosen = plan.formulation(None, linen=False) if plan is not None else None
+      if chosen is not None and needs_trace(plan, chosen):
+        # Traced once more to see whether the model scans its layers and which parameters it
+        # looks rows up in: the formulation as `zerojax.core.apply` reads it for linen models.
+        named = block_policy(plan.config) is not None
+        chosen = plan.formulation(jax.make_jaxpr(f)(diff, *args), linen=False,
+                                  blocks=nnx_blocks(model) if named else frozenset())
+        f = functools.partial(f, per_use=chosen.per_use, layers=chosen.layers,
+                              tables=chosen.tables, blocks=chosen.blocks,
+                              policy=chosen.block_policy)
+        if ctx is not None:
+          ctx.boxed_calls += chosen.per_use
+          ctx.formulation = chosen
+        if chosen.checkpoint is not None:  # per use, or config.remat (see `remat_policy`)
+          f = checkpoint_model(f, plan, chosen.checkpoint, chosen.layers)
+
+      (loss, (aux, new_rest)), grads = self(f, 0, True, None)(diff, *args)
+      nnx.update(model, new_rest)
+      return ((loss, aux) if has_aux else loss), grads
+
+    return run
 
 
 def _in_plan_order(params: Any, plan: Any, fn: Callable[[Any], Any]) -> Any:
