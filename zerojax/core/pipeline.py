@@ -293,7 +293,7 @@ def pipelined_scan(pl: Pipeline, f: Callable, init: Any, xs: Any, length: int | 
 
   def converted(*args):
     outs = eval_jaxpr(ClosedJaxpr(jaxpr.jaxpr, args[4:]), jax.tree.leaves(args[:4]),
-                      lambda *_: None)
+                      _inline_remat)
     return outs[:n_carry], outs[n_carry:]
 
   run = _scan_fn(converted, sharded, pl, n_layers, traced)
@@ -315,6 +315,17 @@ def pipelined_scan(pl: Pipeline, f: Callable, init: Any, xs: Any, length: int | 
     return Declined(f"JAX could not run it per device ({type(e).__name__}: {e})")
   out = jax.tree.unflatten(carry_def, c), jax.tree.unflatten(ys_defs[0], y)
   return out, _layer_bytes(flat, sharded, pl)
+
+
+def _inline_remat(eqn: Any, invals: list) -> list | None:
+  """A checkpoint of the layer's own, as plain code: the backward pass re-runs each layer
+  whole already (`_scan_fn`), and differentiating that re-run through the checkpoint holds
+  more at once (BENCHMARKS.md, "Layers one ahead without their own checkpoints")."""
+  if eqn.primitive.name not in REMAT_PRIMITIVE_NAMES:
+    return None
+  inner = eqn.params["jaxpr"]
+  closed = inner if isinstance(inner, ClosedJaxpr) else ClosedJaxpr(inner, [])
+  return eval_jaxpr(closed, invals, _inline_remat)
 
 
 def _policy_name(policy: Any) -> str:
