@@ -341,3 +341,31 @@ def test_one_ahead_differentiates_what_the_layers_close_over():
   assert np.abs(moved[2]["scale"]).max() > 0
   for a, b in zip(jax.tree.leaves(moved[1]), jax.tree.leaves(moved[2])):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_a_layers_own_checkpoint_runs_inline_unless_it_holds_its_own_vjp():
+  # The one-ahead backward pass re-runs each layer whole: a checkpoint of the layer's own runs
+  # as plain code inside it, except around a function with its own VJP (a fused attention
+  # kernel), whose residuals the checkpoint held for less (the 8B row of BENCHMARKS.md).
+  from zerojax.core import pipeline
+
+  @jax.custom_vjp
+  def fused(x):
+    return jnp.sin(x)
+  fused.defvjp(lambda x: (jnp.sin(x), x), lambda x, g: (g * jnp.cos(x),))
+
+  def remat_eqn(body):
+    eqns = jax.make_jaxpr(jax.checkpoint(body))(jnp.ones(3)).jaxpr.eqns
+    assert eqns[0].primitive.name in _compat.REMAT_PRIMITIVE_NAMES
+    return eqns[0]
+
+  plain = remat_eqn(lambda x: jnp.tanh(x) * 2)
+  x = jnp.arange(3.0)
+  out = pipeline._inline_remat(plain, [x])
+  assert out is not None and jnp.allclose(out[0], jnp.tanh(x) * 2)
+  names = [e.primitive.name for e in jax.make_jaxpr(
+      lambda x: pipeline._inline_remat(plain, [x]))(x).jaxpr.eqns]
+  assert not set(names) & _compat.REMAT_PRIMITIVE_NAMES, names  # no checkpoint left
+  assert pipeline._inline_remat(remat_eqn(lambda x: fused(x) * 2), [x]) is None
+  other = jax.make_jaxpr(jnp.sin)(x).jaxpr.eqns[0]
+  assert pipeline._inline_remat(other, [x]) is None

@@ -35,7 +35,8 @@ from jax.sharding import PartitionSpec as P
 
 from jax.extend.core import ClosedJaxpr
 
-from zerojax._compat import ORIGINAL_SCAN, REMAT_PRIMITIVE_NAMES, eval_jaxpr, subjaxprs
+from zerojax._compat import (ORIGINAL_SCAN, REMAT_PRIMITIVE_NAMES, eval_jaxpr,
+                             jaxpr_has_primitive, subjaxprs)
 from zerojax.core.batchwise import NotRowwise, row_axes
 from zerojax.core.gather import ZeroParam
 
@@ -317,13 +318,21 @@ def pipelined_scan(pl: Pipeline, f: Callable, init: Any, xs: Any, length: int | 
   return out, _layer_bytes(flat, sharded, pl)
 
 
+# Primitives of a function with its own VJP (a fused attention kernel's, say), which keeps
+# its own residuals.
+_CUSTOM_VJP = frozenset({"custom_vjp_call", "custom_vjp_call_jaxpr"})
+
+
 def _inline_remat(eqn: Any, invals: list) -> list | None:
   """A checkpoint of the layer's own, as plain code: the backward pass re-runs each layer
   whole already (`_scan_fn`), and differentiating that re-run through the checkpoint holds
-  more at once (BENCHMARKS.md, "Layers one ahead without their own checkpoints")."""
+  more at once. Except around a function with its own VJP, where the checkpoint held less
+  (BENCHMARKS.md, "Layers one ahead without their own checkpoints")."""
   if eqn.primitive.name not in REMAT_PRIMITIVE_NAMES:
     return None
   inner = eqn.params["jaxpr"]
+  if jaxpr_has_primitive(inner, _CUSTOM_VJP):
+    return None
   closed = inner if isinstance(inner, ClosedJaxpr) else ClosedJaxpr(inner, [])
   return eval_jaxpr(closed, invals, _inline_remat)
 
