@@ -139,16 +139,14 @@ def value_and_grad(fun: Callable, argnums: int = 0, has_aux: bool = False, *,
   def wrapped(params, *args):
     ctx = context.current()
     scale = loss_scale if loss_scale is not None else (ctx.loss_scale if ctx else None)
-    if ctx is None:
-      return _Accumulation(None, 1, scale, ctx)(fun, argnums, has_aux, wrt)(params, *args)
-    return _Accumulation(ctx.plan, ctx.accumulation_steps, scale, ctx)(
-        fun, argnums, has_aux, wrt)(params, *args)
+    plan, steps = (ctx.plan, ctx.accumulation_steps) if ctx is not None else (None, 1)
+    return _Accumulation(plan, steps, scale, ctx)(fun, argnums, has_aux, wrt)(params, *args)
 
   return wrapped
 
 
-def accumulate(fun: Callable, plan: Any, *, steps: int | None = None, has_aux: bool = False,
-               loss_scale: Any = None, wrt: Any = None) -> Callable:
+def accumulate(fun: Callable, plan: ShardingPlan, *, steps: int | None = None,
+               has_aux: bool = False, loss_scale: Any = None, wrt: Any = None) -> Callable:
   """``jax.value_and_grad`` of ``fun`` over micro-batches of its batch, laid out by ``plan``.
 
   The explicit form of what `value_and_grad` does inside a zerojax step, usable in any
