@@ -1192,10 +1192,11 @@ def device_part(config: ZeroConfig, tx: Any, *, nnx_model: bool = False
                       "NVMe needs a linen model (zerojax.create_train_state)",
                       field="loss_scale", value=config.loss_scale.scale,
                       allowed="None with an NNX model and NvmeOffload")
+  dtx = device_tx(config, tx)
   device = device_config(config)
   if jax.process_count() > 1:
     agreement.check_agreement(config, extra={"nvme_tx": _name(tx.update)})
-  return device, device_tx(config, tx)
+  return device, dtx
 
 
 def start(offload: NvmeOffload, plan: ShardingPlan, tx: Any, state: Any, *,
