@@ -198,3 +198,20 @@ def test_nnx_embed_left_unset_looks_up_in_bf16():
   assert sorted(tables) == [("64", "bf16"), ("8", "f16")], tables
   step(model, opt, t)
   assert model.wte.dtype == jnp.float32  # the user's module is unchanged
+
+
+def test_with_compute_dtype_sets_unset_layers_on_a_copy():
+  from zerojax.core.dtypes import with_compute_dtype
+
+  class Net(nnx.Module):
+    def __init__(self, rngs):
+      self.wte = nnx.Embed(64, 32, rngs=rngs)  # dtype stored as the table's (float32)
+      self.a = nnx.Linear(32, 32, rngs=rngs)  # dtype None
+      self.b = nnx.Linear(32, 8, dtype=jnp.float16, rngs=rngs)  # the user's own choice
+
+  net = Net(nnx.Rngs(0))
+  run = with_compute_dtype(net, jnp.bfloat16)
+  assert (run.wte.dtype, run.a.dtype, run.b.dtype) == (jnp.bfloat16, jnp.bfloat16, jnp.float16)
+  assert (net.wte.dtype, net.a.dtype, net.b.dtype) == (jnp.float32, None, jnp.float16)
+  assert run.a.kernel[...] is net.a.kernel[...]  # the same arrays, not copies
+  assert with_compute_dtype(net, None) is net

@@ -19,7 +19,7 @@ from zerojax._compat import subjaxprs
 from zerojax.core.config import ConfigError, ZeroConfig
 
 __all__ = ["compute_dtype_of", "reduce_dtype_of", "to_compute", "cast", "cast_shapes",
-           "set_nnx_dtype", "check_compute_dtype"]
+           "with_compute_dtype", "check_compute_dtype"]
 
 
 def compute_dtype_of(cfg: Any) -> Any:
@@ -62,20 +62,31 @@ def cast_shapes(tree, dtype):
   return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, meta.AxisMetadata))
 
 
-def set_nnx_dtype(model: Any, dtype: Any) -> None:
-  """Sets ``dtype`` on every NNX layer of ``model`` that leaves it unset (``None``: promote
-  the operands), so the layer casts its parameters and input to the compute dtype where it
-  reads them. ``model`` is the step's own merged copy, so the user's module is unchanged."""
+def _dtype_unset(path: Any, mod: Any) -> bool:
+  """Whether NNX layer ``mod`` leaves its compute dtype to its operands."""
+  if not isinstance(mod, nnx.Module) or "dtype" not in vars(mod):
+    return False
+  # ``nnx.Embed`` stores an unset dtype as its table's (``dtype or embedding.dtype``), which
+  # would start the residual stream in the master weights' dtype.
+  return mod.dtype is None or (isinstance(mod, nnx.Embed) and mod.dtype == mod.param_dtype)
+
+
+def with_compute_dtype(node: Any, dtype: Any) -> Any:
+  """``node`` (NNX modules, or a graph holding them) as the step runs it: every layer that
+  leaves its dtype unset computes in ``dtype``, casting its parameters and input where it
+  reads them.
+
+  Args:
+    node: the NNX graph, e.g. ``(model, optimizer)``; it is not changed.
+    dtype: the compute dtype, or None to keep every layer as written.
+
+  Returns:
+    A new graph sharing ``node``'s arrays (``nnx.with_attributes``), or ``node`` itself when
+    ``dtype`` is None.
+  """
   if dtype is None:
-    return
-  for _, mod in nnx.iter_modules(model):
-    if "dtype" not in vars(mod):
-      continue
-    # ``nnx.Embed`` stores an unset dtype as its table's (``dtype or embedding.dtype``), which
-    # would start the residual stream in the master weights' dtype.
-    unset = mod.dtype is None or (isinstance(mod, nnx.Embed) and mod.dtype == mod.param_dtype)
-    if unset:
-      mod.dtype = dtype
+    return node
+  return nnx.with_attributes(node, only=_dtype_unset, raise_if_not_found=False, dtype=dtype)
 
 
 def _dot_operands(jaxpr: Any) -> Iterator[tuple[Any, Any]]:

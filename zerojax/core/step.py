@@ -25,7 +25,7 @@ from flax import nnx
 
 from zerojax.core import agreement, budget, context, layout, offload
 from zerojax.core.config import ConfigError
-from zerojax.core.dtypes import check_compute_dtype, compute_dtype_of, set_nnx_dtype
+from zerojax.core.dtypes import check_compute_dtype, compute_dtype_of, with_compute_dtype
 from zerojax.core.formulation import remat_applied
 from zerojax.core.apply import ModelApply, linen_applies, per_use_reason
 from zerojax.core.grad import check_batch
@@ -291,6 +291,9 @@ class _NnxStep:
   def __init__(self, plan: ShardingPlan, model: Any, optimizer: Any):
     self.plan, self.pair = plan, (model, optimizer)
     self.graphdef, self.state = nnx.split(self.pair)
+    # What the step merges: the same graph with the config's compute dtype on every layer
+    # that leaves its own unset, decided once here; the user's modules are left as they are.
+    self.step_graphdef = nnx.split(with_compute_dtype(self.pair, compute_dtype_of(plan.config)))[0]
 
   def key(self, batch: Any, rest: tuple) -> tuple:
     return ("nnx", self.graphdef, _shapes_key(batch), _shapes_key(rest))
@@ -314,17 +317,15 @@ class _NnxStep:
           "drop the setting")
 
   def body(self, fn: Callable, contexts: list) -> Callable:
-    plan, graphdef = self.plan, self.graphdef
+    plan, graphdef = self.plan, self.step_graphdef
     cfg = plan.config
     scaling = cfg.loss_scale is not None
     # Host-resident NNX parameters come to the device (as the plan shards them) when the
     # step starts and go back when it ends; a linen model fetches each layer's just in time.
     params_host = plan.params_on_host
-    cd = compute_dtype_of(cfg)
 
     def step(state, batch, *rest):
       m, o = nnx.merge(graphdef, state)
-      set_nnx_dtype(m, cd)
       if params_host:
         nnx.update(m, offload.put_like(nnx.state(m, nnx.Param), offload.on_device(plan.params)))
       finite: list = []
