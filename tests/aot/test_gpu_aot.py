@@ -1091,3 +1091,22 @@ def test_gpu_stage2_reduces_each_layers_gradient_inside_the_backward_pass(monkey
   assert per_use.activations == {} == partitioner.activations
   assert per_use.measured.collective_total <= 1.01 * memory.textbook_bytes(per_use.plan)
   assert per_use.measured.temp <= partitioner.measured.temp
+
+
+@needs_gpu_compiler
+def test_gpu_scanned_layers_wait_for_the_heads_gradient(monkeypatch):
+  # #53: XLA:GPU made the head's weight gradient after the layers' backward loop, keeping the
+  # logits' cotangent (here 16 MiB per device in bf16) through it. The layers one ahead now
+  # start their backward pass once the gradients made after them are (pipeline docstring).
+  from zerojax.core.context import MadeGrads
+  cfg = GPTConfig(vocab_size=8192, seq_len=1024, num_layers=4, num_heads=4, d_model=256)
+  config = zerojax.ZeroConfig.from_flat(dict(stage=3, compute_dtype="bfloat16"))
+  temp = {}
+  for wait in (True, False):
+    if not wait:
+      monkeypatch.setattr(MadeGrads, "take", lambda self: [])
+    r = memory.compile_for_topology(config, GPT(cfg), (8, 1024), TOPOLOGY)
+    assert r.formulation == "per use" and "one ahead" in str(r.layers), r.layers
+    temp[wait] = memory.measure(r.compiled).temp
+  logits_ct = 1024 * 8192 * 2  # one sequence per device, bf16
+  assert temp[True] <= temp[False] - logits_ct / 2, temp

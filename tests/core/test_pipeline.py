@@ -369,3 +369,49 @@ def test_a_layers_own_checkpoint_runs_inline_unless_it_holds_its_own_vjp():
   assert pipeline._inline_remat(remat_eqn(lambda x: fused(x) * 2), [x]) is None
   other = jax.make_jaxpr(jnp.sin)(x).jaxpr.eqns[0]
   assert pipeline._inline_remat(other, [x]) is None
+
+
+def test_one_ahead_waits_for_the_gradients_made_after_the_layers(monkeypatch):
+  """A language model's layers run one ahead only once the gradients of what runs after them
+  (its final norm and head) are made, so the logits' cotangent is freed before the layers'
+  backward pass; the training is the same as gathering each layer in its own iteration."""
+  import optax
+  from zerojax.core.context import MadeGrads
+  from zerojax.models import GPT, GPTConfig
+  cfg = GPTConfig(vocab_size=512, seq_len=16, num_layers=3, num_heads=2, d_model=32)
+  rng = jax.random.key(1)
+  tokens = jax.random.randint(rng, (8, cfg.seq_len + 1), 0, cfg.vocab_size)
+  waited: list = []
+  take = MadeGrads.take
+
+  def recorded(self):
+    out = take(self)
+    waited.append([g.shape for g in out])
+    return out
+
+  monkeypatch.setattr(MadeGrads, "take", recorded)
+  losses, said = {}, {}
+  for live in (1, 2):
+    config = zerojax.ZeroConfig(stage=3, gather=zerojax.Gather(
+        mode="explicit", max_live_layers=live, persistence_threshold=0))
+    state, plan = zerojax.create_train_state(GPT(cfg), optax.adam(1e-2), jax.random.key(0),
+                                             tokens[:, :-1], config=config)
+
+    @zerojax.zero_step(plan)
+    def step(state, batch):
+      def lf(p):
+        logits = state.apply_fn({"params": p}, batch[:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+      loss, g = zerojax.value_and_grad(lf)(state.params)
+      return state.apply_gradients(grads=g), {"loss": loss}
+
+    losses[live] = []
+    for _ in range(3):
+      state, m = step(state, tokens)
+      losses[live].append(float(m["loss"]))
+    said[live] = next(iter(step.layers.values()), None)
+  assert "one ahead" in said[2] and said[1] is None, said
+  assert max(abs(a - b) for a, b in zip(losses[1], losses[2])) < 2e-6, losses
+  # The one scan waited for the head's kernel and bias and the final norm's scale and bias.
+  assert sorted(waited[-1]) == sorted([(cfg.d_model, cfg.vocab_size), (cfg.vocab_size,),
+                                       (cfg.d_model,), (cfg.d_model,)]), waited

@@ -20,7 +20,9 @@ import contextvars
 import dataclasses
 from typing import Any, Iterator
 
-__all__ = ["StepContext", "Tracing", "tracing", "setting", "current", "active"]
+from jax.extend.core import get_opaque_trace_state
+
+__all__ = ["StepContext", "Tracing", "MadeGrads", "tracing", "setting", "current", "active"]
 
 
 @dataclasses.dataclass
@@ -95,6 +97,9 @@ class Tracing:
     in_backward: a layer's backward pass re-runs it (`zerojax.core.regather`,
       `zerojax.core.remat.recompute_in_backward`): a quantised re-gather may then move full
       precision weights (``quantize_weights_backward=False``).
+    made_grads: where per-use gathers' backward rules record the gradients they are handed
+      (`zerojax.core.gather`), for a scan of layers one ahead to wait for
+      (`zerojax.core.pipeline`); None: not recorded.
   """
 
   step: "StepContext | None" = None
@@ -109,6 +114,31 @@ class Tracing:
   across_checkpoints: bool = False
   wait_for: Any = None
   in_backward: bool = False
+  made_grads: "MadeGrads | None" = None
+
+
+class MadeGrads:
+  """The gradients the backward pass has made so far, each with the trace it was made in.
+
+  The backward pass reaches a model's layers last of all that runs after them in the forward
+  pass (a head, a final norm). A scan of layers one ahead waits for those parameters'
+  gradients (`take`), so the cotangents they are made from are freed before the layers' backward
+  pass starts, not kept through it for a weight-gradient matmul scheduled at the end.
+  """
+
+  def __init__(self):
+    self._made: list[tuple[Any, Any]] = []
+
+  def add(self, grad: Any) -> None:
+    """Records ``grad``, made in the current trace."""
+    self._made.append((get_opaque_trace_state(), grad))
+
+  def take(self) -> list:
+    """The gradients recorded in the current trace since the last `take`, which forgets them."""
+    here = get_opaque_trace_state()
+    out = [g for t, g in self._made if t == here]
+    self._made = [(t, g) for t, g in self._made if t != here]
+    return out
 
 
 _TRACING: contextvars.ContextVar[Tracing] = contextvars.ContextVar("zerojax_tracing",

@@ -57,6 +57,9 @@ def _gather_fwd(w, at_rest, compute, grad, reduce_dtype, whole):
 
 
 def _gather_bwd(at_rest, compute, grad, reduce_dtype, whole, _, ct):
+  made = tracing().made_grads
+  if made is not None:
+    made.add(jax.lax.stop_gradient(ct))
   dtype = ct.dtype
   if reduce_dtype is not None:
     ct = ct.astype(reduce_dtype)

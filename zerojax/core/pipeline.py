@@ -14,7 +14,9 @@ per device inside ``jax.shard_map`` with its own collectives:
   before in the compute (or ``reduce_dtype``) dtype.
 
 A layer's weights are gathered, and its gradients reduced, one collective per weight, each
-into a buffer of its own; `OneAhead` gives the sizes the compiler may combine them up to.
+into a buffer of its own; `OneAhead` gives the sizes the compiler may combine them up to. The
+backward pass starts once the gradients of what runs after the layers (a head) are made
+(`_waits_for_made_grads`).
 
 Each iteration's two collectives depend on nothing the iteration computes, so the scheduler
 can issue them beside its matmuls. Running per device is only right for a layer that computes
@@ -38,7 +40,8 @@ from jax.extend.core import ClosedJaxpr
 from zerojax._compat import (ORIGINAL_SCAN, REMAT_PRIMITIVE_NAMES, eval_jaxpr,
                              jaxpr_has_primitive, subjaxprs)
 from zerojax.core.batchwise import NotRowwise, row_axes
-from zerojax.core.gather import ZeroParam
+from zerojax.core.context import tracing
+from zerojax.core.gather import ZeroParam, after, token_of
 
 __all__ = ["Pipeline", "Declined", "OneAhead", "pipelined_scan", "LAYERS_SCOPE", "NOT_LAYERS",
            "describe"]
@@ -314,7 +317,7 @@ def pipelined_scan(pl: Pipeline, f: Callable, init: Any, xs: Any, length: int | 
                          check_vma=False)(*args)
   except Exception as e:  # e.g. under a transformation shard_map refuses; nothing was emitted
     return Declined(f"JAX could not run it per device ({type(e).__name__}: {e})")
-  out = jax.tree.unflatten(carry_def, c), jax.tree.unflatten(ys_defs[0], y)
+  out = jax.tree.unflatten(carry_def, _waits_for_made_grads(c)), jax.tree.unflatten(ys_defs[0], y)
   return out, _layer_bytes(flat, sharded, pl)
 
 
@@ -361,6 +364,28 @@ def _saving_policies(jaxpr: Any) -> list[str]:
 
 def _inexact(x: Any) -> bool:
   return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+
+
+@jax.custom_vjp
+def _waits_for_made_grads(carry: Any) -> Any:
+  """Identity whose cotangent is computed only once every gradient recorded so far in this
+  trace (`zerojax.core.context.MadeGrads`) is: the layers' backward pass then starts after the
+  gradients of what ran after them (a head's, a final norm's), so the cotangents those are made
+  from (the logits') are freed first. XLA would otherwise make them last and keep the logits'
+  cotangent through the whole loop (BENCHMARKS.md, "Gradients made after the layers")."""
+  return carry
+
+
+def _waits_bwd(_, ct):
+  made = tracing().made_grads
+  grads = made.take() if made is not None else []
+  if grads:
+    token = token_of([jnp.stack([token_of(g, False) for g in grads])], False)
+    ct = jax.tree.map(lambda c: after(c, token) if _inexact(c) else c, ct)
+  return (ct,)
+
+
+_waits_for_made_grads.defvjp(lambda carry: (carry, None), _waits_bwd)
 
 
 def _index(xs: list[jax.Array], i: Any) -> list[jax.Array]:

@@ -22,7 +22,7 @@ from jax.extend.core import Var
 from zerojax._compat import (ORIGINAL_SCAN, REMAT_PRIMITIVE_NAMES, bind_eqn, eval_eqns,
                              jaxpr_has_primitive, name_p, read_var, scan_hook,
                              sharding_constraint_p, var_uses)
-from zerojax.core.context import setting, tracing
+from zerojax.core.context import MadeGrads, setting, tracing
 from zerojax.core.gather import GATHERED
 from zerojax.core.pipeline import Declined, Pipeline, pipelined_scan
 from zerojax.core.regather import inside_checkpoints
@@ -336,5 +336,6 @@ def scanned_layers(rs: ScanRemat | None) -> Iterator[list]:
   the list of what became of each scan given a pipeline: a `zerojax.core.pipeline.OneAhead`
   where its layers ran one ahead, else the reason they could not."""
   outcomes: list = []
-  with scan_hook(_dispatch_scan), setting(scan=rs, scan_outcomes=outcomes):
+  made = MadeGrads() if rs is not None and rs.pipeline is not None else None
+  with scan_hook(_dispatch_scan), setting(scan=rs, scan_outcomes=outcomes, made_grads=made):
     yield outcomes
