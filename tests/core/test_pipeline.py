@@ -397,17 +397,10 @@ def test_one_ahead_waits_for_the_gradients_made_after_the_layers(monkeypatch):
     state, plan = zerojax.create_train_state(GPT(cfg), optax.adam(1e-2), jax.random.key(0),
                                              tokens[:, :-1], config=config)
 
-    @zerojax.zero_step(plan)
-    def step(state, batch):
-      def lf(p):
-        logits = state.apply_fn({"params": p}, batch[:, :-1])
-        return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
-      loss, g = zerojax.value_and_grad(lf)(state.params)
-      return state.apply_gradients(grads=g), {"loss": loss}
-
+    step = zerojax.zero_step(plan)(memory.lm_train_step)
     losses[live] = []
     for _ in range(3):
-      state, m = step(state, tokens)
+      state, m = step(state, {"x": tokens[:, :-1], "y": tokens[:, 1:]})
       losses[live].append(float(m["loss"]))
     said[live] = next(iter(step.layers.values()), None)
   assert "one ahead" in said[2] and said[1] is None, said
