@@ -399,6 +399,58 @@ def test_activation_collectives_count_a_ring_of_weight_shards_as_weights():
   act = memory.activation_collectives(PERMUTE_HLO, plan)
   assert act == {("collective-permute", "bf16[2,1024,1024]", ""): 2 * 1024 * 1024 * 2}
 
+
+PADDED_RS_HLO = """\
+%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %s = f32[] add(%x, %y)
+}
+
+%all-reduce-scatter.1 (input.4: f32[8192,2048]) -> f32[1064,2048] {
+  %input.4 = f32[8192,2048]{1,0:T(8,128)} parameter(0)
+  %zero = f32[] constant(0)
+  %pad.2 = f32[8512,2048]{1,0:T(8,128)} pad(%input.4, %zero), padding=0_320x0_0
+  %all-reduce.27 = f32[8512,2048]{1,0:T(8,128)} all-reduce(%pad.2), channel_id=17, replica_groups={{0,1,2,3,4,5,6,7}}, use_global_device_ids=true, to_apply=%add
+  %p = u32[] partition-id()
+  %c = u32[] constant(1064)
+  %o = u32[] multiply(%p, %c)
+  %z = u32[] constant(0)
+  ROOT %ds = f32[1064,2048]{1,0:T(8,128)} dynamic-slice(%all-reduce.27, %o, %z), dynamic_slice_sizes={1064,2048}
+}
+
+%all-reduce-scatter.2 (input.5: f32[7800,2048]) -> f32[1064,2048] {
+  %input.5 = f32[7800,2048]{1,0:T(8,128)} parameter(0)
+  %zero.1 = f32[] constant(0)
+  %pad.3 = f32[8512,2048]{1,0:T(8,128)} pad(%input.5, %zero.1), padding=0_712x0_0
+  %all-reduce.28 = f32[8512,2048]{1,0:T(8,128)} all-reduce(%pad.3), channel_id=18, replica_groups={{0,1,2,3,4,5,6,7}}, use_global_device_ids=true, to_apply=%add
+  %p.1 = u32[] partition-id()
+  %c.1 = u32[] constant(1064)
+  %o.1 = u32[] multiply(%p.1, %c.1)
+  %z.1 = u32[] constant(0)
+  ROOT %ds.1 = f32[1064,2048]{1,0:T(8,128)} dynamic-slice(%all-reduce.28, %o.1, %z.1), dynamic_slice_sizes={1064,2048}
+}
+
+ENTRY %main (g: f32[8192,2048], a: f32[7800,2048]) -> f32[1064,2048] {
+  %g = f32[8192,2048]{1,0} parameter(0)
+  %a = f32[7800,2048]{1,0} parameter(1)
+  %rs.1 = f32[1064,2048]{1,0} fusion(%g), kind=kCustom, calls=%all-reduce-scatter.1
+  ROOT %rs.2 = f32[1064,2048]{1,0} fusion(%a), kind=kCustom, calls=%all-reduce-scatter.2
+}
+"""
+
+
+def test_activation_collectives_read_a_padded_reduce_scatter_by_what_it_pads():
+  # XLA:TPU reduce-scatters a [8192, 2048] gradient as an all-reduce of it padded to 8512
+  # rows (4% more, 1064 rows a device) and a slice: the gradient's. The same fusion over a
+  # [7800, 2048] tensor, no parameter's shape, moves an activation.
+  import types
+  from jax.sharding import PartitionSpec as P
+  leaf = types.SimpleNamespace(shape=(12, 8192, 2048), sharded=P(None, None, "fsdp"))
+  plan = types.SimpleNamespace(leaves=(leaf,), mesh=types.SimpleNamespace(shape={"fsdp": 8}))
+  act = memory.activation_collectives(PADDED_RS_HLO, plan)
+  assert act == {("all-reduce", "f32[7800,2048]", ""): 2 * 7800 * 2048 * 4}, act
+
 # -- one compile, and the compute dtype on CPU ------------------------------------------------
 
 
