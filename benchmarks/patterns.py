@@ -20,8 +20,10 @@ device, XLA's temp and peak bytes, collective bytes from the compiled HLO, the l
 and final-parameter difference to an unsharded (one-device) run, and the median step time
 relative to the baseline, timed alternately in one run.
 
-``--size small`` runs the tests' sizes; the patterns and their runners are defined in
-``tests/model_patterns.py``, shared with the tests (``tests/core/test_patterns.py``).
+``--size small`` runs the tests' sizes. ``--size wide`` (with ``--target`` only) has 16x the
+weights and 4x the rows, so that a TPU compile's temp is HBM the step holds rather than what
+XLA:TPU's memory-space assignment left outside VMEM. The patterns and their runners are
+defined in ``tests/model_patterns.py``, shared with the tests (``tests/core/test_patterns.py``).
 
 ``--target h100:8`` (or a TPU slice such as ``v5e:2x4``) compiles the same steps ahead of time
 for that accelerator compiler from abstract state (nothing runs) and gives, per pattern and
@@ -50,7 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # The patterns, their sizes and runners are shared with the tests (tests/core/test_patterns.py).
 from tests.model_patterns import (  # noqa: E402
-    DESCRIPTIONS, FULL, PATTERNS, SMALL, Runner, Size, abstract, baseline_runner, batches,
+    DESCRIPTIONS, FULL, PATTERNS, SMALL, WIDE, Runner, Size, abstract, baseline_runner, batches,
     fsdp_spec, linen_models, loss_of, make_tx, max_diff, nnx_model, pytree_apply, pytree_init,
     reference_losses, target_zero, timed_compile, zero_runner)
 
@@ -195,7 +197,8 @@ def zeropp_table(target: str | None, size: Size, pats) -> str:
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--size", choices=("full", "small"), default="full")
+  p.add_argument("--size", choices=("full", "small", "wide"), default="full",
+                 help="wide: 16x the weights and 4x the rows of full, with --target only")
   p.add_argument("--patterns", default=None,
                  help=f"comma-separated subset of {','.join(PATTERNS)} (all; with --zeropp, "
                  f"of {','.join(ZEROPP_PATTERNS)})")
@@ -217,7 +220,10 @@ def main(argv=None) -> int:
                if args.zeropp else ""))
   if args.steps < 2:
     p.error(f"--steps={args.steps} is invalid: needs an integer >= 2 (the first is warm-up)")
-  size = FULL if args.size == "full" else SMALL
+  if args.size == "wide" and not args.target:
+    p.error("--size=wide is invalid without --target: it is sized for an accelerator compile "
+            "(a step per variant on 8 CPU devices would take minutes); pass --target")
+  size = {"full": FULL, "small": SMALL, "wide": WIDE}[args.size]
   if args.zeropp:
     import os
     os.environ.setdefault("JAX_PLATFORMS", "cpu")

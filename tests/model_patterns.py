@@ -41,6 +41,9 @@ class Size:
 
 FULL = Size(layers=12, d_model=512, d_ff=2048, rows=1024, vocab=8192, seq=32)
 SMALL = Size(layers=4, d_model=128, d_ff=512, rows=64, vocab=512, seq=8)
+# For accelerator compiles only: a TPU v5e's 128 MiB of VMEM holds FULL's whole step, so its
+# HBM temp there measures where memory-space assignment put things, not what the step holds.
+WIDE = Size(layers=12, d_model=2048, d_ff=8192, rows=4096, vocab=8192, seq=32)
 
 
 # -- the models, written the usual ways -------------------------------------------------------
