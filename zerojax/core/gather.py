@@ -11,10 +11,9 @@ pass (`zerojax.core.remat`). Which models are boxed is decided in `zerojax.core.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
-from typing import Any, Iterator
+from typing import Any
 
 import jax
 import jax.numpy as jnp
