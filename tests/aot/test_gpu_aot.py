@@ -336,6 +336,38 @@ def test_schedule_reads_gpu_pairs_is_sync_and_matmuls():
     memory.collective_schedule(GPU_HLO, "all-reduce")
 
 
+def test_gpu_wide_rows_keep_two_collectives_in_flight(monkeypatch):
+  # A pure function's rows of 8 MiB or more (here 16 MiB) move at link bandwidth. With five
+  # collectives in flight XLA:GPU made more full-size weight gradients than it had
+  # reduce-scatters running and held them; such a step compiles with two.
+  import dataclasses
+  from tests.model_patterns import FULL, target_zero
+  from zerojax.core.backend import GPU
+  from zerojax.core.step import ZeroStep
+  monkeypatch.delenv("XLA_FLAGS", raising=False)
+  release = _compat.xla_gpu_options
+  wide = release({**GPU.compiler_options, **GPU.wide_rows_ahead_options})
+  five = release({**GPU.compiler_options, **GPU.rows_ahead_options})
+  assert wide != five
+  jitted, jit, instead = [], ZeroStep._jit, {}
+
+  def _jit(self, *a):
+    jitted.append(a[-1])
+    return jit(self, *a[:-1], instead.get("options", a[-1]) if a[-1] == wide else a[-1])
+
+  monkeypatch.setattr(ZeroStep, "_jit", _jit)
+  size = dataclasses.replace(FULL, layers=6, d_model=1024, d_ff=4096, rows=2048)
+  assert 1024 * 4096 * 4 >= GPU.wide_row_bytes
+  devices = gpu.gpu_topology(TOPOLOGY).devices
+  two, plan, _ = target_zero("g", size, 3, devices)
+  assert jitted[-1] == wide and plan.compiler_options_for(False, None, False, 4 << 20) == five
+  instead["options"] = five
+  held = target_zero("g", size, 3, devices)[0]
+  rs = lambda c: memory.collective_schedule(c.as_text(), "reduce-scatter").matmul_share
+  assert memory.measure(two).temp < 0.9 * memory.measure(held).temp
+  assert rs(two) >= max(0.8, rs(held) + 0.1)
+
+
 def test_activation_collectives_tell_weights_from_activations():
   from jax.sharding import PartitionSpec as P
 

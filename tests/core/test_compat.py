@@ -54,12 +54,13 @@ def _option_sets():
           "layers_ahead": {**GPU.compiler_options, **GPU.layers_ahead_options},
           "in_checkpoints": {**GPU.compiler_options, **GPU.layers_ahead_in_checkpoints_options},
           "pipelined": GPU.pipelined_options,
-          "rows_ahead": {**GPU.compiler_options, **GPU.rows_ahead_options}}
+          "rows_ahead": {**GPU.compiler_options, **GPU.rows_ahead_options},
+          "wide_rows_ahead": {**GPU.compiler_options, **GPU.wide_rows_ahead_options}}
   return {k: _compat.xla_gpu_options(v) for k, v in sets.items()}
 
 
 @pytest.mark.parametrize("name", ["default", "layers_ahead", "in_checkpoints", "pipelined",
-                                  "rows_ahead"])
+                                  "rows_ahead", "wide_rows_ahead"])
 def test_this_release_takes_every_default_gpu_option(name):
   # XLA validates option names and values against its DebugOptions whatever the backend: a
   # refused option fails this CPU compile as it would fail a GPU one.

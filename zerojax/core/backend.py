@@ -76,6 +76,9 @@ class Backend:
     layers_ahead_in_checkpoints_options: added instead when some of those layers ran inside the
       model's own checkpoints.
     rows_ahead_options: added for a pure function whose row matmuls gathered one ahead.
+    wide_row_bytes: from this size of the largest row gathered ahead on, those options are
+      `wide_rows_ahead_options` instead (None: never).
+    wide_rows_ahead_options: the options for rows of at least `wide_row_bytes`.
     pipelined_options: the options instead for a step whose scanned layers ran one ahead; its
       combine thresholds are raised to the largest layer's collectives.
     gather_combine_option: the option naming the all-gather combine threshold in bytes.
@@ -105,6 +108,8 @@ class Backend:
   layers_ahead_in_checkpoints_options: Mapping[str, Any] = dataclasses.field(
       default_factory=dict)
   rows_ahead_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  wide_row_bytes: int | None = None
+  wide_rows_ahead_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
   pipelined_options: Mapping[str, Any] | None = None
   gather_combine_option: str | None = None
   reduce_combine_option: str | None = None
@@ -160,7 +165,7 @@ class Backend:
     return config.max_live_layers if config.max_live_layers is not None else self.live_layers
 
   def options(self, config: Any, layers_ahead: bool = False, pipelined: Any = None,
-              in_checkpoints: bool = False, rows_ahead: bool = False
+              in_checkpoints: bool = False, rows_ahead: int = 0
               ) -> dict[str, Any] | None:
     """The XLA options a step compiles with on this compiler.
 
@@ -170,7 +175,8 @@ class Backend:
       pipelined: for a step whose scanned layers ran one ahead, the largest layer's
         `zerojax.core.pipeline.OneAhead`; else None.
       in_checkpoints: some of the layers gathered ahead ran inside the model's own checkpoints.
-      rows_ahead: a pure function's row matmuls gathered one ahead.
+      rows_ahead: the bytes of the largest row a pure function's row matmuls gathered one
+        ahead, 0 for none (``True`` reads as a row under `wide_row_bytes`).
 
     Returns:
       The options, each option the user set in `flags_variable` left out, or None for none.
@@ -192,7 +198,9 @@ class Backend:
                                              base.get(self.gather_combine_option, 0)),
              self.reduce_combine_option: pipelined.reduced}
     elif rows_ahead and not layers_ahead:
-      out = {**self.compiler_options, **self.rows_ahead_options}
+      wide = self.wide_row_bytes is not None and rows_ahead >= self.wide_row_bytes
+      out = {**self.compiler_options,
+             **(self.wide_rows_ahead_options if wide else self.rows_ahead_options)}
     elif layers_ahead:
       out = {**self.compiler_options, **(self.layers_ahead_in_checkpoints_options
                                          if in_checkpoints else self.layers_ahead_options)}
@@ -242,7 +250,12 @@ GPU = Backend(
     layers_ahead_in_checkpoints_options={
         "xla_gpu_enable_analytical_latency_estimator": True,
         "xla_gpu_experimental_parallel_collective_overlap_limit": 32},
+    # Small rows need five collectives in flight to keep the link busy. From 8 MiB a row moves
+    # at link bandwidth, and more than two in flight only held more full-size gradients
+    # waiting for their reduce-scatter.
     rows_ahead_options={"xla_gpu_experimental_parallel_collective_overlap_limit": 5},
+    wide_row_bytes=8 << 20,
+    wide_rows_ahead_options={"xla_gpu_experimental_parallel_collective_overlap_limit": 2},
     # The loops already hold each collective an iteration ahead: XLA's own pipelining and
     # double buffering would move them once more.
     pipelined_options={"xla_gpu_enable_latency_hiding_scheduler": True,

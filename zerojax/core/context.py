@@ -44,9 +44,9 @@ class StepContext:
       (`ShardingPlan.compiler_options_for`).
     layers_in_checkpoints: whether some of them ran inside the model's own checkpoints
       (`zerojax.core.regather.inside_checkpoints`), which changes those options.
-    rows_ahead: whether a pure function's row matmuls (``x @ params["w"][i]``) gathered
-      their rows one row matmul ahead in this trace (`zerojax.core.rows`), which has options
-      of its own.
+    rows_ahead: the bytes of the largest row a pure function's row matmuls
+      (``x @ params["w"][i]``) gathered one row matmul ahead in this trace
+      (`zerojax.core.rows`), 0 for none; such a step has options of its own.
     formulation: the `zerojax.core.formulation.Formulation` `zerojax.value_and_grad` chose
       for an NNX model in this trace (``None`` if none was traced).
     scans: per scan traced with the plan's `zerojax.core.pipeline.Pipeline`, a
@@ -64,7 +64,7 @@ class StepContext:
   boxed_calls: int = 0
   layers_ahead: bool = False
   layers_in_checkpoints: bool = False
-  rows_ahead: bool = False
+  rows_ahead: int = 0
   formulation: Any = None
   scans: list = dataclasses.field(default_factory=list)
 

@@ -385,7 +385,7 @@ class ShardingPlan:
     return self.compiler_options_for(self.backend.prefetches_next_layer and self.params_sharded)
 
   def compiler_options_for(self, layers_ahead: bool, pipelined: Any = None,
-                           in_checkpoints: bool = False, rows_ahead: bool = False
+                           in_checkpoints: bool = False, rows_ahead: int = 0
                            ) -> dict[str, Any] | None:
     """XLA options the stage needs on this backend for a step as its trace found it.
 
@@ -395,7 +395,8 @@ class ShardingPlan:
         layers ran one ahead, else ``None``.
       in_checkpoints: whether some of the layers gathered ahead are inside the model's own
         checkpoints.
-      rows_ahead: whether a pure function's row matmuls gathered one ahead.
+      rows_ahead: the bytes of the largest row a pure function's row matmuls gathered one
+        ahead, 0 for none.
 
     Returns:
       The per-compile options (`Backend.options`), or ``None`` for none.

@@ -169,7 +169,8 @@ class _Rewrite:
       link = (None, None)
       if self.prefetch and use is not None:
         if (ctx := context.current()) is not None:
-          ctx.rows_ahead = True
+          w = self.leaves[k]
+          ctx.rows_ahead = max(ctx.rows_ahead, int(np.prod(w.shape[1:])) * w.dtype.itemsize)
         link = (self.link, _Link())
         self.link = link[1]
       self.previous = other
