@@ -336,6 +336,7 @@ def test_schedule_reads_gpu_pairs_is_sync_and_matmuls():
     memory.collective_schedule(GPU_HLO, "all-reduce")
 
 
+@needs_gpu_compiler
 def test_gpu_wide_rows_keep_two_collectives_in_flight(monkeypatch):
   # A pure function's rows of 8 MiB or more (here 16 MiB) move at link bandwidth. With five
   # collectives in flight XLA:GPU made more full-size weight gradients than it had
