@@ -32,6 +32,9 @@ TOPOLOGY = "h100:8"
 # there; `zerojax._compat.xla_gpu_options`), and some schedules and buffers differ: where a
 # test's figure does, it names both (BENCHMARKS.md, "JAX releases").
 OLD_XLA = bool(_compat.xla_gpu_options({"xla_gpu_enable_analytical_latency_estimator": True}))
+# jaxlib 0.11, the GPU images' release, lands between the two ends or past the newest: where a
+# figure of it falls outside the newest's bound, the test holds 0.11 to a bound of its own.
+GPU_IMAGE_XLA = _compat.JAX_VERSION[:2] == (0, 11)
 TINY = GPTConfig(vocab_size=256, seq_len=64, num_layers=2, num_heads=4, d_model=256)
 BATCH = (8, 64)
 # A vocabulary large next to a device's rows: left to itself, the partitioner computed a
@@ -629,7 +632,7 @@ def test_gpu_unscanned_layers_gather_one_ahead_and_nnx_lists_as_linen_loops(monk
   # Gathers issued as early as they can be hold about one layer's weights more, as scanned
   # layers one ahead do (2 x 512 x 2048 fp32 = 8 MiB; 9.3 MiB more here, 10.3 on jaxlib 0.11.2).
   layer = 4 * (2 * 512 * 2048 + 2048 + 512 + 2 * 512)
-  assert temp <= own_temp + 1.3 * layer, (temp, own_temp)
+  assert temp <= own_temp + (1.3 if GPU_IMAGE_XLA else 1.25) * layer, (temp, own_temp)
   assert nnx_temp <= temp * 1.01, (nnx_temp, temp)
 
 
@@ -862,7 +865,7 @@ def test_gpu_llama_blocks_gather_beside_matmuls_and_re_gather_after_their_reshap
   # checkpoint runs at top level, outside zerojax's, `zerojax.core.remat.keeping_nested`.)
   assert [share(w, "jvp(Model)/") for w in ("wq", "wk", "wv")] == [1.0, 1.0, 1.0]
   # 48.3 MB; 55.9 MB on jaxlib 0.12, 57.0 MB on 0.11.2
-  assert in_remat.measured.temp < (48.5e6 if OLD_XLA else 57.5e6)
+  assert in_remat.measured.temp < (48.5e6 if OLD_XLA else 57.5e6 if GPU_IMAGE_XLA else 56.5e6)
 
 
 @needs_gpu_compiler
@@ -985,7 +988,8 @@ def test_gpu_remat_full_checkpoints_each_block_of_an_nnx_list():
   (auto, _), (full, plan) = runs["auto"], runs["full"]
   temp = lambda c: memory.measure(c).temp
   # 0.51x; 0.67x on jaxlib 0.12, 0.73x on 0.11.2
-  assert temp(full) <= (0.6 if OLD_XLA else 0.75) * temp(auto), (temp(full), temp(auto))
+  bound = 0.6 if OLD_XLA else 0.75 if GPU_IMAGE_XLA else 0.68
+  assert temp(full) <= bound * temp(auto), (temp(full), temp(auto))
   moved = memory.measure(full).collective_total
   assert moved <= 1.1 * memory.textbook_bytes(plan), moved / memory.textbook_bytes(plan)
 
@@ -1177,7 +1181,7 @@ def test_gpu_stage2_reduces_each_layers_gradient_inside_the_backward_pass(monkey
   assert (per_use.formulation, partitioner.formulation) == ("per use", "compiler")
   assert per_use.activations == {} == partitioner.activations
   assert per_use.measured.collective_total <= 1.01 * memory.textbook_bytes(per_use.plan)
-  assert per_use.measured.temp <= 1.03 * partitioner.measured.temp
+  assert per_use.measured.temp <= (1.03 if GPU_IMAGE_XLA else 1.0) * partitioner.measured.temp
 
 
 @needs_gpu_compiler
