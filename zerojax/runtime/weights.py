@@ -41,6 +41,7 @@ __all__ = ["TensorMap", "WeightsError", "SafetensorsSource", "load_safetensors",
            "safetensors_source", "place", "save_hf", "checkpoint_index"]
 
 from zerojax.core.placement import WeightsError, make_array, place
+from zerojax.runtime.extras import require
 
 INDEX_FILE = "model.safetensors.index.json"
 _ST_TO_NP = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
@@ -193,7 +194,7 @@ def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype, align: int = 64) -> 
 def _read_blocks(file: str, name: str, index: tuple[slice, ...]
                  ) -> Iterator[tuple[int, np.ndarray]]:
   """``(row offset, tensor[index]'s rows from there)``, a block of stored rows at a time."""
-  from safetensors import safe_open  # late: safetensors is optional (only loading needs it)
+  from safetensors import safe_open  # optional: `SafetensorsSource.load` required it
   shape = tuple(_read_header(file)[name]["shape"])
   if not shape:
     with safe_open(file, framework="numpy") as f:
@@ -349,6 +350,7 @@ def load_safetensors(paths_or_dir: str | os.PathLike | Sequence[str | os.PathLik
   Raises:
     WeightsError: a leaf's tensor is missing, has another shape or dtype, a leaf has no
       mapping, or the checkpoint has unused tensors; nothing is loaded then.
+    MissingPackageError: the ``safetensors`` package (the ``train`` extra) is not installed.
   """
   return safetensors_source(paths_or_dir, mapping, allow_extra=allow_extra, cast=cast,
                             skip=skip).load(plan)
@@ -386,7 +388,9 @@ class SafetensorsSource:
 
     Raises:
       WeightsError: as `load_safetensors`.
+      MissingPackageError: the ``safetensors`` package is not installed.
     """
+    require("safetensors", "reading safetensors weights")  # before any file or device work
     index = checkpoint_index(self.paths)
     where = repr(os.fspath(self.paths) if isinstance(self.paths, (str, os.PathLike))
                  else [os.fspath(p) for p in self.paths])

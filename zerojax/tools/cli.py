@@ -22,7 +22,7 @@ from zerojax.core.config import ConfigError, HostOffload
 from zerojax.core.launch_env import DistributedInitError
 from zerojax.tools import launch
 from zerojax.tools.config_file import load_config
-from zerojax.tools.options import TrainOptions
+from zerojax.tools.options import OUTPUT_PACKAGES, TrainOptions
 
 __all__ = ["parse_bytes", "parse_count", "build_parser", "main"]
 
@@ -488,7 +488,8 @@ def _user_errors() -> tuple[type, ...]:
   raised, so they are looked up, not imported (the CLI starts without JAX)."""
   classes: list[type] = [ConfigError, KeyError, ValueError, OSError]
   for module, names in (("zerojax.runtime.checkpoint", ("CheckpointError",)),
-                        ("zerojax.runtime.nvme_store", ("NvmeError",))):
+                        ("zerojax.runtime.nvme_store", ("NvmeError",)),
+                        ("zerojax.runtime.extras", ("MissingPackageError",))):
     m = sys.modules.get(module)
     if m is not None:
       classes += [getattr(m, n) for n in names]
@@ -784,8 +785,11 @@ def _wrap(*paragraphs: str) -> str:
 def _train_options_help() -> str:
   parts = [f"{f.name}={f.default}" for f in dataclasses.fields(TrainOptions)
            if f.name != "scheduler"]
+  auto = ", ".join(f"{f} ({m})" for f, (m, _) in OUTPUT_PACKAGES.items())
   return "training options and defaults:\n" + textwrap.fill(
-      " ".join(parts), 79, initial_indent="  ", subsequent_indent="  ") + "\n"
+      " ".join(parts), 79, initial_indent="  ", subsequent_indent="  ") + "\n" + textwrap.fill(
+      f"None for {auto}: on when that package is installed", 79, initial_indent="  ",
+      subsequent_indent="  ") + "\n"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -44,6 +44,7 @@ from zerojax.tools.hub import resolve_model_dir
 from zerojax.core.train_state import nnx_loss_scaling
 from zerojax.models import llama
 from zerojax.runtime import nvme, weights
+from zerojax.runtime.extras import check
 from zerojax.runtime.checkpoint import Checkpointer
 from zerojax.tools import hf_data
 from zerojax.tools.config_file import load_config, parse_overrides
@@ -382,10 +383,13 @@ def finetune(fo: FinetuneOptions, config_path: str | None = None,
     ``{"result": TrainResult, "export": the export's summary or None}``.
 
   Raises:
+    MissingPackageError: a package the run needs (safetensors, grain, tokenizers; pyarrow
+      for Parquet data) is not installed; nothing has started.
     ConfigError: the config or overrides are invalid, set ``corpus`` or ``init_from``
       (fine-tuning reads the checkpoint and ``fo.data``), or ask for
       ``nonfinite_grads='skip'`` where fine-tuning cannot honour it.
   """
+  check(_packages(fo), "zerojax finetune")  # now, not after the weights are on the devices
   distributed.initialize()  # under a launcher: its process group, before any device is used
   loaded = _load_with_defaults(fo, config_path, list(overrides))
   train_opts = dict(loaded.train)
@@ -421,6 +425,18 @@ def finetune(fo: FinetuneOptions, config_path: str | None = None,
   result = train(config, opts, xla_notes=notes, task=finetune_task(fo, opts, config),
                  hooks=hooks)
   return {"result": result, "export": _export(fo, opts, result)}
+
+
+def _packages(fo: FinetuneOptions) -> dict[str, str]:
+  """The packages a fine-tuning run of ``fo`` needs beyond the library's: ``{module: what}``."""
+  needs = {"safetensors": "the checkpoint's weights", "grain": "the shuffled batch order"}
+  if os.path.isfile(os.path.join(fo.model_dir, "tokenizer.json")):
+    needs["tokenizers"] = "the checkpoint's tokenizer"
+  else:  # a SentencePiece-only checkpoint (`zerojax.tools.hf_data.Tokenizer`)
+    needs["transformers"] = "the checkpoint's tokenizer, which has no tokenizer.json"
+  if any(f is not None and f.endswith(".parquet") for f in (fo.data, fo.eval_data)):
+    needs["pyarrow"] = "Parquet data"
+  return needs
 
 
 def precision_note(config: Any) -> str | None:

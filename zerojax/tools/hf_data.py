@@ -24,7 +24,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import datetime
 import json
@@ -37,6 +36,7 @@ import jax
 import numpy as np
 
 from zerojax.runtime.data import process_rows
+from zerojax.runtime.extras import require
 
 __all__ = ["Tokenizer", "ChatTemplate", "load_tokenizer", "read_documents", "Documents",
            "tokenize_documents", "Rows", "pack", "pad", "build_rows", "Batches", "eval_batches",
@@ -71,7 +71,7 @@ def _environment():
   ``indent``/``separators``/``sort_keys``, the globals ``raise_exception`` and
   ``strftime_now`` (today's date, as a Llama 3.1 template prints it), and the
   ``{% generation %}`` block, whose output spans are recorded in ``env.zerojax_spans``."""
-  import jinja2  # optional: the train extra
+  jinja2 = require("jinja2", "a chat template")
   from jinja2 import nodes
   from jinja2.ext import Extension
   from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -133,7 +133,7 @@ class ChatTemplate:
   """
 
   def __init__(self, source: str, where: str, special: dict[str, str | None]):
-    import jinja2  # optional: the train extra
+    jinja2 = require("jinja2", "a chat template")
     self.source, self.where = source, where
     self.special = {k: v for k, v in special.items() if v is not None}
     self.has_generation = bool(_GENERATION_TAG.search(source))
@@ -162,7 +162,7 @@ class ChatTemplate:
       TemplateRenderError: the template raised (``raise_exception``) or failed; the message
         names the template's file and line and the record.
     """
-    import jinja2  # optional: the train extra
+    jinja2 = require("jinja2", "a chat template")
     msgs = [{k: v for k, v in m.items() if v is not None} for m in messages]
     chunks: list[str] = []
     rec = {"spans": [], "emitted": lambda: sum(map(len, chunks))}
@@ -237,7 +237,7 @@ class Tokenizer:
                                                          "pad_token", "unk_token")}
     self._tok = self._hf = None
     if os.path.isfile(os.path.join(self.dir, "tokenizer.json")):
-      import tokenizers  # optional: the train extra
+      tokenizers = require("tokenizers", "the checkpoint's tokenizer.json")
       self._tok = tokenizers.Tokenizer.from_file(os.path.join(self.dir, "tokenizer.json"))
       self.vocab_size = self._tok.get_vocab_size()
       ids = {k: (self._tok.token_to_id(v) if v else None) for k, v in self.special.items()}
@@ -473,7 +473,7 @@ def read_documents(path: str | os.PathLike) -> list[dict]:
         docs.append(_check_doc(rec, f"{path}:{n}"))
         docs.where.append(f"{path}:{n}")
   elif ext == ".parquet":
-    import pyarrow.parquet as pq  # optional: the train extra
+    pq = require("pyarrow.parquet", "reading Parquet data")
     table = pq.read_table(path)
     cols = [c for c in _RECORD_FIELDS if c in table.column_names]
     if len(cols) != 1:
@@ -763,7 +763,7 @@ class Batches:
 
   def __init__(self, rows: Rows, global_batch: int, seed: int = 0, sharding: Any = None,
                step: int = 0):
-    import grain  # optional: the train extra
+    grain = require("grain", "the shuffled, resumable batch order")
     self.rows, self.global_batch, self.sharding, self.step = rows, global_batch, sharding, step
     self._index = grain.MapDataset.range(len(rows)).shuffle(seed=seed).repeat().batch(
         global_batch)

@@ -12,10 +12,12 @@ import pathlib
 from typing import Any, Mapping
 
 from zerojax.core.config import ConfigError
+from zerojax.runtime.extras import check, installed
 from zerojax.tools.bounds import SCHEDULER_BOUNDS, TRAIN_BOUNDS, check_values
 
 __all__ = ["PACKAGE_DIR", "DEFAULT_CORPUS", "NonFiniteGradientsError", "TrainOptions",
-           "SCHEDULERS", "check_scheduler", "apply_deepspeed_train", "deepspeed_train_fields"]
+           "OUTPUT_PACKAGES", "resolve_outputs", "SCHEDULERS", "check_scheduler",
+           "apply_deepspeed_train", "deepspeed_train_fields"]
 
 
 PACKAGE_DIR = pathlib.Path(__file__).resolve().parents[1]  # zerojax/
@@ -38,6 +40,12 @@ class NonFiniteGradientsError(RuntimeError):
     self.step, self.checkpoint = step, checkpoint
 
 
+# The options whose output needs a package of the ``train`` extra: ``(module, what it makes)``.
+OUTPUT_PACKAGES = {"progress": ("tqdm", "the progress bar"),
+                   "tensorboard": ("tensorboardX", "TensorBoard event files"),
+                   "plot": ("matplotlib", "the loss plot")}
+
+
 @dataclasses.dataclass
 class TrainOptions:
   """Options of the training loop (everything that is not a `ZeroConfig` field).
@@ -58,9 +66,12 @@ class TrainOptions:
     corpus: text file to train on (bytes are tokens); default: the bundled corpus.
     out_dir: where metrics, event files, plot and run.json go.
     log_every: steps between metric fetches/progress-bar updates.
-    progress: show the progress bar.
-    tensorboard: write TensorBoard event files.
-    plot: draw ``loss.png`` at the end.
+    progress: show the progress bar (``tqdm``).
+    tensorboard: write TensorBoard event files (``tensorboardX``).
+    plot: draw ``loss.png`` at the end (``matplotlib``).
+      For these three, ``None`` (the default) means "when its package is installed": the run's
+      first lines say which is off for want of it. ``True`` asks for it: the run stops before
+      it starts if the package is missing (`zerojax.runtime.extras.MissingPackageError`).
     init_from: weights to start from (fine-tuning): a ``.npz`` of consolidated weights or a
       checkpoint directory (consolidated with ``zerojax.tools.export``).
     cpu_devices: simulated CPU devices when no accelerator is present (set before JAX starts).
@@ -99,9 +110,9 @@ class TrainOptions:
   corpus: str | None = None
   out_dir: str = "runs/gpt"
   log_every: int = 10
-  progress: bool = True
-  tensorboard: bool = True
-  plot: bool = True
+  progress: bool | None = None
+  tensorboard: bool | None = None
+  plot: bool | None = None
   init_from: str | None = None
   cpu_devices: int = 8
   show_plan: bool = True
@@ -114,8 +125,10 @@ class TrainOptions:
   def __post_init__(self):
     for f in ("progress", "tensorboard", "plot", "show_plan", "save_weights", "resume",
               "overwrite"):
-      if not isinstance(getattr(self, f), bool):
-        raise ConfigError(f"TrainOptions.{f}={getattr(self, f)!r} is invalid: true or false (a "
+      v = getattr(self, f)
+      if not isinstance(v, bool) and not (v is None and f in OUTPUT_PACKAGES):
+        auto = ", or null (when its package is installed)" if f in OUTPUT_PACKAGES else ""
+        raise ConfigError(f"TrainOptions.{f}={v!r} is invalid: true or false{auto} (a "
                           "boolean; strings such as 'false' are not booleans)")
     check_values({f: getattr(self, f) for f in TRAIN_BOUNDS}, TRAIN_BOUNDS, "TrainOptions.{}")
     if self.scheduler:
@@ -129,6 +142,34 @@ class TrainOptions:
   @classmethod
   def fields(cls) -> list[str]:
     return [f.name for f in dataclasses.fields(cls)]
+
+
+def resolve_outputs(opts: TrainOptions) -> tuple[TrainOptions, list[str]]:
+  """Decides ``progress``, ``tensorboard`` and ``plot`` before a run starts.
+
+  Args:
+    opts: the training options.
+
+  Returns:
+    ``(options, notes)``: ``opts`` with each of the three that is ``None`` set to whether its
+    package is installed, and a line for the run's header per output left off for want of
+    its package.
+
+  Raises:
+    MissingPackageError: an output set to ``True`` lacks its package.
+  """
+  needs, changes, notes = {}, {}, []
+  for field, (module, what) in OUTPUT_PACKAGES.items():
+    value = getattr(opts, field)
+    if value is None:
+      changes[field] = installed(module)
+      if not changes[field]:
+        notes.append(f"note: {field} is off, so no {what}: {module!r} is not installed "
+                     f"(pip install {module}; {field}=false leaves out this note)")
+    elif value:
+      needs[module] = f"{field}=true: {what}"
+  check(needs, "this run")
+  return dataclasses.replace(opts, **changes), notes
 
 
 SCHEDULERS: dict[str, frozenset[str]] = {

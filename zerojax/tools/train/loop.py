@@ -60,11 +60,11 @@ from zerojax.runtime import memory, nvme
 from zerojax.runtime.checkpoint import Checkpointer, resume_with_fallback
 from zerojax.runtime.create import abstract_train_state
 from zerojax.runtime.data import VOCAB_SIZE, TextBatches, load_bytes
-from zerojax.tools.options import DEFAULT_CORPUS, NonFiniteGradientsError, TrainOptions
-from zerojax.tools.train.metrics import (device_memory, format_eta, log_line, peak_flops,
-                                         throughput)
-from zerojax.tools.train.metrics import (MetricsWriter, StepClock, is_main_process, log, plot_loss,
-                                   read_jsonl, require, throughput)
+from zerojax.tools.options import (DEFAULT_CORPUS, NonFiniteGradientsError, TrainOptions,
+                                   resolve_outputs)
+from zerojax.tools.train.metrics import (MetricsWriter, StepClock, device_memory, format_eta,
+                                         is_main_process, log, log_line, peak_flops, plot_loss,
+                                         read_jsonl, require, throughput)
 from zerojax.tools.train.schedules import depends_on_steps, make_optimizer, make_schedule
 from zerojax.tools.train.params_io import load_weights, save_weights
 from zerojax.tools.train.processes import check_processes_agree, claim_out_dir
@@ -385,11 +385,11 @@ class ProgressBar(Hook):
     tokens_per_step: tokens in one step's global batch.
 
   Raises:
-    ImportError: ``tqdm`` is not installed.
+    MissingPackageError: ``tqdm`` is not installed.
   """
 
   def __init__(self, total: int, initial: int, tokens_per_step: float | None = None):
-    tqdm = require("tqdm.auto", "the progress bar (progress=False goes without)").tqdm
+    tqdm = require("tqdm.auto", "the progress bar (progress=false goes without)").tqdm
     self.bar = tqdm(total=total, initial=initial, desc="train", unit="step",
                     dynamic_ncols=True, file=sys.stdout,
                     bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]")
@@ -689,10 +689,13 @@ def train(config: ZeroConfig, opts: TrainOptions | None = None, *,
 
   Raises:
     TypeError: a hook is not a `Hook`.
+    MissingPackageError: ``opts`` asks for an output whose package is not installed
+      (`zerojax.tools.options.resolve_outputs`).
     ConfigError: the options or config are invalid for the run, or a resumed run's options
       differ from the checkpoint's.
   """
-  opts = opts or TrainOptions()
+  # The outputs are decided, and a missing package named, before anything else starts.
+  opts, output_notes = resolve_outputs(opts or TrainOptions())
   user_hooks = list(hooks)
   for i, h in enumerate(user_hooks):
     if not isinstance(h, Hook):
@@ -705,7 +708,7 @@ def train(config: ZeroConfig, opts: TrainOptions | None = None, *,
   config = resolve_config(config, opts)
   check_processes_agree(config, opts, task.agreement if task is not None else None)
   with claim_out_dir(opts.out_dir):
-    return _train(config, opts, xla_notes, user_hooks, task)
+    return _train(config, opts, [*xla_notes, *output_notes], user_hooks, task)
 
 
 def _train(config: ZeroConfig, opts: TrainOptions, xla_notes: Iterable[str],

@@ -4,7 +4,6 @@ the loss curve, per-step timing (`StepClock`), and logging on the main process.
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import pathlib
@@ -15,6 +14,8 @@ import time
 from typing import Any, Iterable, Mapping
 
 import jax
+
+from zerojax.runtime.extras import require  # re-exported: the train package's name for it
 
 __all__ = ["is_main_process", "log", "require", "EventWriter", "read_run_events", "read_events",
            "MetricsWriter", "read_jsonl", "plot_loss", "StepClock", "throughput", "PEAK_FLOPS",
@@ -41,26 +42,6 @@ def log(*args: Any, **kwargs: Any) -> None:
     print(*args, **kwargs, flush=True)
 
 
-def require(module: str, what: str) -> Any:
-  """``import module``, or an error that names the extra that installs it.
-
-  Args:
-    module: the module's name.
-    what: what needs it, for the message.
-
-  Returns:
-    The imported module.
-
-  Raises:
-    ImportError: the module is not installed.
-  """
-  try:
-    return importlib.import_module(module)
-  except ImportError as e:
-    raise ImportError(f"{what} needs the {module!r} package, which the train extra installs: "
-                      "pip install 'zerojax[train]'") from e
-
-
 class EventWriter:
   """Scalar summaries in a TensorBoard event file, written by ``tensorboardX``.
 
@@ -70,7 +51,7 @@ class EventWriter:
       there on.
 
   Raises:
-    ImportError: ``tensorboardX`` is not installed.
+    MissingPackageError: ``tensorboardX`` is not installed.
   """
 
   def __init__(self, logdir: str | os.PathLike, purge_step: int | None = None):

@@ -26,7 +26,7 @@ import jax
 
 from zerojax.core import agreement, distributed
 from zerojax.core.config import ConfigError
-from zerojax.tools.options import DEFAULT_CORPUS
+from zerojax.tools.options import DEFAULT_CORPUS, OUTPUT_PACKAGES
 
 try:
   import fcntl
@@ -97,7 +97,8 @@ def json_fields(prefix: str, path: str) -> dict[str, Any]:
 
 def settings_fields(opts: Any, task_fields: dict[str, Any] | None = None) -> dict[str, Any]:
   """What the processes of a run must share beyond the `ZeroConfig`: every field of ``opts``
-  (``train.FIELD``), the corpus file's size and digest, and ``task_fields``.
+  (``train.FIELD``) but process 0's outputs (`OUTPUT_PACKAGES`), the corpus file's size and
+  digest, and ``task_fields``.
 
   Args:
     opts: the run's `TrainOptions` (any dataclass).
@@ -106,7 +107,9 @@ def settings_fields(opts: Any, task_fields: dict[str, Any] | None = None) -> dic
   Returns:
     ``{field: value}``.
   """
-  fields = {f"train.{f.name}": getattr(opts, f.name) for f in dataclasses.fields(opts)}
+  # Process 0 alone draws the bar, the plot and the event files; another may lack their packages.
+  fields = {f"train.{f.name}": getattr(opts, f.name) for f in dataclasses.fields(opts)
+            if f.name not in OUTPUT_PACKAGES}
   corpus = getattr(opts, "corpus", None) or os.fspath(DEFAULT_CORPUS)
   fields.update(file_fields("corpus", corpus))
   fields.update(task_fields or {})
