@@ -16,12 +16,13 @@ from typing import Any, Callable, Iterator
 
 import jax
 from jax.ad_checkpoint import checkpoint_name
+from jax.experimental.compute_on import compute_on
 from jax.extend.core import Literal, Var, get_opaque_trace_state
 
 __all__ = ["JAX_VERSION", "xla_gpu_options", "ORIGINAL_SCAN", "REMAT_PRIMITIVE_NAMES", "name_p", "sharding_constraint_p",
            "jaxpr_has_primitive", "subjaxprs", "eval_jaxpr", "var_uses", "bind_dot_general",
            "eval_eqns", "bind_eqn", "scan_hook", "backends_initialized", "distributed_state",
-           "detect_cluster", "checkpoint_trace"]
+           "detect_cluster", "checkpoint_trace", "compute_on_host"]
 
 # The installed JAX release as (major, minor, patch), for the per-release paths below.
 JAX_VERSION: tuple[int, ...] = tuple(int(p) for p in re.findall(r"\d+", jax.__version__)[:3])
@@ -113,6 +114,27 @@ def scan_hook(dispatch: Callable[..., Any]) -> contextlib.AbstractContextManager
     A context manager.
   """
   return _attribute_held("scan", jax.lax, "scan", dispatch, ORIGINAL_SCAN)
+
+
+def compute_on_host(fn: Callable[..., Any]) -> Callable[..., Any]:
+  """``fn`` computed on the host (XLA's ``device_host`` compute type) inside a step, its
+  outputs in pinned host memory.
+
+  ``jax.experimental.compute_on.compute_on`` was a context manager over a jitted call until
+  jax 0.11, which made it a function transformation that also takes the outputs' memory space.
+
+  Args:
+    fn: the function, traced as it is called.
+
+  Returns:
+    A function of the same arguments.
+  """
+  if JAX_VERSION < (0, 11):
+    def on_host(*args: Any) -> Any:
+      with compute_on("device_host"):
+        return jax.jit(fn)(*args)
+    return on_host
+  return compute_on(compute_type="device_host", out_memory_spaces=jax.memory.Space.Host)(fn)
 
 
 def var_uses(jaxpr: Any) -> dict[Any, list[tuple[Any, int]]]:

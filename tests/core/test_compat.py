@@ -8,6 +8,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from zerojax import _compat
@@ -93,3 +94,25 @@ def test_jax_outside_a_zerojax_step_computes_as_jax_does():
   assert after.keys() == plain.keys()
   for key in plain:  # jaxprs (forward and under grad) and values, exactly
     assert after[key] == plain[key], key
+
+
+def test_compute_on_host_runs_the_update_on_the_host_on_this_release():
+  """ZeRO-Offload's host update: the call is marked for the host in the lowered step, its
+  results come back in pinned host memory, and the values are the function's."""
+  mesh = jax.make_mesh((jax.device_count(),), ("fsdp",))
+  host = jax.sharding.NamedSharding(mesh, jax.P("fsdp"), memory_kind="pinned_host")
+  dev = host.with_memory_kind("device")
+  x = jax.device_put(jnp.arange(16.0), host)
+
+  @jax.jit
+  def step(x):
+    y = _compat.compute_on_host(lambda a: (a * 2.0, a + 1.0))(x)
+    return jax.device_put(y[0], dev), y[1]
+
+  text = step.lower(x).as_text()
+  assert '_xla_compute_type = "host"' in text
+  out_dev, out_host = step(x)
+  assert out_host.sharding.memory_kind == "pinned_host"
+  assert out_dev.sharding.memory_kind == "device"
+  assert (np.asarray(out_dev) == np.arange(16.0) * 2).all()
+  assert (np.asarray(out_host) == np.arange(16.0) + 1).all()

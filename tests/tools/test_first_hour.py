@@ -165,14 +165,34 @@ def test_public_weights_and_checkpoint_modules_are_the_runtime_ones():
 
 
 def _make_llama(model_dir: pathlib.Path) -> None:
-  import torch
-  import transformers
-  torch.manual_seed(0)
-  cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=176,
-                                 num_hidden_layers=2, num_attention_heads=4,
-                                 num_key_value_heads=2, max_position_embeddings=256,
-                                 tie_word_embeddings=False)
-  transformers.LlamaForCausalLM(cfg).save_pretrained(model_dir)
+  """A tiny Llama checkpoint as ``LlamaForCausalLM.save_pretrained`` lays it out (config.json,
+  model.safetensors under its tensor names), random weights, written without torch so the
+  snippets also run on Pythons that have no torch build."""
+  from safetensors.numpy import save_file
+  d, f, layers, heads, kv, vocab = 64, 176, 2, 4, 2, 256
+  hd = d // heads
+  cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab,
+         "hidden_size": d, "intermediate_size": f, "num_hidden_layers": layers,
+         "num_attention_heads": heads, "num_key_value_heads": kv, "hidden_act": "silu",
+         "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+         "tie_word_embeddings": False, "torch_dtype": "float32"}
+  shapes = {"model.embed_tokens.weight": (vocab, d), "model.norm.weight": (d,),
+            "lm_head.weight": (vocab, d)}
+  for i in range(layers):
+    p = f"model.layers.{i}."
+    shapes.update({p + "self_attn.q_proj.weight": (heads * hd, d),
+                   p + "self_attn.k_proj.weight": (kv * hd, d),
+                   p + "self_attn.v_proj.weight": (kv * hd, d),
+                   p + "self_attn.o_proj.weight": (d, heads * hd),
+                   p + "mlp.gate_proj.weight": (f, d), p + "mlp.up_proj.weight": (f, d),
+                   p + "mlp.down_proj.weight": (d, f), p + "input_layernorm.weight": (d,),
+                   p + "post_attention_layernorm.weight": (d,)})
+  rs = np.random.RandomState(0)
+  tensors = {k: (np.ones(s) if len(s) == 1 else rs.normal(0, 0.02, s)).astype(np.float32)
+             for k, s in shapes.items()}
+  model_dir.mkdir(parents=True)
+  (model_dir / "config.json").write_text(json.dumps(cfg))
+  save_file(tensors, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
 
 
 _DRIVER = """

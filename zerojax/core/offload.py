@@ -11,8 +11,8 @@ from typing import Any
 
 import jax
 import optax
-from jax.experimental.compute_on import compute_on
 
+from zerojax._compat import compute_on_host
 from zerojax.core.layout import apply_before, prepared
 from zerojax.core.memory_kinds import on_device, on_host
 
@@ -81,7 +81,6 @@ def _update_on_host(tx, plan, grads, state, params, params_host):
   grads = put(grads, on_host(plan.grads))
   if params is not None:
     params = put(params, on_host(plan.params))
-  with compute_on("device_host"):
-    updates, new_state = jax.jit(tx.update)(grads, state, params)
+  updates, new_state = compute_on_host(tx.update)(grads, state, params)
   updates = put(updates, plan.params if params_host else on_device(plan.grads))
   return updates, new_state
