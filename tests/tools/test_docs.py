@@ -24,6 +24,7 @@ import sys
 import pytest
 
 from tests import helpers
+from tests.tools.test_first_hour import _make_llama
 from tests.tools.test_readme import INTERNAL, _code_names, _resolve
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -99,19 +100,6 @@ for page, line, code in blocks:
   exec(compile(code, f"docs/{page}, the block at line {line}", "exec"), ns)
   print(f"ran: {line}", flush=True)
 """
-
-
-def _make_llama(model_dir: pathlib.Path) -> None:
-  """A small random Llama checkpoint directory, as `save_pretrained` writes one (the
-  fine-tuning page reads ``models/my-llama``)."""
-  torch = pytest.importorskip("torch")
-  transformers = pytest.importorskip("transformers")
-  torch.manual_seed(0)
-  cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=176,
-                                 num_hidden_layers=2, num_attention_heads=4,
-                                 num_key_value_heads=2, max_position_embeddings=256,
-                                 tie_word_embeddings=False)
-  transformers.LlamaForCausalLM(cfg).save_pretrained(model_dir)
 
 
 SETUP = {"finetuning.md": lambda cwd: _make_llama(cwd / "models" / "my-llama")}
