@@ -138,6 +138,7 @@ class ChatTemplate:
     self.special = {k: v for k, v in special.items() if v is not None}
     self.has_generation = bool(_GENERATION_TAG.search(source))
     self._env = _environment()
+    self._template_error = jinja2.exceptions.TemplateError  # render's, once per record
     try:
       self._template = self._env.from_string(source)
     except jinja2.exceptions.TemplateSyntaxError as e:
@@ -162,7 +163,6 @@ class ChatTemplate:
       TemplateRenderError: the template raised (``raise_exception``) or failed; the message
         names the template's file and line and the record.
     """
-    jinja2 = require("jinja2", "a chat template")
     msgs = [{k: v for k, v in m.items() if v is not None} for m in messages]
     chunks: list[str] = []
     rec = {"spans": [], "emitted": lambda: sum(map(len, chunks))}
@@ -172,7 +172,7 @@ class ChatTemplate:
           messages=msgs, tools=tools, documents=documents,
           add_generation_prompt=add_generation_prompt, **self.special):
         chunks.append(chunk)
-    except jinja2.exceptions.TemplateError as e:
+    except self._template_error as e:
       line = _template_line(sys.exc_info()[2])
       at = f", line {line}" if line is not None else ""
       raise TemplateRenderError(f"{record or 'a record'}: the chat template in {self.where}"
@@ -242,7 +242,7 @@ class Tokenizer:
       self.vocab_size = self._tok.get_vocab_size()
       ids = {k: (self._tok.token_to_id(v) if v else None) for k, v in self.special.items()}
     else:  # e.g. a SentencePiece model only: transformers reads it, offline
-      import transformers  # optional: only for a checkpoint without tokenizer.json
+      transformers = require("transformers", "a checkpoint without tokenizer.json")
       try:
         self._hf = transformers.AutoTokenizer.from_pretrained(self.dir, local_files_only=True)
       except (OSError, ValueError) as e:
