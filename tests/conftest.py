@@ -19,9 +19,12 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One persistent compilation cache for the whole run, its xdist workers and the subprocesses they
 # start: tests build the same programs (a preset at a stage) from different closures, which
 # JAX's in-memory cache cannot share, and XLA's key is the program itself.
+# The process that makes it removes it at the end (about 130 MB a run).
+_OWN_CACHE = None
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   import tempfile
-  os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="zerojax_test_jax_cache_")
+  _OWN_CACHE = tempfile.mkdtemp(prefix="zerojax_test_jax_cache_")
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = _OWN_CACHE
   os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
   os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
@@ -33,6 +36,13 @@ from tests import helpers  # noqa: E402
 
 def pytest_configure(config):
   assert jax.device_count() == 8, "tests need 8 simulated CPU devices"
+
+
+def pytest_unconfigure(config):
+  # xdist workers inherit the directory through the environment, so _OWN_CACHE is None there.
+  if _OWN_CACHE is not None:
+    import shutil
+    shutil.rmtree(_OWN_CACHE, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
