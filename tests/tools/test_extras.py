@@ -6,6 +6,7 @@ import json
 import os
 import sys
 
+import numpy as np
 import pytest
 
 from zerojax.core.config import ZeroConfig
@@ -92,9 +93,33 @@ def test_finetune_names_its_missing_packages_before_it_starts(tmp_path, monkeypa
   err = capsys.readouterr().err
   assert rc == 2 and err.count("\n") == 1, err
   assert err.startswith("zerojax finetune: error: zerojax finetune needs 'safetensors' (the "
-                        "checkpoint's weights), 'grain' (the shuffled batch order) and "
-                        "'pyarrow' (Parquet data), which are not installed: pip install "), err
+                        "checkpoint's weights), 'grain' (the shuffled, resumable batch order) "
+                        "and 'pyarrow' (reading Parquet data), which are not installed: pip "
+                        "install "), err
   assert not out.exists()
+
+
+def test_the_check_before_a_run_names_what_the_readers_import(tmp_path, monkeypatch):
+  # Without tokenizer.json the tokenizer is transformers'; the check must say so, not tokenizers.
+  from zerojax.tools import hf_data
+  (tmp_path / "tokenizer_config.json").write_text("{}")
+  data = tmp_path / "d.parquet"
+  data.write_bytes(b"")
+  _hide(monkeypatch, "transformers", "pyarrow", "grain")
+  needs = hf_data.packages(str(tmp_path), [None, str(data)])
+  assert set(needs) == {"transformers", "grain", "pyarrow"}
+  with pytest.raises(MissingPackageError) as e:
+    hf_data.Tokenizer(tmp_path)
+  assert e.value.missing == {"transformers": needs["transformers"]}
+  with pytest.raises(MissingPackageError) as e:
+    hf_data.read_documents(data)
+  assert e.value.missing == {"pyarrow": needs["pyarrow"]}
+  rows = hf_data.Rows(*(np.zeros((2, 4), np.int32) for _ in hf_data.FIELDS))
+  with pytest.raises(MissingPackageError) as e:
+    hf_data.Batches(rows, 2)
+  assert e.value.missing == {"grain": needs["grain"]}
+  (tmp_path / "tokenizer.json").write_text("{}")
+  assert "tokenizers" in hf_data.packages(str(tmp_path), [])
 
 
 def test_reading_safetensors_without_the_package_is_named(tmp_path, monkeypatch):

@@ -429,14 +429,8 @@ def finetune(fo: FinetuneOptions, config_path: str | None = None,
 
 def _packages(fo: FinetuneOptions) -> dict[str, str]:
   """The packages a fine-tuning run of ``fo`` needs beyond the library's: ``{module: what}``."""
-  needs = {"safetensors": "the checkpoint's weights", "grain": "the shuffled batch order"}
-  if os.path.isfile(os.path.join(fo.model_dir, "tokenizer.json")):
-    needs["tokenizers"] = "the checkpoint's tokenizer"
-  else:  # a SentencePiece-only checkpoint (`zerojax.tools.hf_data.Tokenizer`)
-    needs["transformers"] = "the checkpoint's tokenizer, which has no tokenizer.json"
-  if any(f is not None and f.endswith(".parquet") for f in (fo.data, fo.eval_data)):
-    needs["pyarrow"] = "Parquet data"
-  return needs
+  return {"safetensors": "the checkpoint's weights",
+          **hf_data.packages(fo.model_dir, (fo.data, fo.eval_data))}
 
 
 def precision_note(config: Any) -> str | None:

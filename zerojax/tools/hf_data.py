@@ -40,9 +40,42 @@ from zerojax.runtime.extras import require
 
 __all__ = ["Tokenizer", "ChatTemplate", "load_tokenizer", "read_documents", "Documents",
            "tokenize_documents", "Rows", "pack", "pad", "build_rows", "Batches", "eval_batches",
-           "loss_norm", "SHAREGPT_ROLES"]
+           "loss_norm", "SHAREGPT_ROLES", "packages"]
 
 FIELDS = ("x", "y", "mask", "segment_ids", "positions")
+
+# What each reader imports, with why, as `zerojax.runtime.extras.require` takes it: the readers
+# and `packages` (the check before a run starts) share them.
+_BATCH_ORDER = ("grain", "the shuffled, resumable batch order")
+_PARQUET = ("pyarrow.parquet", "reading Parquet data")
+
+
+def _tokenizer_package(model_dir: str) -> tuple[str, str]:
+  """What reads ``model_dir``'s tokenizer: ``tokenizers`` where it has a ``tokenizer.json``,
+  else ``transformers`` (e.g. a SentencePiece model only)."""
+  if os.path.isfile(os.path.join(model_dir, "tokenizer.json")):
+    return "tokenizers", "the checkpoint's tokenizer.json"
+  return "transformers", "a checkpoint without tokenizer.json"
+
+
+def _extension(path: str) -> str:
+  return os.path.splitext(path)[1].lower()
+
+
+def packages(model_dir: str, data: Sequence[str | None]) -> dict[str, str]:
+  """The packages that tokenizing ``model_dir``'s way and reading and batching ``data`` need.
+
+  Args:
+    model_dir: a Hugging Face checkpoint directory.
+    data: the data files (``None`` entries are skipped).
+
+  Returns:
+    ``{top-level module: what needs it}``, as `zerojax.runtime.extras.check` takes it.
+  """
+  needs = dict([_tokenizer_package(model_dir), _BATCH_ORDER])
+  if any(f is not None and _extension(os.fspath(f)) == ".parquet" for f in data):
+    needs[_PARQUET[0].split(".")[0]] = _PARQUET[1]
+  return needs
 
 
 def _token_text(v: Any) -> str | None:
@@ -236,13 +269,14 @@ class Tokenizer:
     self.special = {k: _token_text(cfg.get(k)) for k in ("bos_token", "eos_token",
                                                          "pad_token", "unk_token")}
     self._tok = self._hf = None
-    if os.path.isfile(os.path.join(self.dir, "tokenizer.json")):
-      tokenizers = require("tokenizers", "the checkpoint's tokenizer.json")
-      self._tok = tokenizers.Tokenizer.from_file(os.path.join(self.dir, "tokenizer.json"))
+    module, what = _tokenizer_package(self.dir)
+    if module == "tokenizers":
+      self._tok = require(module, what).Tokenizer.from_file(
+          os.path.join(self.dir, "tokenizer.json"))
       self.vocab_size = self._tok.get_vocab_size()
       ids = {k: (self._tok.token_to_id(v) if v else None) for k, v in self.special.items()}
     else:  # e.g. a SentencePiece model only: transformers reads it, offline
-      transformers = require("transformers", "a checkpoint without tokenizer.json")
+      transformers = require(module, what)
       try:
         self._hf = transformers.AutoTokenizer.from_pretrained(self.dir, local_files_only=True)
       except (OSError, ValueError) as e:
@@ -458,7 +492,7 @@ def read_documents(path: str | os.PathLike) -> list[dict]:
   path = os.fspath(path)
   if not os.path.isfile(path):
     raise FileNotFoundError(f"data file {path!r} does not exist")
-  ext = os.path.splitext(path)[1].lower()
+  ext = _extension(path)
   docs = Documents()
   if ext in (".jsonl", ".json"):
     with open(path, encoding="utf-8") as f:
@@ -473,7 +507,7 @@ def read_documents(path: str | os.PathLike) -> list[dict]:
         docs.append(_check_doc(rec, f"{path}:{n}"))
         docs.where.append(f"{path}:{n}")
   elif ext == ".parquet":
-    pq = require("pyarrow.parquet", "reading Parquet data")
+    pq = require(*_PARQUET)
     table = pq.read_table(path)
     cols = [c for c in _RECORD_FIELDS if c in table.column_names]
     if len(cols) != 1:
@@ -763,7 +797,7 @@ class Batches:
 
   def __init__(self, rows: Rows, global_batch: int, seed: int = 0, sharding: Any = None,
                step: int = 0):
-    grain = require("grain", "the shuffled, resumable batch order")
+    grain = require(*_BATCH_ORDER)
     self.rows, self.global_batch, self.sharding, self.step = rows, global_batch, sharding, step
     self._index = grain.MapDataset.range(len(rows)).shuffle(seed=seed).repeat().batch(
         global_batch)
