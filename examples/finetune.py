@@ -67,7 +67,7 @@ def main(argv=None) -> int:
       "steps": args.steps, "batch": args.batch, "lr": args.lr,
       "warmup_steps": args.warmup_steps, "decay": "cosine", "corpus": args.corpus,
       "out_dir": args.out_dir, "cpu_devices": args.cpu_devices,
-      "progress": not args.no_progress, "init_from": args.init, "log_every": 5,
+      "progress": False if args.no_progress else None, "init_from": args.init, "log_every": 5,
       "show_plan": False})
   zt.log(f"fine-tuning {opts.model} from {args.init}"
          + ("" if args.preset else " (model inferred from the stored shapes)"))

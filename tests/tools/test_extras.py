@@ -13,7 +13,7 @@ from zerojax.core.config import ZeroConfig
 from zerojax.runtime import extras
 from zerojax.runtime.extras import MissingPackageError
 from zerojax.tools import train as zt
-from zerojax.tools.options import TrainOptions, resolve_outputs
+from zerojax.tools.options import OUTPUT_PACKAGES, TrainOptions, resolve_outputs
 
 
 def _hide(monkeypatch, *modules):
@@ -39,6 +39,54 @@ def test_check_names_every_missing_package_and_how_to_install(monkeypatch):
   with pytest.raises(MissingPackageError, match=r"^the loss plot needs 'grain', which is not"):
     extras.require("grain.python", "the loss plot")
   assert extras.require("numpy.linalg", "x").__name__ == "numpy.linalg"
+
+
+def _broken(tmp_path, monkeypatch, name):
+  """An installed package whose own import fails, as a tensorboardX without protobuf does."""
+  (tmp_path / name).mkdir()
+  (tmp_path / name / "__init__.py").write_text(
+      "raise ImportError(\"No module named 'google.protobuf'\")\n")
+  monkeypatch.syspath_prepend(str(tmp_path))
+
+
+def test_a_package_that_fails_to_import_is_named_with_its_error(tmp_path, monkeypatch):
+  _broken(tmp_path, monkeypatch, "zj_broken")
+  assert extras.unavailable("numpy") is None
+  assert extras.unavailable("zj_absent") == "not installed"
+  assert extras.unavailable("zj_broken") == "ImportError: No module named 'google.protobuf'"
+  with pytest.raises(MissingPackageError) as e:
+    extras.check({"zj_broken": "event files", "zj_absent": "weights"}, "this run")
+  assert str(e.value).startswith(
+      "this run needs 'zj_broken' (event files; installed, but importing it fails: ImportError: "
+      "No module named 'google.protobuf') and 'zj_absent' (weights), which cannot be used: pip "
+      "install 'zerojax[train]'"), e.value
+  with pytest.raises(MissingPackageError, match=r"^a checkpoint without tokenizer.json needs "
+                     r"'zj_broken' \(installed, but importing it fails: ImportError: No module named "
+                     r"'google.protobuf'\), which cannot be used: pip install 'zerojax\[train\]' "):
+    extras.require("zj_broken.sub", "a checkpoint without tokenizer.json")
+  # The package imports and the submodule does not: still one named error, not a traceback.
+  with pytest.raises(MissingPackageError, match=r"^x needs 'numpy.zj_absent', which cannot be "
+                     r"imported \(No module named 'numpy.zj_absent'\)"):
+    extras.require("numpy.zj_absent", "x")
+  monkeypatch.setitem(OUTPUT_PACKAGES, "plot", ("zj_broken", "the loss plot"))
+  opts, notes = resolve_outputs(TrainOptions(progress=False, tensorboard=False))
+  assert opts.plot is False and notes == [
+      "note: plot is off, so no the loss plot: 'zj_broken' is failing to import (ImportError: "
+      "No module named 'google.protobuf') (pip install zj_broken; plot=false leaves out this "
+      "note)"]
+
+
+def test_the_install_line_names_packages_the_train_extra_lacks(monkeypatch):
+  _hide(monkeypatch, "transformers", "grain")
+  with pytest.raises(MissingPackageError, match=r"which are not installed: pip install "
+                     r"'zerojax\[train\]' transformers \(without network"):
+    extras.check({"transformers": "the tokenizer", "grain": "batches"}, "zerojax finetune")
+
+
+def test_overrides_take_the_help_texts_none_as_null():
+  from zerojax.tools.config_file import parse_overrides, parse_value
+  assert parse_value("None") is None and parse_value("null") is None
+  assert parse_overrides(["plot=None", "progress=false"])[1] == {"plot": None, "progress": False}
 
 
 def test_outputs_default_to_their_packages_and_true_requires_one(monkeypatch):

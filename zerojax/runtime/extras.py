@@ -16,14 +16,17 @@ import importlib.util
 from types import ModuleType
 from typing import Mapping
 
-__all__ = ["MissingPackageError", "installed", "check", "require"]
+__all__ = ["MissingPackageError", "unavailable", "check", "require"]
 
 _INSTALL = ("pip install 'zerojax[train]' (without network: 'pip download' the wheels on a "
             "machine with it, then 'pip install --no-index --find-links DIR' them)")
+# Packages a run may need that the train extra does not bring: the install line names them.
+_OUTSIDE_TRAIN = frozenset({"transformers"})
+_NOT_INSTALLED = "not installed"
 
 
 class MissingPackageError(ImportError):
-  """Packages a run needs are not installed.
+  """Packages a run needs are not installed, or fail to import.
 
   Attributes:
     missing: ``{module: what needs it}``.
@@ -34,34 +37,60 @@ class MissingPackageError(ImportError):
     self.missing = dict(missing)
 
 
-def installed(module: str) -> bool:
-  """Whether ``module`` can be imported, without importing it.
+def unavailable(module: str) -> str | None:
+  """Why ``module`` cannot be used, or ``None`` when it imports.
+
+  A package that is installed is imported to find out: one whose own dependencies are broken
+  (a tensorboardX without protobuf) is as unusable as a missing one.
 
   Args:
     module: a top-level module name (``'grain'``).
 
   Returns:
-    ``True`` when it is installed.
+    ``None``, ``'not installed'``, or the error its import raised.
   """
-  return importlib.util.find_spec(module) is not None
+  try:
+    if importlib.util.find_spec(module) is None:
+      return _NOT_INSTALLED
+  except ValueError:  # in sys.modules without a spec: it was imported
+    return None
+  try:
+    importlib.import_module(module)
+  except Exception as e:  # noqa: BLE001 (any failure of a third party's import makes it unusable)
+    first = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {first[0]}" if first else type(e).__name__
+  return None
 
 
 def check(needs: Mapping[str, str], who: str) -> None:
-  """Fails at once, naming every package of ``needs`` that is not installed.
+  """Fails at once, naming every package of ``needs`` that cannot be used.
 
   Args:
     needs: ``{module: what needs it}``; each module is also its pip package's name.
     who: what needs them, for the message (``'zerojax finetune'``).
 
   Raises:
-    MissingPackageError: one or more are not installed.
+    MissingPackageError: one or more are not installed or fail to import.
   """
-  missing = {m: what for m, what in needs.items() if not installed(m)}
-  if missing:
-    names = [f"{m!r}" + (f" ({what})" if what != who else "") for m, what in missing.items()]
-    listed = ", ".join(names[:-1]) + " and " + names[-1] if len(names) > 1 else names[0]
-    raise MissingPackageError(f"{who} needs {listed}, which {'is' if len(missing) == 1 else 'are'}"
-                              f" not installed: {_INSTALL}", missing)
+  why = {m: r for m in needs if (r := unavailable(m)) is not None}
+  if not why:
+    return
+  names = []
+  for m, reason in why.items():
+    said = [needs[m]] if needs[m] != who else []
+    if reason != _NOT_INSTALLED:
+      said.append(f"installed, but importing it fails: {reason}")
+    names.append(f"{m!r}" + (f" ({'; '.join(said)})" if said else ""))
+  listed = ", ".join(names[:-1]) + " and " + names[-1] if len(names) > 1 else names[0]
+  if all(r == _NOT_INSTALLED for r in why.values()):
+    state = "is not installed" if len(why) == 1 else "are not installed"
+  else:
+    state = "cannot be used"
+  install = _INSTALL
+  if extra := sorted(set(why) & _OUTSIDE_TRAIN):
+    install = install.replace("'zerojax[train]'", "'zerojax[train]' " + " ".join(extra), 1)
+  raise MissingPackageError(f"{who} needs {listed}, which {state}: {install}",
+                            {m: needs[m] for m in why})
 
 
 def require(module: str, what: str) -> ModuleType:
@@ -75,7 +104,11 @@ def require(module: str, what: str) -> ModuleType:
     The imported module.
 
   Raises:
-    MissingPackageError: its package is not installed.
+    MissingPackageError: its package is not installed or fails to import.
   """
   check({module.split(".")[0]: what}, what)
-  return importlib.import_module(module)
+  try:
+    return importlib.import_module(module)
+  except ImportError as e:  # the package imports, this submodule does not
+    raise MissingPackageError(f"{what} needs {module!r}, which cannot be imported ({e}): "
+                              f"{_INSTALL}", {module: what}) from e

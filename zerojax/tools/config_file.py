@@ -49,7 +49,12 @@ class LoadedConfig:
 
 
 def parse_value(text: str) -> Any:
-  """An override's value: int, float, or YAML (``[2,4]``, ``true``, ``null``, strings)."""
+  """An override's value: int, float, or YAML (``[2,4]``, ``true``, ``null``, strings).
+
+  ``None`` is null too: the command's help prints the defaults as Python writes them.
+  """
+  if text.strip() == "None":
+    return None
   for conv in (int, float):
     try:
       return conv(text)

@@ -49,7 +49,7 @@ from zerojax.runtime.checkpoint import Checkpointer
 from zerojax.tools import hf_data
 from zerojax.tools.config_file import load_config, parse_overrides
 from zerojax.tools.export import export
-from zerojax.tools.options import TrainOptions
+from zerojax.tools.options import TrainOptions, resolve_outputs
 from zerojax.tools.train import Task, is_main_process, log, setup_cpu_devices, train
 from zerojax.tools.train import processes
 
@@ -384,7 +384,10 @@ def finetune(fo: FinetuneOptions, config_path: str | None = None,
 
   Raises:
     MissingPackageError: a package the run needs (safetensors, grain, tokenizers; pyarrow
-      for Parquet data) is not installed; nothing has started.
+      for Parquet data; one an output set to true needs) is not installed or fails to
+      import. It is raised before the data is read or the weights load (a Hub id's
+      snapshot is fetched first: its files decide the tokenizer's package); jinja2, which
+      conversations need for the chat template, is named when the data is read.
     ConfigError: the config or overrides are invalid, set ``corpus`` or ``init_from``
       (fine-tuning reads the checkpoint and ``fo.data``), or ask for
       ``nonfinite_grads='skip'`` where fine-tuning cannot honour it.
@@ -410,6 +413,7 @@ def finetune(fo: FinetuneOptions, config_path: str | None = None,
   if resume is not None:
     opts.resume = resume
   opts.overwrite = overwrite or opts.overwrite
+  resolve_outputs(opts)  # an output set to true without its package: before the data is read
   setup_cpu_devices(opts.cpu_devices)
   notes = [f"DeepSpeed {n}" for n in loaded.notes]
   if loaded.xla_flags:
