@@ -16,13 +16,14 @@ import importlib.util
 from types import ModuleType
 from typing import Mapping
 
-__all__ = ["MissingPackageError", "unavailable", "check", "require"]
+__all__ = ["MissingPackageError", "NOT_INSTALLED", "unavailable", "check", "require"]
 
 _INSTALL = ("pip install 'zerojax[train]' (without network: 'pip download' the wheels on a "
             "machine with it, then 'pip install --no-index --find-links DIR' them)")
 # Packages a run may need that the train extra does not bring: the install line names them.
 _OUTSIDE_TRAIN = frozenset({"transformers"})
-_NOT_INSTALLED = "not installed"
+NOT_INSTALLED = "not installed"
+"""`unavailable`'s answer for a package that is not there at all."""
 
 
 class MissingPackageError(ImportError):
@@ -51,7 +52,7 @@ def unavailable(module: str) -> str | None:
   """
   try:
     if importlib.util.find_spec(module) is None:
-      return _NOT_INSTALLED
+      return NOT_INSTALLED
   except ValueError:  # in sys.modules without a spec: it was imported
     return None
   try:
@@ -78,11 +79,11 @@ def check(needs: Mapping[str, str], who: str) -> None:
   names = []
   for m, reason in why.items():
     said = [needs[m]] if needs[m] != who else []
-    if reason != _NOT_INSTALLED:
+    if reason != NOT_INSTALLED:
       said.append(f"installed, but importing it fails: {reason}")
     names.append(f"{m!r}" + (f" ({'; '.join(said)})" if said else ""))
   listed = ", ".join(names[:-1]) + " and " + names[-1] if len(names) > 1 else names[0]
-  if all(r == _NOT_INSTALLED for r in why.values()):
+  if all(r == NOT_INSTALLED for r in why.values()):
     state = "is not installed" if len(why) == 1 else "are not installed"
   else:
     state = "cannot be used"

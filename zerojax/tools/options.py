@@ -12,7 +12,7 @@ import pathlib
 from typing import Any, Mapping
 
 from zerojax.core.config import ConfigError
-from zerojax.runtime.extras import check, unavailable
+from zerojax.runtime.extras import NOT_INSTALLED, check, unavailable
 from zerojax.tools.bounds import SCHEDULER_BOUNDS, TRAIN_BOUNDS, check_values
 
 __all__ = ["PACKAGE_DIR", "DEFAULT_CORPUS", "NonFiniteGradientsError", "TrainOptions",
@@ -165,7 +165,7 @@ def resolve_outputs(opts: TrainOptions) -> tuple[TrainOptions, list[str]]:
       reason = unavailable(module)
       changes[field] = reason is None
       if reason is not None:
-        state = reason if reason == "not installed" else f"failing to import ({reason})"
+        state = reason if reason == NOT_INSTALLED else f"failing to import ({reason})"
         notes.append(f"note: {field} is off, so no {what}: {module!r} is {state} "
                      f"(pip install {module}; {field}=false leaves out this note)")
     elif value:
