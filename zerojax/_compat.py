@@ -17,12 +17,13 @@ from typing import Any, Callable, Iterator
 import jax
 from jax.ad_checkpoint import checkpoint_name
 from jax.experimental.compute_on import compute_on
+from jax.experimental.xla_metadata import set_xla_metadata
 from jax.extend.core import Literal, Var, get_opaque_trace_state
 
 __all__ = ["JAX_VERSION", "xla_gpu_options", "ORIGINAL_SCAN", "REMAT_PRIMITIVE_NAMES", "name_p", "sharding_constraint_p",
            "jaxpr_has_primitive", "subjaxprs", "eval_jaxpr", "var_uses", "bind_dot_general",
            "eval_eqns", "bind_eqn", "scan_hook", "backends_initialized", "distributed_state",
-           "detect_cluster", "checkpoint_trace", "compute_on_host"]
+           "detect_cluster", "checkpoint_trace", "compute_on_host", "collective_time"]
 
 # The installed JAX release as (major, minor, patch), for the per-release paths below.
 JAX_VERSION: tuple[int, ...] = tuple(int(p) for p in re.findall(r"\d+", jax.__version__)[:3])
@@ -114,6 +115,22 @@ def scan_hook(dispatch: Callable[..., Any]) -> contextlib.AbstractContextManager
     A context manager.
   """
   return _attribute_held("scan", jax.lax, "scan", dispatch, ORIGINAL_SCAN)
+
+
+def collective_time(seconds: float) -> contextlib.AbstractContextManager[None]:
+  """Tells XLA how long the collectives traced inside the block take.
+
+  XLA's latency-hiding scheduler reads an instruction's ``latency_metadata`` frontend attribute
+  (nanoseconds) in place of its own estimate; XLA:GPU's default estimator gives every collective
+  the same latency otherwise. Compilers and estimators that do not read it ignore it.
+
+  Args:
+    seconds: the collectives' duration.
+
+  Returns:
+    A context manager (``jax.experimental.xla_metadata.set_xla_metadata``).
+  """
+  return set_xla_metadata(latency_metadata=str(max(1, round(seconds * 1e9))))
 
 
 def compute_on_host(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -150,3 +150,39 @@ def test_per_use_by_default_from_the_backends_stage():
 def test_a_backend_that_is_not_one_is_one_line():
   with pytest.raises(TypeError, match=r"^backend='gpu' is invalid: a zerojax.Backend or None"):
     _plan(zerojax.ZeroConfig(stage=3), backend="gpu")
+
+
+class _Device:
+  def __init__(self, kind, host):
+    self.device_kind, self.process_index = kind, host
+
+
+class _Mesh:
+  def __init__(self, devices, names):
+    import numpy as np
+    self.devices = np.asarray(devices, dtype=object)
+    self.axis_names = names
+
+
+def test_link_bandwidth_is_the_slowest_link_an_axis_group_spans():
+  h100 = "NVIDIA H100 80GB HBM3"
+  # Two hosts of four: fsdp within a host takes NVLink's figure, across hosts the network's.
+  rows = [[_Device(h100, host) for _ in range(4)] for host in range(2)]
+  within = _Mesh(rows, ("data", "fsdp"))
+  across = _Mesh([list(r) for r in zip(*rows)], ("data", "fsdp"))
+  assert backend.GPU.link_bandwidth(within, "fsdp") == 450e9
+  assert backend.GPU.link_bandwidth(within, "data") == 50e9
+  assert backend.GPU.link_bandwidth(across, "fsdp") == 50e9
+  # A device kind without figures, a backend without any, an abstract mesh: nothing to tell.
+  odd = _Mesh([_Device("NVIDIA GeForce RTX 4090", 0), _Device(h100, 0)], ("fsdp",))
+  assert backend.GPU.link_bandwidth(odd, "fsdp") is None
+  assert backend.CPU.link_bandwidth(within, "fsdp") is None
+  assert backend.GPU.link_bandwidth(jax.sharding.AbstractMesh((2,), ("fsdp",)), "fsdp") is None
+
+
+def test_gpu_link_figures_are_the_step_time_models():
+  # One table: the scheduler's hint and the step-time prediction read the same figures.
+  from zerojax.runtime import gpu
+  for spec in gpu.GPUS.values():
+    assert backend.GPU_LINKS[spec.device_kind] == (spec.nvlink_bandwidth,
+                                                   spec.network_bandwidth)

@@ -116,3 +116,20 @@ def test_compute_on_host_runs_the_update_on_the_host_on_this_release():
   assert out_dev.sharding.memory_kind == "device"
   assert (np.asarray(out_dev) == np.arange(16.0) * 2).all()
   assert (np.asarray(out_host) == np.arange(16.0) + 1).all()
+
+
+def test_collective_time_reaches_the_collective_in_nanoseconds():
+  # XLA's latency-hiding scheduler reads `latency_metadata` (ns) off the instruction.
+  from jax.sharding import Mesh, PartitionSpec as P
+  mesh = Mesh(np.asarray(jax.devices()[:2]), ("fsdp",))
+
+  def gather(x):
+    with _compat.collective_time(16.3e-6):
+      y = jax.lax.all_gather(x, "fsdp", tiled=True)
+    return y + jax.lax.all_gather(x, "fsdp", tiled=True)
+
+  f = jax.jit(jax.shard_map(gather, mesh=mesh, in_specs=P("fsdp"), out_specs=P(),
+                            check_vma=False))
+  text = f.lower(jnp.ones((8,), jnp.float32)).as_text()
+  tagged = [line for line in text.splitlines() if "all_gather" in line]
+  assert len(tagged) == 2 and sum('latency_metadata = "16300"' in t for t in tagged) == 1, tagged

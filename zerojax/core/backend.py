@@ -16,11 +16,14 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import jax
+import numpy as np
+
 from zerojax._compat import xla_gpu_options
 from zerojax.core.mesh import platform as mesh_platform
 from zerojax.core.pipeline import OneAhead
 
-__all__ = ["Backend", "CPU", "GPU", "TPU", "BACKENDS", "for_platform", "for_mesh"]
+__all__ = ["Backend", "CPU", "GPU", "TPU", "BACKENDS", "GPU_LINKS", "for_platform", "for_mesh"]
 
 
 def _same(options: dict[str, Any]) -> dict[str, Any]:
@@ -86,6 +89,8 @@ class Backend:
     flags_variable: the environment variable where a user sets this compiler's flags; a flag
       set there wins over the options here.
     release_options: maps options to what the installed JAX release's compiler takes.
+    links: bytes/s per direction by device kind (``jax.Device.device_kind``): the link within
+      a host and the network across hosts; for `link_bandwidth`.
   """
 
   name: str
@@ -115,6 +120,7 @@ class Backend:
   reduce_combine_option: str | None = None
   flags_variable: str | None = None
   release_options: Callable[[dict[str, Any]], dict[str, Any]] = _same
+  links: Mapping[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
 
   def __post_init__(self):
     if not isinstance(self.live_layers, int) or self.live_layers < 1:
@@ -163,6 +169,29 @@ class Backend:
       ``config.max_live_layers``, or this compiler's `live_layers` where it is None.
     """
     return config.max_live_layers if config.max_live_layers is not None else self.live_layers
+
+  def link_bandwidth(self, mesh: Any, axis: str) -> float | None:
+    """The bandwidth of the slowest link a group of devices along ``axis`` spans.
+
+    Args:
+      mesh: a ``jax.sharding.Mesh`` (an abstract mesh has no devices to read).
+      axis: one of its axis names.
+
+    Returns:
+      bytes/s per direction from `links`: the network's where a group spans hosts
+      (``jax.Device.process_index``), else the link's within a host; None where a device's kind
+      is not in `links`.
+    """
+    if not self.links or isinstance(mesh, jax.sharding.AbstractMesh):
+      return None
+    devices = mesh.devices
+    figures = [self.links.get(getattr(d, "device_kind", None)) for d in devices.flat]
+    if any(f is None for f in figures):
+      return None
+    groups = np.moveaxis(np.vectorize(lambda d: d.process_index)(devices),
+                         list(mesh.axis_names).index(axis), -1)
+    spans_hosts = any(len(set(g)) > 1 for g in groups.reshape(-1, groups.shape[-1]).tolist())
+    return min(f[1] if spans_hosts else f[0] for f in figures)
 
   def options(self, config: Any, layers_ahead: bool = False, pipelined: Any = None,
               in_checkpoints: bool = False, rows_ahead: int = 0
@@ -226,6 +255,17 @@ CPU = Backend(
     sharded_optimizer_options={"xla_disable_hlo_passes": "cpu-all-reduce-combiner"},
 )
 
+# Per GPU and direction: NVLink within a host (the datasheets print both directions summed:
+# H100 and H200 SXM 900 GB/s, A100 SXM 600 GB/s, HGX B200 1.8 TB/s); across hosts the reference
+# system's NIC per GPU (DGX H100/H200/B200: one 400 Gb/s ConnectX-7 per GPU; DGX A100: one
+# 200 Gb/s ConnectX-6).
+GPU_LINKS: Mapping[str, tuple[float, float]] = {
+    "NVIDIA H100 80GB HBM3": (450e9, 50e9),
+    "NVIDIA A100-SXM4-80GB": (300e9, 25e9),
+    "NVIDIA H200 141GB HBM3e": (450e9, 50e9),
+    "NVIDIA B200": (900e9, 50e9),
+}
+
 _GPU_DEFAULT = {"xla_gpu_enable_latency_hiding_scheduler": True,
                 "xla_gpu_enable_pipelined_all_gather": True,
                 "xla_gpu_enable_pipelined_reduce_scatter": True,
@@ -266,6 +306,7 @@ GPU = Backend(
     reduce_combine_option="xla_gpu_reduce_scatter_combine_threshold_bytes",
     flags_variable="XLA_FLAGS",
     release_options=xla_gpu_options,
+    links=GPU_LINKS,
 )
 
 TPU = Backend(

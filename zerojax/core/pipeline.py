@@ -19,7 +19,9 @@ backward pass starts once the gradients of what runs after the layers (a head) a
 (`_waits_for_made_grads`).
 
 Each iteration's two collectives depend on nothing the iteration computes, so the scheduler
-can issue them beside its matmuls. Running per device is only right for a layer that computes
+can issue them beside its matmuls. The backward iteration's gather waits for its reduce-scatter,
+and tells the compiler its ring time (`Pipeline.link_bandwidth`), so that the scheduler shares
+the iteration's matmuls between the two rather than spending them all on the gather. Running per device is only right for a layer that computes
 each batch row on its own; `zerojax.core.batchwise` checks that from the layer's trace, and a
 scan that fails it (or has settings this does not cover) runs as written, with the reason
 recorded (`Declined`).
@@ -27,6 +29,7 @@ recorded (`Declined`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from typing import Any, Callable, NamedTuple
@@ -37,7 +40,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax.extend.core import ClosedJaxpr
 
-from zerojax._compat import (ORIGINAL_SCAN, REMAT_PRIMITIVE_NAMES, eval_jaxpr,
+from zerojax._compat import (ORIGINAL_SCAN, REMAT_PRIMITIVE_NAMES, collective_time, eval_jaxpr,
                              jaxpr_has_primitive, subjaxprs)
 from zerojax.core.batchwise import NotRowwise, row_axes
 from zerojax.core.context import tracing
@@ -62,6 +65,10 @@ class Pipeline:
     reduce_dtype: the dtype gradients are reduce-scattered in (None: the compute dtype).
     own_policies: a layer whose own ``jax.checkpoint`` policy saves residuals keeps it
       (``remat='auto'``), so it is not run one ahead, which re-runs each layer whole.
+    link_bandwidth: bytes/s of the slowest link an ``fsdp`` group spans
+      (`zerojax.core.backend.Backend.link_bandwidth`): the backward pass's gathers tell the
+      compiler their ring time at it, so that its scheduler leaves the rest of the iteration to
+      the reduce-scatter before them. None: not told.
   """
 
   mesh: Any
@@ -69,6 +76,7 @@ class Pipeline:
   fsdp: str = "fsdp"
   reduce_dtype: Any = None
   own_policies: bool = True
+  link_bandwidth: float | None = None
 
   @property
   def shards(self) -> int:
@@ -178,12 +186,20 @@ class OneAhead(NamedTuple):
   reduced: int
 
 
-def _gather(shards: list[jax.Array], leaves: list[_Leaf], axis: str) -> list[jax.Array]:
+def _gather(shards: list[jax.Array], leaves: list[_Leaf], axis: str,
+            bandwidth: float | None = None) -> list[jax.Array]:
   """One layer's weights from this device's shards, in the compute dtype: an all-gather per
-  weight, each into a buffer of its own, which the layer's matmuls read as they are."""
-  with jax.named_scope(LAYERS_SCOPE):
-    return [jax.lax.all_gather(s.astype(lf.dtype), axis, axis=lf.dim, tiled=True)
-            for s, lf in zip(shards, leaves)]
+  weight, each into a buffer of its own, which the layer's matmuls read as they are. With a
+  ``bandwidth`` (bytes/s), the compiler is told the layer's ring time (`_compat.collective_time`):
+  the time of all its gathers, which it combines into one."""
+  cast = [s.astype(lf.dtype) for s, lf in zip(shards, leaves)]
+  told: Any = contextlib.nullcontext()
+  if bandwidth:
+    n = jax.lax.axis_size(axis)
+    gathered = sum(x.size * x.dtype.itemsize for x in cast) * n
+    told = collective_time((n - 1) / n * gathered / bandwidth)
+  with jax.named_scope(LAYERS_SCOPE), told:
+    return [jax.lax.all_gather(x, axis, axis=lf.dim, tiled=True) for x, lf in zip(cast, leaves)]
 
 
 def _reduce(grads: list[jax.Array], leaves: list[_Leaf], axis: str,
@@ -407,8 +423,10 @@ def _scan_fn(layer: Callable, sharded: list[_Leaf], pl: Pipeline, n: int,
   last layers run outside the loop: docs/design.md, "Scanned layers one ahead").
   """
   axis = pl.fsdp
-  gather_slice = lambda sl: _gather(sl, sharded, axis)
-  gather = lambda shards, i: gather_slice(_index(shards, i))
+  # Only the backward iteration's gather is timed: it shares the iteration with a reduce-scatter
+  # (a forward iteration's gather has it to itself, and was measured to hold more when timed).
+  gather_slice = lambda sl: _gather(sl, sharded, axis, pl.link_bandwidth)
+  gather = lambda shards, i: _gather(_index(shards, i), sharded, axis)
   reduce = lambda g: _reduce(g, sharded, axis, pl.reduce_dtype)
   call = lambda consts, w, wh, c, r: layer(w, wh, c, r, *consts)
 

@@ -347,7 +347,8 @@ class ShardingPlan:
         or self.mesh.shape["fsdp"] < 2 or any(self.mesh.shape[a] > 1 for a in others)):
       return None
     return Pipeline(self.mesh, self.data_axes, reduce_dtype=reduce_dtype_of(c),
-                    own_policies=c.remat.policy == "auto")
+                    own_policies=c.remat.policy == "auto",
+                    link_bandwidth=self.backend.link_bandwidth(self.mesh, "fsdp"))
 
   @property
   def local_grads(self) -> bool:

@@ -24,6 +24,8 @@ from typing import Any, Iterator
 import jax
 from jax.experimental import topologies
 
+from zerojax.core.backend import GPU_LINKS
+
 __all__ = ["CUDA_PLUGINS", "cuda_plugin", "cuda_install_line", "GPUS", "GPU_TOPOLOGY_EXAMPLES",
            "DEFAULT_MEMORY_FRACTION", "GpuSpec",
            "is_gpu_topology", "parse_gpu_topology", "gpu_topology", "target_config",
@@ -73,21 +75,20 @@ class GpuSpec:
 
 GPUS: dict[str, GpuSpec] = {s.name: s for s in (
     # NVIDIA H100 Tensor Core GPU datasheet (SXM): bf16 1,979 / tf32 989 TFLOPS with sparsity,
-    # fp32 67 TFLOPS, HBM3 3.35 TB/s, NVLink 900 GB/s; DGX H100: one 400 Gb/s ConnectX-7 per GPU.
+    # fp32 67 TFLOPS, HBM3 3.35 TB/s. Links (here and below): `zerojax.core.backend.GPU_LINKS`.
     GpuSpec("h100", "h100_sxm.txtpb", "NVIDIA H100 80GB HBM3", 84942979072,
-            989.4e12, 494.7e12, 66.9e12, 3.35e12, 450e9, 50e9),
+            989.4e12, 494.7e12, 66.9e12, 3.35e12, *GPU_LINKS["NVIDIA H100 80GB HBM3"]),
     # NVIDIA A100 datasheet (SXM 80GB): bf16 312 / tf32 156 TFLOPS dense, fp32 19.5, HBM2e
-    # 2,039 GB/s, NVLink 600 GB/s; DGX A100: one 200 Gb/s ConnectX-6 per GPU.
+    # 2,039 GB/s.
     GpuSpec("a100-80g", "a100_sxm_80.txtpb", "NVIDIA A100-SXM4-80GB", 85100068864,
-            312e12, 156e12, 19.5e12, 2.039e12, 300e9, 25e9),
-    # NVIDIA H200 datasheet (SXM): the H100's tensor cores, HBM3e 4.8 TB/s, NVLink 900 GB/s;
-    # DGX H200: one 400 Gb/s ConnectX-7 per GPU.
+            312e12, 156e12, 19.5e12, 2.039e12, *GPU_LINKS["NVIDIA A100-SXM4-80GB"]),
+    # NVIDIA H200 datasheet (SXM): the H100's tensor cores, HBM3e 4.8 TB/s.
     GpuSpec("h200", "h200.txtpb", "NVIDIA H200 141GB HBM3e", 151397597184,
-            989.4e12, 494.7e12, 66.9e12, 4.8e12, 450e9, 50e9),
+            989.4e12, 494.7e12, 66.9e12, 4.8e12, *GPU_LINKS["NVIDIA H200 141GB HBM3e"]),
     # NVIDIA HGX B200 datasheet, per GPU (1,000 W): bf16 4.5 / tf32 2.2 PFLOPS with sparsity,
-    # fp32 80 TFLOPS, HBM3e 8 TB/s, NVLink 5 1.8 TB/s; DGX B200: one 400 Gb/s ConnectX-7 per GPU.
+    # fp32 80 TFLOPS, HBM3e 8 TB/s.
     GpuSpec("b200", "b200.txtpb", "NVIDIA B200", 191514411008,
-            2250e12, 1100e12, 80e12, 8e12, 900e9, 50e9),
+            2250e12, 1100e12, 80e12, 8e12, *GPU_LINKS["NVIDIA B200"]),
 )}
 GPU_TOPOLOGY_EXAMPLES = ("h100:8", "h100:2x8", "h100:8x8", "a100-80g:8", "h200:8", "b200:8")
 _NAME = re.compile(r"^([a-z0-9\-]+):(?:(\d+)x)?(\d+)$")
