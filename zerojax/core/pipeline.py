@@ -423,8 +423,8 @@ def _scan_fn(layer: Callable, sharded: list[_Leaf], pl: Pipeline, n: int,
   last layers run outside the loop: docs/design.md, "Scanned layers one ahead").
   """
   axis = pl.fsdp
-  # Only the backward iteration's gather is timed: it shares the iteration with a reduce-scatter
-  # (a forward iteration's gather has it to itself, and was measured to hold more when timed).
+  # Only the backward iteration's gather is timed: it shares the iteration's matmuls with a
+  # reduce-scatter; a forward iteration's gather has them to itself.
   gather_slice = lambda sl: _gather(sl, sharded, axis, pl.link_bandwidth)
   gather = lambda shards, i: _gather(_index(shards, i), sharded, axis)
   reduce = lambda g: _reduce(g, sharded, axis, pl.reduce_dtype)
