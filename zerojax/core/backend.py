@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import types
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -259,12 +260,12 @@ CPU = Backend(
 # H100 and H200 SXM 900 GB/s, A100 SXM 600 GB/s, HGX B200 1.8 TB/s); across hosts the reference
 # system's NIC per GPU (DGX H100/H200/B200: one 400 Gb/s ConnectX-7 per GPU; DGX A100: one
 # 200 Gb/s ConnectX-6).
-GPU_LINKS: Mapping[str, tuple[float, float]] = {
+GPU_LINKS: Mapping[str, tuple[float, float]] = types.MappingProxyType({
     "NVIDIA H100 80GB HBM3": (450e9, 50e9),
     "NVIDIA A100-SXM4-80GB": (300e9, 25e9),
     "NVIDIA H200 141GB HBM3e": (450e9, 50e9),
     "NVIDIA B200": (900e9, 50e9),
-}
+})
 
 _GPU_DEFAULT = {"xla_gpu_enable_latency_hiding_scheduler": True,
                 "xla_gpu_enable_pipelined_all_gather": True,

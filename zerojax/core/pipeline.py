@@ -21,8 +21,9 @@ backward pass starts once the gradients of what runs after the layers (a head) a
 Each iteration's two collectives depend on nothing the iteration computes, so the scheduler
 can issue them beside its matmuls. The backward iteration's gather waits for its reduce-scatter,
 and tells the compiler its ring time (`Pipeline.link_bandwidth`), so that the scheduler shares
-the iteration's matmuls between the two rather than spending them all on the gather. Running per device is only right for a layer that computes
-each batch row on its own; `zerojax.core.batchwise` checks that from the layer's trace, and a
+the iteration's matmuls between the two rather than spending them all on the gather.
+
+Running per device is only right for a layer that computes each batch row on its own; `zerojax.core.batchwise` checks that from the layer's trace, and a
 scan that fails it (or has settings this does not cover) runs as written, with the reason
 recorded (`Declined`).
 """
@@ -192,14 +193,16 @@ def _gather(shards: list[jax.Array], leaves: list[_Leaf], axis: str,
   weight, each into a buffer of its own, which the layer's matmuls read as they are. With a
   ``bandwidth`` (bytes/s), the compiler is told the layer's ring time (`_compat.collective_time`):
   the time of all its gathers, which it combines into one."""
-  cast = [s.astype(lf.dtype) for s, lf in zip(shards, leaves)]
-  told: Any = contextlib.nullcontext()
-  if bandwidth:
-    n = jax.lax.axis_size(axis)
-    gathered = sum(x.size * x.dtype.itemsize for x in cast) * n
-    told = collective_time((n - 1) / n * gathered / bandwidth)
-  with jax.named_scope(LAYERS_SCOPE), told:
-    return [jax.lax.all_gather(x, axis, axis=lf.dim, tiled=True) for x, lf in zip(cast, leaves)]
+  with jax.named_scope(LAYERS_SCOPE):
+    cast = [s.astype(lf.dtype) for s, lf in zip(shards, leaves)]
+    told: Any = contextlib.nullcontext()
+    if bandwidth:
+      n = jax.lax.axis_size(axis)
+      gathered = sum(x.size * x.dtype.itemsize for x in cast) * n
+      told = collective_time((n - 1) / n * gathered / bandwidth)
+    with told:
+      return [jax.lax.all_gather(x, axis, axis=lf.dim, tiled=True)
+              for x, lf in zip(cast, leaves)]
 
 
 def _reduce(grads: list[jax.Array], leaves: list[_Leaf], axis: str,
