@@ -189,9 +189,9 @@ class Backend:
     figures = [self.links.get(getattr(d, "device_kind", None)) for d in devices.flat]
     if any(f is None for f in figures):
       return None
-    groups = np.moveaxis(np.vectorize(lambda d: d.process_index)(devices),
-                         list(mesh.axis_names).index(axis), -1)
-    spans_hosts = any(len(set(g)) > 1 for g in groups.reshape(-1, groups.shape[-1]).tolist())
+    along = list(mesh.axis_names).index(axis)
+    groups = np.moveaxis(devices, along, -1).reshape(-1, devices.shape[along])
+    spans_hosts = any(len({d.process_index for d in g}) > 1 for g in groups)
     return min(f[1] if spans_hosts else f[0] for f in figures)
 
   def options(self, config: Any, layers_ahead: bool = False, pipelined: Any = None,

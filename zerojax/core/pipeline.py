@@ -23,9 +23,9 @@ can issue them beside its matmuls. The backward iteration's gather waits for its
 and tells the compiler its ring time (`Pipeline.link_bandwidth`), so that the scheduler shares
 the iteration's matmuls between the two rather than spending them all on the gather.
 
-Running per device is only right for a layer that computes each batch row on its own; `zerojax.core.batchwise` checks that from the layer's trace, and a
-scan that fails it (or has settings this does not cover) runs as written, with the reason
-recorded (`Declined`).
+Running per device is only right for a layer that computes each batch row on its own;
+`zerojax.core.batchwise` checks that from the layer's trace, and a scan that fails it (or has
+settings this does not cover) runs as written, with the reason recorded (`Declined`).
 """
 
 from __future__ import annotations
