@@ -178,6 +178,9 @@ def test_link_bandwidth_is_the_slowest_link_an_axis_group_spans():
   assert backend.GPU.link_bandwidth(odd, "fsdp") is None
   assert backend.CPU.link_bandwidth(within, "fsdp") is None
   assert backend.GPU.link_bandwidth(jax.sharding.AbstractMesh((2,), ("fsdp",)), "fsdp") is None
+  with pytest.raises(ValueError, match=r"^axis='model' is invalid: one of the mesh's axes "
+                                       r"\['data', 'fsdp'\]$"):
+    backend.GPU.link_bandwidth(within, "model")
 
 
 def test_gpu_link_figures_are_the_step_time_models():

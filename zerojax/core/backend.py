@@ -182,7 +182,12 @@ class Backend:
       bytes/s per direction from `links`: the network's where a group spans hosts
       (``jax.Device.process_index``), else the link's within a host; None where a device's kind
       is not in `links`.
+
+    Raises:
+      ValueError: ``axis`` is not one of the mesh's axis names.
     """
+    if axis not in mesh.axis_names:
+      raise ValueError(f"axis={axis!r} is invalid: one of the mesh's axes {list(mesh.axis_names)}")
     if not self.links or isinstance(mesh, jax.sharding.AbstractMesh):
       return None
     devices = mesh.devices
