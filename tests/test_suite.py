@@ -4,6 +4,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 from tests import helpers
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -18,6 +20,7 @@ def _collect(*args: str) -> list[str]:
   return [line for line in r.stdout.splitlines() if "::" in line]
 
 
+@pytest.mark.slow  # two collections of the whole suite in subprocesses
 def test_fast_subset_keeps_parity_at_every_stage_and_leaves_out_the_slow_tests():
   everything, fast = _collect(), set(_collect("-m", "not slow"))
   for stage in range(4):

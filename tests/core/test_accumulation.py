@@ -136,7 +136,7 @@ def _one_step(stage, grad_of):
       np.asarray, new.params)
 
 
-@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("stage", [pytest.param(1, marks=pytest.mark.slow), 3])
 def test_accumulate_is_the_step_s_value_and_grad_made_explicit(stage):
   # The same step, its settings passed (zerojax.accumulate) or read from the step
   # (zerojax.value_and_grad): the same program, so the same bits.
@@ -192,7 +192,7 @@ def test_accumulate_rows_that_do_not_split_are_named():
     jax.eval_shape(f, jax.numpy.float32(1.0), jax.numpy.zeros((16, 4)))
 
 
-@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("stage", [1, pytest.param(3, marks=pytest.mark.slow)])
 def test_accumulate_nnx_is_the_step_s_value_and_grad_made_explicit(stage):
   from flax import nnx
   from zerojax.models import nnx_gpt

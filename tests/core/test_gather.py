@@ -229,8 +229,9 @@ def _remats(jitted, *args) -> int:
   return str(jitted.trace(*args).jaxpr).count("remat2[")
 
 
-@pytest.mark.parametrize("remat", [False, True])
-@pytest.mark.parametrize("prefetch", [False, True])
+@pytest.mark.parametrize("prefetch, remat", [  # the mixed cases in the full suite only
+    (False, False), pytest.param(False, True, marks=pytest.mark.slow),
+    pytest.param(True, False, marks=pytest.mark.slow), (True, True)])
 def test_unscanned_layers_train_exactly(monkeypatch, remat, prefetch):
   # With `prefetching` (the default on XLA:GPU and XLA:TPU, forced here on XLA:CPU), a
   # layer's forward gathers wait for the previous matmul layer's input (siblings, the gated
@@ -300,7 +301,7 @@ def test_remat_applied_says_where_remat_acted():
       "with it inside each layer")
 
 
-@pytest.mark.parametrize("remat", ["full", "dots"])
+@pytest.mark.parametrize("remat", [pytest.param("full", marks=pytest.mark.slow), "dots"])
 def test_named_remat_checkpoints_each_block_and_trains_exactly(remat):
   # remat='full'/'dots' on a model without scans goes on each block, not around the whole
   # model (which re-ran the whole forward pass and kept all of it: the memory of no remat,

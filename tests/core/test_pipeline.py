@@ -89,7 +89,7 @@ PER_USE_ONE_AHEAD = dict(gather="explicit", max_live_layers=2)
 
 @pytest.mark.parametrize("pattern, layers, kw", [
     ("a", 4, {}),  # nn.scan(nn.remat(Block)): layers before and after the backward loop
-    ("a", 8, {}),
+    pytest.param("a", 8, {}, marks=pytest.mark.slow),  # deeper: the full suite only
     ("b", 2, {"param_persistence_threshold": 0}),  # nn.scan(Block): biases sharded too
     ("a", 3, {"mesh_axes": ("replica", "fsdp"), "mesh_shape": (2, 4)}),  # HSDP
     ("a", 4, {"gradient_accumulation_steps": 2}),  # inside the micro-batch scan

@@ -48,8 +48,9 @@ def _stored_dtypes(d):
 
 @pytest.mark.parametrize("ckpt, overrides, want", [
     ("bfloat16", [], "float32"),
-    ("bfloat16", ["param_dtype=bfloat16", "compute_dtype=bfloat16"], "bfloat16"),
-    ("float16", ["compute_dtype=bfloat16"], "float32"),
+    pytest.param("bfloat16", ["param_dtype=bfloat16", "compute_dtype=bfloat16"], "bfloat16",
+                 marks=pytest.mark.slow),
+    pytest.param("float16", ["compute_dtype=bfloat16"], "float32", marks=pytest.mark.slow),
 ])
 def test_half_precision_checkpoints_finetune_cast_to_param_dtype(tmp_path_factory, ckpt,
                                                                 overrides, want, capsys):
