@@ -343,7 +343,8 @@ def test_schedule_reads_gpu_pairs_is_sync_and_matmuls():
 def test_gpu_wide_rows_keep_two_collectives_in_flight(monkeypatch):
   # A pure function's rows of 8 MiB or more (here 16 MiB) move at link bandwidth. With five
   # collectives in flight XLA:GPU made more full-size weight gradients than it had
-  # reduce-scatters running and held them; such a step compiles with two.
+  # reduce-scatters running and held them; such a step compiles with two, and keeps its
+  # reduce-scatters beside matmuls.
   import dataclasses
   from tests.model_patterns import FULL, target_zero
   from zerojax.core.backend import GPU
@@ -369,7 +370,7 @@ def test_gpu_wide_rows_keep_two_collectives_in_flight(monkeypatch):
   held = target_zero("g", size, 3, devices)[0]
   rs = lambda c: memory.collective_schedule(c.as_text(), "reduce-scatter").matmul_share
   assert memory.measure(two).temp < 0.9 * memory.measure(held).temp
-  assert rs(two) >= max(0.8, rs(held) + 0.1)
+  assert rs(two) >= 0.95
 
 
 def test_activation_collectives_tell_weights_from_activations():
@@ -939,10 +940,12 @@ def test_gpu_layers_ahead_compile_with_eight_collectives_in_flight(monkeypatch):
   rows = release({**GPU.compiler_options, **GPU.rows_ahead_options})
   pure, _, _ = target_zero("g", FULL, 3, devices)
   assert jitted == [ahead, rows] and plan.compiler_options_for(False, None, False, True) == rows
-  # 94% / 87% (73% / 54% with one in flight and re-gathers waiting for their own cotangent;
-  # the loop of linen blocks above: 92% / 100%, at the same predicted step time)
+  # 94% / 100% (73% / 54% with one in flight and re-gathers waiting for their own cotangent;
+  # 94% / 87% when the first layer's weight gradients came after its input gradients)
   assert schedule(pure, "all-gather").matmul_share >= 0.9
-  assert schedule(pure, "reduce-scatter").matmul_share >= 0.85
+  # Within 5 points of the loop of linen blocks above, on every release
+  assert (schedule(pure, "reduce-scatter").matmul_share
+          >= schedule(loop, "reduce-scatter").matmul_share - 0.05)
   config = zerojax.ZeroConfig(stage=2)
   stage2 = zerojax.ShardingPlan.create(config, zerojax.make_mesh(config, devices=list(devices)),
                                        {"w": jax.ShapeDtypeStruct((64, 64), "float32")})

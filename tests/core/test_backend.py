@@ -189,3 +189,46 @@ def test_gpu_link_figures_are_the_step_time_models():
   for spec in gpu.GPUS.values():
     assert backend.GPU_LINKS[spec.device_kind] == (spec.nvlink_bandwidth,
                                                    spec.network_bandwidth)
+
+
+@pytest.mark.parametrize("orders", [False, True])
+def test_a_pure_functions_last_row_gradient_comes_before_its_inputs_when_the_backend_orders_it(
+    orders):
+  # XLA:GPU made the first layer's row gradients after every other matmul, so their
+  # reduce-scatters ran beside nothing; ordered, the input's matmul follows each of them.
+  from zerojax.core.rows import per_layer_reads
+  config = zerojax.ZeroConfig(stage=3)
+  params = {"u": jax.random.normal(jax.random.key(0), (3, 128, 256)),
+            "v": jax.random.normal(jax.random.key(1), (3, 256, 128))}
+  policy = dataclasses.replace(backend.CPU, orders_last_row_gradient=orders,
+                               per_use_from_stage=3)
+  plan = zerojax.ShardingPlan.create(config, zerojax.make_mesh(config), params,
+                                     optax.sgd(0.1), backend=policy)
+
+  def model(p, x):
+    for i in range(3):
+      x = x + jnp.tanh(x @ p["u"][i]) @ p["v"][i]
+    return (x ** 2).sum()
+
+  x = jax.random.normal(jax.random.key(2), (8, 128))
+  wrapped = per_layer_reads(model, plan)
+  loss = lambda f: lambda p: f(p, x)
+  assert jnp.allclose(loss(wrapped)(params), loss(model)(params), rtol=1e-6)
+  for a, b in zip(jax.tree.leaves(jax.grad(loss(wrapped))(params)),
+                  jax.tree.leaves(jax.grad(loss(model))(params))):
+    assert jnp.allclose(a, b, rtol=1e-4, atol=1e-4)
+
+  def barriers(jaxpr):
+    found = [e for e in jaxpr.eqns if e.primitive.name == "optimization_barrier"]
+    for e in jaxpr.eqns:
+      for p in e.params.values():
+        inner = getattr(p, "jaxpr", p)
+        if hasattr(inner, "eqns"):
+          found += barriers(inner)
+    return found
+
+  found = barriers(jax.make_jaxpr(jax.grad(loss(wrapped)))(params).jaxpr)
+  # One per stacked weight, in its first layer's backward pass: over the output's cotangent
+  # and the row's gradient, which the input's cotangent then waits for.
+  want = [[(8, 128), (256, 128)], [(8, 256), (128, 256)]] if orders else []
+  assert sorted(sorted(v.aval.shape for v in e.invars) for e in found) == want, found

@@ -63,6 +63,9 @@ class Backend:
       stage 2 each parameter is read in place and its gradient reduce-scattered where the layer's
       backward pass makes it); None: only an unscanned linen model without its own remat is, at
       stage 3, and XLA's partitioner gathers the rest.
+    orders_last_row_gradient: per use, a pure function's last row matmul of each stacked
+      weight in the backward pass (`zerojax.core.rows`) makes the row's gradient before its
+      input's, so that the row's reduce-scatter has that matmul to run beside.
     finds_tables: at stages 2-3, a model's lookup tables are found and their gradients summed
       whole before they are sharded (`zerojax.core.formulation.lookup_tables`).
     shards_leading_dim: at stage 3, leaves of three or more dimensions shard their first
@@ -102,6 +105,7 @@ class Backend:
   live_layers: int = 1
   pipelines_layers: bool = True
   per_use_from_stage: int | None = 3
+  orders_last_row_gradient: bool = False
   finds_tables: bool = True
   shards_leading_dim: bool = False
   small_leaf_elements: int = 4096
@@ -285,6 +289,7 @@ _GPU_LAYERS_AHEAD = {"xla_gpu_enable_analytical_latency_estimator": True,
 GPU = Backend(
     name="gpu",
     prefetches_across_checkpoints=True,
+    orders_last_row_gradient=True,
     live_layers=2,  # the next layer's gather beside the current layer's compute
     # Stage 2 per use: each layer's gradient is reduce-scattered inside the backward scan.
     per_use_from_stage=2,

@@ -108,7 +108,7 @@ def per_layer_reads(apply_fn: Callable, plan: Any,
                          _rows_into_matmuls(closed.jaxpr, index, split), formulation.per_use,
                          plan.backend.waits_by_barrier,
                          formulation.per_use and plan.backend.prefetches_next_layer, formulation.tables,
-                         names)
+                         names, formulation.per_use and plan.backend.orders_last_row_gradient)
       run = lambda ls, arrs: jax.tree.unflatten(jax.tree.structure(out_shape), eval_jaxpr(
           closed, [*ls, *arrs], rewrite))
     if formulation.checkpoint is not None:  # as a linen model without scans
@@ -150,6 +150,7 @@ class _Rewrite:
   prefetch: bool = False
   tables: frozenset = frozenset()  # leaves summed whole (per use: gathered) where looked up in
   names: tuple = ()  # the leaves' paths, for warnings
+  orders: bool = False  # `Backend.orders_last_row_gradient`
   previous: Any = None
   link: Any = None  # the last row matmul's `_Link`, under ``prefetch``
   carried: dict = dataclasses.field(default_factory=dict)  # leaf -> stack the next row reads
@@ -176,7 +177,7 @@ class _Rewrite:
       self.previous = other
       out, self.carried[k] = _row_dot(
           self.carried.get(k, self.leaves[k]), other, wait, i, pos, _Dot.of(eqn), grad,
-          k not in self.carried, use, link)
+          k not in self.carried, use, link, self.orders and k not in self.carried)
       return [out]
     if self.per_use and eqn.primitive.name == "dot_general":
       return _gathered_dot(eqn, invals, self.index, self.per_leaf)
@@ -313,10 +314,10 @@ class _Link:
     self.cotangent, self.trace = None, None
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7, 8, 9))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7, 8, 9, 10))
 def _row_dot(w: jax.Array, other: jax.Array, wait: jax.Array, i: int, pos: int, dot: _Dot,
              grad: NamedSharding, first: bool, gathered: "_Gather | None",
-             link: tuple = (None, None)) -> tuple[jax.Array, jax.Array]:
+             link: tuple = (None, None), last: bool = False) -> tuple[jax.Array, jax.Array]:
   """``(dot(w[i], other), w)``: a matmul with a row of ``w``, and ``w`` to read the next row
   from (threaded as in `_read_row`; ``first``: no read of ``w`` came before). The row is
   sliced after ``wait`` exists (``other``, or the previous row matmul's operand: see
@@ -325,19 +326,22 @@ def _row_dot(w: jax.Array, other: jax.Array, wait: jax.Array, i: int, pos: int, 
   times, and only its shard is ever saved.
 
   Except the first read's row, which is saved, so that every read of ``w`` is ordered before
-  its update by data dependency (docs/design.md, "Row reads").
+  its update by data dependency (docs/design.md, "Row reads"). With ``last``
+  (`zerojax.core.backend.Backend.orders_last_row_gradient`; that first read, the backward
+  pass's last row matmul of ``w``), the backward pass makes the row's cotangent before the
+  other operand's.
   """
   use = gathered or (lambda r: r)
   return dot(use(_row(w, i, wait, gathered, grad)), other, pos), w
 
 
-def _row_dot_fwd(w, other, wait, i, pos, dot, grad, first, gathered, link):
+def _row_dot_fwd(w, other, wait, i, pos, dot, grad, first, gathered, link, last):
   row = _row(w, i, wait, gathered, grad)
   use = gathered or (lambda r: r)
   return (dot(use(row), other, pos), w), (w, other, row if first else None)
 
 
-def _row_dot_bwd(i, pos, dot, grad, first, gathered, link, res, cts):
+def _row_dot_bwd(i, pos, dot, grad, first, gathered, link, last, res, cts):
   w, other, saved = res
   ct_out, ct_w = cts
   earlier, mine = link
@@ -347,8 +351,16 @@ def _row_dot_bwd(i, pos, dot, grad, first, gathered, link, res, cts):
   wait = mine.cotangent if mine is not None and mine.trace == trace else ct_out
   row = saved if first else _row(w, i, wait, gathered, grad)
   row = gathered(row) if gathered is not None else row
-  _, vjp = jax.vjp(lambda r, o: dot(r, o, pos), row, other)
-  ct_row, ct_other = vjp(ct_out)
+  _, vjp_row = jax.vjp(lambda r: dot(r, other, pos), row)
+  ct_row, = vjp_row(ct_out)
+  if last:
+    # The other operand's cotangent is made only once the row's exists, so that the row's
+    # reduce-scatter has that matmul to run beside (left free, XLA:GPU may make the first
+    # layer's row gradients last, beside nothing). Later rows are left free: so ordered,
+    # XLA:GPU waited for each reduce-scatter at once.
+    ct_out, _ = jax.lax.optimization_barrier((ct_out, ct_row))
+  _, vjp_other = jax.vjp(lambda o: dot(row, o, pos), other)
+  ct_other, = vjp_other(ct_out)
   return _add_row(ct_w, ct_row, i, grad), ct_other, None
 
 
