@@ -63,9 +63,9 @@ class Backend:
       stage 2 each parameter is read in place and its gradient reduce-scattered where the layer's
       backward pass makes it); None: only an unscanned linen model without its own remat is, at
       stage 3, and XLA's partitioner gathers the rest.
-    orders_last_row_gradient: per use, a pure function's last row matmul of each stacked
-      weight in the backward pass (`zerojax.core.rows`) makes the row's gradient before its
-      input's, so that the row's reduce-scatter has that matmul to run beside.
+    orders_last_row_gradient: at stage 3 per use, a pure function's last row matmul of each
+      stacked weight in the backward pass (`zerojax.core.rows`) makes the row's gradient
+      before its input's, so that the row's reduce-scatter has that matmul to run beside.
     finds_tables: at stages 2-3, a model's lookup tables are found and their gradients summed
       whole before they are sharded (`zerojax.core.formulation.lookup_tables`).
     shards_leading_dim: at stage 3, leaves of three or more dimensions shard their first

@@ -177,7 +177,8 @@ class _Rewrite:
       self.previous = other
       out, self.carried[k] = _row_dot(
           self.carried.get(k, self.leaves[k]), other, wait, i, pos, _Dot.of(eqn), grad,
-          k not in self.carried, use, link, self.orders and k not in self.carried)
+          k not in self.carried, use, link,
+          self.orders and k not in self.carried and use is not None and use.gathers)
       return [out]
     if self.per_use and eqn.primitive.name == "dot_general":
       return _gathered_dot(eqn, invals, self.index, self.per_leaf)
@@ -416,8 +417,13 @@ class _Gather:
          barrier: bool) -> "_Gather":
     return cls(_of_row(rest), _of_row(compute), _of_row(grad), barrier)
 
+  @property
+  def gathers(self) -> bool:
+    """Whether the row moves (stage 3); else it is read where it is (stage 2)."""
+    return self.rest != self.compute
+
   def __call__(self, row: jax.Array) -> jax.Array:
-    if self.rest == self.compute:
+    if not self.gathers:
       return row
     return checkpoint_name(gather(row, self.rest, self.compute, self.grad, None), GATHERED)
 
