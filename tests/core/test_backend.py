@@ -11,6 +11,7 @@ import optax
 import pytest
 
 import zerojax
+from zerojax import _compat
 from zerojax.core import backend
 from zerojax.core.pipeline import OneAhead
 
@@ -222,10 +223,8 @@ def test_a_pure_functions_last_row_gradient_comes_before_its_inputs_when_the_bac
   def barriers(jaxpr):
     found = [e for e in jaxpr.eqns if e.primitive.name == "optimization_barrier"]
     for e in jaxpr.eqns:
-      for p in e.params.values():
-        inner = getattr(p, "jaxpr", p)
-        if hasattr(inner, "eqns"):
-          found += barriers(inner)
+      for inner in _compat.subjaxprs(e.params):
+        found += barriers(inner)
     return found
 
   found = barriers(jax.make_jaxpr(jax.grad(loss(wrapped)))(params).jaxpr)

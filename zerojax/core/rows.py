@@ -150,7 +150,7 @@ class _Rewrite:
   prefetch: bool = False
   tables: frozenset = frozenset()  # leaves summed whole (per use: gathered) where looked up in
   names: tuple = ()  # the leaves' paths, for warnings
-  orders: bool = False  # `Backend.orders_last_row_gradient`
+  orders: bool = False  # `Backend.orders_last_row_gradient` (only under ``per_use``)
   previous: Any = None
   link: Any = None  # the last row matmul's `_Link`, under ``prefetch``
   carried: dict = dataclasses.field(default_factory=dict)  # leaf -> stack the next row reads
@@ -175,10 +175,10 @@ class _Rewrite:
         link = (self.link, _Link())
         self.link = link[1]
       self.previous = other
+      first = k not in self.carried
       out, self.carried[k] = _row_dot(
           self.carried.get(k, self.leaves[k]), other, wait, i, pos, _Dot.of(eqn), grad,
-          k not in self.carried, use, link,
-          self.orders and k not in self.carried and use is not None and use.gathers)
+          first, use, link, first and self.orders and use.gathers)
       return [out]
     if self.per_use and eqn.primitive.name == "dot_general":
       return _gathered_dot(eqn, invals, self.index, self.per_leaf)
