@@ -23,7 +23,8 @@ from jax.extend.core import Literal, Var, get_opaque_trace_state
 __all__ = ["JAX_VERSION", "xla_gpu_options", "ORIGINAL_SCAN", "REMAT_PRIMITIVE_NAMES", "name_p", "sharding_constraint_p",
            "jaxpr_has_primitive", "subjaxprs", "eval_jaxpr", "var_uses", "bind_dot_general",
            "eval_eqns", "bind_eqn", "scan_hook", "backends_initialized", "distributed_state",
-           "detect_cluster", "checkpoint_trace", "compute_on_host", "collective_time"]
+           "detect_cluster", "checkpoint_trace", "compute_on_host", "collective_time",
+           "without_cache_writes"]
 
 # The installed JAX release as (major, minor, patch), for the per-release paths below.
 JAX_VERSION: tuple[int, ...] = tuple(int(p) for p in re.findall(r"\d+", jax.__version__)[:3])
@@ -179,6 +180,21 @@ def bind_dot_general(a: Any, b: Any, params: dict[str, Any]) -> Any:
   preferred element type included, which ``jax.lax.dot_general``'s signature renames)."""
   return jax.lax.dot_general_p.bind(a, b, **params)
 
+def without_cache_writes() -> contextlib.AbstractContextManager[Any]:
+  """Compiles inside the block, in this thread, write nothing to JAX's persistent cache.
+
+  An executable compiled for a compile-only topology cannot be loaded back without that
+  accelerator's client: stored, it would only make the next run warn and compile again.
+  JAX decides once per process whether it uses the cache, so its on/off switch cannot be
+  scoped; the minimum compile time worth storing can.
+
+  Returns:
+    A context manager (JAX's thread-local ``jax_persistent_cache_min_compile_time_secs``
+    set to infinity).
+  """
+  return _FOUND["persistent_cache_min_compile_time_secs"](float("inf"))
+
+
 def _lookup(paths: tuple[str, ...]) -> tuple[Any, str | None]:
   """The first of ``paths`` (``"module:attr.attr"``) this JAX has, and that path; ``(None,
   None)`` if it has none. Modules are imported here, so a moved one is a miss, not an error."""
@@ -209,6 +225,8 @@ INTERNAL_PATHS: dict[str, tuple[str, ...]] = {
     "source_summary": ("jax._src.source_info_util:summarize",),
     "user_context": ("jax._src.source_info_util:user_context",),
     "current_name_stack": ("jax._src.source_info_util:current_name_stack",),
+    "persistent_cache_min_compile_time_secs": (
+        "jax._src.config:persistent_cache_min_compile_time_secs",),
 }
 # The path each internal was found at on this JAX, or None (`INTERNAL_PATHS`).
 INTERNALS: dict[str, str | None] = {}

@@ -133,3 +133,22 @@ def test_collective_time_reaches_the_collective_in_nanoseconds():
   text = f.lower(jnp.ones((8,), jnp.float32)).as_text()
   tagged = [line for line in text.splitlines() if "all_gather" in line]
   assert len(tagged) == 2 and sum('latency_metadata = "16300"' in t for t in tagged) == 1, tagged
+
+
+def test_compiles_without_cache_writes_store_nothing_and_others_still_do(tmp_path):
+  # The test run's persistent cache (tests/conftest.py) stores every compile; inside the block
+  # a compile stores nothing, and the same program compiled after it is stored as before.
+  cache = jax.config.jax_compilation_cache_dir
+  assert cache and os.path.isdir(cache), "tests/conftest.py sets a persistent cache"
+  name = f"zerojax_probe_{os.getpid()}_{tmp_path.name}".replace("-", "_")
+
+  def compile_probe(scale):
+    def f(x):
+      return x * scale + 1.0
+    f.__name__ = name
+    jax.jit(f).lower(jax.ShapeDtypeStruct((4,), jnp.float32)).compile()
+    return [p for p in os.listdir(cache) if p.startswith(f"jit_{name}-")]
+
+  with _compat.without_cache_writes():
+    assert compile_probe(3.0) == []
+  assert len(compile_probe(5.0)) == 1

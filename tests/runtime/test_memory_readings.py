@@ -6,6 +6,7 @@ XLA:TPU's own compiles are in tests/aot/test_tpu_aot.py; here a hand-written mod
 printed form, and XLA:GPU compiles of a tiny GPT."""
 
 import re
+import warnings
 
 import pytest
 
@@ -170,8 +171,13 @@ def test_gpu_stage3_one_reading_and_one_compile():
                               gather=zerojax.Gather(persistence_threshold=0))
   # The first compile of a process also compiles JAX's own CPU helpers (the model's RNG key).
   memory.compile_for_topology(config, GPT(TINY), (8, 64), "h100:8")
-  with CompileCounter() as c:
+  # The same program again, with the test run's persistent cache on (tests/conftest.py): the
+  # first compile stored nothing that this one would fail to load and warn about.
+  with CompileCounter() as c, warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
     r = memory.compile_for_topology(config, GPT(TINY), (8, 64), "h100:8")
   assert c.names == ["jit(step)"], c.names
+  assert not [w for w in caught if "compilation cache" in str(w.message)], [
+      str(w.message) for w in caught]
   assert r.measured.collectives["all-gather"] > 0
   assert_one_reading(r)

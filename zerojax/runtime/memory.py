@@ -40,6 +40,7 @@ from flax import nnx
 from jax.experimental import topologies
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from zerojax._compat import without_cache_writes
 from zerojax.core.budget import (PAPER_K, DeviceMemoryError, Estimate, bytes_limit,
                                  check_fits, check_state_fits, compiled_peak, estimate,
                                  num_params, paper_bytes, suggest_option)
@@ -1065,7 +1066,8 @@ def hbm_available(device: Any, *, measure: bool = False) -> int:
                              sharding=NamedSharding(Mesh(np.array([device]), ("d",)),
                                                     PartitionSpec()))
     try:
-      jax.jit(lambda x: x + 1).lower(s).compile()
+      with without_cache_writes():
+        jax.jit(lambda x: x + 1).lower(s).compile()
     except Exception as e:
       found = _oom_bytes(str(e))
       if found is None:
@@ -1495,7 +1497,9 @@ def _compile(lower: Any, step: Any, params: Any, batch: Any, tx: Any, config: Ze
   common["remat"] = next(iter(step.remat.values()), None)
   common["layers"] = next(iter(step.layers.values()), None)
   try:
-    compiled = lowered.compile(compiler_options) if compiler_options else lowered.compile()
+    # Not stored in JAX's persistent cache: no client here could load it back.
+    with without_cache_writes():
+      compiled = lowered.compile(compiler_options) if compiler_options else lowered.compile()
   except jax.errors.JaxRuntimeError as e:  # XLA:TPU refuses programs that exceed HBM
     found = _oom_bytes(str(e))
     # Anything else is the compiler's own failure, reported as such, not as a memory verdict.
