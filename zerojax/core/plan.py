@@ -285,7 +285,7 @@ class ShardingPlan:
     if not isinstance(state, nnx.State):
       raise TypeError(f"nnx_state: state must be nnx.state((model, optimizer)), an nnx.State; "
                       f"got {type(state).__name__}")
-    flat = list(state.flat_state())
+    flat = list(nnx.to_flat_state(state))
     leaves, treedef = jax.tree.flatten(state)
     if len(flat) != len(leaves):
       raise ValueError(f"nnx_state: {len(flat)} variables but {len(leaves)} leaves")
