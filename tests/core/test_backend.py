@@ -232,3 +232,52 @@ def test_a_pure_functions_last_row_gradient_comes_before_its_inputs_when_the_bac
   # and the row's gradient, which the input's cotangent then waits for.
   want = [[(8, 128), (256, 128)], [(8, 256), (128, 256)]] if orders and stage == 3 else []
   assert sorted(sorted(v.aval.shape for v in e.invars) for e in found) == want, found
+
+
+@pytest.mark.parametrize("per_device", [False, True])
+def test_a_pure_functions_rows_are_sliced_on_each_device_once_its_input_exists(per_device):
+  # An optimization barrier over a row's index orders nothing once the compiler removes the
+  # barrier and folds the index to a constant (XLA:GPU from jaxlib 0.12): every row was then
+  # sliced at the start. Per device, the index depends on the device's own part of the input.
+  from zerojax.core.rows import per_layer_reads
+  config = zerojax.ZeroConfig(stage=3)
+  params = {"u": jax.random.normal(jax.random.key(0), (3, 128, 256)),
+            "v": jax.random.normal(jax.random.key(1), (3, 256, 128))}
+  policy = dataclasses.replace(backend.CPU, waits_by_barrier=True, per_use_from_stage=3,
+                               reads_rows_per_device=per_device)
+  plan = zerojax.ShardingPlan.create(config, zerojax.make_mesh(config), params,
+                                     optax.sgd(0.1), backend=policy)
+
+  def model(p, x):
+    for i in range(3):
+      x = x + jnp.tanh(x @ p["u"][i]) @ p["v"][i]
+    return (x ** 2).sum()
+
+  x = jax.random.normal(jax.random.key(2), (8, 128))
+  wrapped = per_layer_reads(model, plan)
+  loss = lambda f: lambda p: f(p, x)
+  assert loss(wrapped)(params) == loss(model)(params)
+  for a, b in zip(jax.tree.leaves(jax.grad(loss(wrapped))(params)),
+                  jax.tree.leaves(jax.grad(loss(model))(params))):
+    assert jnp.allclose(a, b, rtol=1e-4, atol=1e-4)
+
+  def eqns(jaxpr):
+    for e in jaxpr.eqns:
+      yield e
+      for inner in _compat.subjaxprs(e.params):
+        yield from eqns(inner)
+
+  found = list(eqns(jax.make_jaxpr(jax.grad(loss(wrapped)))(params).jaxpr))
+  # Row slices inside a per-device map: six in the forward pass, and four re-slices in the
+  # backward pass (each weight's first row is saved rather than sliced again).
+  local = [e for e in found if e.primitive.name == "shard_map" and any(
+      i.primitive.name == "dynamic_slice" for i in eqns(e.params["jaxpr"]))]
+  index_barriers = [e for e in found if e.primitive.name == "optimization_barrier"
+                    and any(v.aval.shape == () and v.aval.dtype == jnp.int32 for v in e.invars)]
+  assert (len(local), len(index_barriers)) == ((10, 0) if per_device else (0, 10))
+  # Each map's index reads its second input, the device's element of the row matmul's input.
+  for e in local:
+    inner = e.params["jaxpr"]
+    assert [v.aval.shape for v in e.invars] == [(3, 128, 256), (8,)] or [
+        v.aval.shape for v in e.invars] == [(3, 256, 128), (8,)]
+    assert any(inner.invars[1] in i.invars for i in eqns(inner))

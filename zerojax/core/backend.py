@@ -66,6 +66,12 @@ class Backend:
     orders_last_row_gradient: at stage 3 per use, a pure function's last row matmul of each
       stacked weight in the backward pass (`zerojax.core.rows`) makes the row's gradient
       before its input's, so that the row's reduce-scatter has that matmul to run beside.
+    reads_rows_per_device: at stage 3 per use, a pure function's row of a stacked weight is
+      sliced for its gather only once the row matmul's input exists on each device: the row
+      index depends on that device's own first element of the input (`zerojax.core.rows`).
+      An optimization barrier over the index orders nothing once the compiler removes the
+      barrier and folds the index to a constant (XLA:GPU from jaxlib 0.12): every row is then
+      sliced at the start and the first layers' gathers wait.
     finds_tables: at stages 2-3, a model's lookup tables are found and their gradients summed
       whole before they are sharded (`zerojax.core.formulation.lookup_tables`).
     shards_leading_dim: at stage 3, leaves of three or more dimensions shard their first
@@ -106,6 +112,7 @@ class Backend:
   pipelines_layers: bool = True
   per_use_from_stage: int | None = 3
   orders_last_row_gradient: bool = False
+  reads_rows_per_device: bool = True
   finds_tables: bool = True
   shards_leading_dim: bool = False
   small_leaf_elements: int = 4096
@@ -255,6 +262,7 @@ CPU = Backend(
     # XLA:CPU removes optimization barriers before it schedules and runs nothing beside a
     # collective: fetching ahead would only hold a second layer.
     waits_by_barrier=False,
+    reads_rows_per_device=False,
     prefetches_next_layer=False,
     model_checkpoint_prevents_cse=True,
     per_use_from_stage=None,

@@ -108,7 +108,8 @@ def per_layer_reads(apply_fn: Callable, plan: Any,
                          _rows_into_matmuls(closed.jaxpr, index, split), formulation.per_use,
                          plan.backend.waits_by_barrier,
                          formulation.per_use and plan.backend.prefetches_next_layer, formulation.tables,
-                         names, formulation.per_use and plan.backend.orders_last_row_gradient)
+                         names, formulation.per_use and plan.backend.orders_last_row_gradient,
+                         plan.backend.reads_rows_per_device)
       run = lambda ls, arrs: jax.tree.unflatten(jax.tree.structure(out_shape), eval_jaxpr(
           closed, [*ls, *arrs], rewrite))
     if formulation.checkpoint is not None:  # as a linen model without scans
@@ -151,6 +152,7 @@ class _Rewrite:
   tables: frozenset = frozenset()  # leaves summed whole (per use: gathered) where looked up in
   names: tuple = ()  # the leaves' paths, for warnings
   orders: bool = False  # `Backend.orders_last_row_gradient` (only under ``per_use``)
+  per_device: bool = False  # `Backend.reads_rows_per_device`
   previous: Any = None
   link: Any = None  # the last row matmul's `_Link`, under ``prefetch``
   carried: dict = dataclasses.field(default_factory=dict)  # leaf -> stack the next row reads
@@ -164,7 +166,8 @@ class _Rewrite:
     if eqn in self.matmul.dots:
       k, i, pos = self.matmul.dots[eqn]
       rest, grad, compute = (_bare(s) for s in self.per_leaf[k])
-      use = _Gather.of(rest, compute, grad, self.barrier) if self.per_use else None
+      use = (_Gather.of(rest, compute, grad, self.barrier, self.per_device)
+             if self.per_use else None)
       other = invals[1 - pos]
       wait = self.previous if self.prefetch and self.previous is not None else other
       link = (None, None)
@@ -298,11 +301,39 @@ def _row(w: jax.Array, i: int, operand: jax.Array, gathered: Any, grad: NamedSha
          ) -> jax.Array:
   """``w[i]``, sliced only once ``operand`` (an array the caller is about to use it with)
   exists: the index waits for ``operand`` (`after`), which orders one scalar rather than a
-  pass over the row. A row gathered per use waits as the plan says (``gathered.barrier``); one
-  read where it is (stage 2) always waits for a summed scalar (docs/design.md, "Row reads")."""
+  pass over the row. A row gathered per use waits as the plan says (``gathered.barrier``, or
+  on each device, `_row_per_device`); one read where it is (stage 2) always waits for a summed
+  scalar (docs/design.md, "Row reads")."""
+  if gathered is not None and gathered.per_device and gathered.gathers:
+    row = _row_per_device(w, i, operand, gathered.rest)
+    if row is not None:
+      return row
   barrier = gathered is not None and gathered.barrier
   i = after(jnp.asarray(i, jnp.int32), token_of(operand, barrier))
   return jax.lax.dynamic_index_in_dim(w, i, axis=0, keepdims=False)
+
+
+def _row_per_device(w: jax.Array, i: int, operand: jax.Array, rest: NamedSharding
+                    ) -> jax.Array | None:
+  """``w[i]`` in the row's layout ``rest``, each device slicing its shard once its own part
+  of ``operand`` exists: the index is ``i`` plus zero times (a finite copy of) that device's
+  first element of it. The compiler cannot fold that index, and no value crosses devices
+  when ``operand`` is split on its leading dimension. None where ``operand`` offers no such
+  element (not floating point, or its leading dimension does not split over the devices)."""
+  mesh, n = rest.mesh, rest.mesh.size
+  if not jnp.issubdtype(operand.dtype, jnp.inexact) or operand.ndim == 0 or (
+      operand.shape[0] % n):
+    return None
+  # One element of each device's part of the rows.
+  firsts = jax.lax.stop_gradient(operand.reshape(n, -1)[:, 0])
+
+  def local(shard, first):
+    t = first[0].astype(jnp.float32)
+    zero = (jnp.where(jnp.isfinite(t), t, 0.0) * 0).astype(jnp.int32)
+    return jax.lax.dynamic_index_in_dim(shard, i + zero, axis=0, keepdims=False)
+
+  return jax.shard_map(local, mesh=mesh, in_specs=(P(None, *rest.spec), P(mesh.axis_names)),
+                       out_specs=rest.spec, check_vma=False)(w, firsts)
 
 
 class _Link:
@@ -411,11 +442,12 @@ class _Gather:
   compute: NamedSharding
   grad: NamedSharding
   barrier: bool = False  # how a row read for it waits (`Backend.waits_by_barrier`)
+  per_device: bool = False  # or on each device (`Backend.reads_rows_per_device`)
 
   @classmethod
   def of(cls, rest: NamedSharding, compute: NamedSharding, grad: NamedSharding,
-         barrier: bool) -> "_Gather":
-    return cls(_of_row(rest), _of_row(compute), _of_row(grad), barrier)
+         barrier: bool, per_device: bool = False) -> "_Gather":
+    return cls(_of_row(rest), _of_row(compute), _of_row(grad), barrier, per_device)
 
   @property
   def gathers(self) -> bool:
