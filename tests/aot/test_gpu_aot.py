@@ -368,9 +368,13 @@ def test_gpu_wide_rows_keep_two_collectives_in_flight(monkeypatch):
   assert jitted[-1] == wide and plan.compiler_options_for(False, None, False, 4 << 20) == five
   instead["options"] = five
   held = target_zero("g", size, 3, devices)[0]
-  rs = lambda c: memory.collective_schedule(c.as_text(), "reduce-scatter").matmul_share
+  share = lambda c, kind: memory.collective_schedule(c.as_text(), kind).matmul_share
   assert memory.measure(two).temp < 0.9 * memory.measure(held).temp
-  assert rs(two) >= 0.95
+  assert share(two, "reduce-scatter") >= 0.95
+  # Each row is sliced on each device once its input exists (`Backend.reads_rows_per_device`):
+  # ordered by a barrier over the index, jaxlib 0.12's XLA:GPU sliced every row at the start
+  # and gathered the first layers' rows waiting (79% beside a matmul; 87% so ordered).
+  assert share(two, "all-gather") >= 0.85
 
 
 def test_activation_collectives_tell_weights_from_activations():
