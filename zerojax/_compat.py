@@ -180,6 +180,7 @@ def bind_dot_general(a: Any, b: Any, params: dict[str, Any]) -> Any:
   preferred element type included, which ``jax.lax.dot_general``'s signature renames)."""
   return jax.lax.dot_general_p.bind(a, b, **params)
 
+
 def without_cache_writes() -> contextlib.AbstractContextManager[Any]:
   """Compiles inside the block, in this thread, write nothing to JAX's persistent cache.
 
