@@ -399,3 +399,15 @@ def test_nnx_loss_scaling_needs_create_nnx():
   step = zerojax.zero_step(plan)(lambda m, o, b: {})
   with pytest.raises(zerojax.ConfigError, match="create_nnx"):
     step(model, opt, pt.batches(SIZE, "e", 1)[0])
+
+
+@pytest.mark.parametrize("setting, named", [
+    (dict(offload_params=True), "offload.params=True"),
+    (dict(quantize_weights="int8"), "quantize.weights='int8'")])
+def test_pytree_model_under_a_setting_it_cannot_use_fails_in_one_line(setting, named):
+  # Host-resident parameters met the model's device arrays inside JAX ("memory_space of all
+  # inputs passed to `mul` must be the same"); now the setting is named before that.
+  with pytest.raises(zerojax.ConfigError, match=r"^" + re.escape(named) + r" .*a plain pytree "
+                     r"model cannot use it") as e:
+    pt.zero_runner("g", pt.SMALL, 3, **setting)
+  assert "\n" not in str(e.value)

@@ -107,6 +107,13 @@ class ModelApply:
     its own. Only a per-use setting needs the boxes; otherwise XLA's partitioner does the
     gathers anyway."""
     plan = self.plan
+    if plan.config.offload_params and jax.tree.structure(variables) == self._treedef:
+      # The plan's own host-resident parameters, handed to a pure function as they rest.
+      raise ConfigError(
+          "offload.params=True fetches each parameter from host memory where a linen model "
+          "called as state.apply_fn({'params': params}, ...) uses it; apply_fn was called with "
+          "the parameters themselves, which it cannot fetch (a plain pytree model cannot use "
+          "it; offload.optimizer=True keeps the optimizer state on the host)")
     if plan.config.quantized:
       raise ConfigError(
           f"{per_use_reason(plan)} runs a linen model called as state.apply_fn({{'params': "
