@@ -7,6 +7,7 @@ import os
 from typing import Any
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -17,6 +18,14 @@ from zerojax.models import GPT, GPTConfig, loss_fn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+
+
+def all_eqns(jaxpr: Any):
+  """Every equation of ``jaxpr`` and of the jaxprs its equations hold, depth first."""
+  for e in jaxpr.eqns:
+    yield e
+    for sub in jax.extend.core.jaxprs_in_params(e.params):
+      yield from all_eqns(sub)
 
 
 def child_env(devices: int | None = 8, **overrides: str | None) -> dict[str, str]:

@@ -11,9 +11,9 @@ import optax
 import pytest
 
 import zerojax
-from zerojax import _compat
 from zerojax.core import backend
 from zerojax.core.pipeline import OneAhead
+from tests.helpers import all_eqns
 
 
 def _params():
@@ -192,18 +192,14 @@ def test_gpu_link_figures_are_the_step_time_models():
                                                    spec.network_bandwidth)
 
 
-@pytest.mark.parametrize("stage,orders", [(3, False), (3, True), (2, True)])
-def test_a_pure_functions_last_row_gradient_comes_before_its_inputs_when_the_backend_orders_it(
-    stage, orders):
-  # XLA:GPU made the first layer's row gradients after every other matmul, so their
-  # reduce-scatters ran beside nothing; ordered, the input's matmul follows each of them. At
-  # stage 2, where rows are read in place, ordering them cost XLA:GPU temp and overlap.
+def _pure_function_of_three_layers(stage, policy):
+  """``(params, loss, plain)``: a pure function's loss over three layers of stacked weights,
+  through `per_layer_reads` at ``stage`` under ``policy`` and as written, after checking
+  that their gradients match."""
   from zerojax.core.rows import per_layer_reads
   config = zerojax.ZeroConfig(stage=stage)
   params = {"u": jax.random.normal(jax.random.key(0), (3, 128, 256)),
             "v": jax.random.normal(jax.random.key(1), (3, 256, 128))}
-  policy = dataclasses.replace(backend.CPU, orders_last_row_gradient=orders,
-                               per_use_from_stage=2)
   plan = zerojax.ShardingPlan.create(config, zerojax.make_mesh(config), params,
                                      optax.sgd(0.1), backend=policy)
 
@@ -214,20 +210,25 @@ def test_a_pure_functions_last_row_gradient_comes_before_its_inputs_when_the_bac
 
   x = jax.random.normal(jax.random.key(2), (8, 128))
   wrapped = per_layer_reads(model, plan)
-  loss = lambda f: lambda p: f(p, x)
-  assert jnp.allclose(loss(wrapped)(params), loss(model)(params), rtol=1e-6)
-  for a, b in zip(jax.tree.leaves(jax.grad(loss(wrapped))(params)),
-                  jax.tree.leaves(jax.grad(loss(model))(params))):
+  loss, plain = (lambda p: wrapped(p, x)), (lambda p: model(p, x))
+  for a, b in zip(jax.tree.leaves(jax.grad(loss)(params)),
+                  jax.tree.leaves(jax.grad(plain)(params))):
     assert jnp.allclose(a, b, rtol=1e-4, atol=1e-4)
+  return params, loss, plain
 
-  def barriers(jaxpr):
-    found = [e for e in jaxpr.eqns if e.primitive.name == "optimization_barrier"]
-    for e in jaxpr.eqns:
-      for inner in _compat.subjaxprs(e.params):
-        found += barriers(inner)
-    return found
 
-  found = barriers(jax.make_jaxpr(jax.grad(loss(wrapped)))(params).jaxpr)
+@pytest.mark.parametrize("stage,orders", [(3, False), (3, True), (2, True)])
+def test_a_pure_functions_last_row_gradient_comes_before_its_inputs_when_the_backend_orders_it(
+    stage, orders):
+  # XLA:GPU made the first layer's row gradients after every other matmul, so their
+  # reduce-scatters ran beside nothing; ordered, the input's matmul follows each of them. At
+  # stage 2, where rows are read in place, ordering them cost XLA:GPU temp and overlap.
+  policy = dataclasses.replace(backend.CPU, orders_last_row_gradient=orders,
+                               per_use_from_stage=2)
+  params, wrapped, plain = _pure_function_of_three_layers(stage, policy)
+  assert jnp.allclose(wrapped(params), plain(params), rtol=1e-6)
+  found = [e for e in all_eqns(jax.make_jaxpr(jax.grad(wrapped))(params).jaxpr)
+           if e.primitive.name == "optimization_barrier"]
   # One per stacked weight, in its first layer's backward pass: over the output's cotangent
   # and the row's gradient, which the input's cotangent then waits for.
   want = [[(8, 128), (256, 128)], [(8, 256), (128, 256)]] if orders and stage == 3 else []
@@ -239,39 +240,15 @@ def test_a_pure_functions_rows_are_sliced_on_each_device_once_its_input_exists(p
   # An optimization barrier over a row's index orders nothing once the compiler removes the
   # barrier and folds the index to a constant (XLA:GPU from jaxlib 0.12): every row was then
   # sliced at the start. Per device, the index depends on the device's own part of the input.
-  from zerojax.core.rows import per_layer_reads
-  config = zerojax.ZeroConfig(stage=3)
-  params = {"u": jax.random.normal(jax.random.key(0), (3, 128, 256)),
-            "v": jax.random.normal(jax.random.key(1), (3, 256, 128))}
   policy = dataclasses.replace(backend.CPU, waits_by_barrier=True, per_use_from_stage=3,
                                reads_rows_per_device=per_device)
-  plan = zerojax.ShardingPlan.create(config, zerojax.make_mesh(config), params,
-                                     optax.sgd(0.1), backend=policy)
-
-  def model(p, x):
-    for i in range(3):
-      x = x + jnp.tanh(x @ p["u"][i]) @ p["v"][i]
-    return (x ** 2).sum()
-
-  x = jax.random.normal(jax.random.key(2), (8, 128))
-  wrapped = per_layer_reads(model, plan)
-  loss = lambda f: lambda p: f(p, x)
-  assert loss(wrapped)(params) == loss(model)(params)
-  for a, b in zip(jax.tree.leaves(jax.grad(loss(wrapped))(params)),
-                  jax.tree.leaves(jax.grad(loss(model))(params))):
-    assert jnp.allclose(a, b, rtol=1e-4, atol=1e-4)
-
-  def eqns(jaxpr):
-    for e in jaxpr.eqns:
-      yield e
-      for inner in _compat.subjaxprs(e.params):
-        yield from eqns(inner)
-
-  found = list(eqns(jax.make_jaxpr(jax.grad(loss(wrapped)))(params).jaxpr))
+  params, wrapped, plain = _pure_function_of_three_layers(3, policy)
+  assert wrapped(params) == plain(params)
+  found = list(all_eqns(jax.make_jaxpr(jax.grad(wrapped))(params).jaxpr))
   # Row slices inside a per-device map: six in the forward pass, and four re-slices in the
   # backward pass (each weight's first row is saved rather than sliced again).
   local = [e for e in found if e.primitive.name == "shard_map" and any(
-      i.primitive.name == "dynamic_slice" for i in eqns(e.params["jaxpr"]))]
+      i.primitive.name == "dynamic_slice" for i in all_eqns(e.params["jaxpr"]))]
   index_barriers = [e for e in found if e.primitive.name == "optimization_barrier"
                     and any(v.aval.shape == () and v.aval.dtype == jnp.int32 for v in e.invars)]
   assert (len(local), len(index_barriers)) == ((10, 0) if per_device else (0, 10))
@@ -280,4 +257,4 @@ def test_a_pure_functions_rows_are_sliced_on_each_device_once_its_input_exists(p
     inner = e.params["jaxpr"]
     assert [v.aval.shape for v in e.invars] == [(3, 128, 256), (8,)] or [
         v.aval.shape for v in e.invars] == [(3, 256, 128), (8,)]
-    assert any(inner.invars[1] in i.invars for i in eqns(inner))
+    assert any(inner.invars[1] in i.invars for i in all_eqns(inner))

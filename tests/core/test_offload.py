@@ -59,17 +59,10 @@ def _scan_bodies_with_fetch(jaxpr):
       if eqn.primitive.name == "scan" and any(
           e.primitive.name == "device_put" and
           any(getattr(d, "memory_kind", None) == "device" for d in e.params["devices"])
-          for e in _all_eqns(sub)):
+          for e in helpers.all_eqns(sub)):
         found += 1
       found += _scan_bodies_with_fetch(sub)
   return found
-
-
-def _all_eqns(jaxpr):
-  for e in jaxpr.eqns:
-    yield e
-    for sub in jax.extend.core.jaxprs_in_params(e.params):
-      yield from _all_eqns(sub)
 
 
 @pytest.mark.slow
