@@ -15,6 +15,14 @@ if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
 # LLVM's, so memory, HLO and bit-for-bit assertions read the same programs.
 if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
   os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
+# XLA:CPU aborts the process when a collective's devices have not all arrived within 20 + 40 s.
+# Eight simulated devices per xdist worker, two workers, on 2 cores: a loaded machine can
+# stall one device's thread that long in a correct program, so the suite waits longer. A real
+# deadlock still aborts, with XLA's message naming the collective.
+for _flag, _secs in (("xla_cpu_collective_call_warn_stuck_timeout_seconds", 120),
+                     ("xla_cpu_collective_call_terminate_timeout_seconds", 900)):
+  if _flag not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] += f" --{_flag}={_secs}"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One persistent compilation cache for the whole run, its xdist workers and the subprocesses they
 # start: tests build the same programs (a preset at a stage) from different closures, which
