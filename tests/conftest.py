@@ -7,22 +7,24 @@ every test that needs it reads the cached result.
 
 import os
 
+# The suite's XLA flags, each added unless XLA_FLAGS already names it.
+_XLA_FLAGS = {
+    "xla_force_host_platform_device_count": 8,
+    # The tests' programs are small and compiling them is most of the suite's time: LLVM's -O0
+    # cuts it by a fifth. Buffer assignment, the collectives and elementwise arithmetic are
+    # XLA's, not LLVM's, so memory, HLO and bit-for-bit assertions read the same programs.
+    "xla_backend_optimization_level": 0,
+    # XLA:CPU aborts the process when a collective's devices have not all arrived within
+    # 20 + 40 s. Eight simulated devices per xdist worker, two workers, on 2 cores: a loaded
+    # machine can stall one device's thread that long in a correct program, so the suite waits
+    # longer. A real deadlock still aborts, with XLA's message naming the collective.
+    "xla_cpu_collective_call_warn_stuck_timeout_seconds": 120,
+    "xla_cpu_collective_call_terminate_timeout_seconds": 900,
+}
 os.environ.setdefault("XLA_FLAGS", "")
-if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
-  os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
-# The tests' programs are small and compiling them is most of the suite's time: LLVM's -O0 cuts
-# it by a fifth. Buffer assignment, the collectives and elementwise arithmetic are XLA's, not
-# LLVM's, so memory, HLO and bit-for-bit assertions read the same programs.
-if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
-  os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
-# XLA:CPU aborts the process when a collective's devices have not all arrived within 20 + 40 s.
-# Eight simulated devices per xdist worker, two workers, on 2 cores: a loaded machine can
-# stall one device's thread that long in a correct program, so the suite waits longer. A real
-# deadlock still aborts, with XLA's message naming the collective.
-for _flag, _secs in (("xla_cpu_collective_call_warn_stuck_timeout_seconds", 120),
-                     ("xla_cpu_collective_call_terminate_timeout_seconds", 900)):
+for _flag, _value in _XLA_FLAGS.items():
   if _flag not in os.environ["XLA_FLAGS"]:
-    os.environ["XLA_FLAGS"] += f" --{_flag}={_secs}"
+    os.environ["XLA_FLAGS"] += f" --{_flag}={_value}"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One persistent compilation cache for the whole run, its xdist workers and the subprocesses they
 # start: tests build the same programs (a preset at a stage) from different closures, which
