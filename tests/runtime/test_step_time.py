@@ -191,6 +191,32 @@ def test_xla_tpu_async_collective_fusions_pair_by_channel():
   assert r.exposed_comm_seconds == 0
 
 
+def test_an_async_fusion_is_one_fusion_updating_in_place():
+  # XLA:GPU from jaxlib 0.11 issues a scan's write of one layer's gradient into the stacked
+  # buffer as fusion-start / fusion-done (printed form of jax 0.12.0.1's compile): one fusion
+  # that reads and writes the layer, not the stack, twice.
+  fused = ("%fused_dus (p0: f32[12,256,8192], p1: f32[256,8192], p2: s32[]) -> "
+           "f32[12,256,8192] {\n"
+           "  %p0 = f32[12,256,8192]{2,1,0} parameter(0)\n"
+           "  %p1 = f32[256,8192]{1,0} parameter(1)\n"
+           "  %b = f32[1,256,8192]{2,1,0} bitcast(%p1)\n"
+           "  %p2 = s32[] parameter(2)\n  %z = s32[] constant(0)\n"
+           "  ROOT %dus = f32[12,256,8192]{2,1,0} dynamic-update-slice(%p0, %b, %p2, %z, %z)\n"
+           "}\n")
+  body = ("  %s = f32[12,256,8192]{2,1,0} parameter(0)\n"
+          "  %g = f32[256,8192]{1,0} parameter(1)\n  %i = s32[] parameter(2)\n"
+          "  %fs = ((f32[12,256,8192]{2,1,0}, f32[256,8192]{1,0}, s32[]), "
+          "f32[12,256,8192]{2,1,0}, u32[]) fusion-start(%s, %g, %i), kind=kLoop, "
+          "calls=%fused_dus\n"
+          "  %fd = f32[12,256,8192]{2,1,0} fusion-done(%fs)\n  ROOT %c = f32[] constant(0)")
+  r = predict_step_time(_module(body, "s: f32[], g: f32[], i: s32[]", fused), H100)
+  layer = 256 * 8192 * 4
+  assert r.hbm_bytes == 2 * layer + 4  # the layer read and written, and the index
+  assert r.seconds == pytest.approx(r.hbm_bytes / 3.35e12)
+  assert [c.name for c in step_time.op_costs(_module(body, "s: f32[], g: f32[], i: s32[]",
+                                                     fused), H100)] == ["fs"]
+
+
 # -- compiled by XLA:GPU --------------------------------------------------------------------------
 
 

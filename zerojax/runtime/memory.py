@@ -318,7 +318,8 @@ def _in_scope(site: _Site, scope: str | None) -> bool:
 def _fusion_owners(comps: dict[str, list[str]]) -> dict[str, str]:
   """``{fused computation: the computation whose instructions run it}``, through nested
   fusions."""
-  caller = {c: name for name, lines in comps.items() for l in lines if " fusion(" in l
+  caller = {c: name for name, lines in comps.items() for l in lines
+            if " fusion(" in l or " fusion-start(" in l  # XLA:GPU's async fusions too
             for c in _CALLEE.findall(l)}
 
   def top(c: str, depth: int = 0) -> str:
