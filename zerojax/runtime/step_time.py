@@ -7,7 +7,8 @@ The model is a roofline per instruction, walked in the compiler's schedule:
   convolution; cuDNN flash attention ``4 * B * H * Tq * Tk * d`` forward and 2.5 times that
   backward, halved under a causal mask); other arithmetic is taken as free beside its bytes.
   Bytes are the operands read and results written, a sliced operand counted as its slice and a
-  buffer updated in place as its update;
+  buffer updated in place as its update. A fusion issued asynchronously (``fusion-start`` /
+  ``fusion-done``) is one fusion, costed at its start;
 * each collective takes ``(n - 1) / n * bytes / bandwidth`` (a ring: all-gather and all-to-all
   over their result, reduce-scatter over its operand, all-reduce twice; a collective-permute
   moves its result once), ``bandwidth`` that of the slowest link its device group spans: NVLink
