@@ -209,12 +209,12 @@ def test_an_async_fusion_is_one_fusion_updating_in_place():
           "f32[12,256,8192]{2,1,0}, u32[]) fusion-start(%s, %g, %i), kind=kLoop, "
           "calls=%fused_dus\n"
           "  %fd = f32[12,256,8192]{2,1,0} fusion-done(%fs)\n  ROOT %c = f32[] constant(0)")
-  r = predict_step_time(_module(body, "s: f32[], g: f32[], i: s32[]", fused), H100)
+  text = _module(body, "s: f32[], g: f32[], i: s32[]", fused)
+  r = predict_step_time(text, H100)
   layer = 256 * 8192 * 4
   assert r.hbm_bytes == 2 * layer + 4  # the layer read and written, and the index
   assert r.seconds == pytest.approx(r.hbm_bytes / 3.35e12)
-  assert [c.name for c in step_time.op_costs(_module(body, "s: f32[], g: f32[], i: s32[]",
-                                                     fused), H100)] == ["fs"]
+  assert [c.name for c in step_time.op_costs(text, H100)] == ["fs"]
 
 
 # -- compiled by XLA:GPU --------------------------------------------------------------------------

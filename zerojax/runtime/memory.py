@@ -319,8 +319,7 @@ def _fusion_owners(comps: dict[str, list[str]]) -> dict[str, str]:
   """``{fused computation: the computation whose instructions run it}``, through nested
   fusions."""
   caller = {c: name for name, lines in comps.items() for l in lines
-            if " fusion(" in l or " fusion-start(" in l  # XLA:GPU's async fusions too
-            for c in _CALLEE.findall(l)}
+            if any(f" {op}(" in l for op in _FUSION_OPS) for c in _CALLEE.findall(l)}
 
   def top(c: str, depth: int = 0) -> str:
     return top(caller[c], depth + 1) if c in caller and depth < 16 else c
@@ -532,6 +531,9 @@ class GatherSchedule:
 
 
 _CALLEE = re.compile(r"calls=%?([\w.\-]+)")
+# A fusion's opcodes: XLA:GPU (jaxlib 0.11 on) can also issue one asynchronously, as
+# ``fusion-start`` / ``fusion-done``.
+_FUSION_OPS = ("fusion", "fusion-start")
 _COMPUTE_OPS = (" convolution(", " dot(", " custom-call(", " while(", " call(", " reduce(",
                 " sort(", " scatter(", " gather(")
 _MATMUL_OPS = (" dot(", " convolution(")

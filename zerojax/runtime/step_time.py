@@ -108,10 +108,8 @@ _OPERAND = re.compile(r"%([\w.\-]+)")
 _DIMS = {a: re.compile(a + r"=\{([\d,]*)\}") for a in ("lhs_contracting_dims",)}
 _FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all",
          "partition-id", "replica-id", "opt-barrier", "add-dependency", "domain", "iota",
-         "get-dimension-size", "copy-done", "send-done", "recv-done", "fusion-done"}
-# XLA:GPU (jaxlib 0.11 on) can issue a fusion asynchronously, as ``fusion-start`` and
-# ``fusion-done``: one fusion, costed once at its start.
-_FUSIONS = ("fusion", "fusion-start")
+         "get-dimension-size", "copy-done", "send-done", "recv-done",
+         "fusion-done"}  # an async fusion is costed once, at its start (mem._FUSION_OPS)
 _SLICING = {"dynamic-slice", "slice", "gather"}
 _KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 
@@ -350,7 +348,7 @@ def _op_cost(mod: _Module, ins: _Instr, comp: str, rates: DeviceRates,
     return None
   flops: list[tuple[float, str]] = []
   attention = False
-  if ins.opcode in _FUSIONS:
+  if ins.opcode in mem._FUSION_OPS:
     callee = (mem._CALLEE.findall(ins.attrs) or [""])[0]
     flops = mod.matmul_flops(callee)
     nbytes = mod.fusion_bytes(ins, shapes)
