@@ -5,7 +5,6 @@ run without a GPU compiler; the compiled ones check that XLA:GPU's real output r
 (JAX's CUDA plugin, no GPU).
 """
 
-import math
 
 import jax
 import jax.numpy as jnp

@@ -27,7 +27,6 @@ peak, launch gaps and collectives slowed by the compute beside them all come on 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import re
 from typing import Any, Sequence
