@@ -7,8 +7,8 @@ Left to XLA, a scanned layer's backward re-gathers and last reduce-scatter have 
 beside (docs/design.md, "Scanned layers one ahead"). Here zerojax writes the scan's VJP itself,
 per device inside ``jax.shard_map`` with its own collectives:
 
-* forward, iteration i runs layer i and gathers layer i+1 (in the compute dtype); each layer
-  keeps only its input for the backward pass, as ``nn.remat`` does;
+* forward, layer i runs beside the gather of layer i+1 (in the compute dtype), two layers an
+  iteration; each layer keeps only its input for the backward pass, as ``nn.remat`` does;
 * backward, iteration i re-runs layer i from its input (gathered the iteration before),
   re-gathers layer i-1, and reduce-scatters layer i+1's gradient, kept from the iteration
   before in the compute (or ``reduce_dtype``) dtype.
@@ -417,13 +417,16 @@ def _scan_fn(layer: Callable, sharded: list[_Leaf], pl: Pipeline, n: int,
   -> (carry, ys)``, ``layer(weights, wholes, carry, rest, *consts) -> (carry, ys)``; ``fk``:
   the consts to differentiate.
 
-  Forward, iteration i runs layer i and gathers layer i+1; the last iteration gathers the
-  last layer again, for the backward pass, which starts with it. Backward, layer n-1 runs
-  before the loop; iteration i reduce-scatters layer i+1's gradient, re-gathers layer i-1 once
-  that reduce-scatter is done (so the two take turns beside the layer's matmuls rather than
-  one waiting for the other at its end), and runs layer i; layer 0 runs after the loop. So
-  each layer is gathered once in each pass and reduced once, ZeRO-3's count (why the first and
-  last layers run outside the loop: docs/design.md, "Scanned layers one ahead").
+  Forward, iteration k runs layers 2k and 2k+1, each beside the gather of the layer after it;
+  layer 2k+2's gather starts once layer 2k has run, into its buffer, so the loop carries the
+  gathered layer with no copy (a loop of one layer an iteration copies it into the loop state
+  each time). The last layer is gathered again, for the backward pass, which starts with it.
+  Backward, layer n-1 runs before the loop; iteration i reduce-scatters layer i+1's gradient,
+  re-gathers layer i-1 once that reduce-scatter is done (so the two take turns beside the
+  layer's matmuls rather than one waiting for the other at its end), and runs layer i; layer
+  0 runs after the loop. So each layer is gathered once in each pass and reduced once, ZeRO-3's
+  count (why the first and last layers run outside the loop: docs/design.md, "Scanned layers
+  one ahead").
   """
   axis = pl.fsdp
   # Only the backward iteration's gather is timed: it shares the iteration's matmuls with a
@@ -434,12 +437,35 @@ def _scan_fn(layer: Callable, sharded: list[_Leaf], pl: Pipeline, n: int,
   call = lambda consts, w, wh, c, r: layer(w, wh, c, r, *consts)
 
   def forward(consts, shards, wholes, carry, rest):
-    def body(state, i):
-      c, w = state
-      ahead = gather(shards, jnp.minimum(i + 1, n - 1))
-      c_out, y = call(consts, w, _index(wholes, i), c, _index(rest, i))
-      return (c_out, ahead), (c, y)
-    (c, last), (saved, ys) = ORIGINAL_SCAN(body, (carry, gather(shards, 0)), jnp.arange(n))
+    run = lambda w, i, c: call(consts, w, _index(wholes, i), c, _index(rest, i))
+    put = lambda bufs, xs, i: [jax.lax.dynamic_update_index_in_dim(b, x, i, 0)
+                               for b, x in zip(bufs, xs)]
+    first = gather(shards, 0)
+    y_shapes = jax.eval_shape(lambda w, c: run(w, 0, c)[1], first, carry)
+    saved0 = [jnp.zeros((n,) + jnp.shape(x), x.dtype) for x in carry]
+    ys0 = [jnp.zeros((n,) + y.shape, y.dtype) for y in y_shapes]
+
+    def pair(state, k):
+      """Layers 2k and 2k+1, each beside the other's gather."""
+      c, wa, saved, ys = state
+      i = 2 * k
+      wb = gather(shards, i + 1)
+      c1, y1 = run(wa, i, c)
+      # Layer 2k+2's gather starts once layer 2k has run, so it can fill layer 2k's buffer.
+      sl, c1 = jax.lax.optimization_barrier((_index(shards, jnp.minimum(i + 2, n - 1)), c1))
+      wa = _gather(sl, sharded, axis)
+      c2, y2 = run(wb, i + 1, c1)
+      saved = put(put(saved, c, i), c1, i + 1)
+      ys = put(put(ys, y1, i), y2, i + 1)
+      return (c2, wa, saved, ys), None
+
+    (c, last, saved, ys), _ = ORIGINAL_SCAN(pair, (carry, first, saved0, ys0),
+                                            jnp.arange(n // 2))
+    if n % 2:  # the last layer, gathered by the last pair, runs beside its gather again
+      w, last = last, gather(shards, n - 1)
+      saved = put(saved, c, n - 1)
+      c, y = run(w, n - 1, c)
+      ys = put(ys, y, n - 1)
     return (c, ys), (saved, last)
 
   @jax.custom_vjp
