@@ -319,7 +319,7 @@ def pipelined_scan(pl: Pipeline, f: Callable, init: Any, xs: Any, length: int | 
                       _inline_remat)
     return outs[:n_carry], outs[n_carry:]
 
-  run = _scan_fn(converted, sharded, pl, n_layers, traced)
+  run = _scan_fn(converted, sharded, pl, n_layers, traced, jaxpr.out_avals[n_carry:])
   row_spec = P(pl.rows)
   in_specs = ([P()] * len(consts),
               [P(*_stacked_spec(flat[lf.pos], flat[lf.pos].at_rest)) for lf in sharded],
@@ -412,10 +412,10 @@ def _index(xs: list[jax.Array], i: Any) -> list[jax.Array]:
 
 
 def _scan_fn(layer: Callable, sharded: list[_Leaf], pl: Pipeline, n: int,
-             fk: list[int]) -> Callable:
+             fk: list[int], y_avals: list) -> Callable:
   """The per-device scan with its VJP (module doc): ``run(consts, shards, wholes, carry, rest)
   -> (carry, ys)``, ``layer(weights, wholes, carry, rest, *consts) -> (carry, ys)``; ``fk``:
-  the consts to differentiate.
+  the consts to differentiate; ``y_avals``: one device's per-layer outputs of a layer.
 
   Forward, iteration k runs layers 2k and 2k+1, each beside the gather of the layer after it;
   layer 2k+2's gather starts once layer 2k has run, into its buffer, so the loop carries the
@@ -435,15 +435,15 @@ def _scan_fn(layer: Callable, sharded: list[_Leaf], pl: Pipeline, n: int,
   gather = lambda shards, i: _gather(_index(shards, i), sharded, axis)
   reduce = lambda g: _reduce(g, sharded, axis, pl.reduce_dtype)
   call = lambda consts, w, wh, c, r: layer(w, wh, c, r, *consts)
+  # Layer j's values written in place into stacks of every layer's.
+  put = lambda stacks, xs, j: [jax.lax.dynamic_update_index_in_dim(a, x.astype(a.dtype), j, 0)
+                               for a, x in zip(stacks, xs)]
 
   def forward(consts, shards, wholes, carry, rest):
     run = lambda w, i, c: call(consts, w, _index(wholes, i), c, _index(rest, i))
-    put = lambda bufs, xs, i: [jax.lax.dynamic_update_index_in_dim(b, x, i, 0)
-                               for b, x in zip(bufs, xs)]
     first = gather(shards, 0)
-    y_shapes = jax.eval_shape(lambda w, c: run(w, 0, c)[1], first, carry)
     saved0 = [jnp.zeros((n,) + jnp.shape(x), x.dtype) for x in carry]
-    ys0 = [jnp.zeros((n,) + y.shape, y.dtype) for y in y_shapes]
+    ys0 = [jnp.zeros((n,) + y.shape, y.dtype) for y in y_avals]
 
     def pair(state, k):
       """Layers 2k and 2k+1, each beside the other's gather."""
@@ -499,9 +499,6 @@ def _scan_fn(layer: Callable, sharded: list[_Leaf], pl: Pipeline, n: int,
       _, vjp = jax.vjp(of, [consts[k] for k in fk], w, _index(wholes, i), _index(saved, i),
                        [r_i[k] for k in fr])
       return vjp((dc, _index(ct_ys, i)))
-
-    put = lambda acc, gs, j: [jax.lax.dynamic_update_index_in_dim(a, g.astype(a.dtype), j, 0)
-                              for a, g in zip(acc, gs)]
 
     def step(state, i, below):
       """Layer i's iteration: reduce-scatter the pending gradient (layer i+1's) into its place
